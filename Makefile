@@ -1,0 +1,49 @@
+# The two commands: `make run` serves the built-in tiny model; `make test` runs
+# the whole suite. Both set up everything they need, idempotently.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP_RUN  := $(VENV)/.stamp-run
+STAMP_TEST := $(VENV)/.stamp-test
+SYSDEPS_STAMP := $(VENV)/.stamp-sysdeps
+ARGS ?=
+
+.PHONY: run test venv sysdeps lint bench clean
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+$(STAMP_RUN): $(VENV)/bin/python setup.cfg pyproject.toml
+	$(PIP) install -q -e '.[worker]'
+	touch $@
+
+$(STAMP_TEST): $(STAMP_RUN)
+	$(PIP) install -q -e '.[worker,test]'
+	touch $@
+
+# System packages the tests use (curl with HTTP/2 is checked by tests).
+$(SYSDEPS_STAMP): $(VENV)/bin/python
+	@if ! command -v curl >/dev/null; then \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq curl) ; fi
+	touch $@
+
+venv: $(STAMP_RUN)
+
+sysdeps: $(SYSDEPS_STAMP)
+
+run: $(STAMP_RUN)
+	$(VENV)/bin/quicserve serve $(ARGS)
+
+test: $(STAMP_TEST) $(SYSDEPS_STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider tests
+
+lint: $(STAMP_TEST)
+	$(VENV)/bin/ruff check gateway transport inference tests
+
+bench: $(STAMP_TEST)
+	for f in tests/bench/bench_*.py; do $(PY) $$f || exit 1; done
+
+clean:
+	rm -rf $(VENV) build *.egg-info

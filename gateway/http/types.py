@@ -1,0 +1,63 @@
+"""The one internal request / response-stream type every protocol adapter produces.
+
+Adapters (h1 over httptools, h2 over h2, later h3 over aioquic) parse their
+protocol, enforce limits (header size -> 431, body size -> 413, read timeouts
+-> 408) and call the application handler with a :class:`Request` whose body has
+been read in full, plus a :class:`ResponseSink`. Handlers never see which
+protocol carried them (``request.protocol`` is informational, for metrics).
+
+When the client disconnects, the adapter cancels the handler's task
+(``asyncio.CancelledError`` inside the handler), so ``finally:`` blocks run and
+the handler cancels its worker request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Awaitable, Callable, Protocol
+
+__all__ = ["Request", "ResponseSink", "Handler", "Headers"]
+
+Headers = list[tuple[bytes, bytes]]
+
+
+@dataclass(slots=True)
+class Request:
+    method: str  # "GET", "POST", ...
+    path: str  # percent-decoded path without query, e.g. "/v1/models"
+    query: str  # raw query string without '?'
+    headers: Headers  # names lower-cased bytes, in order
+    body: bytes
+    protocol: str  # "http/1.1" | "h2" | "h3"
+    scheme: str  # "http" | "https"
+    client: tuple[str, int] | None = None
+
+    def header(self, name: bytes, default: bytes | None = None) -> bytes | None:
+        """First value of a header (``name`` lower-case)."""
+        for k, v in self.headers:
+            if k == name:
+                return v
+        return default
+
+
+class ResponseSink(Protocol):
+    """Where a handler writes its response. Exactly one of ``respond`` or
+    ``start`` + ``send``* + ``end`` per request."""
+
+    async def respond(self, status: int, headers: Headers, body: bytes) -> None:
+        """Complete response in one go (sets content-length)."""
+        ...
+
+    async def start(self, status: int, headers: Headers) -> None:
+        """Begin a streamed response (chunked in h1, DATA frames in h2)."""
+        ...
+
+    async def send(self, data: bytes) -> None:
+        """Write a chunk; waits while the peer's flow-control window / socket
+        buffer is full (backpressure)."""
+        ...
+
+    async def end(self) -> None: ...
+
+
+Handler = Callable[[Request, ResponseSink], Awaitable[None]]

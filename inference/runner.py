@@ -1,0 +1,79 @@
+"""The contract between the scheduler (``inference.engine``, pure Python, no JAX)
+and whatever executes a step (``inference.model.runner.JaxRunner`` for the real
+Llama model, ``inference.synthetic.SyntheticRunner`` for the test/benchmark
+engine).
+
+The scheduler owns the paged KV cache *bookkeeping* (``inference.kv_cache``:
+which physical blocks a sequence uses); the runner owns the KV *arrays*,
+indexed by those physical block ids. Each step the scheduler hands the runner
+a :class:`StepPlan`; the runner writes the new tokens' K/V into the given
+blocks, computes logits for the last position of each sequence, samples, and
+returns one :class:`SeqOutput` per sequence, in plan order.
+
+KV layout (runner side, per layer): ``k``/``v`` of shape
+``[num_blocks, block_size, num_kv_heads, head_dim]``; position ``p`` of a
+sequence lives in block ``block_table[p // block_size]`` at slot
+``p % block_size``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+from transport.messages import SamplingParams
+
+__all__ = ["SeqWork", "StepPlan", "SeqOutput", "ModelRunner"]
+
+
+@dataclass(frozen=True, slots=True)
+class SeqWork:
+    """One sequence's work in a step.
+
+    ``token_ids`` are the tokens to run now: the uncached part of the prompt
+    for a prefill (positions ``start_pos .. start_pos+len-1``), or the single
+    last sampled token for a decode. ``block_table`` covers every position up
+    to ``start_pos + len(token_ids) - 1``. ``num_generated`` is how many tokens
+    this request has sampled so far (the step index for seeded sampling, so
+    the same seed gives the same output whatever the batch).
+    """
+
+    seq_id: int
+    token_ids: Sequence[int]
+    start_pos: int
+    block_table: Sequence[int]
+    params: SamplingParams
+    seed: int  # the request's seed, or one the engine drew for it
+    num_generated: int
+    # All tokens generated so far are not needed by the model; penalties are
+    # out of scope for now.
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    prefills: tuple[SeqWork, ...]
+    decodes: tuple[SeqWork, ...]
+
+    @property
+    def size(self) -> int:
+        return len(self.prefills) + len(self.decodes)
+
+
+@dataclass(frozen=True, slots=True)
+class SeqOutput:
+    seq_id: int
+    token_id: int
+    logprob: float  # log-softmax of the sampled token (always computed)
+    top_ids: tuple[int, ...] = ()  # params.top_logprobs alternatives
+    top_logprobs: tuple[float, ...] = ()
+
+
+class ModelRunner(Protocol):
+    block_size: int
+    num_blocks: int
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+
+    def execute(self, plan: StepPlan) -> list[SeqOutput]:
+        """Run prefills then decodes; one output per SeqWork, prefills first."""
+        ...

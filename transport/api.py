@@ -1,0 +1,126 @@
+"""The small async interface both sides of the transport program against.
+
+Gateway side::
+
+    conn = await transport.client.connect("tcp://127.0.0.1:7000", identity="gw-1")
+    conn.peer_hello.models            # what the worker serves
+    stream = conn.submit(Submit(request_id=conn.next_request_id(), model="tiny", ...))
+    while True:
+        events = await stream.next_events()   # list[TokenEntry | Finish | Error]
+        ...                                   # the last event of a stream is Finish or Error
+    stream.cancel()                           # sends Cancel; stream then ends once
+
+Worker side::
+
+    server = await transport.server.serve("tcp://0.0.0.0:7000", handler)
+    # handler implements WorkerHandler below; it gets a ServerConnection per peer
+    ...
+    await server.close()
+
+Both sides: heartbeats (Ping/Pong) and a dead-peer timeout live in
+``transport.flow``; when the peer dies every open stream ends with
+``Error(code=CONNECTION_LOST)`` exactly once and ``conn.closed`` is set.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+from .messages import Error, Finish, Hello, Stats, Submit, TokenBatch, TokenEntry
+
+__all__ = ["RequestStream", "WorkerConnection", "ServerConnection", "WorkerHandler", "Server", "StreamEvent"]
+
+StreamEvent = TokenEntry | Finish | Error
+
+
+class RequestStream(Protocol):
+    """One request's results on the gateway side."""
+
+    request_id: int
+
+    async def next_events(self) -> list[StreamEvent]:
+        """Wait for and return every buffered event (at least one).
+
+        Draining grants the worker more credit. After the final Finish/Error has
+        been returned, further calls raise ``StopAsyncIteration``.
+        """
+        ...
+
+    def cancel(self) -> None:
+        """Send Cancel (idempotent). The stream still ends exactly once."""
+        ...
+
+    @property
+    def done(self) -> bool: ...
+
+
+class WorkerConnection(Protocol):
+    """Gateway's connection to one worker."""
+
+    peer_hello: Hello
+    latest_stats: Stats | None
+    closed: bool
+
+    def next_request_id(self) -> int: ...
+
+    def submit(self, submit: Submit) -> RequestStream:
+        """Send a Submit; raise ``transport.errors.ConnectionClosed`` if closed."""
+        ...
+
+    @property
+    def in_flight(self) -> int: ...
+
+    async def drain(self, timeout: float) -> None:
+        """Send Goodbye, wait for in-flight streams to end (up to timeout)."""
+        ...
+
+    async def close(self) -> None: ...
+
+    async def wait_closed(self) -> None: ...
+
+
+class ServerConnection(Protocol):
+    """Worker's view of one gateway connection. All sends are non-blocking and
+    coalesced per event-loop iteration."""
+
+    peer_hello: Hello
+    closed: bool
+
+    def send_tokens(self, batch: TokenBatch) -> None: ...
+
+    def send_finish(self, finish: Finish) -> None: ...
+
+    def send_error(self, error: Error) -> None: ...
+
+    def send_stats(self, stats: Stats) -> None: ...
+
+    def credit(self, request_id: int) -> int:
+        """Tokens the worker may still send for this request (flow control)."""
+        ...
+
+
+class WorkerHandler(Protocol):
+    """Implemented by the worker (inference.worker)."""
+
+    def hello(self) -> Hello: ...
+
+    def on_submit(self, conn: ServerConnection, submit: Submit) -> None: ...
+
+    def on_cancel(self, conn: ServerConnection, request_id: int) -> None: ...
+
+    def on_credit(self, conn: ServerConnection, request_id: int, available: int) -> None:
+        """Credit for a request rose from 0 (it may be resumed)."""
+        ...
+
+    def on_disconnect(self, conn: ServerConnection, open_requests: Sequence[int]) -> None:
+        """Peer gone: the worker cancels these requests (no sends needed)."""
+        ...
+
+
+class Server(Protocol):
+    @property
+    def address(self) -> str:
+        """The URL actually bound, e.g. ``tcp://127.0.0.1:41234``."""
+        ...
+
+    async def close(self) -> None: ...

@@ -1,0 +1,255 @@
+"""Messages exchanged between the gateway and inference workers.
+
+These are the *decoded* forms of the frames in :mod:`transport.wire`. They are
+small frozen dataclasses (control messages) plus one packed, array-backed
+message for tokens (:class:`TokenBatch`), so that one engine step becomes one
+frame with no per-token Python objects on the hot path.
+
+Direction:
+  gateway -> worker: Hello, Submit, Cancel, Credit, Ping, Pong, Goodbye
+  worker -> gateway: Hello, TokenBatch, Finish, Error, Stats, Ping, Pong, Goodbye
+
+Every request (identified by a ``request_id`` the gateway assigns, unique per
+connection, u32) ends exactly once on the worker side: a ``Finish`` or an
+``Error`` carrying its id.
+"""
+
+from __future__ import annotations
+
+import enum
+from array import array
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "ErrorCode",
+    "FinishReason",
+    "SamplingParams",
+    "Hello",
+    "Submit",
+    "Cancel",
+    "Credit",
+    "TokenBatch",
+    "TokenEntry",
+    "Finish",
+    "Error",
+    "Stats",
+    "Ping",
+    "Pong",
+    "Goodbye",
+    "Message",
+]
+
+PROTOCOL_VERSION = 1
+
+
+class ErrorCode(enum.IntEnum):
+    """One error enum for the whole wire. The gateway maps each to HTTP/gRPC."""
+
+    INTERNAL = 1  # worker bug; HTTP 500
+    INVALID_REQUEST = 2  # bad parameters the gateway could not catch; HTTP 400
+    UNKNOWN_MODEL = 3  # model not served by this worker; HTTP 404
+    OVERLOADED = 4  # worker queue full; HTTP 503 (retryable)
+    CANCELLED = 5  # cancelled by either side
+    CONTEXT_LENGTH = 6  # prompt + max_tokens exceed the model context; HTTP 400
+    SHUTTING_DOWN = 7  # worker draining; HTTP 503 (retryable)
+    CONNECTION_LOST = 8  # produced locally when the peer dies; HTTP 502
+    PROTOCOL = 9  # malformed frame / version mismatch; HTTP 502
+    TIMEOUT = 10  # deadline exceeded; HTTP 504
+
+
+class FinishReason(enum.IntEnum):
+    STOP = 1  # eos token, stop token id or stop string
+    LENGTH = 2  # max_tokens or context limit
+    CANCELLED = 3
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """What the engine needs to sample one request. Defaults = greedy-ish OpenAI."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = disabled
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: bool = False  # return the sampled token's logprob
+    top_logprobs: int = 0  # 0..20 alternatives per token
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    """First frame each way. ``models`` is what the sender serves (workers)."""
+
+    version: int = PROTOCOL_VERSION
+    role: str = "gateway"  # "gateway" | "worker"
+    identity: str = ""  # e.g. "worker-0@host:pid"
+    models: tuple[str, ...] = ()
+    capabilities: tuple[str, ...] = ()  # e.g. ("logprobs", "text", "chat")
+    # Max tokens in flight per request before the receiver must grant credit.
+    initial_credit: int = 256
+    max_frame: int = 1 << 24
+
+
+@dataclass(frozen=True, slots=True)
+class Submit:
+    """A new request. Exactly one of prompt / prompt_token_ids / messages is set.
+
+    ``messages`` is a chat (list of {"role","content"} dicts); the worker renders
+    it with its model's chat template. ``trace`` carries W3C traceparent etc.
+    """
+
+    request_id: int
+    model: str
+    params: SamplingParams = field(default_factory=SamplingParams)
+    prompt: str | None = None
+    prompt_token_ids: tuple[int, ...] | None = None
+    messages: tuple[dict[str, Any], ...] | None = None
+    deadline_ms: int = 0  # 0 = none; relative to receipt
+    priority: int = 0
+    trace: dict[str, str] | None = None
+    return_text: bool = True  # worker sends detokenized text deltas
+
+
+@dataclass(frozen=True, slots=True)
+class Cancel:
+    request_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class Credit:
+    """Receiver grants ``tokens`` more tokens of budget for ``request_id``."""
+
+    request_id: int
+    tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEntry:
+    """A view of one request's slice of a TokenBatch (made on demand)."""
+
+    request_id: int
+    token_ids: memoryview  # uint32
+    text: bytes  # utf-8 text delta for these tokens ("" if not requested)
+    logprobs: memoryview | None  # float32, one per token, if requested
+    top_ids: memoryview | None  # uint32, top_n per token, row-major
+    top_logprobs: memoryview | None  # float32, top_n per token
+
+
+@dataclass(frozen=True, slots=True)
+class TokenBatch:
+    """Tokens produced by one engine step for many requests (packed arrays).
+
+    ``request_ids[i]`` produced ``counts[i]`` tokens, which are
+    ``token_ids[sum(counts[:i]) : ...]``; its text delta is
+    ``text[sum(text_lens[:i]) : ...]``. ``logprobs`` holds one float per token
+    *only for entries whose request asked for logprobs* (in entry order), and
+    ``top_ids``/``top_logprobs`` hold ``top_n`` per token for entries whose
+    request asked for ``top_logprobs = top_n`` — the request's options are per
+    stream state, sent once in Submit, never repeated per token. ``flags`` per
+    entry is a bit set: bit 0 = has logprobs; the top_n per entry is ``top_ns``.
+    """
+
+    request_ids: array  # 'I'
+    counts: array  # 'I'
+    token_ids: array  # 'I'
+    text_lens: array  # 'I'
+    text: bytes = b""
+    has_logprobs: array = field(default_factory=lambda: array("B"))  # 0/1 per entry
+    top_ns: array = field(default_factory=lambda: array("B"))  # per entry
+    logprobs: array = field(default_factory=lambda: array("f"))
+    top_ids: array = field(default_factory=lambda: array("I"))
+    top_logprobs: array = field(default_factory=lambda: array("f"))
+
+    def __len__(self) -> int:
+        return len(self.request_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def entries(self) -> Iterator[TokenEntry]:
+        """Per-request views (memoryviews into the packed arrays)."""
+        tok = memoryview(self.token_ids)
+        lp = memoryview(self.logprobs)
+        tid = memoryview(self.top_ids)
+        tlp = memoryview(self.top_logprobs)
+        text = self.text
+        has_lp = self.has_logprobs
+        top_ns = self.top_ns
+        t = s = lpi = topi = 0
+        for i, rid in enumerate(self.request_ids):
+            n = self.counts[i]
+            ln = self.text_lens[i]
+            lps = None
+            ti = tl = None
+            if has_lp and has_lp[i]:
+                lps = lp[lpi : lpi + n]
+                lpi += n
+            k = top_ns[i] if top_ns else 0
+            if k:
+                ti = tid[topi : topi + n * k]
+                tl = tlp[topi : topi + n * k]
+                topi += n * k
+            yield TokenEntry(rid, tok[t : t + n], text[s : s + ln], lps, ti, tl)
+            t += n
+            s += ln
+
+
+@dataclass(frozen=True, slots=True)
+class Finish:
+    request_id: int
+    reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Error:
+    """Ends a request (``request_id`` > 0) or the connection (``request_id`` 0)."""
+
+    request_id: int
+    code: ErrorCode
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class Stats:
+    """Load report from a worker, sent periodically; used for routing."""
+
+    queue_depth: int
+    running: int
+    kv_blocks_free: int
+    kv_blocks_total: int
+    prefix_hit_rate: float = 0.0
+    # A compact summary of cached prefixes: hashes of the first block(s) of
+    # cached chains (u64), newest first, bounded length.
+    prefix_hashes: tuple[int, ...] = ()
+    tokens_per_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Ping:
+    nonce: int
+
+
+@dataclass(frozen=True, slots=True)
+class Pong:
+    nonce: int
+
+
+@dataclass(frozen=True, slots=True)
+class Goodbye:
+    """Sender is draining: no new Submits please; in-flight ones still finish."""
+
+    reason: str = ""
+
+
+Message = (
+    Hello | Submit | Cancel | Credit | TokenBatch | Finish | Error | Stats | Ping | Pong | Goodbye
+)
