@@ -1,0 +1,183 @@
+"""Flash-attention prefill as a Pallas kernel: causal, GQA, ragged lengths.
+
+How it works: the grid is ``(query blocks, batch, query heads)``. Each program
+holds one ``[block_q, D]`` tile of queries in registers and streams the keys
+and values of its KV head (``h // group``) in ``[block_k, D]`` tiles, keeping
+the FlashAttention-2 running max ``m``, running sum ``l`` and an unnormalised
+accumulator. Softmax is computed base 2 (``exp2``) with ``log2(e)`` folded
+into the scale. The key loop stops at the last tile that any query of the
+block can see: ``min(kv_len, q_offset + (i+1)*block_q)``, so causal prefill
+does about half the work of full attention, and a short sequence in a padded
+batch costs only its own length.
+
+Shapes follow ``inference.model.attention.prefill_attention``. Sequence
+lengths are padded here to multiples of the block sizes and the head dim to a
+power of two (Triton needs power-of-two tiles); padding is sliced off.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from inference.kernels.reference import MASK_VALUE, Array
+
+__all__ = ["PrefillBlocks", "flash_prefill", "compiler_params_for"]
+
+_LOG2E = math.log2(math.e)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillBlocks:
+    """Tile sizes (powers of two) and Triton launch parameters."""
+
+    block_q: int = 64
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("block_q", "block_k"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"{name} must be a positive power of two, got {value}")
+
+
+def _dot_nt(a: Array, b: Array) -> Array:
+    """a[M,D] @ b[N,D].T accumulated in float32."""
+    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _dot_nn(a: Array, b: Array) -> Array:
+    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _prefill_kernel(
+    qoff_ref, kvlen_ref, q_ref, k_ref, v_ref, o_ref, *, scale: float, block_q: int, block_k: int, seq_k: int
+):
+    i = pl.program_id(0)
+    q_off = qoff_ref[0]
+    kv_len = jnp.minimum(kvlen_ref[0], seq_k)
+    q = q_ref[...]  # [block_q, D]
+    q_pos = q_off + i * block_q + lax.broadcasted_iota(jnp.int32, (block_q, 1), 0)
+    # Keys visible to any query of this tile: [0, min(kv_len, last query pos + 1)).
+    hi = jnp.minimum(kv_len, q_off + (i + 1) * block_q)
+    num_tiles = lax.div(jnp.maximum(hi, 0) + (block_k - 1), block_k)
+    qk_scale = scale * _LOG2E
+
+    def body(j, carry):
+        acc, m_prev, l_prev = carry
+        start = pl.multiple_of(j * block_k, block_k)
+        k = k_ref[pl.ds(start, block_k), :]
+        s = _dot_nt(q, k) * qk_scale  # [block_q, block_k]
+        k_pos = start + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
+        visible = (k_pos <= q_pos) & (k_pos < kv_len)
+        s = jnp.where(visible, s, MASK_VALUE)
+        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
+        correction = jnp.exp2(m_prev - m_next)
+        p = jnp.exp2(s - m_next[:, None])
+        l_next = l_prev * correction + jnp.sum(p, axis=1)
+        v = v_ref[pl.ds(start, block_k), :]
+        acc = acc * correction[:, None] + _dot_nn(p.astype(v.dtype), v)
+        return acc, m_next, l_next
+
+    d = q.shape[-1]
+    init = (
+        jnp.zeros((block_q, d), jnp.float32),
+        jnp.full((block_q,), -jnp.inf, jnp.float32),
+        jnp.zeros((block_q,), jnp.float32),
+    )
+    acc, _, l_sum = lax.fori_loop(0, num_tiles, body, init)
+    l_sum = jnp.where(l_sum == 0.0, 1.0, l_sum)  # empty sequence: output zeros
+    o_ref[...] = (acc / l_sum[:, None]).astype(o_ref.dtype)
+
+
+def _pad_axis(x: Array, axis: int, size: int) -> Array:
+    extra = size - x.shape[axis]
+    if extra == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(x, widths)
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def compiler_params_for(platform: str | None, num_warps: int, num_stages: int):
+    """Triton launch parameters on GPU; None elsewhere (TPU/interpret defaults)."""
+    platform = platform or jax.default_backend()
+    if platform in ("gpu", "cuda", "rocm"):
+        from jax.experimental.pallas import triton as plgpu
+
+        return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    return None
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "blocks", "interpret", "platform"))
+def flash_prefill(
+    q: Array,
+    k: Array,
+    v: Array,
+    q_offsets: Array,
+    kv_lens: Array,
+    *,
+    scale: float,
+    blocks: PrefillBlocks = PrefillBlocks(),
+    interpret: bool = False,
+    platform: str | None = None,
+) -> Array:
+    """Pallas causal GQA prefill attention; same contract as the reference.
+
+    q[B,T,H,D], k/v[B,S,KV,D], q_offsets[B] int32, kv_lens[B] int32 -> [B,T,H,D].
+    ``platform`` ("gpu"/"tpu") overrides the default backend when lowering for
+    another platform than the one running (e.g. exporting for CUDA on a CPU
+    host); ``interpret`` runs the kernel body as plain JAX (CPU tests).
+    """
+    b, t, h, d = q.shape
+    _, s, kv, dk = k.shape
+    if k.shape != v.shape or k.shape[0] != b or dk != d:
+        raise ValueError(f"shape mismatch: q{q.shape} k{k.shape} v{v.shape}")
+    if h % kv:
+        raise ValueError(f"query heads ({h}) must be a multiple of KV heads ({kv})")
+    if q_offsets.shape != (b,) or kv_lens.shape != (b,):
+        raise ValueError("q_offsets and kv_lens must have shape [B]")
+    group = h // kv
+    block_q = min(blocks.block_q, pl.next_power_of_2(t))
+    block_k = min(blocks.block_k, pl.next_power_of_2(s))
+    d_pad = pl.next_power_of_2(d)
+    t_pad, s_pad = _round_up(t, block_q), _round_up(s, block_k)
+    qp = _pad_axis(_pad_axis(q, 1, t_pad), 3, d_pad)
+    kp = _pad_axis(_pad_axis(k, 1, s_pad), 3, d_pad)
+    vp = _pad_axis(_pad_axis(v, 1, s_pad), 3, d_pad)
+
+    kernel = functools.partial(
+        _prefill_kernel, scale=float(scale), block_q=block_q, block_k=block_k, seq_k=s
+    )
+    compiler_params = (
+        None if interpret else compiler_params_for(platform, blocks.num_warps, blocks.num_stages)
+    )
+    out = pl.pallas_call(
+        kernel,
+        grid=(t_pad // block_q, b, h),
+        in_specs=[
+            pl.BlockSpec((1,), lambda i, bi, hi: (bi,)),
+            pl.BlockSpec((1,), lambda i, bi, hi: (bi,)),
+            pl.BlockSpec((None, block_q, None, d_pad), lambda i, bi, hi: (bi, i, hi, 0)),
+            pl.BlockSpec((None, s_pad, None, d_pad), lambda i, bi, hi: (bi, 0, hi // group, 0)),
+            pl.BlockSpec((None, s_pad, None, d_pad), lambda i, bi, hi: (bi, 0, hi // group, 0)),
+        ],
+        out_specs=pl.BlockSpec((None, block_q, None, d_pad), lambda i, bi, hi: (bi, i, hi, 0)),
+        out_shape=jax.ShapeDtypeStruct(qp.shape, q.dtype),
+        compiler_params=compiler_params,
+        interpret=interpret,
+        name="flash_prefill",
+    )(q_offsets.astype(jnp.int32), kv_lens.astype(jnp.int32), qp, kp, vp)
+    return out[:, :t, :, :d]

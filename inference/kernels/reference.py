@@ -1,0 +1,101 @@
+"""Plain ``jnp`` references for the attention kernels.
+
+These are the ground truth the Pallas kernels are tested against and the
+fallback the ``pallas`` backend uses on CPU when interpretation would be too
+slow. They follow the contract of ``inference.model.attention`` exactly
+(shapes, masking, GQA head grouping: query head ``h`` reads KV head
+``h // (H // KV)``). Softmax runs in float32 whatever the input dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+__all__ = [
+    "Array",
+    "MASK_VALUE",
+    "prefill_attention",
+    "paged_decode_attention",
+    "gather_pages",
+]
+
+Array = Any  # a jax.Array (named alias; jax.Array itself is not generic)
+
+# Large finite negative: a fully masked row yields a uniform (finite) softmax
+# instead of NaN, which keeps don't-care rows harmless.
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def _group(q: Array, kv_heads: int) -> Array:
+    """[..., H, D] -> [..., KV, G, D] with query head h = kv * G + g."""
+    *lead, h, d = q.shape
+    if h % kv_heads:
+        raise ValueError(f"query heads ({h}) must be a multiple of KV heads ({kv_heads})")
+    return q.reshape(*lead, kv_heads, h // kv_heads, d)
+
+
+def prefill_attention(
+    q: Array, k: Array, v: Array, q_offsets: Array, kv_lens: Array, *, scale: float
+) -> Array:
+    """Causal GQA attention with per-sequence offsets.
+
+    q[B,T,H,D], k/v[B,S,KV,D], q_offsets[B], kv_lens[B] -> [B,T,H,D]. Query
+    ``t`` of sequence ``b`` sits at position ``q_offsets[b] + t`` and sees keys
+    at positions ``<=`` that and ``< kv_lens[b]``.
+    """
+    b, t, h, d = q.shape
+    s, kv = k.shape[1], k.shape[2]
+    qg = _group(q, kv).astype(jnp.float32)  # [B,T,KV,G,D]
+    logits = jnp.einsum("btkgd,bskd->bkgts", qg, k.astype(jnp.float32)) * scale
+    q_pos = q_offsets[:, None] + jnp.arange(t)[None, :]  # [B,T]
+    k_pos = jnp.arange(s)
+    mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < kv_lens[:, None, None])
+    logits = jnp.where(mask[:, None, None, :, :], logits, MASK_VALUE)
+    probs = jax.nn.softmax(logits, axis=-1)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v.astype(jnp.float32))
+    return out.reshape(b, t, h, d).astype(q.dtype)
+
+
+def gather_pages(cache: Array, block_tables: Array) -> Array:
+    """[N,bs,KV,D] cache and [B,M] tables -> contiguous [B, M*bs, KV, D]."""
+    pages = cache[block_tables]  # [B,M,bs,KV,D]
+    b, m, bs = pages.shape[:3]
+    return pages.reshape(b, m * bs, *pages.shape[3:])
+
+
+def paged_decode_attention(
+    q: Array,
+    k_cache: Array,
+    v_cache: Array,
+    block_tables: Array,
+    context_lens: Array,
+    *,
+    scale: float,
+    k_scale: Array | None = None,
+    v_scale: Array | None = None,
+) -> Array:
+    """One query token per sequence against the paged cache.
+
+    q[B,H,D], caches [N,bs,KV,D], block_tables[B,M], context_lens[B] -> [B,H,D].
+    With ``k_scale``/``v_scale`` ([N, KV] float32) the caches hold int8 or fp8
+    codes and are dequantized as ``code * scale[block, head]``.
+    """
+    b, h, d = q.shape
+    kv = k_cache.shape[2]
+    k = gather_pages(k_cache, block_tables).astype(jnp.float32)  # [B,S,KV,D]
+    v = gather_pages(v_cache, block_tables).astype(jnp.float32)
+    bs = k_cache.shape[1]
+    if k_scale is not None:
+        k = k * jnp.repeat(k_scale[block_tables], bs, axis=1)[..., None]
+    if v_scale is not None:
+        v = v * jnp.repeat(v_scale[block_tables], bs, axis=1)[..., None]
+    qg = _group(q, kv).astype(jnp.float32)  # [B,KV,G,D]
+    logits = jnp.einsum("bkgd,bskd->bkgs", qg, k) * scale
+    mask = jnp.arange(k.shape[1])[None, :] < context_lens[:, None]  # [B,S]
+    logits = jnp.where(mask[:, None, None, :], logits, MASK_VALUE)
+    probs = jax.nn.softmax(logits, axis=-1)
+    out = jnp.einsum("bkgs,bskd->bkgd", probs, v)
+    return out.reshape(b, h, d).astype(q.dtype)
