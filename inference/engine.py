@@ -1,0 +1,309 @@
+"""Continuous-batching scheduler (pure logic: no JAX, no asyncio, clock passed in).
+
+How it works. Requests wait in ``_waiting`` (FIFO) and run in ``_running``
+(admission order). A step is two calls so the runner can execute off-thread:
+
+  ``schedule(now)`` -> (StepPlan | None, events)
+      1. fail requests past their deadline;
+      2. give every running, un-paused sequence room for one more position;
+         when the KV cache is full, preempt the *newest* running sequence
+         (free its blocks, requeue it at the front; it is recomputed from its
+         prompt + generated tokens later, usually from the prefix cache);
+      3. if the batch window says so, admit waiting requests in order while
+         there are batch slots, free blocks and prefill-token budget.
+  ``commit(plan, outputs, now)`` -> events
+      feeds each sampled token to its sequence (text delta, stop checks),
+      finishes the done ones, registers newly full blocks in the prefix cache
+      and tells the batch window how long the step took.
+
+Cancelling frees a request's blocks at once; a result for it that arrives
+later is dropped. Paused sequences (the client is not reading) keep their
+blocks but are skipped until resumed. Every request added ends exactly once:
+a :class:`Finished` or :class:`Failed` event (or the return of :meth:`cancel`).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+from transport.messages import ErrorCode, FinishReason, SamplingParams
+
+from .batch_window import BatchWindow, FixedWindow
+from .kv_cache import KVCache
+from .runner import ModelRunner, SeqOutput, SeqWork, StepPlan
+from .sequence import Delta, EngineEvent, Failed, Finished, SeqStatus, Sequence
+from .tokenizer import Tokenizer
+
+__all__ = ["Engine", "EngineConfig", "EngineError", "Delta", "Finished", "Failed", "EngineEvent"]
+
+
+class EngineError(Exception):
+    """A request the engine refuses; ``code`` is the wire error code."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    max_batch: int = 32
+    max_prefill_tokens: int = 4096  # per step (one longer prompt may run alone)
+    max_waiting: int = 4096
+    enable_prefix_cache: bool = True
+    seed: int = 0  # draws the seeds of unseeded requests
+
+
+class Engine:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        tokenizer: Tokenizer,
+        config: EngineConfig = EngineConfig(),
+        window: BatchWindow | None = None,
+    ) -> None:
+        if config.max_batch < 1 or config.max_prefill_tokens < 1:
+            raise ValueError("max_batch and max_prefill_tokens must be >= 1")
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.config = config
+        self.window: BatchWindow = window if window is not None else FixedWindow(0.0)
+        self.kv = KVCache(
+            runner.num_blocks, runner.block_size, enable_prefix_cache=config.enable_prefix_cache
+        )
+        # A lone sequence must always fit in the cache, so cap the context there.
+        self.max_model_len = min(runner.max_model_len, runner.num_blocks * runner.block_size)
+        self._eos = tuple(runner.eos_token_ids) or tuple(tokenizer.eos_token_ids)
+        self._rng = random.Random(config.seed)
+        self._by_key: dict[Hashable, Sequence] = {}
+        self._by_id: dict[int, Sequence] = {}
+        self._waiting: list[Sequence] = []
+        self._running: list[Sequence] = []
+        self._next_id = 1
+        self._step_started: float | None = None
+        self.num_preemptions = 0
+        self.tokens_generated = 0
+
+    # -- intake --------------------------------------------------------------
+    def add(
+        self,
+        key: Hashable,
+        prompt_ids: list[int] | tuple[int, ...],
+        params: SamplingParams,
+        now: float,
+        *,
+        deadline: float | None = None,
+        return_text: bool = True,
+    ) -> None:
+        """Queue a request or raise :class:`EngineError` (nothing is queued)."""
+        if key in self._by_key:
+            raise EngineError(ErrorCode.INVALID_REQUEST, f"duplicate request id {key!r}")
+        _validate(params)
+        prompt = list(prompt_ids)
+        if not prompt:
+            raise EngineError(ErrorCode.INVALID_REQUEST, "the prompt is empty")
+        vocab = self.tokenizer.vocab_size
+        if any(not (0 <= t < vocab) for t in prompt):
+            raise EngineError(ErrorCode.INVALID_REQUEST, f"prompt token ids must be in [0, {vocab})")
+        if len(prompt) + params.max_tokens > self.max_model_len:
+            raise EngineError(
+                ErrorCode.CONTEXT_LENGTH,
+                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                f"context length ({self.max_model_len})",
+            )
+        if len(self._waiting) >= self.config.max_waiting:
+            raise EngineError(ErrorCode.OVERLOADED, "the worker queue is full")
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(31)
+        dec = self.tokenizer.incremental_decoder(prompt)
+        seq = Sequence(key, self._next_id, prompt, params, seed, now, deadline, dec, self._eos, return_text)
+        self._next_id += 1
+        self._by_key[key] = seq
+        self._by_id[seq.seq_id] = seq
+        self._waiting.append(seq)
+
+    def cancel(self, key: Hashable) -> Finished | None:
+        """Stop a request now and free its blocks; None if unknown or done."""
+        seq = self._by_key.get(key)
+        if seq is None:
+            return None
+        self._retire(seq)
+        return seq.finished(FinishReason.CANCELLED)
+
+    def abort_all(self, code: ErrorCode, message: str) -> list[Failed]:
+        """End every request with an error (shutdown)."""
+        out = [Failed(s.key, code, message) for s in list(self._by_key.values())]
+        for s in list(self._by_key.values()):
+            self._retire(s)
+        return out
+
+    def pause(self, key: Hashable) -> None:
+        seq = self._by_key.get(key)
+        if seq is not None:
+            seq.paused = True
+
+    def resume(self, key: Hashable) -> None:
+        seq = self._by_key.get(key)
+        if seq is not None:
+            seq.paused = False
+
+    # -- queries -------------------------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._by_key)
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._by_key
+
+    def next_wakeup(self) -> float | None:
+        """When a step could next do something if nothing else happens."""
+        times = [s.deadline for s in self._by_key.values() if s.deadline is not None]
+        head = next((s for s in self._waiting if not s.paused), None)
+        if head is not None:
+            free = self.config.max_batch - len(self._running)
+            if free > 0:
+                times.append(self.window.admit_at(head.arrival, len(self._waiting), free))
+        return min(times) if times else None
+
+    # -- one step ------------------------------------------------------------
+    def schedule(self, now: float) -> tuple[StepPlan | None, list[EngineEvent]]:
+        events: list[EngineEvent] = []
+        for s in [s for s in self._by_key.values() if s.deadline is not None and now >= s.deadline]:
+            self._retire(s)
+            events.append(Failed(s.key, ErrorCode.TIMEOUT, "deadline exceeded"))
+        decodes = self._plan_decodes()
+        prefills = self._plan_prefills(now)
+        if not decodes and not prefills:
+            return None, events
+        self._step_started = now
+        return StepPlan(tuple(prefills), tuple(decodes)), events
+
+    def _plan_decodes(self) -> list[SeqWork]:
+        work: list[SeqWork] = []
+        for s in list(self._running):
+            if s.status is not SeqStatus.RUNNING or s.paused:
+                continue
+            while not self.kv.ensure_capacity(s.seq_id, len(s.tokens)):
+                victim = self._running[-1]
+                self._preempt(victim)
+                if victim is s:
+                    break
+            if s.status is SeqStatus.RUNNING:
+                pos = len(s.tokens) - 1
+                work.append(
+                    SeqWork(s.seq_id, (s.tokens[-1],), pos, self.kv.block_table(s.seq_id), s.params, s.seed,
+                            s.num_generated)
+                )  # fmt: skip
+        return work
+
+    def _plan_prefills(self, now: float) -> list[SeqWork]:
+        free_slots = self.config.max_batch - len(self._running)
+        ready = [s for s in self._waiting if not s.paused]
+        if free_slots <= 0 or not ready:
+            return []
+        if now < self.window.admit_at(ready[0].arrival, len(ready), free_slots):
+            return []
+        budget = self.config.max_prefill_tokens
+        work: list[SeqWork] = []
+        for s in ready:
+            if len(self._running) >= self.config.max_batch:
+                break
+            cached = self.kv.cached_prefix_len(s.tokens)
+            if work and len(s.tokens) - cached > budget:
+                break
+            alloc = self.kv.allocate(s.seq_id, s.tokens)
+            if alloc is None:
+                break
+            budget -= len(s.tokens) - alloc.num_cached_tokens
+            if s.cached_tokens < 0:
+                s.cached_tokens = alloc.num_cached_tokens
+            self._waiting.remove(s)
+            self._running.append(s)
+            s.status = SeqStatus.RUNNING
+            s.admitted = now
+            s.num_computed = alloc.num_cached_tokens
+            work.append(
+                SeqWork(s.seq_id, tuple(s.tokens[alloc.num_cached_tokens :]), alloc.num_cached_tokens,
+                        alloc.block_table, s.params, s.seed, s.num_generated)
+            )  # fmt: skip
+        return work
+
+    def commit(self, plan: StepPlan, outputs: list[SeqOutput], now: float) -> list[EngineEvent]:
+        """Apply a step's sampled tokens; returns deltas and finishes."""
+        works = plan.prefills + plan.decodes
+        if len(outputs) != len(works):
+            raise RuntimeError(f"runner returned {len(outputs)} outputs for {len(works)} sequences")
+        events: list[EngineEvent] = []
+        for work, out in zip(works, outputs, strict=True):
+            if out.seq_id != work.seq_id:
+                raise RuntimeError("runner outputs are not in plan order")
+            s = self._by_id.get(work.seq_id)
+            if s is None or s.status is not SeqStatus.RUNNING:
+                continue  # cancelled while the step ran
+            s.num_computed = work.start_pos + len(work.token_ids)
+            self.kv.register(s.seq_id, s.tokens, s.num_computed)
+            delta, reason = s.accept(out, self.max_model_len)
+            self.tokens_generated += 1
+            if delta is not None:
+                events.append(delta)
+            if reason is not None:
+                self._retire(s)
+                events.append(s.finished(reason))
+        if self._step_started is not None:
+            load = min(1.0, (len(self._running) + len(self._waiting)) / self.config.max_batch)
+            self.window.observe(now - self._step_started, load)
+            self._step_started = None
+        return events
+
+    def step(self, now: float) -> list[EngineEvent]:
+        """schedule + execute + commit in one call (tests and benchmarks)."""
+        plan, events = self.schedule(now)
+        if plan is not None:
+            events += self.commit(plan, self.runner.execute(plan), now)
+        return events
+
+    # -- internals -----------------------------------------------------------
+    def _preempt(self, s: Sequence) -> None:
+        self.kv.free(s.seq_id)
+        self._running.remove(s)
+        s.status = SeqStatus.WAITING
+        s.num_computed = 0
+        self._waiting.insert(0, s)
+        self.num_preemptions += 1
+
+    def _retire(self, s: Sequence) -> None:
+        self.kv.free(s.seq_id)
+        if s.status is SeqStatus.RUNNING:
+            self._running.remove(s)
+        elif s.status is SeqStatus.WAITING:
+            self._waiting.remove(s)
+        s.status = SeqStatus.DONE
+        self._by_key.pop(s.key, None)
+        self._by_id.pop(s.seq_id, None)
+
+
+def _validate(p: SamplingParams) -> None:
+    bad = None
+    if p.max_tokens < 1:
+        bad = "max_tokens must be >= 1"
+    elif p.temperature < 0:
+        bad = "temperature must be >= 0"
+    elif not (0.0 < p.top_p <= 1.0):
+        bad = "top_p must be in (0, 1]"
+    elif p.top_k < 0:
+        bad = "top_k must be >= 0"
+    elif not (0 <= p.top_logprobs <= 20):
+        bad = "top_logprobs must be in [0, 20]"
+    elif any(not s for s in p.stop):
+        bad = "stop strings must be non-empty"
+    if bad:
+        raise EngineError(ErrorCode.INVALID_REQUEST, bad)

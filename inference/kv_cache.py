@@ -1,0 +1,250 @@
+"""Paged KV-cache bookkeeping with prefix caching (no arrays; the runner owns them).
+
+How it works: physical blocks ``0..num_blocks-1`` each hold ``block_size``
+positions. A sequence owns a list of block ids (its block table). Once a block
+is *full and computed*, it gets a content hash chained over its parent's hash,
+``h_i = H(h_{i-1}, tokens of block i)``, and goes into ``_cached`` so that a
+later prompt with the same first ``i+1`` blocks of tokens can share it
+(reference count +1) instead of recomputing it.
+
+A block is in exactly one of three places:
+  * ``_free``      — never computed or its hash was dropped; ref 0;
+  * ``_evictable`` — cached (has a hash), ref 0, in LRU order;
+  * in use         — ref >= 1 (maybe also cached, then shared read-only).
+Allocation takes from ``_free`` first, then evicts the least recently used
+evictable block (dropping its hash). A block with ref >= 1 is never handed out.
+Only full blocks are shared, and a sequence only ever writes into its own
+last, partial block, so shared blocks are immutable.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["KVCache", "Allocation", "block_hash", "ROOT_HASH"]
+
+ROOT_HASH = 0
+
+
+def block_hash(parent: int, tokens: Sequence[int]) -> int:
+    """Stable u64 hash of one full block, chained on its parent's hash."""
+    h = hashlib.blake2b(parent.to_bytes(8, "little"), digest_size=8)
+    h.update(array("I", tokens).tobytes())
+    return int.from_bytes(h.digest(), "little")
+
+
+@dataclass(frozen=True, slots=True)
+class Allocation:
+    block_table: tuple[int, ...]
+    num_cached_tokens: int  # prompt positions already computed (a multiple of block_size)
+
+
+class _SeqBlocks:
+    __slots__ = ("blocks", "hashes")
+
+    def __init__(self) -> None:
+        self.blocks: list[int] = []
+        self.hashes: list[int] = []  # chain hashes of the leading full, registered blocks
+
+
+class KVCache:
+    """Block allocator with reference counts, prefix hashing and LRU eviction."""
+
+    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_cache: bool = True) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError("num_blocks and block_size must be >= 1")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_cache = enable_prefix_cache
+        self._ref = [0] * num_blocks
+        self._hash_of: list[int | None] = [None] * num_blocks
+        self._cached: dict[int, int] = {}  # chain hash -> block id
+        self._tokens_of: dict[int, tuple[int, ...]] = {}  # block id -> tokens (collision check)
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+        self._roots: OrderedDict[int, None] = OrderedDict()  # cached first-block hashes
+        self._seqs: dict[int, _SeqBlocks] = {}
+        self.queried_tokens = 0
+        self.hit_tokens = 0
+        self.evictions = 0
+
+    # -- queries -----------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        """Blocks that can be handed out now (free + evictable)."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def block_table(self, seq_id: int) -> tuple[int, ...]:
+        return tuple(self._seqs[seq_id].blocks)
+
+    def ref_count(self, block: int) -> int:
+        return self._ref[block]
+
+    def has_seq(self, seq_id: int) -> bool:
+        return seq_id in self._seqs
+
+    def _match(self, tokens: Sequence[int]) -> tuple[list[int], list[int]]:
+        """Cached blocks covering a prefix of ``tokens`` (at least one token is
+        always left to compute, so the runner has a position to sample from)."""
+        blocks: list[int] = []
+        hashes: list[int] = []
+        if not self.enable_prefix_cache:
+            return blocks, hashes
+        bs = self.block_size
+        parent = ROOT_HASH
+        for i in range((len(tokens) - 1) // bs):
+            chunk = tuple(tokens[i * bs : (i + 1) * bs])
+            h = block_hash(parent, chunk)
+            b = self._cached.get(h)
+            if b is None or self._tokens_of.get(b) != chunk:
+                break
+            blocks.append(b)
+            hashes.append(h)
+            parent = h
+        return blocks, hashes
+
+    def cached_prefix_len(self, tokens: Sequence[int]) -> int:
+        """How many leading positions of ``tokens`` the cache already holds."""
+        return len(self._match(tokens)[0]) * self.block_size
+
+    def can_allocate(self, tokens: Sequence[int]) -> bool:
+        return self._blocks_short(tokens) <= 0
+
+    def _blocks_short(self, tokens: Sequence[int]) -> int:
+        hit, _ = self._match(tokens)
+        idle_hits = sum(1 for b in hit if self._ref[b] == 0)
+        need = self.blocks_needed(len(tokens)) - len(hit)
+        return need - (self.num_free - idle_hits)
+
+    # -- mutations ---------------------------------------------------------
+    def allocate(self, seq_id: int, tokens: Sequence[int]) -> Allocation | None:
+        """Give ``seq_id`` blocks for ``tokens``, sharing cached prefix blocks.
+        Returns None (and changes nothing) when there are not enough blocks."""
+        if seq_id in self._seqs:
+            raise ValueError(f"sequence {seq_id} already has blocks")
+        if not tokens:
+            raise ValueError("cannot allocate an empty sequence")
+        hit, hashes = self._match(tokens)
+        idle_hits = sum(1 for b in hit if self._ref[b] == 0)
+        need = self.blocks_needed(len(tokens)) - len(hit)
+        if need > self.num_free - idle_hits:
+            return None
+        sb = _SeqBlocks()
+        for b in hit:
+            self._acquire(b)
+        sb.blocks = list(hit)
+        sb.hashes = list(hashes)
+        for _ in range(need):
+            sb.blocks.append(self._take())
+        self._seqs[seq_id] = sb
+        cached = len(hit) * self.block_size
+        self.queried_tokens += len(tokens)
+        self.hit_tokens += cached
+        return Allocation(tuple(sb.blocks), cached)
+
+    def ensure_capacity(self, seq_id: int, num_tokens: int) -> bool:
+        """Grow the block table to cover ``num_tokens`` positions; False if short."""
+        sb = self._seqs[seq_id]
+        need = self.blocks_needed(num_tokens) - len(sb.blocks)
+        if need > self.num_free:
+            return False
+        for _ in range(max(need, 0)):
+            sb.blocks.append(self._take())
+        return True
+
+    def register(self, seq_id: int, tokens: Sequence[int], num_computed: int) -> None:
+        """Mark the full blocks among the first ``num_computed`` positions of
+        ``tokens`` (whose KV the runner has now written) as cached."""
+        if not self.enable_prefix_cache:
+            return
+        sb = self._seqs[seq_id]
+        bs = self.block_size
+        full = min(num_computed // bs, len(sb.blocks))
+        parent = sb.hashes[-1] if sb.hashes else ROOT_HASH
+        for i in range(len(sb.hashes), full):
+            chunk = tuple(tokens[i * bs : (i + 1) * bs])
+            h = block_hash(parent, chunk)
+            b = sb.blocks[i]
+            if h not in self._cached and self._hash_of[b] is None:
+                self._cached[h] = b
+                self._hash_of[b] = h
+                self._tokens_of[b] = chunk
+            if i == 0 and h in self._cached:
+                self._roots[h] = None
+                self._roots.move_to_end(h)
+            sb.hashes.append(h)
+            parent = h
+
+    def free(self, seq_id: int) -> None:
+        """Release a sequence's blocks (cached ones stay reusable until evicted)."""
+        sb = self._seqs.pop(seq_id, None)
+        if sb is None:
+            return
+        # Release the tail first so LRU eviction takes deep blocks before roots.
+        for b in reversed(sb.blocks):
+            self._ref[b] -= 1
+            assert self._ref[b] >= 0, "block reference count went negative"
+            if self._ref[b] == 0:
+                if self._hash_of[b] is not None:
+                    self._evictable[b] = None
+                else:
+                    self._free.append(b)
+
+    def _acquire(self, b: int) -> None:
+        if self._ref[b] == 0:
+            self._evictable.pop(b, None)
+        self._ref[b] += 1
+
+    def _take(self) -> int:
+        if self._free:
+            b = self._free.pop()
+        else:
+            b, _ = self._evictable.popitem(last=False)
+            h = self._hash_of[b]
+            if h is not None:
+                del self._cached[h]
+                self._roots.pop(h, None)
+                self._hash_of[b] = None
+                self._tokens_of.pop(b, None)
+            self.evictions += 1
+        assert self._ref[b] == 0, "handed out a block in use"
+        self._ref[b] = 1
+        return b
+
+    def prefix_hashes(self, limit: int = 32) -> tuple[int, ...]:
+        """Hashes of cached chain roots (first blocks), newest first."""
+        roots: list[int] = []
+        for h in reversed(self._roots):
+            roots.append(h)
+            if len(roots) >= limit:
+                break
+        return tuple(roots)
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the bookkeeping is inconsistent (tests)."""
+        refs = [0] * self.num_blocks
+        for sb in self._seqs.values():
+            for b in sb.blocks:
+                refs[b] += 1
+        assert refs == self._ref, "reference counts disagree with block tables"
+        free = set(self._free)
+        ev = set(self._evictable)
+        assert len(free) == len(self._free) and not (free & ev)
+        for b in range(self.num_blocks):
+            in_use = self._ref[b] > 0
+            assert in_use + (b in free) + (b in ev) == 1, f"block {b} in {in_use, b in free, b in ev}"
+            if b in ev:
+                assert self._hash_of[b] is not None
+        for h, b in self._cached.items():
+            assert self._hash_of[b] == h

@@ -1,0 +1,152 @@
+"""One request inside the engine, and the events the engine emits for it.
+
+A :class:`Sequence` turns each sampled token into at most one :class:`Delta`
+(token id, text delta, logprobs) and decides whether the request is done:
+eos / stop token ids and stop strings -> STOP; ``max_tokens`` or the context
+limit -> LENGTH. Text is detokenized incrementally and passed through a
+:class:`~inference.stop.StopMatcher`, so a stop string split over tokens is
+caught and never emitted. Eos and stop token ids are counted in
+``completion_tokens`` but not streamed.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+from transport.messages import ErrorCode, FinishReason, SamplingParams
+
+from .runner import SeqOutput
+from .stop import StopMatcher
+from .tokenizer import IncrementalDecoder
+
+__all__ = ["Delta", "Finished", "Failed", "EngineEvent", "Sequence", "SeqStatus"]
+
+
+@dataclass(frozen=True, slots=True)
+class Delta:
+    """What one step produced for one request (``token_ids`` holds 0 or 1 id)."""
+
+    key: Hashable
+    token_ids: tuple[int, ...]
+    text: str
+    logprobs: tuple[float, ...] | None = None  # one per token when requested
+    top_ids: tuple[int, ...] = ()  # top_n per token, row-major
+    top_logprobs: tuple[float, ...] = ()
+    top_n: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    key: Hashable
+    reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    key: Hashable
+    code: ErrorCode
+    message: str
+
+
+EngineEvent = Delta | Finished | Failed
+
+
+class SeqStatus(enum.Enum):
+    WAITING = 1
+    RUNNING = 2
+    DONE = 3
+
+
+class Sequence:
+    """Mutable per-request state owned by the engine."""
+
+    __slots__ = (
+        "key", "seq_id", "prompt_len", "tokens", "params", "seed", "arrival", "deadline",
+        "return_text", "status", "paused", "num_computed", "cached_tokens", "admitted",
+        "_decoder", "_stop", "_stop_ids", "_want_text",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        key: Hashable,
+        seq_id: int,
+        prompt: list[int],
+        params: SamplingParams,
+        seed: int,
+        arrival: float,
+        deadline: float | None,
+        decoder: IncrementalDecoder,
+        eos_ids: tuple[int, ...],
+        return_text: bool,
+    ) -> None:
+        self.key = key
+        self.seq_id = seq_id
+        self.prompt_len = len(prompt)
+        self.tokens = prompt  # prompt followed by every sampled token
+        self.params = params
+        self.seed = seed
+        self.arrival = arrival
+        self.deadline = deadline
+        self.return_text = return_text
+        self.status = SeqStatus.WAITING
+        self.paused = False
+        self.num_computed = 0  # positions whose K/V the runner has written
+        self.cached_tokens = -1  # prefix-cache hit at first admission
+        self.admitted = 0.0
+        self._decoder = decoder
+        self._stop = StopMatcher(params.stop)
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids.update(eos_ids)
+        self._stop_ids = frozenset(stop_ids)
+        self._want_text = return_text or bool(params.stop)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+    def finished(self, reason: FinishReason) -> Finished:
+        return Finished(self.key, reason, self.prompt_len, self.num_generated, max(self.cached_tokens, 0))
+
+    def accept(self, out: SeqOutput, max_model_len: int) -> tuple[Delta | None, FinishReason | None]:
+        """Take one sampled token; return the delta to stream and a finish reason."""
+        tok = out.token_id
+        self.tokens.append(tok)
+        p = self.params
+        reason: FinishReason | None = None
+        text = ""
+        emit = True
+        if tok in self._stop_ids:
+            reason = FinishReason.STOP
+            emit = False
+        elif self._want_text:
+            text, hit = self._stop.push(self._decoder.push(tok))
+            if hit:
+                reason = FinishReason.STOP
+        if reason is None and (self.num_generated >= p.max_tokens or len(self.tokens) >= max_model_len):
+            reason = FinishReason.LENGTH
+        if reason is not None and not self._stop.stopped and self._want_text:
+            tail, _ = self._stop.push(self._decoder.flush())
+            text += tail + self._stop.flush()
+        if not self.return_text:
+            text = ""
+        if not emit and not text:
+            return None, reason
+        ids = (tok,) if emit else ()
+        lps: tuple[float, ...] | None = None
+        top_ids: tuple[int, ...] = ()
+        top_lps: tuple[float, ...] = ()
+        n = p.top_logprobs
+        if (p.logprobs or n) and emit:
+            lps = (out.logprob,)
+            if n:
+                top_ids = tuple(out.top_ids[:n]) + (0,) * max(0, n - len(out.top_ids))
+                top_lps = tuple(out.top_logprobs[:n]) + (float("-inf"),) * max(0, n - len(out.top_logprobs))
+        elif p.logprobs or n:
+            lps = ()
+        return Delta(self.key, ids, text, lps, top_ids, top_lps, n if lps is not None else 0), reason
