@@ -1,0 +1,233 @@
+"""OpenAI-compatible handlers: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``.
+
+Each handler returns the HTTP status it sent (for metrics) or raises
+:class:`APIError` *before* anything was sent (the app renders it). Once a
+stream has started, errors go out as an SSE ``data: {"error": ...}`` event.
+If the client goes away the adapter cancels the handler's task; the
+``finally`` cancels the worker request (a Cancel goes over the transport).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import orjson
+
+from gateway.http.types import Request, ResponseSink
+from transport.messages import Error, Finish, TokenEntry
+
+from ..errors import APIError, from_wire_code
+from ..observability.metrics import GatewayMetrics
+from ..routing.pool import ModelPool, RoutedStream
+from ..settings import ApiSettings
+from .params import GenerationRequest, parse_chat, parse_completion
+from .render import (
+    DONE,
+    JSON_HEADERS,
+    SSE_HEADERS,
+    ChunkTemplate,
+    chat_logprobs,
+    completion_logprobs,
+    finish_reason,
+    new_id,
+    sse_error,
+    usage_dict,
+)
+
+__all__ = ["OpenAIHandlers", "CHAT_ROUTE", "COMPLETIONS_ROUTE", "MODELS_ROUTE"]
+
+log = logging.getLogger("quicserve.api")
+
+CHAT_ROUTE = "/v1/chat/completions"
+COMPLETIONS_ROUTE = "/v1/completions"
+MODELS_ROUTE = "/v1/models"
+
+_perf = time.perf_counter
+
+
+class OpenAIHandlers:
+    """The OpenAI API over a :class:`ModelPool`."""
+
+    def __init__(self, pool: ModelPool, metrics: GatewayMetrics, api: ApiSettings) -> None:
+        self.pool = pool
+        self.metrics = metrics
+        self.api = api
+        self.created = int(time.time())
+        self._deadline_ms = int(api.request_timeout * 1000)
+
+    # -- models -------------------------------------------------------------------------
+    def _model_obj(self, name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "quicserve"}
+
+    async def models(self, req: Request, sink: ResponseSink, t0: float) -> int:
+        body = orjson.dumps({"object": "list", "data": [self._model_obj(m) for m in self.pool.models()]})
+        await sink.respond(200, JSON_HEADERS, body)
+        return 200
+
+    async def model(self, req: Request, sink: ResponseSink, t0: float) -> int:
+        name = req.path[len(MODELS_ROUTE) + 1:]
+        if name not in self.pool.models():
+            raise APIError(404, f"The model `{name}` does not exist.", "invalid_request_error", "model",
+                           "model_not_found")
+        await sink.respond(200, JSON_HEADERS, orjson.dumps(self._model_obj(name)))
+        return 200
+
+    # -- generation ---------------------------------------------------------------------
+    async def chat(self, req: Request, sink: ResponseSink, t0: float) -> int:
+        g = parse_chat(req.body, default_max_tokens=self.api.default_max_tokens,
+                       max_tokens_limit=self.api.max_tokens_limit, deadline_ms=self._deadline_ms)
+        return await self._generate(g, sink, t0, CHAT_ROUTE)
+
+    async def completions(self, req: Request, sink: ResponseSink, t0: float) -> int:
+        g = parse_completion(req.body, default_max_tokens=self.api.default_max_tokens,
+                             max_tokens_limit=self.api.max_tokens_limit, deadline_ms=self._deadline_ms)
+        return await self._generate(g, sink, t0, COMPLETIONS_ROUTE)
+
+    async def _generate(self, g: GenerationRequest, sink: ResponseSink, t0: float, route: str) -> int:
+        routed = self.pool.open(g.model, g.make_submit)
+        tpl = ChunkTemplate(g.chat, new_id("chatcmpl" if g.chat else "cmpl"), g.model, g.include_usage) \
+            if g.stream else None
+        try:
+            async with asyncio.timeout(self.api.request_timeout):
+                if tpl is not None:
+                    return await self._stream(g, tpl, routed, sink, t0, route)
+                return await self._unary(g, routed, sink, t0, route)
+        except TimeoutError:
+            err = APIError(504, f"The request did not finish within {self.api.request_timeout:g} s.",
+                           "server_error", None, "timeout")
+            if tpl is None or not tpl.started:
+                raise err from None
+            return await self._abort_stream(sink, err)
+        except APIError:
+            raise  # raised only before anything was sent
+        except Exception:
+            if tpl is None or not tpl.started:
+                raise
+            log.exception("stream failed after its first byte")
+            return await self._abort_stream(sink, APIError(500, "Internal server error.", "server_error"))
+        finally:
+            if not routed.done:
+                routed.cancel()
+
+    @staticmethod
+    async def _abort_stream(sink: ResponseSink, err: APIError) -> int:
+        await sink.send(sse_error(err.status, err.message, err.type, err.code))
+        await sink.end()
+        return err.status
+
+    async def _unary(self, g: GenerationRequest, routed: RoutedStream, sink: ResponseSink, t0: float,
+                     route: str) -> int:
+        parts: list[bytes] = []
+        lps: list[dict[str, Any]] = []
+        legacy: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        offset = 0
+        t_first = 0.0
+        fin: Finish | None = None
+        while fin is None:
+            for ev in await routed.next_events():
+                t = type(ev)
+                if t is TokenEntry:
+                    if not t_first:
+                        t_first = _perf()
+                    parts.append(ev.text)  # type: ignore[union-attr]
+                    if g.logprobs:
+                        if g.chat:
+                            lps.extend(chat_logprobs(ev, g.top_logprobs))  # type: ignore[arg-type]
+                        else:
+                            offset = completion_logprobs(ev, g.top_logprobs, legacy, offset)  # type: ignore[arg-type]
+                elif t is Finish:
+                    fin = ev  # type: ignore[assignment]
+                else:
+                    err: Error = ev  # type: ignore[assignment]
+                    raise from_wire_code(err.code, err.message)
+        text = b"".join(parts).decode("utf-8", "replace")
+        reason = finish_reason(fin)
+        if g.chat:
+            body: dict[str, Any] = {
+                "id": new_id("chatcmpl"), "object": "chat.completion", "created": int(time.time()),
+                "model": g.model,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
+                             "logprobs": {"content": lps} if g.logprobs else None, "finish_reason": reason}],
+                "usage": usage_dict(fin), "system_fingerprint": None,
+            }
+        else:
+            body = {
+                "id": new_id("cmpl"), "object": "text_completion", "created": int(time.time()), "model": g.model,
+                "choices": [{"text": text, "index": 0, "logprobs": legacy if g.logprobs else None,
+                             "finish_reason": reason}],
+                "usage": usage_dict(fin),
+            }
+        await sink.respond(200, JSON_HEADERS, orjson.dumps(body))
+        self._observe(route, t0, t_first, _perf(), fin.completion_tokens)
+        return 200
+
+    async def _stream(self, g: GenerationRequest, tpl: ChunkTemplate, routed: RoutedStream,
+                      sink: ResponseSink, t0: float, route: str) -> int:
+        t_first = 0.0
+        offset = 0
+        while True:
+            events = await routed.next_events()
+            out: list[bytes] = []
+            if not tpl.started:
+                first = events[0]
+                if type(first) is Error:
+                    raise from_wire_code(first.code, first.message)  # nothing sent yet: a real HTTP error
+                tpl.started = True
+                await sink.start(200, SSE_HEADERS)
+                if g.chat:
+                    out.append(tpl.role())
+            texts: list[bytes] = []
+            lps: Any = None
+            fin: Finish | None = None
+            for ev in events:
+                t = type(ev)
+                if t is TokenEntry:
+                    if not t_first:
+                        t_first = _perf()
+                    texts.append(ev.text)  # type: ignore[union-attr]
+                    if g.logprobs:
+                        if g.chat:
+                            lps = (lps or []) + chat_logprobs(ev, g.top_logprobs)  # type: ignore[arg-type]
+                        else:
+                            lps = lps or {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+                            offset = completion_logprobs(ev, g.top_logprobs, lps, offset)  # type: ignore[arg-type]
+                elif t is Finish:
+                    fin = ev  # type: ignore[assignment]
+                else:
+                    err = from_wire_code(ev.code, ev.message)  # type: ignore[union-attr]
+                    if texts:
+                        out.append(self._content(tpl, texts, lps))
+                    out.append(sse_error(err.status, err.message, err.type, err.code))
+                    await sink.send(b"".join(out))
+                    await sink.end()
+                    return err.status
+            if texts:
+                out.append(self._content(tpl, texts, lps))
+            if fin is not None:
+                out.append(tpl.finish(finish_reason(fin)))
+                if g.include_usage:
+                    out.append(tpl.usage(fin))
+                out.append(DONE)
+                await sink.send(b"".join(out))
+                await sink.end()
+                self._observe(route, t0, t_first, _perf(), fin.completion_tokens)
+                return 200
+            if out:
+                await sink.send(out[0] if len(out) == 1 else b"".join(out))
+
+    @staticmethod
+    def _content(tpl: ChunkTemplate, texts: list[bytes], lps: Any) -> bytes:
+        raw = texts[0] if len(texts) == 1 else b"".join(texts)
+        text = bytes(raw).decode("utf-8", "replace")
+        if lps is None:
+            return tpl.content(text)
+        return tpl.content_with_logprobs(text, lps)
+
+    def _observe(self, route: str, t0: float, t_first: float, t_end: float, n: int) -> None:
+        if not t_first:
+            return
+        tpot = (t_end - t_first) / (n - 1) if n > 1 else None
+        self.metrics.tokens(route, t_first - t0, tpot, n)

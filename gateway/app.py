@@ -1,0 +1,127 @@
+"""The gateway's application handler: route table, errors at the edge, metrics.
+
+``App`` is a :data:`gateway.http.types.Handler`: protocol adapters call it with
+a fully read :class:`Request` and a :class:`ResponseSink`. Routing is one dict
+lookup on the path and one on the method; 404 and 405 (with ``Allow``) come
+from the table. Every :class:`APIError` raised before a response started is
+rendered here, once, as OpenAI error JSON.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+import orjson
+
+from .api.openai import CHAT_ROUTE, COMPLETIONS_ROUTE, MODELS_ROUTE, OpenAIHandlers
+from .api.render import JSON_HEADERS
+from .errors import APIError, render_json
+from .http.types import Headers, Request, ResponseSink
+from .observability.metrics import CONTENT_TYPE_LATEST, GatewayMetrics
+from .routing.pool import ModelPool
+from .settings import ApiSettings
+
+__all__ = ["App", "Route"]
+
+log = logging.getLogger("quicserve.app")
+
+Route = Callable[[Request, ResponseSink, float], Awaitable[int]]
+
+_perf = time.perf_counter
+_OK = orjson.dumps({"status": "ok"})
+_METRICS_HEADERS = [(b"content-type", CONTENT_TYPE_LATEST.encode())]
+
+
+class App:
+    """Route table + error rendering + request metrics around :class:`OpenAIHandlers`."""
+
+    def __init__(self, pool: ModelPool, metrics: GatewayMetrics | None = None,
+                 api: ApiSettings | None = None) -> None:
+        self.pool = pool
+        self.metrics = metrics if metrics is not None else GatewayMetrics()
+        self.openai = OpenAIHandlers(pool, self.metrics, api or ApiSettings())
+        self.draining = False
+        self.routes: dict[str, dict[str, Route]] = {
+            CHAT_ROUTE: {"POST": self.openai.chat},
+            COMPLETIONS_ROUTE: {"POST": self.openai.completions},
+            MODELS_ROUTE: {"GET": self.openai.models},
+            "/healthz": {"GET": self.healthz},
+            "/readyz": {"GET": self.readyz},
+            "/metrics": {"GET": self.metrics_page},
+        }
+        self._allow = {path: ", ".join(sorted(m)).encode() for path, m in self.routes.items()}
+        self._in_flight_inc = self.metrics.in_flight.inc
+        self._in_flight_dec = self.metrics.in_flight.dec
+
+    async def __call__(self, req: Request, sink: ResponseSink) -> None:
+        t0 = _perf()
+        path = req.path
+        methods = self.routes.get(path)
+        route = path
+        if methods is None:
+            if path.startswith("/v1/models/") and len(path) > 11:
+                methods, route = {"GET": self.openai.model}, "/v1/models/{id}"
+            else:
+                route = "other"
+        status = 499
+        self._in_flight_inc()
+        try:
+            if methods is None:
+                raise APIError(404, f"Unknown request URL: {req.method} {path}. Please check the URL for typos.",
+                               "invalid_request_error", None, "unknown_url")
+            handler = methods.get(req.method)
+            if handler is None:
+                allow = self._allow.get(path, b"GET")
+                status = 405
+                await sink.respond(405, [*JSON_HEADERS, (b"allow", allow)], render_json(APIError(
+                    405, f"Method {req.method} is not allowed for {path}; allowed: {allow.decode()}.",
+                    "invalid_request_error", None, "method_not_allowed")))
+                return
+            status = await handler(req, sink, t0)
+        except APIError as e:
+            status = e.status
+            await sink.respond(e.status, _error_headers(e), render_json(e))
+        except asyncio.CancelledError:
+            status = 499  # client went away
+            raise
+        except Exception:
+            log.exception("unhandled error in %s %s", req.method, path)
+            status = 500
+            await sink.respond(500, JSON_HEADERS, render_json(APIError(
+                500, "Internal server error.", "server_error", None, "internal_error")))
+        finally:
+            self._in_flight_dec()
+            self.metrics.request_done(route, status, req.protocol, _perf() - t0)
+
+    # -- small routes -------------------------------------------------------------------
+    async def healthz(self, req: Request, sink: ResponseSink, t0: float) -> int:
+        await sink.respond(200, JSON_HEADERS, _OK)
+        return 200
+
+    async def readyz(self, req: Request, sink: ResponseSink, t0: float) -> int:
+        ready = self.pool.ready_workers()
+        if ready and not self.draining:
+            await sink.respond(200, JSON_HEADERS, orjson.dumps(
+                {"status": "ready", "workers": ready, "models": self.pool.models()}))
+            return 200
+        why = "draining" if self.draining else "no worker is ready"
+        await sink.respond(503, JSON_HEADERS, orjson.dumps({"status": "not ready", "reason": why, "workers": ready}))
+        return 503
+
+    async def metrics_page(self, req: Request, sink: ResponseSink, t0: float) -> int:
+        self.metrics.workers_ready.set(self.pool.ready_workers())
+        await sink.respond(200, _METRICS_HEADERS, self.metrics.render())
+        return 200
+
+    def on_http_event(self, status: int, protocol: str) -> None:
+        """Hook for protocol adapters: a request rejected before routing (400/408/413/431)."""
+        self.metrics.protocol_error(status, protocol)
+
+
+def _error_headers(e: APIError) -> Headers:
+    if e.retry_after is not None:
+        return [*JSON_HEADERS, (b"retry-after", str(max(1, round(e.retry_after))).encode())]
+    return JSON_HEADERS

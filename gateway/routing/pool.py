@@ -1,0 +1,168 @@
+"""Model pools: which ready workers serve which model, and which one gets a request.
+
+How it works: the supervisor :meth:`ModelPool.add`\\ s a connected worker under
+the model names it announced in its Hello and :meth:`ModelPool.remove`\\ s it when
+it dies. :meth:`ModelPool.open` picks the least-loaded ready worker serving the
+model (:func:`load_score`: the larger of what this gateway has in flight there
+and what the worker last reported running, plus its queue) and returns a
+:class:`RoutedStream`. If that worker dies, drains or is overloaded *before the
+first token*, the stream resubmits on another worker, transparently, up to
+``retries`` times; after the first token the error goes to the client.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+
+from transport.api import RequestStream, StreamEvent, WorkerConnection
+from transport.messages import Error, ErrorCode, Finish, Submit, TokenEntry
+
+from ..errors import APIError
+
+__all__ = ["ModelPool", "RoutedStream", "load_score", "RETRYABLE"]
+
+log = logging.getLogger("quicserve.routing")
+
+# Worker-side errors that mean "this worker could not take it", not "bad request".
+RETRYABLE = frozenset({ErrorCode.CONNECTION_LOST, ErrorCode.SHUTTING_DOWN, ErrorCode.OVERLOADED})
+
+SubmitFactory = Callable[[int], Submit]
+
+
+def load_score(conn: WorkerConnection) -> int:
+    """Lower is better. Uses this gateway's in-flight count and the worker's Stats."""
+    s = conn.latest_stats
+    if s is None:
+        return conn.in_flight
+    return max(conn.in_flight, s.running + s.queue_depth) + s.queue_depth
+
+
+class ModelPool:
+    """Ready worker connections by served model name."""
+
+    def __init__(self, retries: int = 1) -> None:
+        self.retries = retries
+        self._by_model: dict[str, list[WorkerConnection]] = {}
+
+    # -- membership (supervisor) ------------------------------------------------
+    def add(self, conn: WorkerConnection, models: Iterable[str] | None = None) -> None:
+        names = tuple(models) if models is not None else tuple(conn.peer_hello.models)
+        for name in names:
+            conns = self._by_model.setdefault(name, [])
+            if conn not in conns:
+                conns.append(conn)
+
+    def remove(self, conn: WorkerConnection) -> None:
+        for name in list(self._by_model):
+            conns = self._by_model[name]
+            if conn in conns:
+                conns.remove(conn)
+            if not conns:
+                del self._by_model[name]
+
+    def connections(self) -> list[WorkerConnection]:
+        seen: dict[int, WorkerConnection] = {}
+        for conns in self._by_model.values():
+            for c in conns:
+                seen.setdefault(id(c), c)
+        return list(seen.values())
+
+    # -- queries (handlers) --------------------------------------------------------
+    def models(self) -> list[str]:
+        """Models with at least one ready (open) worker, sorted."""
+        return sorted(m for m, conns in self._by_model.items() if any(not c.closed for c in conns))
+
+    def ready_workers(self) -> int:
+        return sum(1 for c in self.connections() if not c.closed)
+
+    def choose(self, model: str, exclude: tuple[WorkerConnection, ...] = ()) -> WorkerConnection | None:
+        conns = self._by_model.get(model)
+        if not conns:
+            return None
+        best: WorkerConnection | None = None
+        best_score = 0
+        for c in conns:
+            if c.closed or c in exclude:
+                continue
+            score = load_score(c)
+            if best is None or score < best_score:
+                best, best_score = c, score
+        return best
+
+    def open(self, model: str, make_submit: SubmitFactory) -> RoutedStream:
+        """Submit to the least-loaded worker serving ``model``.
+
+        Raises APIError 404 if no worker has ever announced the model, 503 if
+        none serving it is currently ready.
+        """
+        if model not in self._by_model:
+            raise APIError(404, f"The model `{model}` does not exist.", "invalid_request_error",
+                           "model", "model_not_found")
+        routed = RoutedStream(self, model, make_submit)
+        routed._submit_next()
+        return routed
+
+
+def _unavailable(model: str) -> APIError:
+    return APIError(503, f"No worker serving `{model}` is ready; try again shortly.", "server_error",
+                    None, "no_worker_available", retry_after=1.0)
+
+
+class RoutedStream:
+    """A request's stream that may move to another worker before its first token."""
+
+    __slots__ = ("_pool", "_model", "_make", "_stream", "_tried", "_retries_left", "_started",
+                 "_cancelled", "conn")
+
+    def __init__(self, pool: ModelPool, model: str, make_submit: SubmitFactory) -> None:
+        self._pool = pool
+        self._model = model
+        self._make = make_submit
+        self._stream: RequestStream | None = None
+        self._tried: tuple[WorkerConnection, ...] = ()
+        self._retries_left = pool.retries
+        self._started = False
+        self._cancelled = False
+        self.conn: WorkerConnection | None = None
+
+    def _submit_next(self) -> None:
+        while True:
+            conn = self._pool.choose(self._model, self._tried)
+            if conn is None:
+                raise _unavailable(self._model)
+            self._tried += (conn,)
+            try:
+                self._stream = conn.submit(self._make(conn.next_request_id()))
+            except Exception as e:  # closed under our feet: that worker cannot take it
+                log.info("submit to a worker failed (%s); trying another", e)
+                continue
+            self.conn = conn
+            return
+
+    @property
+    def done(self) -> bool:
+        return self._stream is None or self._stream.done
+
+    async def next_events(self) -> list[StreamEvent]:
+        assert self._stream is not None
+        events = await self._stream.next_events()
+        if self._started:
+            return events
+        ev = events[0]
+        if type(ev) is Error and ev.code in RETRYABLE and not self._cancelled and self._retries_left > 0:
+            self._retries_left -= 1
+            log.info("worker failed before the first token (%s: %s); resubmitting", ev.code.name, ev.message)
+            try:
+                self._submit_next()
+            except APIError:
+                return events  # no other worker: the client gets the original error
+            return await self.next_events()
+        if type(ev) is TokenEntry or type(ev) is Finish:
+            self._started = True
+        return events
+
+    def cancel(self) -> None:
+        self._cancelled = True
+        if self._stream is not None:
+            self._stream.cancel()

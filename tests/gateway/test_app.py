@@ -1,0 +1,264 @@
+"""App + OpenAI handlers against the ScriptedWorkerConnection double (no sockets)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import orjson
+import pytest
+
+from gateway.app import App
+from gateway.http.types import Request
+from gateway.routing.pool import ModelPool
+from gateway.settings import ApiSettings
+from transport.messages import ErrorCode, Stats
+
+from .doubles import RecordingSink, ScriptedWorkerConnection, sse_events
+
+
+def make_app(*conns: ScriptedWorkerConnection, api: ApiSettings | None = None, retries: int = 1) -> App:
+    pool = ModelPool(retries=retries)
+    for c in conns or (ScriptedWorkerConnection(),):
+        pool.add(c)
+    return App(pool, api=api)
+
+
+def req(path: str, body: object = None, method: str = "POST", raw: bytes | None = None) -> Request:
+    data = raw if raw is not None else (orjson.dumps(body) if body is not None else b"")
+    return Request(method, path, "", [], data, "http/1.1", "http")
+
+
+async def call(app: App, r: Request) -> RecordingSink:
+    sink = RecordingSink()
+    await app(r, sink)
+    return sink
+
+
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
+
+
+async def test_chat_unary_shape_and_usage() -> None:
+    conn = ScriptedWorkerConnection()
+    app = make_app(conn)
+    s = await call(app, req("/v1/chat/completions", CHAT))
+    assert s.status == 200 and not s.streamed
+    assert s.header(b"content-type") == b"application/json"
+    body = s.json()
+    assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+    assert body["model"] == "tiny"
+    # the double emits bytes of "abcdefghij" in order, max_tokens=5 of them
+    assert body["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "abcde", "refusal": None},
+                                "logprobs": None, "finish_reason": "length"}]
+    assert body["usage"]["prompt_tokens"] == 7 and body["usage"]["completion_tokens"] == 5
+    assert body["usage"]["total_tokens"] == 12
+    sub = conn.submits[0]
+    assert sub.messages == ({"role": "user", "content": "hi"},) and sub.params.max_tokens == 5
+    assert conn.cancels == [] and conn.in_flight == 0
+
+
+async def test_sampling_params_reach_the_worker() -> None:
+    conn = ScriptedWorkerConnection()
+    app = make_app(conn)
+    body = {**CHAT, "temperature": 0.3, "top_p": 0.9, "seed": 42, "stop": ["x", "yz"], "user": "u1",
+            "max_tokens": None, "max_completion_tokens": 3, "n": 1}
+    s = await call(app, req("/v1/chat/completions", body))
+    assert s.status == 200, s.body
+    p = conn.submits[0].params
+    assert (p.max_tokens, p.temperature, p.top_p, p.seed, p.stop) == (3, 0.3, 0.9, 42, ("x", "yz"))
+
+
+async def test_default_max_tokens_from_settings() -> None:
+    conn = ScriptedWorkerConnection()
+    app = make_app(conn, api=ApiSettings(default_max_tokens=4))
+    body = {k: v for k, v in CHAT.items() if k != "max_tokens"}
+    s = await call(app, req("/v1/chat/completions", body))
+    assert s.json()["choices"][0]["message"]["content"] == "abcd"
+
+
+@pytest.mark.parametrize("include_usage", [False, True])
+async def test_chat_stream(include_usage: bool) -> None:
+    conn = ScriptedWorkerConnection(tokens_per_batch=2)
+    app = make_app(conn)
+    body = {**CHAT, "stream": True}
+    if include_usage:
+        body["stream_options"] = {"include_usage": True}
+    s = await call(app, req("/v1/chat/completions", body))
+    assert s.status == 200 and s.streamed and s.ended
+    assert s.header(b"content-type").startswith(b"text/event-stream")
+    ev = sse_events(s.body)
+    assert ev[-1] == "[DONE]"
+    chunks = ev[:-1]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert len({c["id"] for c in chunks}) == 1
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert text == "abcde"
+    finals = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert len(finals) == 1 and finals[0]["choices"][0]["finish_reason"] == "length"
+    assert finals[0]["choices"][0]["delta"] == {}
+    if include_usage:
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 5
+        assert all(c["usage"] is None for c in chunks[:-1])
+    else:
+        assert all("usage" not in c for c in chunks)
+
+
+async def test_completions_unary_and_stream() -> None:
+    conn = ScriptedWorkerConnection()
+    app = make_app(conn)
+    s = await call(app, req("/v1/completions", {"model": "tiny", "prompt": "Say", "max_tokens": 3}))
+    b = s.json()
+    assert s.status == 200 and b["object"] == "text_completion" and b["choices"][0]["text"] == "abc"
+    assert conn.submits[0].prompt == "Say"
+    s = await call(app, req("/v1/completions", {"model": "tiny", "prompt": [[1, 2, 3]], "max_tokens": 3,
+                                                 "stream": True}))
+    ev = sse_events(s.body)
+    assert ev[-1] == "[DONE]"
+    assert "".join(c["choices"][0]["text"] for c in ev[:-1]) == "abc"
+    assert ev[-2]["choices"][0]["finish_reason"] == "length"
+    assert conn.submits[1].prompt_token_ids == (1, 2, 3)
+
+
+async def test_chat_logprobs() -> None:
+    app = make_app(ScriptedWorkerConnection(logprobs_value=-0.25))
+    s = await call(app, req("/v1/chat/completions", {**CHAT, "max_tokens": 2, "logprobs": True,
+                                                      "top_logprobs": 2}))
+    lp = s.json()["choices"][0]["logprobs"]["content"]
+    assert [x["token"] for x in lp] == ["a", "b"]
+    assert lp[0]["logprob"] == -0.25 and len(lp[0]["top_logprobs"]) == 2
+    assert lp[0]["bytes"] == [97]
+
+
+async def test_completion_logprobs_stream() -> None:
+    app = make_app(ScriptedWorkerConnection())
+    s = await call(app, req("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 2, "logprobs": 1,
+                                                 "stream": True}))
+    ev = sse_events(s.body)
+    assert ev[0]["choices"][0]["logprobs"]["tokens"] == ["a"]
+    assert ev[1]["choices"][0]["logprobs"]["token_logprobs"] == [-0.5]
+
+
+async def test_models_and_model() -> None:
+    app = make_app(ScriptedWorkerConnection(models=("tiny", "other")))
+    s = await call(app, req("/v1/models", method="GET"))
+    b = s.json()
+    assert b["object"] == "list" and [m["id"] for m in b["data"]] == ["other", "tiny"]
+    s = await call(app, req("/v1/models/tiny", method="GET"))
+    assert s.json()["id"] == "tiny"
+    s = await call(app, req("/v1/models/nope", method="GET"))
+    assert s.status == 404 and s.json()["error"]["code"] == "model_not_found"
+
+
+async def test_404_405_health_ready_metrics() -> None:
+    app = make_app()
+    s = await call(app, req("/nope", method="GET"))
+    assert s.status == 404 and s.json()["error"]["code"] == "unknown_url"
+    s = await call(app, req("/v1/chat/completions", method="GET"))
+    assert s.status == 405 and s.header(b"allow") == b"POST"
+    assert s.json()["error"]["type"] == "invalid_request_error"
+    assert (await call(app, req("/healthz", method="GET"))).status == 200
+    s = await call(app, req("/readyz", method="GET"))
+    assert s.status == 200 and s.json()["workers"] == 1
+    await call(app, req("/v1/chat/completions", CHAT))
+    s = await call(app, req("/metrics", method="GET"))
+    text = s.body.decode()
+    assert s.status == 200 and s.header(b"content-type").startswith(b"text/plain")
+    assert 'quicserve_requests_total{protocol="http/1.1",route="/v1/chat/completions",status="200"} 1.0' in text
+    assert 'quicserve_requests_total{protocol="http/1.1",route="other",status="404"} 1.0' in text
+    assert "quicserve_time_to_first_token_seconds_count" in text
+    assert "quicserve_requests_in_flight 1.0" in text  # this very /metrics request
+
+
+async def test_readyz_without_workers() -> None:
+    app = App(ModelPool())
+    s = await call(app, req("/readyz", method="GET"))
+    assert s.status == 503 and s.json()["status"] == "not ready"
+
+
+async def test_unknown_model_404() -> None:
+    app = make_app()
+    s = await call(app, req("/v1/chat/completions", {**CHAT, "model": "gpt-9"}))
+    assert s.status == 404
+    assert s.json() == {"error": {"message": "The model `gpt-9` does not exist.", "type": "invalid_request_error",
+                                  "param": "model", "code": "model_not_found"}}
+
+
+async def test_worker_error_before_first_token_is_http_error() -> None:
+    app = make_app(ScriptedWorkerConnection(fail_before_first=ErrorCode.CONTEXT_LENGTH))
+    for stream in (False, True):
+        s = await call(app, req("/v1/chat/completions", {**CHAT, "stream": stream}))
+        assert s.status == 400 and not s.streamed
+        assert s.json()["error"]["code"] == "context_length_exceeded"
+
+
+async def test_worker_error_mid_stream_is_sse_error_event() -> None:
+    app = make_app(ScriptedWorkerConnection(fail_after=2))
+    s = await call(app, req("/v1/chat/completions", {**CHAT, "stream": True}))
+    ev = sse_events(s.body)
+    assert s.status == 200 and s.ended
+    assert ev[-1]["error"]["code"] == "internal_error" and "[DONE]" not in ev
+    s = await call(app, req("/v1/chat/completions", {**CHAT, "stream": False}))
+    assert s.status == 500 and s.json()["error"]["type"] == "server_error"
+
+
+async def test_retry_on_another_worker_before_first_token() -> None:
+    dead = ScriptedWorkerConnection(fail_before_first=ErrorCode.CONNECTION_LOST)
+    good = ScriptedWorkerConnection()
+    good.latest_stats = Stats(queue_depth=0, running=3, kv_blocks_free=1, kv_blocks_total=1)  # dead looks idler
+    app = make_app(dead, good)
+    s = await call(app, req("/v1/chat/completions", CHAT))
+    assert s.status == 200 and s.json()["choices"][0]["message"]["content"] == "abcde"
+    assert len(dead.submits) == 1 and len(good.submits) == 1
+
+
+async def test_no_retry_left_gives_502() -> None:
+    app = make_app(ScriptedWorkerConnection(fail_before_first=ErrorCode.CONNECTION_LOST), retries=1)
+    s = await call(app, req("/v1/chat/completions", CHAT))
+    assert s.status == 502 and s.json()["error"]["code"] == "worker_connection_lost"
+
+
+async def test_all_workers_closed_gives_503() -> None:
+    conn = ScriptedWorkerConnection()
+    app = make_app(conn)
+    conn.closed = True
+    s = await call(app, req("/v1/chat/completions", CHAT))
+    assert s.status == 503 and s.header(b"retry-after") == b"1"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_client_disconnect_cancels_worker_request(stream: bool) -> None:
+    conn = ScriptedWorkerConnection(hang_after=2)
+    app = make_app(conn)
+    sink = RecordingSink()
+    task = asyncio.create_task(app(req("/v1/chat/completions", {**CHAT, "stream": stream}), sink))
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert not task.done() and conn.in_flight == 1
+    task.cancel()  # what the protocol adapter does when the client goes away
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert conn.cancels == [1]
+    assert app.metrics.in_flight._value.get() == 0
+
+
+async def test_stalled_reader_disconnect_cancels() -> None:
+    conn = ScriptedWorkerConnection()
+    app = make_app(conn)
+    sink = RecordingSink(block_after_chunks=1)
+    task = asyncio.create_task(app(req("/v1/chat/completions", {**CHAT, "stream": True, "max_tokens": 50}), sink))
+    await sink.blocked.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert conn.cancels == [1]
+
+
+async def test_request_timeout_504() -> None:
+    app = make_app(ScriptedWorkerConnection(hang_after=0), api=ApiSettings(request_timeout=0.05))
+    s = await call(app, req("/v1/chat/completions", CHAT))
+    assert s.status == 504 and s.json()["error"]["code"] == "timeout"
+    conn = ScriptedWorkerConnection(hang_after=2)
+    app = make_app(conn, api=ApiSettings(request_timeout=0.05))
+    s = await call(app, req("/v1/chat/completions", {**CHAT, "stream": True}))
+    assert s.status == 200 and sse_events(s.body)[-1]["error"]["code"] == "timeout"
+    assert conn.cancels == [1]
