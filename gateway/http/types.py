@@ -13,8 +13,9 @@ the handler cancels its worker request.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Awaitable, Callable, Protocol
+from typing import Protocol
 
 __all__ = ["Request", "ResponseSink", "Handler", "Headers"]
 

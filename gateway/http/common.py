@@ -1,0 +1,167 @@
+"""What every protocol adapter shares: limits, the server-wide state, the
+per-request handler runner and protocol-level error responses.
+
+The adapters (:mod:`gateway.http.h1`, :mod:`gateway.http.h2`) own parsing and
+framing; this module owns the rules that must be the same for both: how a
+handler's outcome becomes a response (APIError -> its status and JSON body,
+any other exception -> 500 JSON, nothing written -> 500), how in-flight
+requests are counted for draining, and how protocol-level errors are reported
+to the optional ``on_event`` hook (metrics).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import urllib.parse
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from gateway.errors import APIError, render_json
+from gateway.http.types import Handler, Headers, Request, ResponseSink
+
+__all__ = [
+    "HttpLimits",
+    "ProtocolEvent",
+    "EventHook",
+    "ServerState",
+    "Connection",
+    "ClientDisconnected",
+    "HandlerSink",
+    "run_request",
+    "error_body",
+    "decode_target",
+    "ERROR_HEADERS",
+]
+
+log = logging.getLogger("gateway.http")
+
+
+@dataclass(frozen=True, slots=True)
+class HttpLimits:
+    """Per-connection and per-request limits shared by HTTP/1.1 and HTTP/2."""
+
+    max_body_bytes: int = 1 << 20  # -> 413
+    max_header_bytes: int = 16 << 10  # request line/pseudo-headers + headers -> 431
+    header_timeout: float = 10.0  # first byte of a request to end of its headers -> 408
+    body_timeout: float = 30.0  # longest gap between body bytes -> 408
+    keepalive_timeout: float = 75.0  # idle connection, nothing in flight -> closed
+    h2_max_concurrent_streams: int = 256
+    h2_initial_window_size: int = 1 << 20  # per-stream receive window we advertise
+    max_pipelined: int = 16  # parsed-but-unanswered h1 requests before reading pauses
+    linger_timeout: float = 2.0  # after an error response, drain input this long before closing
+
+    def __post_init__(self) -> None:
+        for name in ("max_body_bytes", "max_header_bytes", "h2_max_concurrent_streams", "max_pipelined"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"HttpLimits.{name} must be >= 1")
+        for name in ("header_timeout", "body_timeout", "keepalive_timeout", "linger_timeout"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"HttpLimits.{name} must be > 0")
+        if not 65535 <= self.h2_initial_window_size <= 2**31 - 1:
+            raise ValueError("HttpLimits.h2_initial_window_size must be in [65535, 2**31-1]")
+
+
+@dataclass(frozen=True, slots=True)
+class ProtocolEvent:
+    """A request that ended at the protocol layer and never reached the handler."""
+
+    status: int  # 400, 408, 413, 431
+    protocol: str  # "http/1.1" | "h2"
+    reason: str
+
+
+EventHook = Callable[[ProtocolEvent], None]
+
+ERROR_HEADERS: Headers = [(b"content-type", b"application/json")]
+
+
+def error_body(status: int, message: str, code: str | None = None) -> bytes:
+    typ = "server_error" if status >= 500 else "invalid_request_error"
+    return render_json(APIError(status, message, typ, None, code))
+
+
+def decode_target(raw_path: bytes) -> str:
+    """Percent-decode a request path; raises ``UnicodeDecodeError`` on bad UTF-8."""
+    if b"%" in raw_path:
+        raw_path = urllib.parse.unquote_to_bytes(raw_path)
+    return raw_path.decode("utf-8")
+
+
+class ClientDisconnected(ConnectionError):
+    """The client went away (connection lost, stream reset) while we were writing."""
+
+
+class Connection(Protocol):
+    """What :class:`ServerState` needs from a live connection."""
+
+    def drain(self) -> None: ...
+    def abort(self) -> None: ...
+
+
+class ServerState:
+    """Server-wide bookkeeping shared by all connections of one ``start_server``."""
+
+    __slots__ = ("handler", "limits", "on_event", "in_flight", "draining", "connections", "_idle")
+
+    def __init__(self, handler: Handler, limits: HttpLimits, on_event: EventHook | None) -> None:
+        self.handler = handler
+        self.limits = limits
+        self.on_event = on_event
+        self.in_flight = 0
+        self.draining = False
+        self.connections: set[Connection] = set()
+        self._idle: list[asyncio.Future[None]] = []
+
+    def request_started(self) -> None:
+        self.in_flight += 1
+
+    def request_done(self) -> None:
+        self.in_flight -= 1
+        if self.in_flight == 0 and self._idle:
+            for fut in self._idle:
+                if not fut.done():
+                    fut.set_result(None)
+            self._idle.clear()
+
+    async def wait_idle(self) -> None:
+        if self.in_flight == 0:
+            return
+        fut = asyncio.get_running_loop().create_future()
+        self._idle.append(fut)
+        await fut
+
+    def report(self, status: int, protocol: str, reason: str) -> None:
+        if self.on_event is not None:
+            try:
+                self.on_event(ProtocolEvent(status, protocol, reason))
+            except Exception:  # a metrics hook must never break serving
+                log.exception("on_event hook failed")
+
+
+class HandlerSink(ResponseSink, Protocol):
+    """An adapter's response sink, plus the two outcomes :func:`run_request` reports."""
+
+    def fail(self, err: APIError) -> None:
+        """Turn a handler error into a response (or an abort once bytes are out)."""
+        ...
+
+    def finish(self) -> None:
+        """The handler returned: end a started stream, or 500 if nothing was sent."""
+        ...
+
+
+async def run_request(handler: Handler, request: Request, sink: HandlerSink) -> None:
+    """Run one handler to completion; the request ends exactly once."""
+    try:
+        await handler(request, sink)
+    except APIError as err:
+        sink.fail(err)
+    except ClientDisconnected:
+        pass  # the adapter has already cancelled or reset this request
+    except Exception:
+        log.exception("handler failed: %s %s", request.method, request.path)
+        sink.fail(APIError(500, "internal server error", "server_error", None, "internal_error"))
+    else:
+        sink.finish()
