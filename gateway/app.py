@@ -13,6 +13,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 import orjson
 
@@ -24,7 +25,14 @@ from .observability.metrics import CONTENT_TYPE_LATEST, GatewayMetrics
 from .routing.pool import ModelPool
 from .settings import ApiSettings
 
-__all__ = ["App", "Route"]
+__all__ = ["App", "Route", "ProtocolEvent"]
+
+
+class ProtocolEvent(Protocol):
+    """What ``gateway.http.common.ProtocolEvent`` carries (status, protocol)."""
+
+    status: int
+    protocol: str
 
 log = logging.getLogger("quicserve.app")
 
@@ -116,9 +124,9 @@ class App:
         await sink.respond(200, _METRICS_HEADERS, self.metrics.render())
         return 200
 
-    def on_http_event(self, status: int, protocol: str) -> None:
-        """Hook for protocol adapters: a request rejected before routing (400/408/413/431)."""
-        self.metrics.protocol_error(status, protocol)
+    def on_http_event(self, event: ProtocolEvent) -> None:
+        """``on_event`` hook for protocol adapters: a request rejected before routing (400/408/413/431)."""
+        self.metrics.protocol_error(event.status, event.protocol)
 
 
 def _error_headers(e: APIError) -> Headers:

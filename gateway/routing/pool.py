@@ -44,11 +44,13 @@ class ModelPool:
     def __init__(self, retries: int = 1) -> None:
         self.retries = retries
         self._by_model: dict[str, list[WorkerConnection]] = {}
+        self._known: set[str] = set()  # every model ever announced (404 vs 503)
 
     # -- membership (supervisor) ------------------------------------------------
     def add(self, conn: WorkerConnection, models: Iterable[str] | None = None) -> None:
         names = tuple(models) if models is not None else tuple(conn.peer_hello.models)
         for name in names:
+            self._known.add(name)
             conns = self._by_model.setdefault(name, [])
             if conn not in conns:
                 conns.append(conn)
@@ -93,10 +95,10 @@ class ModelPool:
     def open(self, model: str, make_submit: SubmitFactory) -> RoutedStream:
         """Submit to the least-loaded worker serving ``model``.
 
-        Raises APIError 404 if no worker has ever announced the model, 503 if
-        none serving it is currently ready.
+        Raises APIError 404 if no worker has ever announced the model (and
+        some worker has announced something), 503 if none serving it is ready.
         """
-        if model not in self._by_model:
+        if model not in self._known and self._known:
             raise APIError(404, f"The model `{model}` does not exist.", "invalid_request_error",
                            "model", "model_not_found")
         routed = RoutedStream(self, model, make_submit)

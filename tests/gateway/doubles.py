@@ -84,6 +84,7 @@ class ScriptedWorkerConnection:
     streams: dict[int, ScriptedStream] = field(default_factory=dict)
     _next: int = 0
     _open: set[int] = field(default_factory=set)
+    _closed_ev: asyncio.Event = field(default_factory=asyncio.Event)
 
     def __post_init__(self) -> None:
         self.peer_hello = Hello(role="worker", identity="scripted", models=self.models)
@@ -132,13 +133,17 @@ class ScriptedWorkerConnection:
         return s
 
     async def drain(self, timeout: float) -> None:
-        self.closed = True
+        await self.close()
 
     async def close(self) -> None:
+        """Closing ends every open stream with CONNECTION_LOST, as the real transport does."""
         self.closed = True
+        for rid in list(self._open):
+            self.streams[rid].put([Error(rid, ErrorCode.CONNECTION_LOST, "connection closed")])
+        self._closed_ev.set()
 
     async def wait_closed(self) -> None:
-        return None
+        await self._closed_ev.wait()
 
 
 class RecordingSink:

@@ -1,0 +1,288 @@
+"""Start, watch, restart and stop workers; keep the model pool in sync.
+
+How it works: each local worker is a child process (``python -m gateway.cli
+worker ...``, i.e. ``quicserve worker``) in its own session. Its stdout is
+JSON lines: ``progress`` events go to the :class:`ProgressDisplay`, one
+``ready`` event carries the transport URL, which we connect to and add to the
+:class:`ModelPool`. When the process exits or its connection dies we take it
+out of the pool and start it again after a :class:`Backoff` delay (doubling
+per consecutive failure, reset once a worker has stayed up a while). Remote
+workers (by URL) get the same treatment minus the process. :meth:`stop` takes
+every worker out of the pool, closes connections, SIGTERMs the children and
+SIGKILLs any that outlive ``stop_timeout``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import orjson
+
+from transport.api import WorkerConnection
+
+from ..observability.metrics import GatewayMetrics
+from ..observability.progress import ProgressDisplay
+from ..settings import WorkersSettings
+from .pool import ModelPool
+
+__all__ = ["Backoff", "WorkerSupervisor", "LocalWorker", "RemoteWorker", "worker_command", "Connector"]
+
+log = logging.getLogger("quicserve.workers")
+
+Connector = Callable[..., Awaitable[WorkerConnection]]
+
+STABLE_AFTER = 30.0  # seconds up before a worker's backoff resets
+
+
+class Backoff:
+    """Restart delays: initial, 2x, 4x ... capped; reset after a stable run. Sans-I/O."""
+
+    def __init__(self, initial: float, maximum: float) -> None:
+        self.initial, self.maximum = initial, maximum
+        self.failures = 0
+
+    def next_delay(self, ran_for: float) -> float:
+        if ran_for >= STABLE_AFTER:
+            self.failures = 0
+        delay = min(self.maximum, self.initial * (2 ** self.failures))
+        self.failures += 1
+        return delay
+
+
+def worker_command(ws: WorkersSettings, index: int) -> list[str]:
+    """argv of local worker ``index`` (runs this interpreter, so venvs just work)."""
+    listen = ws.listen
+    if listen.startswith("unix://") and index:
+        listen = f"{listen}-{index}"
+    cmd = [sys.executable, "-m", "gateway.cli", "worker", "--listen", listen, "--engine", ws.engine,
+           "--model", ws.model]
+    if ws.served_name:
+        cmd += ["--served-name", ws.served_name]
+    return cmd + list(ws.extra_args)
+
+
+def _default_connector() -> Connector:
+    from transport.client import connect  # imported late so tests can run without it
+
+    return connect
+
+
+def _child_setup() -> None:  # runs in the child between fork and exec
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: die with the gateway
+
+
+class _Worker:
+    """Shared loop: run once, then restart with backoff until stopped."""
+
+    name: str
+
+    def __init__(self, sup: WorkerSupervisor) -> None:
+        self.sup = sup
+        self.conn: WorkerConnection | None = None
+        self.ready_once = asyncio.Event()
+        self.starts = 0
+        self.stopping = False
+        self.task: asyncio.Task[None] | None = None
+
+    async def run_once(self) -> None:
+        raise NotImplementedError
+
+    async def loop(self) -> None:
+        backoff = Backoff(self.sup.ws.restart_backoff_initial, self.sup.ws.restart_backoff_max)
+        while not self.stopping:
+            t0 = time.monotonic()
+            self.starts += 1
+            try:
+                await self.run_once()
+                why = "exited"
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - any failure means "restart it"
+                why = f"failed: {e}"
+                log.debug("%s failed", self.name, exc_info=True)
+            finally:
+                await self._release()
+            if self.stopping:
+                return
+            delay = backoff.next_delay(time.monotonic() - t0)
+            self.sup.metrics.worker_restarts.inc()
+            self.sup.progress.note(self.name, f"{why}; restarting in {delay:.1f} s")
+            log.warning("%s %s; restarting in %.1f s", self.name, why, delay)
+            await asyncio.sleep(delay)
+
+    async def attach(self, url: str, models: Sequence[str] | None) -> WorkerConnection:
+        ws = self.sup.ws
+        conn = await self.sup.connect(url, identity=self.sup.identity, timeout=ws.connect_timeout,
+                                      heartbeat_interval=ws.heartbeat_interval, dead_after=ws.dead_after)
+        self.conn = conn
+        served = list(models) if models else list(conn.peer_hello.models)
+        self.sup.pool.add(conn, served)
+        self.sup.progress.note(self.name, f"ready at {url} serving {', '.join(served)}")
+        self.ready_once.set()
+        return conn
+
+    async def _release(self) -> None:
+        conn, self.conn = self.conn, None
+        if conn is not None:
+            self.sup.pool.remove(conn)
+            with contextlib.suppress(Exception):
+                await conn.close()
+
+    async def stop(self) -> None:
+        self.stopping = True
+
+
+class LocalWorker(_Worker):
+    def __init__(self, sup: WorkerSupervisor, index: int, argv: list[str]) -> None:
+        super().__init__(sup)
+        self.name = f"worker-{index}"
+        self.argv = argv
+        self.proc: asyncio.subprocess.Process | None = None
+        self.models: list[str] = []
+
+    async def run_once(self) -> None:
+        ws = self.sup.ws
+        self.proc = proc = await asyncio.create_subprocess_exec(
+            *self.argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+            start_new_session=True, preexec_fn=_child_setup)
+        assert proc.stdout is not None
+        self.sup.progress.note(self.name, f"starting (pid {proc.pid}): {' '.join(self.argv[3:])}")
+        try:
+            ready = await asyncio.wait_for(self._read_until_ready(proc.stdout), ws.ready_timeout)
+        except TimeoutError:
+            raise RuntimeError(f"not ready after {ws.ready_timeout:g} s") from None
+        if ready is None:
+            rc = await proc.wait()
+            raise RuntimeError(f"exited with status {rc} before it was ready")
+        reader = asyncio.create_task(self._read_rest(proc.stdout))
+        try:
+            conn = await self.attach(str(ready["url"]), ready.get("models"))
+            waits = [asyncio.ensure_future(proc.wait()), asyncio.ensure_future(conn.wait_closed())]
+            try:
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for w in waits:
+                    w.cancel()
+            if proc.returncode is not None:
+                raise RuntimeError(f"exited with status {proc.returncode}")
+            raise RuntimeError("transport connection lost")
+        finally:
+            reader.cancel()
+
+    async def _read_until_ready(self, stdout: asyncio.StreamReader) -> dict[str, Any] | None:
+        async for raw in stdout:
+            ev = self._event(raw)
+            if ev is None:
+                continue
+            kind = ev.get("event")
+            if kind == "progress":
+                self.sup.progress.progress(self.name, str(ev.get("stage", "")), int(ev.get("done", 0)),
+                                           int(ev.get("total", 0)), str(ev.get("message", "")))
+            elif kind == "ready" and isinstance(ev.get("url"), str):
+                return ev
+        return None
+
+    async def _read_rest(self, stdout: asyncio.StreamReader) -> None:
+        async for raw in stdout:
+            self._event(raw)
+
+    def _event(self, raw: bytes) -> dict[str, Any] | None:
+        line = raw.strip()
+        if not line:
+            return None
+        try:
+            ev = orjson.loads(line)
+        except orjson.JSONDecodeError:
+            ev = None
+        if not isinstance(ev, dict):
+            log.info("%s: %s", self.name, line.decode(errors="replace"))
+            return None
+        return ev
+
+    async def _release(self) -> None:
+        await super()._release()
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.returncode is None:
+            await _terminate(proc, self.sup.ws.stop_timeout)
+
+
+class RemoteWorker(_Worker):
+    def __init__(self, sup: WorkerSupervisor, url: str) -> None:
+        super().__init__(sup)
+        self.name = url
+        self.url = url
+
+    async def run_once(self) -> None:
+        conn = await self.attach(self.url, None)
+        await conn.wait_closed()
+        raise RuntimeError("transport connection lost")
+
+
+async def _terminate(proc: asyncio.subprocess.Process, timeout: float) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        proc.send_signal(signal.SIGTERM)
+    try:
+        await asyncio.wait_for(proc.wait(), timeout)
+    except TimeoutError:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        await proc.wait()
+
+
+class WorkerSupervisor:
+    """Every configured worker, local and remote."""
+
+    def __init__(self, ws: WorkersSettings, pool: ModelPool, metrics: GatewayMetrics,
+                 progress: ProgressDisplay | None = None, *, connect: Connector | None = None,
+                 commands: Sequence[list[str]] | None = None) -> None:
+        self.ws = ws
+        self.pool = pool
+        self.metrics = metrics
+        self.progress = progress if progress is not None else ProgressDisplay("off")
+        self.connect = connect if connect is not None else _default_connector()
+        self.identity = f"gateway@{os.uname().nodename}:{os.getpid()}"
+        cmds = list(commands) if commands is not None else [worker_command(ws, i) for i in range(ws.local)]
+        self.workers: list[_Worker] = [LocalWorker(self, i, c) for i, c in enumerate(cmds)]
+        self.workers += [RemoteWorker(self, u) for u in ws.remote]
+
+    def start(self) -> None:
+        for w in self.workers:
+            w.task = asyncio.create_task(w.loop(), name=f"supervise {w.name}")
+
+    async def wait_ready(self, timeout: float | None = None, *, all_workers: bool = False) -> bool:
+        """True once one (or every) worker has been ready at least once."""
+        waits = [asyncio.ensure_future(w.ready_once.wait()) for w in self.workers]
+        if not waits:
+            return False
+        try:
+            done, _ = await asyncio.wait(waits, timeout=timeout,
+                                         return_when=asyncio.ALL_COMPLETED if all_workers
+                                         else asyncio.FIRST_COMPLETED)
+            return bool(done) and (not all_workers or len(done) == len(waits))
+        finally:
+            for w in waits:
+                w.cancel()
+
+    async def stop(self) -> None:
+        """Out of the pool, close connections, SIGTERM children (SIGKILL after stop_timeout)."""
+        for w in self.workers:
+            await w.stop()
+        for w in self.workers:
+            if w.conn is not None:
+                self.pool.remove(w.conn)
+        tasks = [w.task for w in self.workers if w.task is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*(w._release() for w in self.workers), return_exceptions=True)

@@ -1,0 +1,128 @@
+"""``quicserve serve``: listeners + app + workers in one uvloop process, and a clean drain.
+
+Start-up: build the app, open the cleartext and TLS listeners (so ``/healthz``
+answers at once and ``/readyz`` says 503 until a worker is ready), then start
+the worker supervisor with its progress display. Shutdown (SIGTERM, or SIGINT
+with a shorter deadline; a second signal skips the wait): ``/readyz`` turns
+503, listeners stop accepting, in-flight requests get until the deadline to
+finish, then connections close and workers are stopped.
+
+Lines on stdout are for people and scripts alike::
+
+    quicserve: listening on http://127.0.0.1:8080 (HTTP/1.1, h2c)
+    quicserve: listening on https://127.0.0.1:8443 (h2, HTTP/1.1) cert sha256 AB:CD:...
+    quicserve: ready (1 worker(s): tiny)
+    quicserve: stopped
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+from typing import Any, TextIO
+
+from .app import App
+from .observability.metrics import GatewayMetrics
+from .observability.progress import ProgressDisplay
+from .routing.pool import ModelPool
+from .routing.supervisor import WorkerSupervisor
+from .settings import Settings, state_dir
+
+__all__ = ["run_gateway", "serve_forever"]
+
+log = logging.getLogger("quicserve")
+
+
+def _say(out: TextIO, text: str) -> None:
+    out.write(f"quicserve: {text}\n")
+    out.flush()
+
+
+async def run_gateway(settings: Settings, *, out: TextIO | None = None,
+                      stop: asyncio.Event | None = None) -> int:
+    """Serve until SIGTERM/SIGINT (or ``stop`` is set); return the exit status."""
+    from .http.server import HttpLimits, start_server
+    from .http.tls import load_or_create_tls
+
+    out = out if out is not None else sys.stdout
+    loop = asyncio.get_running_loop()
+    metrics = GatewayMetrics()
+    pool = ModelPool(retries=settings.api.retries)
+    app = App(pool, metrics, settings.api)
+    lim = settings.limits
+    limits = HttpLimits(max_body_bytes=lim.max_body_bytes, max_header_bytes=lim.max_header_bytes,
+                        header_timeout=lim.header_timeout, body_timeout=lim.body_timeout,
+                        keepalive_timeout=lim.keepalive_timeout,
+                        h2_max_concurrent_streams=lim.h2_max_concurrent_streams)
+    srv = settings.server
+    servers: list[Any] = []
+    plain = await start_server(app, host=srv.host, port=srv.port, limits=limits, on_event=app.on_http_event)
+    servers.append(plain)
+    _say(out, f"listening on http://{_hostport(srv.host, plain.port)} (HTTP/1.1, h2c)")
+    if srv.tls_port >= 0:
+        ctx, fingerprint = load_or_create_tls(srv.tls_cert or None, srv.tls_key or None, state_dir(settings))
+        tls = await start_server(app, host=srv.host, port=srv.tls_port, ssl_context=ctx, limits=limits,
+                                 on_event=app.on_http_event)
+        servers.append(tls)
+        _say(out, f"listening on https://{_hostport(srv.host, tls.port)} (h2, HTTP/1.1) cert sha256 {fingerprint}")
+
+    supervisor = WorkerSupervisor(settings.workers, pool, metrics, ProgressDisplay(settings.log.progress))
+    supervisor.start()
+
+    stop = stop if stop is not None else asyncio.Event()
+    deadline = [settings.shutdown.drain_timeout]
+    signals = [0]
+
+    def on_signal(sig: signal.Signals) -> None:
+        signals[0] += 1
+        if signals[0] > 1:
+            deadline[0] = 0.0
+            log.warning("second signal: stopping now")
+        elif sig == signal.SIGINT:
+            deadline[0] = settings.shutdown.sigint_drain_timeout
+        log.info("%s: draining (up to %g s)", sig.name, deadline[0])
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
+
+    async def announce_ready() -> None:
+        if await supervisor.wait_ready():
+            _say(out, f"ready ({pool.ready_workers()} worker(s): {', '.join(pool.models())})")
+
+    ready_task = asyncio.create_task(announce_ready())
+    try:
+        await stop.wait()
+    finally:
+        ready_task.cancel()
+        app.draining = True
+        for s in servers:
+            s.stop_accepting()
+        in_flight = sum(s.in_flight for s in servers)
+        if in_flight:
+            _say(out, f"draining {in_flight} request(s), up to {deadline[0]:g} s")
+        with contextlib.suppress(Exception):
+            await asyncio.gather(*(s.wait_idle(deadline[0]) for s in servers))
+        await asyncio.gather(*(s.close() for s in servers), return_exceptions=True)
+        await supervisor.stop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+        _say(out, "stopped")
+    return 0
+
+
+def _hostport(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def serve_forever(settings: Settings) -> int:
+    """Run :func:`run_gateway` on uvloop (unless ``server.uvloop = false``)."""
+    logging.basicConfig(level=settings.log.level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if settings.server.uvloop:
+        import uvloop
+
+        return uvloop.run(run_gateway(settings))
+    return asyncio.run(run_gateway(settings))
