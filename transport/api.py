@@ -24,7 +24,8 @@ Both sides: heartbeats (Ping/Pong) and a dead-peer timeout live in
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 from .messages import Error, Finish, Hello, Stats, Submit, TokenBatch, TokenEntry
 

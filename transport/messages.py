@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import enum
 from array import array
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -154,16 +155,16 @@ class TokenBatch:
     entry is a bit set: bit 0 = has logprobs; the top_n per entry is ``top_ns``.
     """
 
-    request_ids: array  # 'I'
-    counts: array  # 'I'
-    token_ids: array  # 'I'
-    text_lens: array  # 'I'
+    request_ids: array[int]  # 'I'
+    counts: array[int]  # 'I'
+    token_ids: array[int]  # 'I'
+    text_lens: array[int]  # 'I'
     text: bytes = b""
-    has_logprobs: array = field(default_factory=lambda: array("B"))  # 0/1 per entry
-    top_ns: array = field(default_factory=lambda: array("B"))  # per entry
-    logprobs: array = field(default_factory=lambda: array("f"))
-    top_ids: array = field(default_factory=lambda: array("I"))
-    top_logprobs: array = field(default_factory=lambda: array("f"))
+    has_logprobs: array[int] = field(default_factory=lambda: array("B"))  # 0/1 per entry
+    top_ns: array[int] = field(default_factory=lambda: array("B"))  # per entry
+    logprobs: array[float] = field(default_factory=lambda: array("f"))
+    top_ids: array[int] = field(default_factory=lambda: array("I"))
+    top_logprobs: array[float] = field(default_factory=lambda: array("f"))
 
     def __len__(self) -> int:
         return len(self.request_ids)
