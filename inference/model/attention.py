@@ -1,0 +1,180 @@
+"""Attention entry points (plain ``jnp`` reference) and the backend switch.
+
+Both functions use grouped-query attention: query head ``h`` reads KV head
+``h // (H // KV)``. Softmax runs in float32 whatever the input dtype.
+
+The reference versions loop over key chunks with an *online softmax* whose
+trip count is decided at run time by the longest sequence in the batch, so
+the cost follows the actual context length rather than the padded shape
+(which lets the runner keep one compiled shape per batch bucket instead of
+one per context-length bucket).
+
+Pallas kernels plug in behind the same signatures: ``get_attention_backend
+("pallas")`` imports ``inference.kernels.dispatch`` lazily, only then.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+__all__ = [
+    "prefill_attention",
+    "paged_decode_attention",
+    "dense_prefill_attention",
+    "dense_paged_decode_attention",
+    "set_attention_backend",
+    "get_attention_backend",
+    "AttentionFns",
+    "BACKENDS",
+]
+
+Array = jax.Array
+PrefillFn = Callable[..., Array]
+DecodeFn = Callable[..., Array]
+AttentionFns = tuple[PrefillFn, DecodeFn]
+BACKENDS = ("reference", "pallas")
+
+_NEG = -1e30
+_KEY_CHUNK = 256  # keys per online-softmax step (prefill)
+_DECODE_CHUNK_TOKENS = 128  # tokens per online-softmax step (decode)
+
+
+def _online_step(carry: tuple[Array, Array, Array], q: Array, k: Array, v: Array, mask: Array,
+                 scale: float) -> tuple[Array, Array, Array]:
+    """One online-softmax update. q [B,KV,G,T,D]; k/v [B,C,KV,D]; mask [B,T,C]."""
+    m, denom, acc = carry
+    s = jnp.einsum("bkgtd,bckd->bkgtc", q, k, preferred_element_type=jnp.float32) * scale
+    s = jnp.where(mask[:, None, None, :, :], s, _NEG)
+    m_new = jnp.maximum(m, s.max(axis=-1))
+    p = jnp.exp(s - m_new[..., None])
+    p = jnp.where(mask[:, None, None, :, :], p, 0.0)
+    alpha = jnp.exp(m - m_new)
+    l_new = alpha * denom + p.sum(axis=-1)
+    pv = jnp.einsum("bkgtc,bckd->bkgtd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return m_new, l_new, alpha[..., None] * acc + pv
+
+
+def _finish(denom: Array, acc: Array, dtype: jnp.dtype) -> Array:
+    # Rows with no visible key (padding) have l == 0: return zeros, not NaN.
+    out = acc / jnp.where(denom > 0, denom, 1.0)[..., None]
+    return out.astype(dtype)
+
+
+def prefill_attention(q: Array, k: Array, v: Array, q_offsets: Array, kv_lens: Array, *,
+                      scale: float) -> Array:
+    """Causal attention of new queries over gathered keys (cached prefix included).
+
+    q [B,T,H,D], k/v [B,S,KV,D]; query t of row b sits at absolute position
+    ``q_offsets[b] + t`` and sees keys at positions ``<= `` that and ``< kv_lens[b]``.
+    Returns [B,T,H,D]; rows past a sequence's length are don't-care.
+    """
+    b, t, h, d = q.shape
+    s_len, kv = k.shape[1], k.shape[2]
+    g = h // kv
+    chunk = min(_KEY_CHUNK, s_len)
+    pad = (-s_len) % chunk
+    if pad:
+        k = jnp.pad(k, ((0, 0), (0, pad), (0, 0), (0, 0)))
+        v = jnp.pad(v, ((0, 0), (0, pad), (0, 0), (0, 0)))
+    qg = q.reshape(b, t, kv, g, d).transpose(0, 2, 3, 1, 4)  # [B,KV,G,T,D]
+    q_pos = q_offsets[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B,T]
+    n_chunks = (jnp.max(kv_lens) + chunk - 1) // chunk
+
+    def body(i: Array, carry: tuple[Array, Array, Array]) -> tuple[Array, Array, Array]:
+        start = i * chunk
+        kc = jax.lax.dynamic_slice_in_dim(k, start, chunk, axis=1)
+        vc = jax.lax.dynamic_slice_in_dim(v, start, chunk, axis=1)
+        k_pos = start + jnp.arange(chunk, dtype=jnp.int32)
+        mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < kv_lens[:, None, None])
+        return _online_step(carry, qg, kc, vc, mask, scale)
+
+    init = (jnp.full((b, kv, g, t), _NEG, jnp.float32), jnp.zeros((b, kv, g, t), jnp.float32),
+            jnp.zeros((b, kv, g, t, d), jnp.float32))
+    _, denom, acc = jax.lax.fori_loop(0, n_chunks, body, init)
+    return _finish(denom, acc, q.dtype).transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
+
+
+def paged_decode_attention(q: Array, k_cache: Array, v_cache: Array, block_tables: Array,
+                           context_lens: Array, *, scale: float) -> Array:
+    """One query per sequence over its paged KV cache.
+
+    q [B,H,D]; k/v_cache [N,bs,KV,D]; block_tables [B,M]; the sequence's keys
+    are positions ``0 .. context_lens[b]-1``. Returns [B,H,D].
+    """
+    b, h, d = q.shape
+    bs, kv = k_cache.shape[1], k_cache.shape[2]
+    g = h // kv
+    m_blocks = block_tables.shape[1]
+    per_chunk = max(1, min(m_blocks, _DECODE_CHUNK_TOKENS // bs))
+    pad = (-m_blocks) % per_chunk
+    if pad:
+        block_tables = jnp.pad(block_tables, ((0, 0), (0, pad)))
+    chunk = per_chunk * bs
+    qg = q.reshape(b, kv, g, 1, d)
+    n_chunks = (jnp.max(context_lens) + chunk - 1) // chunk
+
+    def body(i: Array, carry: tuple[Array, Array, Array]) -> tuple[Array, Array, Array]:
+        blocks = jax.lax.dynamic_slice_in_dim(block_tables, i * per_chunk, per_chunk, axis=1)  # [B,C]
+        kc = k_cache[blocks].reshape(b, chunk, kv, d)
+        vc = v_cache[blocks].reshape(b, chunk, kv, d)
+        k_pos = i * chunk + jnp.arange(chunk, dtype=jnp.int32)
+        mask = (k_pos[None, :] < context_lens[:, None])[:, None, :]  # [B,1,C]
+        return _online_step(carry, qg, kc, vc, mask, scale)
+
+    init = (jnp.full((b, kv, g, 1), _NEG, jnp.float32), jnp.zeros((b, kv, g, 1), jnp.float32),
+            jnp.zeros((b, kv, g, 1, d), jnp.float32))
+    _, denom, acc = jax.lax.fori_loop(0, n_chunks, body, init)
+    return _finish(denom, acc, q.dtype).reshape(b, h, d)
+
+
+def dense_prefill_attention(q: Array, k: Array, v: Array, q_offsets: Array, kv_lens: Array, *,
+                            scale: float) -> Array:
+    """Straightforward masked-softmax version of :func:`prefill_attention` (for tests)."""
+    b, t, h, d = q.shape
+    kv = k.shape[2]
+    k = jnp.repeat(k, h // kv, axis=2)
+    v = jnp.repeat(v, h // kv, axis=2)
+    s = jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=jnp.float32) * scale
+    q_pos = q_offsets[:, None] + jnp.arange(t)[None, :]
+    k_pos = jnp.arange(k.shape[1])
+    mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < kv_lens[:, None, None])
+    s = jnp.where(mask[:, None], s, _NEG)
+    p = jax.nn.softmax(s, axis=-1) * mask[:, None]
+    return jnp.einsum("bhts,bshd->bthd", p, v.astype(jnp.float32)).astype(q.dtype)
+
+
+def dense_paged_decode_attention(q: Array, k_cache: Array, v_cache: Array, block_tables: Array,
+                                 context_lens: Array, *, scale: float) -> Array:
+    """Gather-everything version of :func:`paged_decode_attention` (for tests)."""
+    b, h, d = q.shape
+    kv = k_cache.shape[2]
+    k = k_cache[block_tables].reshape(b, -1, kv, d)
+    v = v_cache[block_tables].reshape(b, -1, kv, d)
+    out = dense_prefill_attention(q[:, None], k, v, context_lens - 1, context_lens, scale=scale)
+    return out[:, 0]
+
+
+_default_backend = "reference"
+
+
+def set_attention_backend(name: str) -> None:
+    """Select the process-wide default backend ("reference" or "pallas")."""
+    global _default_backend
+    get_attention_backend(name)  # validate (and import) before switching
+    _default_backend = name
+
+
+def get_attention_backend(name: str | None = None) -> AttentionFns:
+    """(prefill_fn, decode_fn) for ``name`` (default: the selected backend)."""
+    name = name or _default_backend
+    if name == "reference":
+        return prefill_attention, paged_decode_attention
+    if name == "pallas":
+        from inference.kernels.dispatch import get_backend  # lazy: only when selected
+
+        prefill_fn, decode_fn = get_backend(name)
+        return prefill_fn, decode_fn
+    raise ValueError(f"unknown attention backend {name!r}; expected one of {BACKENDS}")

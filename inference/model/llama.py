@@ -1,0 +1,175 @@
+"""The Llama forward pass over a paged KV cache (pure functions; the runner jits them).
+
+Parameters are a plain pytree (see :func:`param_shapes`), with the HF
+projections transposed to ``[in, out]`` and fused: ``wqkv`` = q|k|v and
+``w_gate_up`` = gate|up, so each layer does three matmuls plus the output
+projections. The KV cache is one ``[num_blocks, block_size, KV, D]`` array
+per layer for keys and one for values; a token's K/V is written to flat slot
+``block * block_size + offset``, and a slot index ``>= num_blocks*block_size``
+means "padding, drop the write".
+
+RoPE follows the HF ``rotate_half`` convention (the layout HF checkpoints are
+already stored in), with Llama-3 frequency scaling when configured.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from inference.model.attention import AttentionFns
+from inference.model.config import LlamaConfig
+
+__all__ = [
+    "Params",
+    "KVCache",
+    "param_shapes",
+    "rope_inv_freq",
+    "init_kv_cache",
+    "prefill_forward",
+    "decode_forward",
+]
+
+Array = jax.Array
+Params = dict[str, Any]  # {"embed", "layers": [ {...}, ...], "norm", "lm_head"?}
+KVCache = tuple[tuple[Array, ...], tuple[Array, ...]]  # (keys per layer, values per layer)
+
+
+def param_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """Shapes of one layer's parameters (and the top-level ones, unprefixed)."""
+    h, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    qkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * d
+    return {
+        "embed": (cfg.vocab_size, h),
+        "norm": (h,),
+        "lm_head": (h, cfg.vocab_size),
+        "attn_norm": (h,),
+        "wqkv": (h, qkv),
+        "wo": (cfg.num_attention_heads * d, h),
+        "mlp_norm": (h,),
+        "w_gate_up": (h, 2 * i),
+        "w_down": (i, h),
+    }
+
+
+def rope_inv_freq(cfg: LlamaConfig) -> np.ndarray:
+    """Inverse RoPE frequencies [D/2] (float32), Llama-3 / linear scaling applied."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / d))
+    rs = cfg.rope_scaling
+    if rs is None:
+        return inv.astype(np.float32)
+    if rs.rope_type == "linear":
+        return (inv / rs.factor).astype(np.float32)
+    # llama3: keep high frequencies, divide low ones by factor, blend in between.
+    low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
+    high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    scaled = np.where(wavelen > low_wavelen, inv / rs.factor, inv)
+    smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
+        rs.high_freq_factor - rs.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def init_kv_cache(cfg: LlamaConfig, num_blocks: int, block_size: int, dtype: Any) -> KVCache:
+    shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+    ks = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_hidden_layers))
+    vs = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_hidden_layers))
+    return ks, vs
+
+
+def _rms_norm(x: Array, w: Array, eps: float) -> Array:
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return w * xf.astype(x.dtype)
+
+
+def _rope(x: Array, positions: Array, inv_freq: Array) -> Array:
+    """x [..., heads, D]; positions [...]."""
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., D/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)[..., None, :]  # [..., 1, D]
+    xf = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
+    return (xf * jnp.cos(emb) + rotated * jnp.sin(emb)).astype(x.dtype)
+
+
+def _write_cache(cache: Array, slots: Array, new: Array) -> Array:
+    n, bs, kv, d = cache.shape
+    flat = cache.reshape(n * bs, kv, d).at[slots.reshape(-1)].set(new.reshape(-1, kv, d), mode="drop")
+    return flat.reshape(n, bs, kv, d)
+
+
+def _mlp(x: Array, lp: dict[str, Array], cfg: LlamaConfig) -> Array:
+    h = _rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
+    gate, up = jnp.split(h @ lp["w_gate_up"], 2, axis=-1)
+    return x + (jax.nn.silu(gate) * up) @ lp["w_down"]
+
+
+def _qkv(x: Array, lp: dict[str, Array], cfg: LlamaConfig, positions: Array,
+         inv_freq: Array) -> tuple[Array, Array, Array]:
+    hq, kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    h = _rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
+    qkv = h @ lp["wqkv"]
+    lead = qkv.shape[:-1]
+    q = qkv[..., : hq * d].reshape(*lead, hq, d)
+    k = qkv[..., hq * d: (hq + kv) * d].reshape(*lead, kv, d)
+    v = qkv[..., (hq + kv) * d:].reshape(*lead, kv, d)
+    return _rope(q, positions, inv_freq), _rope(k, positions, inv_freq), v
+
+
+def _logits(params: Params, x: Array, cfg: LlamaConfig) -> Array:
+    x = _rms_norm(x, params["norm"], cfg.rms_norm_eps)
+    head = params["lm_head"] if "lm_head" in params else params["embed"].T
+    return jnp.dot(x, head, preferred_element_type=jnp.float32)
+
+
+def prefill_forward(params: Params, cache: KVCache, tokens: Array, positions: Array, slots: Array,
+                    block_tables: Array, q_offsets: Array, kv_lens: Array, last_idx: Array, *,
+                    cfg: LlamaConfig, attn: AttentionFns) -> tuple[Array, KVCache]:
+    """Run new tokens [B,T] (positions q_offsets+t), write their K/V, return last-token logits [B,V]."""
+    prefill_fn = attn[0]
+    inv_freq = jnp.asarray(rope_inv_freq(cfg))
+    b, t = tokens.shape
+    scale = cfg.head_dim ** -0.5
+    x = params["embed"][tokens]
+    ks, vs = list(cache[0]), list(cache[1])
+    for i, lp in enumerate(params["layers"]):
+        q, k, v = _qkv(x, lp, cfg, positions, inv_freq)
+        ks[i] = _write_cache(ks[i], slots, k)
+        vs[i] = _write_cache(vs[i], slots, v)
+        kv, d = cfg.num_key_value_heads, cfg.head_dim
+        kg = ks[i][block_tables].reshape(b, -1, kv, d)
+        vg = vs[i][block_tables].reshape(b, -1, kv, d)
+        o = prefill_fn(q, kg, vg, q_offsets, kv_lens, scale=scale)
+        x = x + o.reshape(b, t, -1) @ lp["wo"]
+        x = _mlp(x, lp, cfg)
+    last = x[jnp.arange(b), last_idx]
+    return _logits(params, last, cfg), (tuple(ks), tuple(vs))
+
+
+def decode_forward(params: Params, cache: KVCache, tokens: Array, positions: Array, slots: Array,
+                   block_tables: Array, context_lens: Array, *, cfg: LlamaConfig,
+                   attn: AttentionFns) -> tuple[Array, KVCache]:
+    """One token per sequence [B] at ``positions``; returns logits [B,V]."""
+    decode_fn = attn[1]
+    inv_freq = jnp.asarray(rope_inv_freq(cfg))
+    b = tokens.shape[0]
+    scale = cfg.head_dim ** -0.5
+    x = params["embed"][tokens]
+    ks, vs = list(cache[0]), list(cache[1])
+    for i, lp in enumerate(params["layers"]):
+        q, k, v = _qkv(x, lp, cfg, positions, inv_freq)
+        ks[i] = _write_cache(ks[i], slots, k)
+        vs[i] = _write_cache(vs[i], slots, v)
+        o = decode_fn(q, ks[i], vs[i], block_tables, context_lens, scale=scale)
+        x = x + o.reshape(b, -1) @ lp["wo"]
+        x = _mlp(x, lp, cfg)
+    return _logits(params, x, cfg), (tuple(ks), tuple(vs))

@@ -1,0 +1,238 @@
+"""``JaxRunner``: executes the scheduler's :class:`~inference.runner.StepPlan` on the JAX model.
+
+How it works: each step, prefills are grouped into (batch, tokens) buckets
+and decodes into batch buckets (:mod:`inference.model.buckets`); every group
+is one jitted call that writes the new K/V into the paged cache (donated, so
+it is updated in place), computes last-position logits and samples on device.
+All calls of a step are dispatched before the results are fetched, so host
+work overlaps device work. Each new shape compiles once and is logged;
+:meth:`JaxRunner.warmup` compiles them all up front with progress.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from inference.model.attention import AttentionFns, get_attention_backend
+from inference.model.buckets import Buckets
+from inference.model.config import LlamaConfig
+from inference.model.llama import KVCache, Params, decode_forward, init_kv_cache, prefill_forward
+from inference.runner import SeqOutput, SeqWork, StepPlan
+from inference.sampling import MAX_TOP_LOGPROBS, SamplingBatch, sample
+from inference.weights import LoadedModel, load_model
+
+__all__ = ["JaxRunner", "DTYPES"]
+
+log = logging.getLogger("inference.model")
+Progress = Callable[[str, int, int, str], None]
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def _prefill_step(params: Params, cache: KVCache, tokens: jax.Array, positions: jax.Array, slots: jax.Array,
+                  block_tables: jax.Array, q_offsets: jax.Array, kv_lens: jax.Array, last_idx: jax.Array,
+                  *, cfg: LlamaConfig, attn: AttentionFns) -> Any:
+    return prefill_forward(params, cache, tokens, positions, slots, block_tables, q_offsets,
+                           kv_lens, last_idx, cfg=cfg, attn=attn)
+
+
+def _decode_step(params: Params, cache: KVCache, tokens: jax.Array, positions: jax.Array, slots: jax.Array,
+                 block_tables: jax.Array, context_lens: jax.Array, *,
+                 cfg: LlamaConfig, attn: AttentionFns) -> Any:
+    return decode_forward(params, cache, tokens, positions, slots, block_tables, context_lens,
+                          cfg=cfg, attn=attn)
+
+
+class JaxRunner:
+    """The Llama model behind the :class:`inference.runner.ModelRunner` protocol."""
+
+    def __init__(self, loaded: LoadedModel, *, block_size: int = 16, num_blocks: int = 512,
+                 max_batch: int = 32, max_model_len: int | None = None, attention: str = "reference",
+                 max_prefill_batch: int = 1, max_prefill_tokens: int = 2048) -> None:
+        if block_size < 1 or num_blocks < 1 or max_batch < 1:
+            raise ValueError("block_size, num_blocks and max_batch must be >= 1")
+        cfg = loaded.config
+        self.config: LlamaConfig = cfg
+        self.served_name: str = loaded.name
+        self.eos_token_ids: tuple[int, ...] = loaded.eos_token_ids
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        limit = min(cfg.max_position_embeddings, num_blocks * block_size)
+        if max_model_len is not None and not 1 <= max_model_len <= limit:
+            raise ValueError(f"max_model_len must be in 1..{limit}, got {max_model_len}")
+        self.max_model_len: int = max_model_len or limit
+        self.buckets = Buckets(max_batch=max_batch, max_model_len=self.max_model_len,
+                               max_prefill_batch=max_prefill_batch,
+                               max_prefill_tokens=max(max_prefill_tokens, self.max_model_len))
+        self._max_blocks_per_seq = -(-self.max_model_len // block_size)
+        self._params = loaded.params
+        dtype = loaded.params["embed"].dtype
+        self._cache: KVCache = init_kv_cache(cfg, num_blocks, block_size, dtype)
+        attn = get_attention_backend(attention)
+        self._prefill = jax.jit(partial(_prefill_step, cfg=cfg, attn=attn), donate_argnums=(1,))
+        self._decode = jax.jit(partial(_decode_step, cfg=cfg, attn=attn), donate_argnums=(1,))
+        self._sample_jit = jax.jit(sample)
+        self._compiled: set[tuple[str, int, int]] = set()
+        self.compile_seconds = 0.0
+
+    @classmethod
+    def load(cls, model: str = "tiny", *, dtype: str = "float32", block_size: int = 16, num_blocks: int = 512,
+             max_batch: int = 32, max_model_len: int | None = None, attention: str = "reference",
+             progress: Progress | None = None, max_prefill_batch: int = 1) -> JaxRunner:
+        """Load ``"tiny"`` or a local HF checkpoint directory and allocate the KV cache."""
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        loaded = load_model(model, dtype=DTYPES[dtype], progress=progress)
+        return cls(loaded, block_size=block_size, num_blocks=num_blocks, max_batch=max_batch,
+                   max_model_len=max_model_len, attention=attention, max_prefill_batch=max_prefill_batch)
+
+    @property
+    def compile_count(self) -> int:
+        return len(self._compiled)
+
+    def warmup(self, progress: Progress | None = None) -> None:
+        """Compile every shape bucket (decode first: it serves most steps)."""
+        shapes = [("decode", b, 1) for b in self.buckets.decode_batches]
+        shapes += [("prefill", b, t) for b, t in self.buckets.prefill_shapes]
+        for i, (kind, b, t) in enumerate(shapes):
+            if progress:
+                progress("compile", i, len(shapes), f"{kind} batch={b} tokens={t}")
+            if kind == "decode":
+                res = self._run_decode([], b)
+            else:
+                res = self._run_prefill([], b, t)
+            jax.block_until_ready(res)
+        if progress:
+            progress("compile", len(shapes), len(shapes), f"{self.compile_count} shapes compiled")
+
+    # -- execution ---------------------------------------------------------
+
+    def execute(self, plan: StepPlan) -> list[SeqOutput]:
+        """Run prefills then decodes; one output per SeqWork, prefills first."""
+        for w in plan.prefills:
+            self._check(w, decode=False)
+        for w in plan.decodes:
+            self._check(w, decode=True)
+        pending: list[tuple[list[SeqWork], Any]] = []
+        prefills = list(plan.prefills)
+        for group in self.buckets.group_prefills([len(w.token_ids) for w in prefills]):
+            works = [prefills[i] for i in group]
+            b, t = self.buckets.prefill_shape(len(works), max(len(w.token_ids) for w in works))
+            pending.append((works, self._run_prefill(works, b, t)))
+        decodes = list(plan.decodes)
+        step = self.buckets.max_batch
+        for start in range(0, len(decodes), step):
+            works = decodes[start:start + step]
+            pending.append((works, self._run_decode(works, self.buckets.decode_batch(len(works)))))
+        by_seq: dict[int, SeqOutput] = {}
+        fetched = jax.device_get([res for _, res in pending])
+        for (works, _), (tokens, lps, top_ids, top_lps) in zip(pending, fetched, strict=True):
+            for row, w in enumerate(works):
+                n = w.params.top_logprobs
+                by_seq[id(w)] = SeqOutput(
+                    seq_id=w.seq_id, token_id=int(tokens[row]), logprob=float(lps[row]),
+                    top_ids=tuple(int(x) for x in top_ids[row, :n]),
+                    top_logprobs=tuple(float(x) for x in top_lps[row, :n]),
+                )
+        return [by_seq[id(w)] for w in (*plan.prefills, *plan.decodes)]
+
+    def _check(self, w: SeqWork, *, decode: bool) -> None:
+        n = len(w.token_ids)
+        if n == 0 or (decode and n != 1):
+            raise ValueError(f"seq {w.seq_id}: {'decode needs exactly 1' if decode else 'prefill needs >= 1'} "
+                             f"token, got {n}")
+        end = w.start_pos + n
+        if w.start_pos < 0 or end > self.max_model_len:
+            raise ValueError(f"seq {w.seq_id}: positions {w.start_pos}..{end - 1} outside max_model_len "
+                             f"{self.max_model_len}")
+        if len(w.block_table) < -(-end // self.block_size):
+            raise ValueError(f"seq {w.seq_id}: block table of {len(w.block_table)} blocks cannot hold {end} tokens")
+        if any(not 0 <= blk < self.num_blocks for blk in w.block_table):
+            raise ValueError(f"seq {w.seq_id}: block id outside 0..{self.num_blocks - 1}")
+        if any(not 0 <= tok < self.config.vocab_size for tok in w.token_ids):
+            raise ValueError(f"seq {w.seq_id}: token id outside 0..{self.config.vocab_size - 1}")
+        if not 0 <= w.params.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"seq {w.seq_id}: top_logprobs must be in 0..{MAX_TOP_LOGPROBS}")
+
+    def _tables(self, works: Sequence[SeqWork], b: int) -> np.ndarray:
+        tables = np.zeros((b, self._max_blocks_per_seq), np.int32)
+        for row, w in enumerate(works):
+            bt = list(w.block_table)[: self._max_blocks_per_seq]
+            tables[row, : len(bt)] = bt
+        return tables
+
+    def _sampling(self, works: Sequence[SeqWork], b: int) -> tuple[np.ndarray, ...]:
+        rows = [(w.params.temperature, w.params.top_k, w.params.top_p, w.seed, w.num_generated,
+                 w.params.top_logprobs) for w in works]
+        return SamplingBatch.build(rows, b).arrays()
+
+    def _note_compile(self, key: tuple[str, int, int]) -> bool:
+        if key in self._compiled:
+            return False
+        self._compiled.add(key)
+        log.info("compiling %s batch=%d tokens=%d (shape %d of at most %d)", key[0], key[1], key[2],
+                 len(self._compiled), self.buckets.num_shapes)
+        return True
+
+    def _timed(self, key: tuple[str, int, int], fn: Callable[[], Any]) -> Any:
+        if not self._note_compile(key):
+            return fn()
+        t0 = time.perf_counter()
+        res = jax.block_until_ready(fn())
+        dt = time.perf_counter() - t0
+        self.compile_seconds += dt
+        log.info("compiled %s batch=%d tokens=%d in %.2fs", *key, dt)
+        return res
+
+    def _sample(self, logits: jax.Array, works: Sequence[SeqWork], b: int) -> Any:
+        samp = self._sampling(works, b)
+        return self._timed(("sample", b, 0), lambda: tuple(self._sample_jit(logits, *samp)))
+
+    def _run_prefill(self, works: Sequence[SeqWork], b: int, t: int) -> Any:
+        oob = self.num_blocks * self.block_size
+        tokens = np.zeros((b, t), np.int32)
+        positions = np.zeros((b, t), np.int32)
+        slots = np.full((b, t), oob, np.int32)
+        q_off = np.zeros(b, np.int32)
+        kv_lens = np.zeros(b, np.int32)
+        last = np.zeros(b, np.int32)
+        for row, w in enumerate(works):
+            n = len(w.token_ids)
+            pos = np.arange(w.start_pos, w.start_pos + n, dtype=np.int32)
+            bt = np.asarray(w.block_table, np.int32)
+            tokens[row, :n] = w.token_ids
+            positions[row, :n] = pos
+            slots[row, :n] = bt[pos // self.block_size] * self.block_size + pos % self.block_size
+            q_off[row], kv_lens[row], last[row] = w.start_pos, w.start_pos + n, n - 1
+        args = (tokens, positions, slots, self._tables(works, b), q_off, kv_lens, last)
+
+        def call() -> Any:
+            logits, self._cache = self._prefill(self._params, self._cache, *args)
+            return logits
+
+        return self._sample(self._timed(("prefill", b, t), call), works, b)
+
+    def _run_decode(self, works: Sequence[SeqWork], b: int) -> Any:
+        oob = self.num_blocks * self.block_size
+        tokens = np.zeros(b, np.int32)
+        positions = np.zeros(b, np.int32)
+        slots = np.full(b, oob, np.int32)
+        ctx = np.zeros(b, np.int32)
+        for row, w in enumerate(works):
+            p = w.start_pos
+            tokens[row], positions[row], ctx[row] = w.token_ids[0], p, p + 1
+            slots[row] = w.block_table[p // self.block_size] * self.block_size + p % self.block_size
+        args = (tokens, positions, slots, self._tables(works, b), ctx)
+
+        def call() -> Any:
+            logits, self._cache = self._decode(self._params, self._cache, *args)
+            return logits
+
+        return self._sample(self._timed(("decode", b, 1), call), works, b)
