@@ -84,7 +84,14 @@ class H2Protocol(asyncio.Protocol):
         self._limits = limits = state.limits
         self._scheme = "https" if tls else "http"
         self._loop = asyncio.get_running_loop()
-        config = h2.config.H2Configuration(client_side=False, header_encoding=None)
+        # Our own response headers are lower-case and well formed: skip h2's
+        # per-header outbound checks (a measurable share of h2's CPU per request).
+        config = h2.config.H2Configuration(
+            client_side=False,
+            header_encoding=None,
+            validate_outbound_headers=False,
+            normalize_outbound_headers=False,
+        )
         self._h2 = h2.connection.H2Connection(config)
         self._h2.local_settings = h2.settings.Settings(
             client=False,
