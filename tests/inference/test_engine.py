@@ -1,0 +1,265 @@
+"""Engine scheduling on a fake clock with test-double runners (no JAX)."""
+
+from __future__ import annotations
+
+import pytest
+
+from inference.batch_window import FixedWindow
+from inference.engine import Engine, EngineConfig, EngineError
+from inference.sequence import Failed, Finished
+from inference.synthetic import SyntheticRunner, expected_token
+from inference.tokenizer import ByteTokenizer
+from tests.inference.doubles import Collector, ScriptedRunner, run_until_done
+from transport.messages import ErrorCode, FinishReason, SamplingParams
+
+TOK = ByteTokenizer()
+
+
+def b(s: str) -> list[int]:
+    return list(s.encode())
+
+
+def make(script: dict[int, list[int]], **kw: object) -> tuple[Engine, ScriptedRunner]:
+    cfg = kw.pop("config", EngineConfig())
+    runner = ScriptedRunner(script, **kw)  # type: ignore[arg-type]
+    return Engine(runner, TOK, cfg), runner  # type: ignore[arg-type]
+
+
+def test_stop_string_split_across_tokens_is_never_emitted() -> None:
+    """Tokens "Hel","lo wo","rld!" as bytes; stop "o wor" spans two tokens, so
+    the text is "Hell" and the request stops at the token that completes it."""
+    eng, _ = make({1: b("Hello world! and more")})
+    eng.add("a", TOK.encode("x"), SamplingParams(max_tokens=50, seed=1, stop=("o wor",)), 0.0)
+    col = Collector()
+    run_until_done(eng, col)
+    assert col.text("a") == "Hell"
+    end = col.ends["a"]
+    assert isinstance(end, Finished) and end.reason is FinishReason.STOP
+    assert end.completion_tokens == len("Hello wor")
+    # every streamed piece is free of any stop-string prefix that later matched
+    assert "o" not in "".join(d.text for d in col.deltas["a"][4:])
+
+
+def test_held_prefix_released_when_match_fails_and_at_length() -> None:
+    eng, _ = make({1: b("abab"), 2: b("xyzab")})
+    eng.add("a", [65], SamplingParams(max_tokens=4, seed=1, stop=("abc",)), 0.0)
+    eng.add("b", [65], SamplingParams(max_tokens=5, seed=2, stop=("abc",)), 0.0)
+    col = Collector()
+    run_until_done(eng, col)
+    assert col.text("a") == "abab" and col.text("b") == "xyzab"
+    assert col.ends["a"].reason is FinishReason.LENGTH  # type: ignore[union-attr]
+
+
+def test_eos_and_stop_token_ids() -> None:
+    eng, _ = make({1: [72, 105, 257, 33], 2: [72, 105, 257, 33, 34], 3: [72, 7, 105]})
+    eng.add("eos", [65], SamplingParams(max_tokens=10, seed=1), 0.0)
+    eng.add("ignore", [65], SamplingParams(max_tokens=5, seed=2, ignore_eos=True), 0.0)
+    eng.add("stopid", [65], SamplingParams(max_tokens=3, seed=3, stop_token_ids=(7,)), 0.0)
+    col = Collector()
+    run_until_done(eng, col)
+    assert col.tokens("eos") == [72, 105] and col.text("eos") == "Hi"
+    assert col.ends["eos"] == Finished("eos", FinishReason.STOP, 1, 3, 0)
+    assert col.tokens("ignore") == [72, 105, 257, 33, 34]
+    assert col.ends["ignore"].reason is FinishReason.LENGTH  # type: ignore[union-attr]
+    assert col.tokens("stopid") == [72] and col.ends["stopid"].reason is FinishReason.STOP  # type: ignore[union-attr]
+
+
+def test_multibyte_text_is_held_until_complete() -> None:
+    eng, _ = make({1: list("é€x".encode())})
+    eng.add("a", [65], SamplingParams(max_tokens=6, seed=1), 0.0)
+    col = Collector()
+    run_until_done(eng, col)
+    assert [d.text for d in col.deltas["a"]] == ["", "é", "", "", "€", "x"]
+
+
+def test_logprobs_and_top_logprobs() -> None:
+    eng, _ = make({1: b("ab"), 2: b("ab")})
+    eng.add("lp", [65], SamplingParams(max_tokens=2, seed=1, logprobs=True, top_logprobs=3), 0.0)
+    eng.add("none", [65], SamplingParams(max_tokens=2, seed=2), 0.0)
+    col = Collector()
+    run_until_done(eng, col)
+    d = col.deltas["lp"][0]
+    assert d.logprobs == (-0.5,) and d.top_n == 3
+    assert d.top_ids == (1, 2, 0) and d.top_logprobs[:2] == (-0.5, -1.5)  # padded to top_n
+    assert col.deltas["none"][0].logprobs is None
+
+
+def test_admission_bounded_by_max_batch_and_prefill_budget() -> None:
+    script = {i: b("abcdefgh") for i in range(6)}
+    eng, runner = make(script, config=EngineConfig(max_batch=2, max_prefill_tokens=100))
+    for i in range(5):
+        eng.add(i, [65] * 10, SamplingParams(max_tokens=3, seed=i), 0.0)
+    col = Collector()
+    run_until_done(eng, col)
+    assert max(p.size for p in runner.plans) == 2
+    assert len(runner.plans[0].prefills) == 2
+    assert len(col.ends) == 5
+
+    eng, runner = make(script, config=EngineConfig(max_batch=8, max_prefill_tokens=25))
+    for i in range(4):
+        eng.add(i, [65] * 10, SamplingParams(max_tokens=3, seed=i), 0.0)
+    run_until_done(eng, Collector())
+    assert [len(p.prefills) for p in runner.plans[:2]] == [2, 2]
+
+
+def test_admission_bounded_by_kv_blocks() -> None:
+    """4-token blocks, 6 blocks: each prompt of 9 tokens + 1 needs 3 blocks, so
+    only two requests fit at once."""
+    script = {i: b("ab") for i in range(4)}
+    eng, runner = make(script, num_blocks=6, config=EngineConfig(enable_prefix_cache=False))
+    for i in range(4):
+        eng.add(i, [65 + i] * 9, SamplingParams(max_tokens=2, seed=i), 0.0)
+    col = Collector()
+    run_until_done(eng, col)
+    assert len(runner.plans[0].prefills) == 2
+    assert all(isinstance(e, Finished) for e in col.ends.values()) and len(col.ends) == 4
+    assert eng.kv.num_free == 6
+
+
+def _reference(prompt: list[int], seed: int, n: int) -> list[int]:
+    ctx = list(prompt)
+    out = []
+    for i in range(n):
+        t = expected_token(ctx, seed, i)
+        out.append(t)
+        ctx.append(t)
+    return out
+
+
+def test_preemption_recomputes_newest_and_output_is_unchanged() -> None:
+    """Two sequences grow past what 8 blocks of 4 hold; the newer one is
+    preempted, recomputed later, and both still produce exactly the tokens an
+    unconstrained run produces (the synthetic runner reads its KV back)."""
+    runner = SyntheticRunner(block_size=4, num_blocks=8, max_model_len=64)
+    eng = Engine(runner, TOK, EngineConfig(max_batch=4))
+    prompts = {"old": b("first prompt"), "new": b("second one!!")}
+    eng.add("old", prompts["old"], SamplingParams(max_tokens=14, seed=5), 0.0)
+    eng.add("new", prompts["new"], SamplingParams(max_tokens=14, seed=6), 0.0)
+    col = Collector()
+    t = 0.0
+    preempted_first = None
+    while eng.has_unfinished():
+        before = eng.num_preemptions
+        col.feed(eng.step(t))
+        eng.kv.check_invariants()
+        if eng.num_preemptions > before and preempted_first is None:
+            preempted_first = [s.key for s in eng._waiting]
+        t += 0.01
+    assert eng.num_preemptions >= 1 and preempted_first == ["new"]
+    assert col.tokens("old") == _reference(prompts["old"], 5, 14)
+    assert col.tokens("new") == _reference(prompts["new"], 6, 14)
+    assert eng.kv.num_free == 8
+
+
+def test_cancel_frees_blocks_at_once_and_drops_in_flight_results() -> None:
+    eng, runner = make({1: b("abcdefghijkl"), 2: b("abcdefghijkl")}, num_blocks=16)
+    eng.add("a", [65] * 8, SamplingParams(max_tokens=10, seed=1), 0.0)
+    eng.add("b", [66] * 8, SamplingParams(max_tokens=10, seed=2), 0.0)
+    col = Collector()
+    col.feed(eng.step(0.0))
+    plan, _ = eng.schedule(0.1)
+    assert plan is not None
+    free_before = eng.kv.num_free
+    fin = eng.cancel("a")
+    assert fin == Finished("a", FinishReason.CANCELLED, 8, 1, 0)
+    assert eng.kv.num_free == free_before + 3  # a's 3 blocks (9 positions) came back
+    assert eng.cancel("a") is None  # ends once
+    events = eng.commit(plan, runner.execute(plan), 0.2)
+    assert events and all(e.key == "b" for e in events)
+    col.feed([fin, *events])
+    run_until_done(eng, col, t0=0.3)
+    assert len(col.tokens("b")) == 10 and eng.kv.num_free == 16
+
+
+def test_paused_sequence_skips_decode_until_resumed() -> None:
+    eng, runner = make({1: b("abcdef"), 2: b("abcdef")})
+    eng.add("a", [65], SamplingParams(max_tokens=6, seed=1), 0.0)
+    eng.add("b", [65], SamplingParams(max_tokens=6, seed=2), 0.0)
+    col = Collector()
+    col.feed(eng.step(0.0))
+    eng.pause("a")
+    for i in range(3):
+        col.feed(eng.step(0.1 * (i + 1)))
+    assert len(col.tokens("a")) == 1 and len(col.tokens("b")) == 4
+    eng.resume("a")
+    run_until_done(eng, col, t0=1.0)
+    assert col.text("a") == "abcdef"
+
+
+def test_same_seed_same_output_whatever_the_batch() -> None:
+    def run(extra: int, seed: int | None) -> str:
+        runner = SyntheticRunner(block_size=4, num_blocks=128)
+        eng = Engine(runner, TOK, EngineConfig(seed=extra))
+        for i in range(extra):
+            eng.add(("x", i), b(f"other {i}"), SamplingParams(max_tokens=7, seed=i), 0.0)
+        eng.add("me", b("the prompt"), SamplingParams(max_tokens=12, seed=seed), 0.0)
+        col = Collector()
+        run_until_done(eng, col)
+        return col.text("me")
+
+    assert run(0, 42) == run(5, 42) == run(9, 42)
+    assert run(0, 42) != run(0, 43)
+    assert len({run(0, None), run(1, None), run(2, None)}) > 1  # drawn seeds differ
+
+
+def test_deadline_fails_with_timeout() -> None:
+    eng, _ = make({1: b("abcdefgh")})
+    eng.add("a", [65], SamplingParams(max_tokens=8, seed=1), 0.0, deadline=0.025)
+    col = Collector()
+    run_until_done(eng, col)
+    end = col.ends["a"]
+    assert isinstance(end, Failed) and end.code is ErrorCode.TIMEOUT
+    assert 1 <= len(col.tokens("a")) < 8 and eng.kv.num_free == eng.kv.num_blocks
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "code"),
+    [
+        ([], SamplingParams(), ErrorCode.INVALID_REQUEST),
+        ([300], SamplingParams(), ErrorCode.INVALID_REQUEST),
+        ([65], SamplingParams(max_tokens=0), ErrorCode.INVALID_REQUEST),
+        ([65], SamplingParams(temperature=-1), ErrorCode.INVALID_REQUEST),
+        ([65], SamplingParams(top_p=0), ErrorCode.INVALID_REQUEST),
+        ([65], SamplingParams(top_logprobs=21), ErrorCode.INVALID_REQUEST),
+        ([65] * 60, SamplingParams(max_tokens=5), ErrorCode.CONTEXT_LENGTH),
+    ],
+)
+def test_bad_requests_are_refused(prompt: list[int], params: SamplingParams, code: ErrorCode) -> None:
+    eng, _ = make({}, max_model_len=64)
+    with pytest.raises(EngineError) as ei:
+        eng.add("a", prompt, params, 0.0)
+    assert ei.value.code is code
+    assert not eng.has_unfinished()
+
+
+def test_duplicate_key_and_queue_limit() -> None:
+    eng, _ = make({}, config=EngineConfig(max_waiting=1))
+    eng.add("a", [65], SamplingParams(), 0.0)
+    with pytest.raises(EngineError) as ei:
+        eng.add("a", [65], SamplingParams(), 0.0)
+    assert ei.value.code is ErrorCode.INVALID_REQUEST
+    with pytest.raises(EngineError) as ei:
+        eng.add("b", [65], SamplingParams(), 0.0)
+    assert ei.value.code is ErrorCode.OVERLOADED
+
+
+def test_context_limit_finishes_with_length() -> None:
+    """max_model_len is capped by the cache (4 blocks x 4 = 16 positions)."""
+    eng, _ = make({1: b("a" * 20)}, num_blocks=4)
+    eng.add("a", [65] * 10, SamplingParams(max_tokens=6, seed=1), 0.0)
+    col = Collector()
+    run_until_done(eng, col)
+    assert col.ends["a"].reason is FinishReason.LENGTH and len(col.tokens("a")) == 6  # type: ignore[union-attr]
+
+
+def test_batch_window_delays_admission_to_batch_prefills() -> None:
+    eng, runner = make({i: b("abc") for i in range(4)}, config=EngineConfig(max_batch=3))
+    eng.window = FixedWindow(0.5)
+    eng.add(0, [65], SamplingParams(max_tokens=3, seed=0), 0.0)
+    assert eng.schedule(0.1) == (None, [])
+    assert eng.next_wakeup() == 0.5
+    eng.add(1, [65], SamplingParams(max_tokens=3, seed=1), 0.2)
+    assert eng.step(0.5) and len(runner.plans[0].prefills) == 2
+    # enough waiting to fill the free slots: admitted at once
+    eng.add(2, [65], SamplingParams(max_tokens=3, seed=2), 0.6)
+    assert eng.step(0.6) and len(runner.plans[1].prefills) == 1
