@@ -1,0 +1,189 @@
+"""One setting picks the attention implementation: ``reference`` or ``pallas``.
+
+``get_backend(name)`` returns ``(prefill_fn, decode_fn)`` with the signatures
+of ``inference.model.attention``::
+
+    prefill_fn(q, k, v, q_offsets, kv_lens, *, scale) -> [B,T,H,D]
+    decode_fn(q, k_cache, v_cache, block_tables, context_lens, *, scale,
+              k_scale=None, v_scale=None) -> [B,H,D]
+
+(``k_scale``/``v_scale`` are an additive extension for quantized caches.)
+
+``pallas`` on GPU compiles the kernels through the Triton lowering, with
+block sizes from the autotuner (tuned on first trace of each shape, then read
+from the cache file). On CPU it falls back to the reference for speed, or
+runs the kernels with ``interpret=True`` when asked (``interpret=True`` or
+``QUICSERVE_PALLAS_INTERPRET=1``), which is what the tests do. On TPU these
+kernels (written for the Triton model: scalar blocks, gathered page loads)
+are not lowered; the reference is used, with a log line saying so.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from inference.kernels import reference
+from inference.kernels.autotune import Autotuner, default_tuner, time_call
+from inference.kernels.flash_prefill import PrefillBlocks, flash_prefill
+from inference.kernels.paged_decode import DecodeBlocks, paged_decode
+from inference.kernels.reference import Array
+
+__all__ = [
+    "BACKENDS",
+    "get_backend",
+    "prefill_candidates",
+    "decode_candidates",
+    "tuned_prefill_blocks",
+    "tuned_decode_blocks",
+]
+
+log = logging.getLogger(__name__)
+BACKENDS = ("reference", "pallas")
+PrefillFn = Callable[..., Array]
+DecodeFn = Callable[..., Array]
+
+
+def prefill_candidates() -> list[PrefillBlocks]:
+    """Tiles tried on GPU; the first is the default."""
+    return [
+        PrefillBlocks(128, 64, 4, 3),
+        PrefillBlocks(128, 64, 8, 3),
+        PrefillBlocks(128, 128, 8, 2),
+        PrefillBlocks(128, 128, 8, 3),
+        PrefillBlocks(64, 64, 4, 3),
+        PrefillBlocks(64, 128, 4, 2),
+        PrefillBlocks(128, 32, 4, 3),
+        PrefillBlocks(64, 32, 4, 2),
+    ]
+
+
+def decode_candidates(batch: int, kv_heads: int) -> list[DecodeBlocks]:
+    """Chunks/splits tried on GPU: split the sequence when B*KV programs are too few."""
+    programs = batch * kv_heads
+    splits = [1, 2] if programs >= 256 else [4, 8, 16]
+    out = [DecodeBlocks(8, splits[0], 4, 2)]
+    for s in splits:
+        for p, w in ((4, 4), (8, 4), (16, 8), (8, 8)):
+            cand = DecodeBlocks(p, s, w, 2)
+            if cand not in out:
+                out.append(cand)
+    return out
+
+
+def _random(shape: tuple[int, ...], dtype: jnp.dtype, seed: int) -> Array:
+    rng = np.random.default_rng(seed)
+    if jnp.issubdtype(dtype, jnp.integer):
+        return jnp.asarray(rng.integers(-127, 128, shape), dtype)
+    return jnp.asarray(rng.standard_normal(shape, np.float32)).astype(dtype)
+
+
+def tuned_prefill_blocks(tuner: Autotuner, q: Array, k: Array, *, interpret: bool = False) -> PrefillBlocks:
+    """Block sizes for this prefill shape (tuned on full-length causal inputs)."""
+    b, t, h, d = q.shape
+    s, kv = k.shape[1], k.shape[2]
+    key = f"prefill/{jax.default_backend()}/B{b}-T{t}-S{s}-H{h}-KV{kv}-D{d}-{jnp.dtype(q.dtype).name}"
+
+    def measure(blocks: PrefillBlocks) -> float:
+        with jax.ensure_compile_time_eval():
+            args = (_random(q.shape, q.dtype, 0), _random(k.shape, k.dtype, 1), _random(k.shape, k.dtype, 2))
+            offs = jnp.full((b,), s - t, jnp.int32)
+            lens = jnp.full((b,), s, jnp.int32)
+            fn = functools.partial(flash_prefill, scale=d**-0.5, blocks=blocks, interpret=interpret)
+            return time_call(lambda: fn(*args, offs, lens), iters=5)
+
+    return tuner.pick(key, prefill_candidates(), measure)
+
+
+def tuned_decode_blocks(
+    tuner: Autotuner, q: Array, k_cache: Array, block_tables: Array, *, quantized: bool, interpret: bool = False
+) -> DecodeBlocks:
+    """Chunk/split sizes for this decode shape (tuned with every page in use)."""
+    b, h, d = q.shape
+    n, bs, kv, _ = k_cache.shape
+    m = block_tables.shape[1]
+    key = (
+        f"decode/{jax.default_backend()}/B{b}-H{h}-KV{kv}-D{d}-N{n}-bs{bs}-M{m}-"
+        f"{jnp.dtype(q.dtype).name}-{jnp.dtype(k_cache.dtype).name}"
+    )
+
+    def measure(blocks: DecodeBlocks) -> float:
+        with jax.ensure_compile_time_eval():
+            qq = _random(q.shape, q.dtype, 0)
+            kc = _random(k_cache.shape, k_cache.dtype, 1)
+            vc = _random(k_cache.shape, k_cache.dtype, 2)
+            tables = jnp.asarray(np.random.default_rng(3).integers(0, n, (b, m)), jnp.int32)
+            lens = jnp.full((b,), m * bs, jnp.int32)
+            scales = jnp.full((n, kv), 0.01, jnp.float32) if quantized else None
+            fn = functools.partial(
+                paged_decode, scale=d**-0.5, k_scale=scales, v_scale=scales, blocks=blocks, interpret=interpret
+            )
+            return time_call(lambda: fn(qq, kc, vc, tables, lens), iters=10)
+
+    return tuner.pick(key, decode_candidates(b, kv), measure)
+
+
+def _pallas_fns(interpret: bool, tuner: Autotuner) -> tuple[PrefillFn, DecodeFn]:
+    def prefill_fn(q: Array, k: Array, v: Array, q_offsets: Array, kv_lens: Array, *, scale: float) -> Array:
+        blocks = tuned_prefill_blocks(tuner, q, k, interpret=interpret)
+        return flash_prefill(q, k, v, q_offsets, kv_lens, scale=scale, blocks=blocks, interpret=interpret)
+
+    def decode_fn(
+        q: Array,
+        k_cache: Array,
+        v_cache: Array,
+        block_tables: Array,
+        context_lens: Array,
+        *,
+        scale: float,
+        k_scale: Array | None = None,
+        v_scale: Array | None = None,
+    ) -> Array:
+        blocks = tuned_decode_blocks(
+            tuner, q, k_cache, block_tables, quantized=k_scale is not None, interpret=interpret
+        )
+        return paged_decode(
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            context_lens,
+            scale=scale,
+            k_scale=k_scale,
+            v_scale=v_scale,
+            blocks=blocks,
+            interpret=interpret,
+        )
+
+    return prefill_fn, decode_fn
+
+
+def get_backend(
+    name: str, *, interpret: bool | None = None, tuner: Autotuner | None = None
+) -> tuple[PrefillFn, DecodeFn]:
+    """``(prefill_fn, decode_fn)`` for ``"reference"`` or ``"pallas"``.
+
+    ``interpret`` forces (True) or forbids (False) Pallas interpretation; by
+    default it is used only off-accelerator when ``QUICSERVE_PALLAS_INTERPRET=1``.
+    """
+    if name == "reference":
+        return reference.prefill_attention, reference.paged_decode_attention
+    if name != "pallas":
+        raise ValueError(f"unknown attention backend {name!r}; expected one of {BACKENDS}")
+    platform = jax.default_backend()
+    if interpret is None:
+        interpret = platform not in ("gpu", "tpu") and os.environ.get("QUICSERVE_PALLAS_INTERPRET") == "1"
+    if interpret:
+        log.info("attention backend pallas: interpret mode on %s", platform)
+        return _pallas_fns(True, tuner or Autotuner(enabled=False))
+    if platform == "gpu":
+        log.info("attention backend pallas: compiled for GPU (Triton lowering)")
+        return _pallas_fns(False, tuner or default_tuner())
+    log.info("attention backend pallas: no compiled kernels on %s; using the jnp reference", platform)
+    return reference.prefill_attention, reference.paged_decode_attention

@@ -1,0 +1,183 @@
+"""KV-cache and weight-only quantization.
+
+KV cache (``"int8"`` or ``"fp8"`` = float8 e4m3fn): the paged cache holds codes
+``[num_blocks, block_size, KV, D]`` and one float32 scale per (block, KV head)
+``[num_blocks, KV]``; a value is ``code * scale``. Tokens are quantized when
+written (:func:`write_quantized_kv`) and dequantized inside the decode kernel.
+
+How writing keeps per-block scales correct: a block is filled a few tokens at
+a time, so a new token may be larger than anything the block's scale was
+chosen for. The scale only grows (``max(old, amax(new) / qmax)``); when it
+grows, the block's existing codes are re-encoded with ``old / new``, which is
+exact when the scale is unchanged and costs at most one extra rounding per
+growth otherwise. A write to slot 0 starts a fresh block (the allocator hands
+out blocks that are filled from slot 0; full blocks shared by the prefix
+cache are never written), so a reused block does not inherit a stale scale.
+
+Weights: per-output-channel scales, codes in int8 or fp8; the matmul runs on
+the codes converted to the activation dtype and scales the output columns,
+``x @ (codes * s) == (x @ codes) * s``, so no dequantized copy of the weight
+is materialised (XLA fuses the convert into the dot's operand).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from inference.kernels.reference import Array
+
+__all__ = [
+    "QuantKind",
+    "QMAX",
+    "code_dtype",
+    "init_quantized_cache",
+    "quantize_blocks",
+    "dequantize_blocks",
+    "write_quantized_kv",
+    "kv_read_bytes",
+    "QuantizedWeight",
+    "quantize_weight",
+    "quantized_matmul",
+]
+
+QuantKind = Literal["int8", "fp8"]
+QMAX: dict[str, float] = {"int8": 127.0, "fp8": 448.0}
+_TINY = 1e-12
+
+
+def code_dtype(kind: str) -> jnp.dtype:
+    """Storage dtype of a quantization kind."""
+    if kind == "int8":
+        return jnp.dtype(jnp.int8)
+    if kind == "fp8":
+        return jnp.dtype(jnp.float8_e4m3fn)
+    raise ValueError(f"unknown quantization kind {kind!r}; expected 'int8' or 'fp8'")
+
+
+def _encode(x: Array, kind: str) -> Array:
+    qmax = QMAX[kind]
+    if kind == "int8":
+        return jnp.clip(jnp.round(x), -qmax, qmax).astype(jnp.int8)
+    return jnp.clip(x, -qmax, qmax).astype(code_dtype(kind))
+
+
+def _kind_of(codes: Array) -> str:
+    if codes.dtype == jnp.int8:
+        return "int8"
+    if codes.dtype == jnp.float8_e4m3fn:
+        return "fp8"
+    raise ValueError(f"cache dtype {codes.dtype} is not a quantized KV dtype (int8, float8_e4m3fn)")
+
+
+def init_quantized_cache(
+    num_blocks: int, block_size: int, kv_heads: int, head_dim: int, kind: str
+) -> tuple[Array, Array]:
+    """Zeroed codes ``[N,bs,KV,D]`` and scales ``[N,KV]`` for one of K or V."""
+    codes = jnp.zeros((num_blocks, block_size, kv_heads, head_dim), code_dtype(kind))
+    return codes, jnp.zeros((num_blocks, kv_heads), jnp.float32)
+
+
+def quantize_blocks(cache: Array, kind: str) -> tuple[Array, Array]:
+    """Quantize a whole float cache ``[N,bs,KV,D]`` -> (codes, scales[N,KV])."""
+    x = cache.astype(jnp.float32)
+    scales = jnp.max(jnp.abs(x), axis=(1, 3)) / QMAX[kind]
+    safe = jnp.where(scales > 0, scales, 1.0)
+    return _encode(x / safe[:, None, :, None], kind), scales
+
+
+def dequantize_blocks(codes: Array, scales: Array) -> Array:
+    """Codes ``[N,bs,KV,D]`` and scales ``[N,KV]`` -> float32 values."""
+    return codes.astype(jnp.float32) * scales[:, None, :, None]
+
+
+def write_quantized_kv(
+    codes: Array,
+    scales: Array,
+    new: Array,
+    block_ids: Array,
+    slots: Array,
+    valid: Array | None = None,
+) -> tuple[Array, Array]:
+    """Quantize ``new[T,KV,D]`` into ``codes`` at ``(block_ids[t], slots[t])``.
+
+    Returns the updated (codes, scales). ``valid[T]`` (bool) drops padding
+    tokens. Pure function: jit it and donate the cache for in-place updates.
+    """
+    kind = _kind_of(codes)
+    n = codes.shape[0]
+    if new.ndim != 3 or new.shape[1:] != codes.shape[2:]:
+        raise ValueError(f"new tokens {new.shape} do not match cache {codes.shape}")
+    blk = block_ids.astype(jnp.int32)
+    if valid is not None:
+        blk = jnp.where(valid, blk, n)  # out of range: dropped by mode="drop"
+    blk_c = jnp.minimum(blk, n - 1)
+    x = new.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x), axis=-1) / QMAX[kind]  # [T, KV]
+    fresh = jnp.zeros((n,), jnp.int32).at[blk].max((slots == 0).astype(jnp.int32), mode="drop")
+    base = jnp.where(fresh[:, None] > 0, 0.0, scales)
+    new_scales = base.at[blk].max(amax, mode="drop")
+    old_s, new_s = base[blk_c], new_scales[blk_c]  # [T, KV]
+    ratio = jnp.where(new_s > 0, old_s / jnp.maximum(new_s, _TINY), 0.0)
+    rescaled = codes[blk_c].astype(jnp.float32) * ratio[:, None, :, None]  # [T,bs,KV,D]
+    codes = codes.at[blk].set(_encode(rescaled, kind), mode="drop")
+    tok = _encode(x / jnp.maximum(new_s, _TINY)[:, :, None], kind)
+    codes = codes.at[blk, slots.astype(jnp.int32)].set(tok, mode="drop")
+    return codes, new_scales
+
+
+def kv_read_bytes(
+    context_lens: np.ndarray | list[int],
+    *,
+    block_size: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: str | np.dtype,
+    quantized: bool = False,
+) -> int:
+    """Bytes of K and V one decode step reads (whole pages, plus scales if any)."""
+    pages = sum(-(-int(n) // block_size) for n in context_lens)
+    itemsize = jnp.dtype(dtype).itemsize
+    total = 2 * pages * block_size * kv_heads * head_dim * itemsize
+    if quantized:
+        total += 2 * pages * kv_heads * 4
+    return total
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """Weight-only quantized matrix: ``codes[in, out]`` and ``scale[out]``."""
+
+    codes: Array
+    scale: Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.codes.shape)
+
+    def __rmatmul__(self, x: Array) -> Array:
+        """``x @ w`` works unchanged in model code written for plain arrays."""
+        return quantized_matmul(x, self)
+
+
+def quantize_weight(w: Array, kind: str) -> QuantizedWeight:
+    """Per-output-channel quantization of ``w[in, out]`` (as used in ``x @ w``)."""
+    if w.ndim != 2:
+        raise ValueError(f"expected a 2-D weight [in, out], got shape {w.shape}")
+    x = jnp.asarray(w, jnp.float32)
+    scale = jnp.max(jnp.abs(x), axis=0) / QMAX[kind]
+    safe = jnp.where(scale > 0, scale, 1.0)
+    return QuantizedWeight(_encode(x / safe[None, :], kind), scale)
+
+
+def quantized_matmul(x: Array, w: QuantizedWeight | Array) -> Array:
+    """``x[..., in] @ w`` where ``w`` may be a :class:`QuantizedWeight`."""
+    if not isinstance(w, QuantizedWeight):
+        return x @ w
+    y = jnp.matmul(x, w.codes.astype(x.dtype), preferred_element_type=jnp.float32)
+    return (y * w.scale).astype(x.dtype)

@@ -1,0 +1,134 @@
+"""Greedy decoding with a quantized KV cache and/or quantized weights, for quality tests.
+
+The model engineer's ``decode_forward`` writes float K/V; to measure the int8
+/ fp8 cache faithfully (quantized when written, dequantized in attention)
+this harness composes the same decode step from the model's own layer
+functions (``_qkv``, ``_mlp``, ``_logits``) with
+``inference.kernels.quant.write_quantized_kv`` in place of the float write.
+With ``kv_kind=None`` the composed step must equal ``decode_forward`` exactly;
+the tests check that, so the composition cannot silently drift from the model.
+
+Prompts are fed one token per step (positions 0..P-1), then ``steps`` greedy
+tokens follow. A quantized run can be *teacher-forced* with the baseline's
+tokens so that every step compares logits for the same context.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from inference.kernels import reference
+from inference.kernels.quant import QuantizedWeight, init_quantized_cache, quantize_weight, write_quantized_kv
+from inference.model import attention, llama
+from inference.model.config import LlamaConfig
+
+__all__ = ["DecodeRun", "greedy_decode", "quantize_params"]
+
+_MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")
+
+
+@dataclass(frozen=True)
+class DecodeRun:
+    tokens: np.ndarray  # [B, steps] greedy (or forced) tokens after the prompt
+    argmax: np.ndarray  # [B, steps] argmax of each step's logits
+    logits: np.ndarray  # [B, steps, V] float32
+
+
+def quantize_params(params: dict[str, Any], kind: str) -> dict[str, Any]:
+    """Weight-only quantization of every layer's linear maps (embeddings/lm_head stay float)."""
+    layers = [{k: quantize_weight(v, kind) if k in _MATRICES else v for k, v in lp.items()} for lp in params["layers"]]
+    return {**params, "layers": layers}
+
+
+def _step_fn(cfg: LlamaConfig, kv_kind: str | None, use_model_forward: bool):
+    def step(params, cache, tokens, positions, block_tables):
+        b = tokens.shape[0]
+        context_lens = positions + 1
+        if use_model_forward:
+            bs = cache[0][0].shape[1]  # decode_forward's flat slot = block * bs + offset
+            slots = block_tables[jnp.arange(b), positions // bs] * bs + positions % bs
+            attn = (attention.prefill_attention, attention.paged_decode_attention)
+            return llama.decode_forward(
+                params, cache, tokens, positions, slots, block_tables, context_lens, cfg=cfg, attn=attn
+            )
+        inv_freq = jnp.asarray(llama.rope_inv_freq(cfg))
+        x = params["embed"][tokens]
+        new_cache = []
+        for lp, (kc, ks, vc, vs) in zip(params["layers"], cache, strict=True):
+            q, k, v = llama._qkv(x, lp, cfg, positions, inv_freq)
+            page = kc.shape[1]
+            blk = block_tables[jnp.arange(b), positions // page]
+            slot = positions % page
+            if kv_kind is None:
+                kc = kc.at[blk, slot].set(k)
+                vc = vc.at[blk, slot].set(v)
+                o = reference.paged_decode_attention(q, kc, vc, block_tables, context_lens, scale=cfg.head_dim**-0.5)
+            else:
+                kc, ks = write_quantized_kv(kc, ks, k, blk, slot)
+                vc, vs = write_quantized_kv(vc, vs, v, blk, slot)
+                o = reference.paged_decode_attention(
+                    q, kc, vc, block_tables, context_lens, scale=cfg.head_dim**-0.5, k_scale=ks, v_scale=vs
+                )
+            new_cache.append((kc, ks, vc, vs))
+            x = x + o.reshape(b, -1) @ lp["wo"]
+            x = llama._mlp(x, lp, cfg)
+        return llama._logits(params, x, cfg), tuple(new_cache)
+
+    return jax.jit(step)
+
+
+def greedy_decode(
+    cfg: LlamaConfig,
+    params: dict[str, Any],
+    prompts: np.ndarray,
+    steps: int,
+    *,
+    kv_kind: str | None = None,
+    forced: np.ndarray | None = None,
+    use_model_forward: bool = False,
+    block_size: int = 16,
+) -> DecodeRun:
+    """Feed ``prompts[B,P]`` then decode ``steps`` tokens (or the ``forced`` ones)."""
+    b, p = prompts.shape
+    total = p + steps
+    m = -(-total // block_size)
+    num_blocks = b * m
+    tables = jnp.asarray(np.arange(num_blocks, dtype=np.int32).reshape(b, m))
+    shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+    if use_model_forward:
+        cache: Any = llama.init_kv_cache(cfg, num_blocks, block_size, jnp.float32)
+    elif kv_kind is None:
+        z = functools.partial(jnp.zeros, shape, jnp.float32)
+        cache = tuple((z(), None, z(), None) for _ in range(cfg.num_hidden_layers))
+    else:
+        cache = tuple(
+            (*init_quantized_cache(*shape[:2], *shape[2:], kv_kind), *init_quantized_cache(*shape[:2], *shape[2:], kv_kind))
+            for _ in range(cfg.num_hidden_layers)
+        )
+    step = _step_fn(cfg, kv_kind, use_model_forward)
+    token = jnp.asarray(prompts[:, 0], jnp.int32)
+    out_tokens, out_argmax, out_logits = [], [], []
+    for pos in range(total - 1):
+        positions = jnp.full((b,), pos, jnp.int32)
+        logits, cache = step(params, cache, token, positions, tables)
+        if pos + 1 < p:
+            token = jnp.asarray(prompts[:, pos + 1], jnp.int32)
+            continue
+        am = np.asarray(jnp.argmax(logits, axis=-1))
+        i = pos + 1 - p
+        nxt = am if forced is None else forced[:, i]
+        out_argmax.append(am)
+        out_tokens.append(nxt)
+        out_logits.append(np.asarray(logits, np.float32))
+        token = jnp.asarray(nxt, jnp.int32)
+    return DecodeRun(np.stack(out_tokens, 1), np.stack(out_argmax, 1), np.stack(out_logits, 1))
+
+
+def is_quantized(params: dict[str, Any]) -> bool:
+    return any(isinstance(v, QuantizedWeight) for lp in params["layers"] for v in lp.values())
