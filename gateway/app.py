@@ -51,6 +51,7 @@ class App:
         self.pool = pool
         self.metrics = metrics if metrics is not None else GatewayMetrics()
         self.openai = OpenAIHandlers(pool, self.metrics, api or ApiSettings())
+        self.metrics.watch_workers(pool.connections)
         self.draining = False
         self.routes: dict[str, dict[str, Route]] = {
             CHAT_ROUTE: {"POST": self.openai.chat},

@@ -6,9 +6,11 @@ and an ``inc``/``observe`` per request, not a ``labels()`` call.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 __all__ = ["GatewayMetrics", "CONTENT_TYPE_LATEST"]
@@ -81,5 +83,40 @@ class GatewayMetrics:
     def protocol_error(self, status: int, protocol: str) -> None:
         self.protocol_errors.labels(str(status), protocol).inc()
 
+    def watch_workers(self, connections: Callable[[], Iterable[Any]]) -> None:
+        """Export each worker connection's in-flight count and last Stats at scrape time."""
+        self.registry.register(_WorkerCollector(connections))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _WorkerCollector:
+    """Per-worker gauges read from ``WorkerConnection.latest_stats`` when scraped."""
+
+    def __init__(self, connections: Callable[[], Iterable[Any]]) -> None:
+        self._connections = connections
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        fams = {
+            "in_flight": GaugeMetricFamily("quicserve_worker_in_flight", "Requests this gateway has open on the worker",
+                                           labels=["worker"]),
+            "running": GaugeMetricFamily("quicserve_worker_running", "Sequences running (worker Stats)",
+                                         labels=["worker"]),
+            "queue_depth": GaugeMetricFamily("quicserve_worker_queue_depth", "Requests waiting (worker Stats)",
+                                             labels=["worker"]),
+            "kv_blocks_free": GaugeMetricFamily("quicserve_worker_kv_blocks_free", "Free KV blocks (worker Stats)",
+                                                labels=["worker"]),
+        }
+        for i, conn in enumerate(self._connections()):
+            name = conn.peer_hello.identity or f"worker-{i}"
+            fams["in_flight"].add_metric([name], conn.in_flight)
+            st = conn.latest_stats
+            if st is not None:
+                fams["running"].add_metric([name], st.running)
+                fams["queue_depth"].add_metric([name], st.queue_depth)
+                fams["kv_blocks_free"].add_metric([name], st.kv_blocks_free)
+        yield from fams.values()

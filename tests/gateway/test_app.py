@@ -167,6 +167,7 @@ async def test_404_405_health_ready_metrics() -> None:
     assert 'quicserve_requests_total{protocol="http/1.1",route="other",status="404"} 1.0' in text
     assert "quicserve_time_to_first_token_seconds_count" in text
     assert "quicserve_requests_in_flight 1.0" in text  # this very /metrics request
+    assert 'quicserve_worker_in_flight{worker="scripted"} 0.0' in text
 
 
 async def test_readyz_without_workers() -> None:

@@ -1,0 +1,46 @@
+"""The gateway never imports JAX (or the inference package): it must start fast and stay small.
+
+A running gateway is checked too, in tests/integration/test_gateway_e2e.py (its
+/proc/<pid>/maps must not map jaxlib).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+GATEWAY_MODULES = [
+    "gateway.cli", "gateway.app", "gateway.serve", "gateway.settings", "gateway.loadgen",
+    "gateway.api.openai", "gateway.routing.pool", "gateway.routing.supervisor", "gateway.observability.metrics",
+    "gateway.http.server", "gateway.http.tls",
+]
+
+
+def test_gateway_modules_do_not_import_jax_or_inference() -> None:
+    code = (
+        "import importlib, sys\n"
+        f"for m in {GATEWAY_MODULES!r}: importlib.import_module(m)\n"
+        "from gateway.cli import build_parser\n"
+        "build_parser().parse_args(['serve', '--engine', 'synthetic'])\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib', 'inference', 'torch'))\n"
+        "assert not bad, bad\n"
+        "print('ok', len(sys.modules))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("ok")
+
+
+def test_config_check_cli(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[server]\nport = "x"\nbogus = 1\n')
+    r = subprocess.run([sys.executable, "-m", "gateway.cli", "config", "check", str(bad)], cwd=REPO,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1
+    assert "server.port: expected int" in r.stdout and "server.bogus: unknown key" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "gateway.cli", "config", "check", str(REPO / "config/default.toml")],
+                       cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip().endswith("OK")
