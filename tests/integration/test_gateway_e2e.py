@@ -1,0 +1,248 @@
+"""End to end on 127.0.0.1: `quicserve serve --engine synthetic` (a real gateway process
+with a real `quicserve worker --engine synthetic` child over the transport) and real
+clients: openai SDK (sync + async, streaming and not), httpx (h1, h2c, TLS h2), curl.
+
+One gateway for the module; the drain test starts its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import orjson
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+
+try:
+    import inference.worker  # noqa: F401
+    import transport.client  # noqa: F401
+except ImportError as e:  # pragma: no cover - while the worker/transport are not in the tree yet
+    pytest.skip(f"needs transport.client and inference.worker: {e}", allow_module_level=True)
+
+
+@dataclass
+class Gateway:
+    proc: subprocess.Popen[str]
+    http: str
+    https: str
+    lines: list[str]
+
+    @property
+    def worker_pid(self) -> int:
+        kids: list[int] = []
+        for task in Path(f"/proc/{self.proc.pid}/task").iterdir():
+            kids += [int(x) for x in (task / "children").read_text().split()]
+        assert kids, "no worker child"
+        return kids[0]
+
+    def metric(self, name: str) -> float:
+        text = httpx.get(self.http + "/metrics").text
+        total = 0.0
+        for line in text.splitlines():
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+
+def start_gateway(tmp: Path, *extra: str) -> Gateway:
+    cmd = [sys.executable, "-m", "gateway.cli", "serve", "--engine", "synthetic", "--port", "0", "--tls-port", "0",
+           "--state-dir", str(tmp), "--progress", "lines", "--log-level", "warning", *extra]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    lines: list[str] = []
+    http = https = ""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            raise AssertionError(f"gateway exited ({proc.wait()}): {lines}")
+        lines.append(line)
+        if m := re.search(r"listening on (http://\S+)", line):
+            http = m.group(1)
+        if m := re.search(r"listening on (https://\S+)", line):
+            https = m.group(1)
+        if line.startswith("quicserve: ready"):
+            return Gateway(proc, http, https, lines)
+    proc.kill()
+    raise AssertionError(f"gateway not ready: {lines}")
+
+
+def stop_gateway(gw: Gateway, sig: int = signal.SIGTERM) -> int:
+    if gw.proc.poll() is None:
+        gw.proc.send_signal(sig)
+    try:
+        return gw.proc.wait(30)
+    except subprocess.TimeoutExpired:
+        gw.proc.kill()
+        raise
+
+
+@pytest.fixture(scope="module")
+def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    g = start_gateway(tmp_path_factory.mktemp("state"), "--worker-arg=--synthetic-step-ms=2")
+    yield g
+    assert stop_gateway(g) == 0
+
+
+def test_running_gateway_never_loaded_jax(gw: Gateway) -> None:
+    maps = Path(f"/proc/{gw.proc.pid}/maps").read_text()
+    assert "jaxlib" not in maps and "/jax/" not in maps and "libtorch" not in maps
+    assert any(line.startswith("quicserve: listening on https://") for line in gw.lines)
+    assert re.search(r"cert sha256 [0-9A-Fa-f:]{64,}", "".join(gw.lines))
+
+
+def test_openai_sync_sdk(gw: Gateway) -> None:
+    with openai.OpenAI(base_url=gw.http + "/v1", api_key="unused", max_retries=0) as client:
+        assert [m.id for m in client.models.list().data] == ["tiny"]
+        r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                           max_tokens=8, seed=7, temperature=0.7)
+        assert r.choices[0].finish_reason in ("length", "stop") and r.usage.completion_tokens <= 8
+        text = r.choices[0].message.content
+        assert text and r.usage.prompt_tokens > 0
+        r2 = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                            max_tokens=8, seed=7, temperature=0.7)
+        assert r2.choices[0].message.content == text  # same seed, same tokens (synthetic engine is deterministic)
+        chunks = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                     max_tokens=8, seed=7, temperature=0.7, stream=True))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+        c = client.completions.create(model="tiny", prompt="Once", max_tokens=5)
+        assert c.choices[0].text and c.usage.completion_tokens <= 5
+
+
+async def test_openai_async_sdk_stream_with_usage(gw: Gateway) -> None:
+    async with openai.AsyncOpenAI(base_url=gw.http + "/v1", api_key="unused", max_retries=0) as client:
+        stream = await client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=16, stream=True,
+            stream_options={"include_usage": True})
+        chunks = [c async for c in stream]
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens <= 16
+        assert chunks[-2].choices[0].finish_reason in ("length", "stop")
+        results = await asyncio.gather(*(client.completions.create(model="tiny", prompt=f"p{i}", max_tokens=4)
+                                         for i in range(16)))
+        assert all(r.choices[0].text for r in results)
+        with pytest.raises(openai.BadRequestError):
+            await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], n=3)
+
+
+@pytest.mark.parametrize("mode", ["h1", "h2c", "tls-h1", "tls-h2"])
+def test_httpx(gw: Gateway, mode: str) -> None:
+    tls = mode.startswith("tls")
+    h2 = mode.endswith("h2") or mode == "h2c"
+    with httpx.Client(base_url=gw.https if tls else gw.http, http1=not h2, http2=h2, verify=False) as c:
+        r = c.post("/v1/chat/completions", json=CHAT)
+        assert r.status_code == 200 and r.http_version == ("HTTP/2" if h2 else "HTTP/1.1")
+        assert r.json()["object"] == "chat.completion"
+        with c.stream("POST", "/v1/chat/completions", json={**CHAT, "stream": True}) as s:
+            body = s.read()
+        assert body.endswith(b"data: [DONE]\n\n")
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="curl binary not installed")
+@pytest.mark.parametrize("flag", ["--http1.1", "--http2", "--http2-prior-knowledge"])
+def test_curl(gw: Gateway, flag: str) -> None:
+    base = gw.https if flag == "--http2" else gw.http
+    out = subprocess.run(["curl", "-sS", "-k", flag, "-w", "\n%{http_version} %{http_code}", base + "/v1/chat/completions",
+                          "-H", "content-type: application/json", "-d", orjson.dumps(CHAT).decode()],
+                         capture_output=True, text=True, timeout=30)
+    body, _, tail = out.stdout.rpartition("\n")
+    version, code = tail.split()
+    assert code == "200" and version == ("1.1" if flag == "--http1.1" else "2"), out.stderr
+    assert orjson.loads(body)["choices"][0]["message"]["role"] == "assistant"
+
+
+@pytest.mark.parametrize(
+    "method, path, body, status, code",
+    [
+        ("POST", "/v1/chat/completions", b"{oops", 400, "invalid_json"),
+        ("POST", "/v1/chat/completions", b'{"model": "tiny", "messages": "\xc3"}', 400, "invalid_utf8"),
+        ("POST", "/v1/chat/completions", orjson.dumps({**CHAT, "temperature": "warm"}), 400, "invalid_type"),
+        ("POST", "/v1/chat/completions", orjson.dumps({**CHAT, "model": "no-such-model"}), 404, "model_not_found"),
+        ("POST", "/v1/completions", orjson.dumps({"model": "tiny", "prompt": "x", "n": 2}), 400,
+         "unsupported_parameter"),
+        ("GET", "/v1/nothing", b"", 404, "unknown_url"),
+        ("PUT", "/v1/chat/completions", b"", 405, "method_not_allowed"),
+        ("POST", "/v1/chat/completions", b"x" * (2 << 20), 413, None),
+    ],
+)
+def test_bad_input_then_next_request(gw: Gateway, method: str, path: str, body: bytes, status: int,
+                                     code: str | None) -> None:
+    with httpx.Client(base_url=gw.http) as c:
+        r = c.request(method, path, content=body)
+        assert r.status_code == status, r.text
+        err = r.json()["error"]
+        assert err["message"] and err["type"]
+        if code:
+            assert err["code"] == code
+    r = httpx.post(gw.http + "/v1/chat/completions", json=CHAT)
+    assert r.status_code == 200
+
+
+def test_headers_too_large_431(gw: Gateway) -> None:
+    r = httpx.get(gw.http + "/healthz", headers={"x-big": "a" * (20 << 10)})
+    assert r.status_code == 431
+    assert httpx.get(gw.http + "/healthz").status_code == 200
+
+
+def test_health_ready_metrics(gw: Gateway) -> None:
+    assert httpx.get(gw.http + "/healthz").json() == {"status": "ok"}
+    r = httpx.get(gw.http + "/readyz")
+    assert r.status_code == 200 and r.json()["models"] == ["tiny"]
+    text = httpx.get(gw.http + "/metrics").text
+    for name in ("quicserve_requests_total", "quicserve_time_to_first_token_seconds_bucket",
+                 "quicserve_time_per_output_token_seconds_bucket", "quicserve_request_duration_seconds_bucket",
+                 "quicserve_requests_in_flight", "quicserve_worker_running"):
+        assert name in text, name
+
+
+def test_client_disconnect_cancels_on_the_worker(gw: Gateway) -> None:
+    """A 4000-token stream at 2 ms/step would run 8 s; dropping the client must free it at once."""
+    with httpx.Client(base_url=gw.http, timeout=10) as c:
+        with c.stream("POST", "/v1/chat/completions",
+                      json={**CHAT, "max_tokens": 4000, "stream": True}) as s:
+            it = s.iter_bytes()
+            next(it)
+            next(it)
+            assert gw.metric("quicserve_worker_in_flight") == 1
+    deadline = time.monotonic() + 3
+    while time.monotonic() < deadline and gw.metric("quicserve_worker_in_flight"):
+        time.sleep(0.05)
+    assert gw.metric("quicserve_worker_in_flight") == 0  # the gateway's stream ended (Cancel went out)
+    deadline = time.monotonic() + 3
+    while time.monotonic() < deadline and gw.metric("quicserve_worker_running"):
+        time.sleep(0.1)
+    assert gw.metric("quicserve_worker_running") == 0  # and the worker freed the sequence
+
+
+def test_sigterm_drains_in_flight_then_stops_workers(tmp_path: Path) -> None:
+    g = start_gateway(tmp_path, "--worker-arg=--synthetic-step-ms=5", "--no-tls")
+    worker = g.worker_pid
+    with httpx.Client(base_url=g.http, timeout=20) as c:
+        with c.stream("POST", "/v1/chat/completions", json={**CHAT, "max_tokens": 200, "stream": True}) as s:
+            it = s.iter_bytes()
+            first = next(it)
+            os.kill(g.proc.pid, signal.SIGTERM)
+            body = first + b"".join(it)
+    assert body.endswith(b"data: [DONE]\n\n")  # the in-flight stream finished
+    assert stop_gateway(g) == 0
+    rest = g.proc.stdout.read() if g.proc.stdout else ""
+    assert "quicserve: stopped" in rest
+    with pytest.raises(ProcessLookupError):
+        for _ in range(100):
+            os.kill(worker, 0)
+            time.sleep(0.05)
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(g.http + "/healthz")
