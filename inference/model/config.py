@@ -81,6 +81,11 @@ class LlamaConfig:
             hidden = int(d["hidden_size"])
             head_dim = d.get("head_dim") or hidden // heads
             eos = d.get("eos_token_id")
+            # transformers >= 5 writes "rope_parameters" (rope_theta inside); older ones
+            # write "rope_theta" and "rope_scaling" at the top level.
+            rope = d.get("rope_parameters") or {}
+            theta = d.get("rope_theta", rope.get("rope_theta", 10000.0))
+            scaling = d.get("rope_scaling") or rope
             return cls(
                 vocab_size=int(d["vocab_size"]),
                 hidden_size=hidden,
@@ -90,8 +95,8 @@ class LlamaConfig:
                 num_key_value_heads=int(d.get("num_key_value_heads") or heads),
                 head_dim=int(head_dim),
                 rms_norm_eps=float(d.get("rms_norm_eps", 1e-5)),
-                rope_theta=float(d.get("rope_theta", 10000.0)),
-                rope_scaling=_parse_rope_scaling(d.get("rope_scaling")),
+                rope_theta=float(theta),
+                rope_scaling=_parse_rope_scaling(scaling),
                 max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
                 bos_token_id=d.get("bos_token_id"),
@@ -142,18 +147,26 @@ def _as_ids(value: Any) -> tuple[int, ...]:
     return tuple(int(v) for v in value)
 
 
-def _parse_rope_scaling(rs: dict[str, Any] | None) -> RopeScaling | None:
+def _need(rs: dict[str, Any], key: str) -> Any:
+    if key not in rs:
+        raise ConfigError(f"rope scaling {rs.get('rope_type')!r} needs {key!r}")
+    return rs[key]
+
+
+def _parse_rope_scaling(rs: Any) -> RopeScaling | None:
     if not rs:
         return None
+    if not isinstance(rs, dict):
+        raise ConfigError(f"rope_scaling must be an object, got {rs!r}")
     rope_type = rs.get("rope_type") or rs.get("type") or "default"
     if rope_type == "default":
         return None
     if rope_type == "linear":
-        return RopeScaling("linear", float(rs["factor"]))
+        return RopeScaling("linear", float(_need(rs, "factor")))
     if rope_type == "llama3":
         return RopeScaling(
             "llama3",
-            float(rs["factor"]),
+            float(_need(rs, "factor")),
             float(rs.get("low_freq_factor", 1.0)),
             float(rs.get("high_freq_factor", 4.0)),
             int(rs.get("original_max_position_embeddings", 8192)),

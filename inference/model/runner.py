@@ -105,9 +105,9 @@ class JaxRunner:
             if progress:
                 progress("compile", i, len(shapes), f"{kind} batch={b} tokens={t}")
             if kind == "decode":
-                res = self._run_decode([], b)
+                res = self._sample(self._decode_logits([], b), [], b)
             else:
-                res = self._run_prefill([], b, t)
+                res = self._sample(self._prefill_logits([], b, t), [], b)
             jax.block_until_ready(res)
         if progress:
             progress("compile", len(shapes), len(shapes), f"{self.compile_count} shapes compiled")
@@ -116,21 +116,7 @@ class JaxRunner:
 
     def execute(self, plan: StepPlan) -> list[SeqOutput]:
         """Run prefills then decodes; one output per SeqWork, prefills first."""
-        for w in plan.prefills:
-            self._check(w, decode=False)
-        for w in plan.decodes:
-            self._check(w, decode=True)
-        pending: list[tuple[list[SeqWork], Any]] = []
-        prefills = list(plan.prefills)
-        for group in self.buckets.group_prefills([len(w.token_ids) for w in prefills]):
-            works = [prefills[i] for i in group]
-            b, t = self.buckets.prefill_shape(len(works), max(len(w.token_ids) for w in works))
-            pending.append((works, self._run_prefill(works, b, t)))
-        decodes = list(plan.decodes)
-        step = self.buckets.max_batch
-        for start in range(0, len(decodes), step):
-            works = decodes[start:start + step]
-            pending.append((works, self._run_decode(works, self.buckets.decode_batch(len(works)))))
+        pending = self._dispatch(plan, sample=True)
         by_seq: dict[int, SeqOutput] = {}
         fetched = jax.device_get([res for _, res in pending])
         for (works, _), (tokens, lps, top_ids, top_lps) in zip(pending, fetched, strict=True):
@@ -142,6 +128,40 @@ class JaxRunner:
                     top_logprobs=tuple(float(x) for x in top_lps[row, :n]),
                 )
         return [by_seq[id(w)] for w in (*plan.prefills, *plan.decodes)]
+
+    def logits(self, plan: StepPlan) -> np.ndarray:
+        """Like :meth:`execute` but return float32 logits [plan.size, vocab] instead of sampling.
+
+        The K/V of the plan's tokens is written to the cache exactly as ``execute`` would.
+        """
+        pending = self._dispatch(plan, sample=False)
+        by_seq: dict[int, np.ndarray] = {}
+        for (works, _), logits in zip(pending, jax.device_get([r for _, r in pending]), strict=True):
+            for row, w in enumerate(works):
+                by_seq[id(w)] = np.asarray(logits[row])
+        return np.stack([by_seq[id(w)] for w in (*plan.prefills, *plan.decodes)])
+
+    def _dispatch(self, plan: StepPlan, *, sample: bool) -> list[tuple[list[SeqWork], Any]]:
+        """Validate, group into buckets and launch every call of the step (results not fetched)."""
+        for w in plan.prefills:
+            self._check(w, decode=False)
+        for w in plan.decodes:
+            self._check(w, decode=True)
+        pending: list[tuple[list[SeqWork], Any]] = []
+        prefills = list(plan.prefills)
+        for group in self.buckets.group_prefills([len(w.token_ids) for w in prefills]):
+            works = [prefills[i] for i in group]
+            b, t = self.buckets.prefill_shape(len(works), max(len(w.token_ids) for w in works))
+            logits = self._prefill_logits(works, b, t)
+            pending.append((works, self._sample(logits, works, b) if sample else logits))
+        decodes = list(plan.decodes)
+        step = self.buckets.max_batch
+        for start in range(0, len(decodes), step):
+            works = decodes[start:start + step]
+            b = self.buckets.decode_batch(len(works))
+            logits = self._decode_logits(works, b)
+            pending.append((works, self._sample(logits, works, b) if sample else logits))
+        return pending
 
     def _check(self, w: SeqWork, *, decode: bool) -> None:
         n = len(w.token_ids)
@@ -195,7 +215,7 @@ class JaxRunner:
         samp = self._sampling(works, b)
         return self._timed(("sample", b, 0), lambda: tuple(self._sample_jit(logits, *samp)))
 
-    def _run_prefill(self, works: Sequence[SeqWork], b: int, t: int) -> Any:
+    def _prefill_logits(self, works: Sequence[SeqWork], b: int, t: int) -> Any:
         oob = self.num_blocks * self.block_size
         tokens = np.zeros((b, t), np.int32)
         positions = np.zeros((b, t), np.int32)
@@ -217,9 +237,9 @@ class JaxRunner:
             logits, self._cache = self._prefill(self._params, self._cache, *args)
             return logits
 
-        return self._sample(self._timed(("prefill", b, t), call), works, b)
+        return self._timed(("prefill", b, t), call)
 
-    def _run_decode(self, works: Sequence[SeqWork], b: int) -> Any:
+    def _decode_logits(self, works: Sequence[SeqWork], b: int) -> Any:
         oob = self.num_blocks * self.block_size
         tokens = np.zeros(b, np.int32)
         positions = np.zeros(b, np.int32)
@@ -235,4 +255,4 @@ class JaxRunner:
             logits, self._cache = self._decode(self._params, self._cache, *args)
             return logits
 
-        return self._sample(self._timed(("decode", b, 1), call), works, b)
+        return self._timed(("decode", b, 1), call)
