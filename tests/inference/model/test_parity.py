@@ -77,8 +77,8 @@ def test_prefill_and_decode_logits_match_batched_different_lengths(model):
     for _ in range(steps):
         nxt = [int(np.argmax(hf_logits(hf, s)[-1])) for s in seqs]
         plan = StepPlan(prefills=(), decodes=tuple(
-            SeqWork(i, [t], len(s), tables[i], GREEDY, 0, 1) for i, (s, t) in enumerate(zip(seqs, nxt))))
-        seqs = [s + [t] for s, t in zip(seqs, nxt)]
+            SeqWork(i, [t], len(s), tables[i], GREEDY, 0, 1) for i, (s, t) in enumerate(zip(seqs, nxt, strict=True))))
+        seqs = [s + [t] for s, t in zip(seqs, nxt, strict=True)]
         ours = runner.logits(plan)
         for i, s in enumerate(seqs):
             np.testing.assert_allclose(ours[i], hf_logits(hf, s)[-1], atol=ATOL, rtol=1e-4)
