@@ -161,6 +161,10 @@ class Engine:
     def has_unfinished(self) -> bool:
         return bool(self._by_key)
 
+    def keys(self) -> list[Hashable]:
+        """Keys of every unfinished request."""
+        return list(self._by_key)
+
     def __contains__(self, key: Hashable) -> bool:
         return key in self._by_key
 

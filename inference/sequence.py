@@ -31,7 +31,7 @@ class Delta:
     key: Hashable
     token_ids: tuple[int, ...]
     text: str
-    logprobs: tuple[float, ...] | None = None  # one per token when requested
+    logprobs: tuple[float, ...] | None = None  # one per token iff params.logprobs
     top_ids: tuple[int, ...] = ()  # top_n per token, row-major
     top_logprobs: tuple[float, ...] = ()
     top_n: int = 0
@@ -138,15 +138,15 @@ class Sequence:
         if not emit and not text:
             return None, reason
         ids = (tok,) if emit else ()
+        # As the wire wants them: a logprob per token iff ``logprobs``, and
+        # ``top_logprobs`` alternatives per token whether or not it is set.
         lps: tuple[float, ...] | None = None
+        if p.logprobs:
+            lps = (out.logprob,) if emit else ()
+        n = p.top_logprobs
         top_ids: tuple[int, ...] = ()
         top_lps: tuple[float, ...] = ()
-        n = p.top_logprobs
-        if (p.logprobs or n) and emit:
-            lps = (out.logprob,)
-            if n:
-                top_ids = tuple(out.top_ids[:n]) + (0,) * max(0, n - len(out.top_ids))
-                top_lps = tuple(out.top_logprobs[:n]) + (float("-inf"),) * max(0, n - len(out.top_logprobs))
-        elif p.logprobs or n:
-            lps = ()
-        return Delta(self.key, ids, text, lps, top_ids, top_lps, n if lps is not None else 0), reason
+        if n and emit:
+            top_ids = tuple(out.top_ids[:n]) + (0,) * max(0, n - len(out.top_ids))
+            top_lps = tuple(out.top_logprobs[:n]) + (float("-inf"),) * max(0, n - len(out.top_logprobs))
+        return Delta(self.key, ids, text, lps, top_ids, top_lps, n), reason

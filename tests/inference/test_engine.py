@@ -73,15 +73,18 @@ def test_multibyte_text_is_held_until_complete() -> None:
 
 
 def test_logprobs_and_top_logprobs() -> None:
-    eng, _ = make({1: b("ab"), 2: b("ab")})
+    eng, _ = make({1: b("ab"), 2: b("ab"), 3: b("ab")})
     eng.add("lp", [65], SamplingParams(max_tokens=2, seed=1, logprobs=True, top_logprobs=3), 0.0)
     eng.add("none", [65], SamplingParams(max_tokens=2, seed=2), 0.0)
+    eng.add("top", [65], SamplingParams(max_tokens=2, seed=3, top_logprobs=1), 0.0)
     col = Collector()
     run_until_done(eng, col)
     d = col.deltas["lp"][0]
     assert d.logprobs == (-0.5,) and d.top_n == 3
     assert d.top_ids == (1, 2, 0) and d.top_logprobs[:2] == (-0.5, -1.5)  # padded to top_n
-    assert col.deltas["none"][0].logprobs is None
+    assert col.deltas["none"][0].logprobs is None and col.deltas["none"][0].top_n == 0
+    top = col.deltas["top"][0]
+    assert top.logprobs is None and top.top_n == 1 and top.top_ids == (1,)
 
 
 def test_admission_bounded_by_max_batch_and_prefill_budget() -> None:

@@ -1,0 +1,257 @@
+"""The worker's transport handler and engine loop (the asyncio adapter around
+:class:`~inference.engine.Engine`).
+
+How it works: transport callbacks (``on_submit``/``on_cancel``/``on_credit``/
+``on_disconnect``) run on the event loop and only touch the engine, then wake
+the loop. :meth:`WorkerService.run` repeats: schedule a step, run the runner
+(in a one-thread executor so the loop keeps answering heartbeats during a
+long step), commit, and send what the step produced — one ``TokenBatch`` per
+connection for all its requests, then a ``Finish``/``Error`` per ended
+request. A request whose credit reaches 0 is paused in the engine until the
+gateway grants more. Stats go to every connection every ``stats_interval``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from array import array
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from transport.api import ServerConnection
+from transport.messages import Error, ErrorCode, Finish, Hello, Stats, Submit, TokenBatch
+
+from .engine import Delta, Engine, EngineError, EngineEvent, Failed, Finished
+from .tokenizer import Tokenizer, TokenizerError
+
+__all__ = ["WorkerService", "pack_tokens"]
+
+log = logging.getLogger("inference.worker")
+Key = tuple[int, int]  # (connection number, request id)
+
+
+def pack_tokens(deltas: Sequence[tuple[int, Delta]]) -> TokenBatch:
+    """One TokenBatch from (request id, delta) pairs, in order."""
+    rids, counts, toks, tlens = array("I"), array("I"), array("I"), array("I")
+    has_lp, top_ns = array("B"), array("B")
+    lps, tids, tlps = array("f"), array("I"), array("f")
+    text = bytearray()
+    for rid, d in deltas:
+        rids.append(rid)
+        counts.append(len(d.token_ids))
+        toks.extend(d.token_ids)
+        t = d.text.encode()
+        tlens.append(len(t))
+        text += t
+        has_lp.append(d.logprobs is not None)
+        top_ns.append(d.top_n)
+        if d.logprobs:
+            lps.extend(d.logprobs)
+        if d.top_ids:
+            tids.extend(d.top_ids)
+            tlps.extend(d.top_logprobs)
+    return TokenBatch(rids, counts, toks, tlens, bytes(text), has_lp, top_ns, lps, tids, tlps)
+
+
+class WorkerService:
+    """Implements :class:`transport.api.WorkerHandler` over an :class:`Engine`."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer: Tokenizer,
+        *,
+        served_name: str,
+        identity: str = "",
+        stats_interval: float = 0.5,
+        clock: Callable[[], float] = time.monotonic,
+        threaded: bool = True,
+    ) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.served_name = served_name
+        self.identity = identity or f"worker@{os.uname().nodename}:{os.getpid()}"
+        self.stats_interval = stats_interval
+        self._clock = clock
+        self._conns: dict[int, ServerConnection] = {}
+        self._conn_no: dict[int, int] = {}  # id(conn) -> connection number
+        self._next_conn = 1
+        self._wake = asyncio.Event()
+        self._draining = False
+        self._stopped = False
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine-step") if threaded else None
+        self._tokens_window: list[tuple[float, int]] = []
+
+    # -- WorkerHandler ------------------------------------------------------
+    def hello(self) -> Hello:
+        return Hello(role="worker", identity=self.identity, models=(self.served_name,),
+                     capabilities=("logprobs", "text", "chat"))  # fmt: skip
+
+    def _key(self, conn: ServerConnection) -> int:
+        cid = self._conn_no.get(id(conn))
+        if cid is None:
+            cid = self._conn_no[id(conn)] = self._next_conn
+            self._next_conn += 1
+            self._conns[cid] = conn
+        return cid
+
+    def on_submit(self, conn: ServerConnection, submit: Submit) -> None:
+        rid = submit.request_id
+        cid = self._key(conn)
+        try:
+            if self._draining:
+                raise EngineError(ErrorCode.SHUTTING_DOWN, "the worker is shutting down")
+            if submit.model != self.served_name:
+                raise EngineError(ErrorCode.UNKNOWN_MODEL, f"model {submit.model!r} is not served here "
+                                                           f"(serving {self.served_name!r})")  # fmt: skip
+            ids = self._prompt_ids(submit)
+            now = self._clock()
+            deadline = now + submit.deadline_ms / 1e3 if submit.deadline_ms > 0 else None
+            self.engine.add((cid, rid), ids, submit.params, now, deadline=deadline,
+                            return_text=submit.return_text)  # fmt: skip
+        except EngineError as exc:
+            conn.send_error(Error(rid, exc.code, exc.message))
+            return
+        self._wake.set()
+
+    def _prompt_ids(self, s: Submit) -> list[int]:
+        given = [x is not None for x in (s.prompt, s.prompt_token_ids, s.messages)]
+        if sum(given) != 1:
+            raise EngineError(ErrorCode.INVALID_REQUEST, "exactly one of prompt, prompt_token_ids, messages")
+        try:
+            if s.prompt is not None:
+                return self.tokenizer.encode(s.prompt)
+            if s.messages is not None:
+                return self.tokenizer.encode_chat(s.messages)
+        except TokenizerError as exc:
+            raise EngineError(ErrorCode.INVALID_REQUEST, str(exc)) from exc
+        return list(s.prompt_token_ids or ())
+
+    def on_cancel(self, conn: ServerConnection, request_id: int) -> None:
+        fin = self.engine.cancel((self._key(conn), request_id))
+        if fin is not None:
+            conn.send_finish(self._finish(request_id, fin))
+
+    def on_credit(self, conn: ServerConnection, request_id: int, available: int) -> None:
+        self.engine.resume((self._key(conn), request_id))
+        self._wake.set()
+
+    def on_disconnect(self, conn: ServerConnection, open_requests: Sequence[int]) -> None:
+        cid = self._conn_no.pop(id(conn), None)
+        if cid is None:
+            return
+        self._conns.pop(cid, None)
+        for rid in open_requests:
+            self.engine.cancel((cid, rid))
+        for key in [k for k in self.engine.keys() if k[0] == cid]:
+            self.engine.cancel(key)
+
+    # -- loop -----------------------------------------------------------------
+    async def run(self) -> None:
+        """Serve steps until :meth:`stop` (or a drain finishes)."""
+        loop = asyncio.get_running_loop()
+        stats = asyncio.create_task(self._stats_loop())
+        try:
+            while not self._stopped:
+                if self._draining and not self.engine.has_unfinished():
+                    break
+                plan, events = self.engine.schedule(self._clock())
+                self._dispatch(events)
+                if plan is None:
+                    self._wake.clear()
+                    wake_at = self.engine.next_wakeup()
+                    timeout = None if wake_at is None else max(0.0, wake_at - self._clock())
+                    try:
+                        await asyncio.wait_for(self._wake.wait(), timeout)
+                    except TimeoutError:
+                        pass
+                    continue
+                try:
+                    if self._executor is not None:
+                        outputs = await loop.run_in_executor(self._executor, self.engine.runner.execute, plan)
+                    else:
+                        outputs = self.engine.runner.execute(plan)
+                    events = self.engine.commit(plan, outputs, self._clock())
+                except Exception as exc:  # a runner failure ends every request, not the worker
+                    log.exception("engine step failed")
+                    events = list(self.engine.abort_all(ErrorCode.INTERNAL, f"engine step failed: {exc}"))
+                self._dispatch(events)
+                await asyncio.sleep(0)
+        finally:
+            stats.cancel()
+            if self._executor is not None:
+                self._executor.shutdown(wait=False)
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def drain(self) -> None:
+        """Refuse new requests; :meth:`run` returns once in-flight ones end."""
+        self._draining = True
+        self._wake.set()
+
+    def abort(self, code: ErrorCode = ErrorCode.SHUTTING_DOWN, message: str = "worker stopped") -> None:
+        """End every request now with an error and stop the loop."""
+        self._dispatch(list(self.engine.abort_all(code, message)))
+        self._stopped = True
+        self._wake.set()
+
+    def _dispatch(self, events: Sequence[EngineEvent]) -> None:
+        if not events:
+            return
+        per_conn: dict[int, list[tuple[int, Delta]]] = {}
+        ends: list[Finished | Failed] = []
+        ntok = 0
+        for ev in events:
+            if isinstance(ev, Delta):
+                per_conn.setdefault(ev.key[0], []).append((ev.key[1], ev))  # type: ignore[index]
+                ntok += len(ev.token_ids)
+            else:
+                ends.append(ev)
+        for cid, deltas in per_conn.items():
+            conn = self._conns.get(cid)
+            if conn is None or conn.closed:
+                continue
+            conn.send_tokens(pack_tokens(deltas))
+            for rid, _ in deltas:
+                if conn.credit(rid) <= 0:
+                    self.engine.pause((cid, rid))
+        for ev in ends:
+            cid, rid = ev.key  # type: ignore[misc]
+            conn = self._conns.get(cid)
+            if conn is None or conn.closed:
+                continue
+            if isinstance(ev, Finished):
+                conn.send_finish(self._finish(rid, ev))
+            else:
+                conn.send_error(Error(rid, ev.code, ev.message))
+        if ntok:
+            self._tokens_window.append((self._clock(), ntok))
+
+    @staticmethod
+    def _finish(rid: int, f: Finished) -> Finish:
+        return Finish(rid, f.reason, f.prompt_tokens, f.completion_tokens, f.cached_tokens)
+
+    def stats(self) -> Stats:
+        eng = self.engine
+        now = self._clock()
+        win = self._tokens_window = [(t, n) for t, n in self._tokens_window if now - t <= 5.0]
+        span = now - win[0][0] if len(win) > 1 else 0.0
+        rate = sum(n for _, n in win) / span if span > 0 else 0.0
+        return Stats(eng.num_waiting, eng.num_running, eng.kv.num_free, eng.kv.num_blocks,
+                     eng.kv.hit_rate, eng.kv.prefix_hashes(), rate)  # fmt: skip
+
+    async def _stats_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.stats_interval)
+            st = self.stats()
+            for conn in list(self._conns.values()):
+                if not conn.closed:
+                    conn.send_stats(st)
+
+    def connections(self) -> list[Any]:
+        return list(self._conns.values())

@@ -1,0 +1,188 @@
+"""``quicserve worker``: load a model, serve the transport, drain on SIGTERM.
+
+Stdout carries JSON lines for the supervisor (nothing else is printed there):
+``{"event":"progress","stage":"load|compile","done":i,"total":n,"message":...}``
+while loading and compiling, then exactly one
+``{"event":"ready","url":...,"models":[...]}`` once the transport is bound.
+Logs go to stderr. ``--engine synthetic`` runs the scheduler over the
+:class:`~inference.synthetic.SyntheticRunner` test/benchmark double and never
+imports JAX.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+from .batch_window import parse_batch_window
+from .engine import Engine, EngineConfig
+from .service import WorkerService
+from .tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+
+__all__ = ["main", "parse_args", "parse_cpus", "build_service"]
+
+log = logging.getLogger("inference.worker")
+DRAIN_TIMEOUT = 30.0
+
+
+def parse_cpus(spec: str) -> set[int]:
+    """``"0-3,6"`` -> {0, 1, 2, 3, 6}."""
+    cpus: set[int] = set()
+    try:
+        for part in spec.split(","):
+            lo, _, hi = part.strip().partition("-")
+            a, b = int(lo), int(hi or lo)
+            if a < 0 or b < a:
+                raise ValueError
+            cpus.update(range(a, b + 1))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bad CPU list {spec!r} (e.g. 0-3,6)") from None
+    return cpus
+
+
+def _window(spec: str) -> Any:
+    try:
+        return parse_batch_window(spec)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="quicserve worker", description="Run an inference worker.")
+    p.add_argument("--listen", default="tcp://127.0.0.1:0", help="tcp://host:port, unix:///path or rdma://")
+    p.add_argument("--engine", choices=("jax", "synthetic"), default="jax")
+    p.add_argument("--model", default="tiny", help="'tiny' or a local HF checkpoint directory")
+    p.add_argument("--served-name", default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-blocks", type=int, default=None)
+    p.add_argument("--max-batch", type=int, default=32)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--batch-window", type=_window, default="adaptive", help="adaptive | fixed:<ms>")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--attention", choices=("reference", "pallas"), default="reference")
+    p.add_argument("--stats-interval", type=float, default=0.5)
+    p.add_argument("--synthetic-step-ms", type=float, default=0.0)
+    p.add_argument("--cpus", type=parse_cpus, default=None, help="pin to these CPUs, e.g. 0-3")
+    p.add_argument("--no-prefix-cache", action="store_true")
+    p.add_argument("--identity", default="")
+    args = p.parse_args(argv)
+    if isinstance(args.batch_window, str):
+        args.batch_window = parse_batch_window(args.batch_window)
+    for name in ("block_size", "max_batch"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.num_blocks is not None and args.num_blocks < 1:
+        p.error("--num-blocks must be >= 1")
+    if args.stats_interval <= 0 or args.synthetic_step_ms < 0:
+        p.error("--stats-interval must be > 0 and --synthetic-step-ms >= 0")
+    if args.engine == "synthetic" and args.model != "tiny":
+        p.error("--engine synthetic only serves the byte-level 'tiny' tokenizer")
+    return args
+
+
+def emit(event: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(event, separators=(",", ":")) + "\n")
+    sys.stdout.flush()
+
+
+def _progress(stage: str, done: int, total: int, message: str) -> None:
+    emit({"event": "progress", "stage": stage, "done": done, "total": total, "message": message})
+
+
+def build_service(args: argparse.Namespace) -> WorkerService:
+    """Load the runner and tokenizer and wire them to an engine."""
+    tokenizer: Tokenizer
+    if args.engine == "synthetic":
+        from .synthetic import SyntheticRunner
+
+        runner: Any = SyntheticRunner(block_size=args.block_size, num_blocks=args.num_blocks or 2048,
+                                      max_model_len=args.max_model_len or 4096,
+                                      step_s=args.synthetic_step_ms / 1e3)  # fmt: skip
+        tokenizer = ByteTokenizer()
+        served = args.served_name or args.model
+        _progress("load", 1, 1, "synthetic engine (no model)")
+    else:
+        from .model.runner import JaxRunner  # JAX only on this path
+
+        tokenizer = load_tokenizer(args.model)
+        runner = JaxRunner.load(args.model, dtype=args.dtype, block_size=args.block_size,
+                                num_blocks=args.num_blocks or 512, max_batch=args.max_batch,
+                                max_model_len=args.max_model_len, attention=args.attention,
+                                progress=_progress)  # fmt: skip
+        runner.warmup(progress=_progress)
+        served = args.served_name or (args.model if args.model == "tiny" else Path(args.model).name)
+    cfg = EngineConfig(max_batch=args.max_batch, max_prefill_tokens=2048,
+                       enable_prefix_cache=not args.no_prefix_cache)  # fmt: skip
+    engine = Engine(runner, tokenizer, cfg, window=args.batch_window)
+    return WorkerService(engine, tokenizer, served_name=served, identity=args.identity,
+                         stats_interval=args.stats_interval)  # fmt: skip
+
+
+async def _serve(args: argparse.Namespace, service: WorkerService) -> int:
+    from transport.server import serve
+
+    server = await serve(args.listen, service, identity=service.identity)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    engine_task = asyncio.create_task(service.run())
+    emit({"event": "ready", "url": server.address, "models": [service.served_name]})
+    stopper = asyncio.create_task(stop.wait())
+    await asyncio.wait({engine_task, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    rc = 0
+    if engine_task.done():
+        exc = engine_task.exception()
+        if exc is not None:
+            log.error("engine loop failed: %r", exc)
+            rc = 1
+    else:
+        log.info("draining: %d waiting, %d running", service.engine.num_waiting, service.engine.num_running)
+        service.drain()
+        drain = getattr(server, "drain", None)  # sends Goodbye where the transport offers it
+        if drain is not None:
+            with contextlib.suppress(Exception):
+                res = drain()
+                if asyncio.iscoroutine(res):
+                    asyncio.ensure_future(res)
+        try:
+            await asyncio.wait_for(asyncio.shield(engine_task), DRAIN_TIMEOUT)
+        except TimeoutError:
+            service.abort()
+            await engine_task
+        await asyncio.sleep(0.05)  # let the last frames flush
+    stopper.cancel()
+    await server.close()
+    return rc
+
+
+def main(argv: list[str]) -> int:
+    """Entry point of ``quicserve worker``; returns the exit status."""
+    logging.basicConfig(level=os.environ.get("QUICSERVE_LOG", "INFO"), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
+    args = parse_args(argv)
+    if args.cpus:
+        try:
+            os.sched_setaffinity(0, args.cpus)
+            log.info("pinned to CPUs %s", sorted(args.cpus))
+        except (OSError, AttributeError) as exc:
+            log.error("cannot pin to CPUs %s: %s", sorted(args.cpus), exc)
+            return 2
+    try:
+        service = build_service(args)
+    except (ValueError, OSError) as exc:
+        log.error("cannot load %r: %s", args.model, exc)
+        return 2
+    return asyncio.run(_serve(args, service))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
