@@ -99,7 +99,7 @@ class Autotuner:
         best: tuple[float, C] | None = None
         for cand in candidates:
             try:
-                seconds = measure(cand)
+                seconds = _isolated(measure, cand)
             except Exception as exc:  # a tile that does not compile is skipped, not fatal
                 log.info("autotune %s: %s failed: %s", key, cand, str(exc).splitlines()[0][:200])
                 continue
@@ -118,6 +118,30 @@ class Autotuner:
             except OSError as exc:
                 log.warning("autotune cache %s not written: %s", self.path, exc)
         return choice
+
+
+def _isolated(measure: Callable[[C], float], cand: C) -> float:
+    """Run ``measure`` on a fresh thread.
+
+    Tuning is triggered while the caller's ``jit`` is tracing; JAX's trace
+    state is per thread, so on a new thread the candidate compiles and runs
+    as a normal computation instead of being staged into the caller's graph.
+    """
+    result: list[float] = []
+    error: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            result.append(measure(cand))
+        except BaseException as exc:  # re-raised on the calling thread
+            error.append(exc)
+
+    worker = threading.Thread(target=run, name="autotune", daemon=True)
+    worker.start()
+    worker.join()
+    if error:
+        raise error[0]
+    return result[0]
 
 
 _default: Autotuner | None = None

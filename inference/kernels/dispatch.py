@@ -91,12 +91,11 @@ def tuned_prefill_blocks(tuner: Autotuner, q: Array, k: Array, *, interpret: boo
     key = f"prefill/{jax.default_backend()}/B{b}-T{t}-S{s}-H{h}-KV{kv}-D{d}-{jnp.dtype(q.dtype).name}"
 
     def measure(blocks: PrefillBlocks) -> float:
-        with jax.ensure_compile_time_eval():
-            args = (_random(q.shape, q.dtype, 0), _random(k.shape, k.dtype, 1), _random(k.shape, k.dtype, 2))
-            offs = jnp.full((b,), s - t, jnp.int32)
-            lens = jnp.full((b,), s, jnp.int32)
-            fn = functools.partial(flash_prefill, scale=d**-0.5, blocks=blocks, interpret=interpret)
-            return time_call(lambda: fn(*args, offs, lens), iters=5)
+        args = (_random(q.shape, q.dtype, 0), _random(k.shape, k.dtype, 1), _random(k.shape, k.dtype, 2))
+        offs = jnp.full((b,), s - t, jnp.int32)
+        lens = jnp.full((b,), s, jnp.int32)
+        fn = functools.partial(flash_prefill, scale=d**-0.5, blocks=blocks, interpret=interpret)
+        return time_call(lambda: fn(*args, offs, lens), iters=5)
 
     return tuner.pick(key, prefill_candidates(), measure)
 
@@ -114,17 +113,16 @@ def tuned_decode_blocks(
     )
 
     def measure(blocks: DecodeBlocks) -> float:
-        with jax.ensure_compile_time_eval():
-            qq = _random(q.shape, q.dtype, 0)
-            kc = _random(k_cache.shape, k_cache.dtype, 1)
-            vc = _random(k_cache.shape, k_cache.dtype, 2)
-            tables = jnp.asarray(np.random.default_rng(3).integers(0, n, (b, m)), jnp.int32)
-            lens = jnp.full((b,), m * bs, jnp.int32)
-            scales = jnp.full((n, kv), 0.01, jnp.float32) if quantized else None
-            fn = functools.partial(
-                paged_decode, scale=d**-0.5, k_scale=scales, v_scale=scales, blocks=blocks, interpret=interpret
-            )
-            return time_call(lambda: fn(qq, kc, vc, tables, lens), iters=10)
+        qq = _random(q.shape, q.dtype, 0)
+        kc = _random(k_cache.shape, k_cache.dtype, 1)
+        vc = _random(k_cache.shape, k_cache.dtype, 2)
+        tables = jnp.asarray(np.random.default_rng(3).integers(0, n, (b, m)), jnp.int32)
+        lens = jnp.full((b,), m * bs, jnp.int32)
+        scales = jnp.full((n, kv), 0.01, jnp.float32) if quantized else None
+        fn = functools.partial(
+            paged_decode, scale=d**-0.5, k_scale=scales, v_scale=scales, blocks=blocks, interpret=interpret
+        )
+        return time_call(lambda: fn(qq, kc, vc, tables, lens), iters=10)
 
     return tuner.pick(key, decode_candidates(b, kv), measure)
 

@@ -1,0 +1,126 @@
+"""Backend dispatch and the block-size autotuner."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+import jax.numpy as jnp  # noqa: E402
+
+from inference.kernels import dispatch, reference  # noqa: E402
+from inference.kernels.autotune import Autotuner  # noqa: E402
+from inference.kernels.paged_decode import DecodeBlocks  # noqa: E402
+from inference.kernels.quant import quantize_blocks  # noqa: E402
+from inference.model import attention as model_attention  # noqa: E402
+
+
+def test_reference_backend() -> None:
+    assert dispatch.get_backend("reference") == (reference.prefill_attention, reference.paged_decode_attention)
+
+
+def test_unknown_backend_is_rejected() -> None:
+    with pytest.raises(ValueError, match="unknown attention backend 'cuda'"):
+        dispatch.get_backend("cuda")
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="CPU fallback only")
+def test_pallas_on_cpu_falls_back_to_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("QUICSERVE_PALLAS_INTERPRET", raising=False)
+    assert dispatch.get_backend("pallas") == (reference.prefill_attention, reference.paged_decode_attention)
+    # the model's switch goes through us
+    assert model_attention.get_attention_backend("pallas") == dispatch.get_backend("pallas")
+
+
+def _decode_inputs(seed: int = 0):
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.standard_normal((2, 8, 64), np.float32))
+    kc = jnp.asarray(rng.standard_normal((12, 8, 2, 64), np.float32))
+    vc = jnp.asarray(rng.standard_normal((12, 8, 2, 64), np.float32))
+    tables = jnp.asarray(rng.permutation(12)[:8].reshape(2, 4).astype(np.int32))
+    return q, kc, vc, tables, jnp.asarray([5, 30], jnp.int32)
+
+
+def test_interpreted_pallas_backend_inside_jit(tmp_path: Path) -> None:
+    """Forced interpret mode: both kernels run under the caller's jit and match the reference."""
+    prefill_fn, decode_fn = dispatch.get_backend("pallas", interpret=True, tuner=Autotuner(tmp_path / "t.json",
+                                                                                          enabled=False))
+    assert prefill_fn is not reference.prefill_attention
+    rng = np.random.default_rng(1)
+    q = jnp.asarray(rng.standard_normal((2, 16, 8, 64), np.float32))
+    k = jnp.asarray(rng.standard_normal((2, 32, 2, 64), np.float32))
+    offs, lens = jnp.asarray([16, 0], jnp.int32), jnp.asarray([32, 16], jnp.int32)
+    got = jax.jit(lambda *a: prefill_fn(*a, scale=0.125))(q, k, k * 0.5, offs, lens)
+    want = reference.prefill_attention(q, k, k * 0.5, offs, lens, scale=0.125)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5)
+
+    q, kc, vc, tables, clens = _decode_inputs()
+    kq, ks = quantize_blocks(kc, "int8")
+    vq, vs = quantize_blocks(vc, "int8")
+    got = jax.jit(lambda *a: decode_fn(*a, scale=0.125, k_scale=ks, v_scale=vs))(q, kq, vq, tables, clens)
+    want = reference.paged_decode_attention(q, kq, vq, tables, clens, scale=0.125, k_scale=ks, v_scale=vs)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5)
+    assert not (tmp_path / "t.json").exists()  # tuning disabled: nothing written
+
+
+class _FakeTiming:
+    """Test double for ``measure``: fixed seconds per candidate, records calls, may raise."""
+
+    def __init__(self, seconds: dict[DecodeBlocks, float], failing: tuple[DecodeBlocks, ...] = ()) -> None:
+        self.seconds, self.failing, self.calls = seconds, failing, []
+
+    def __call__(self, cand: DecodeBlocks) -> float:
+        self.calls.append(cand)
+        if cand in self.failing:
+            raise RuntimeError("out of shared memory\nlong trace")
+        return self.seconds[cand]
+
+
+def test_autotuner_picks_fastest_and_caches(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    a, b, c = DecodeBlocks(4, 1), DecodeBlocks(8, 2), DecodeBlocks(16, 4)
+    timing = _FakeTiming({a: 3e-3, b: 1e-3, c: 2e-3}, failing=(b,))
+    path = tmp_path / "sub" / "autotune.json"
+    with caplog.at_level(logging.INFO, logger="inference.kernels.autotune"):
+        assert Autotuner(path, enabled=True).pick("decode/x", [a, b, c], timing) == c  # b failed: skipped
+    assert timing.calls == [a, b, c]
+    assert "chose" in caplog.text and "failed" in caplog.text
+    entry = json.loads(path.read_text())["decode/x"]
+    assert entry["params"] == {"pages_per_chunk": 16, "k_splits": 4, "num_warps": 4, "num_stages": 2}
+    # A new process (new tuner) reads the cache instead of measuring again.
+    timing2 = _FakeTiming({})
+    assert Autotuner(path, enabled=True).pick("decode/x", [a, b, c], timing2) == c
+    assert timing2.calls == []
+
+
+def test_autotuner_disabled_returns_default(tmp_path: Path) -> None:
+    timing = _FakeTiming({})
+    tuner = Autotuner(tmp_path / "a.json", enabled=False)
+    assert tuner.pick("k", [DecodeBlocks(2, 1), DecodeBlocks(4, 1)], timing) == DecodeBlocks(2, 1)
+    assert timing.calls == [] and not (tmp_path / "a.json").exists()
+
+
+def test_autotuner_survives_a_corrupt_cache(tmp_path: Path) -> None:
+    path = tmp_path / "a.json"
+    path.write_text("{not json")
+    tuner = Autotuner(path, enabled=True)
+    assert tuner.pick("k", [DecodeBlocks(2, 1)], _FakeTiming({DecodeBlocks(2, 1): 1.0})) == DecodeBlocks(2, 1)
+    assert "k" in json.loads(path.read_text())
+
+
+def test_tuning_runs_at_trace_time_under_jit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first trace of a shape times real (interpreted) candidates, caches the winner by shape key."""
+    cands = [DecodeBlocks(1, 1), DecodeBlocks(2, 2)]
+    monkeypatch.setattr(dispatch, "decode_candidates", lambda b, kv: cands)
+    tuner = Autotuner(tmp_path / "t.json", enabled=True)
+    _, decode_fn = dispatch._pallas_fns(True, tuner)
+    q, kc, vc, tables, clens = _decode_inputs(2)
+    got = jax.jit(lambda *a: decode_fn(*a, scale=0.125))(q, kc, vc, tables, clens)
+    want = reference.paged_decode_attention(q, kc, vc, tables, clens, scale=0.125)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5)
+    (key, entry), = json.loads((tmp_path / "t.json").read_text()).items()
+    assert key == "decode/cpu/B2-H8-KV2-D64-N12-bs8-M4-float32-float32"
+    assert DecodeBlocks(**entry["params"]) in cands and entry["seconds"] > 0

@@ -1,0 +1,141 @@
+"""KV-cache quantization (written incrementally, per block+head scales) and weight-only quantization."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+import jax.numpy as jnp  # noqa: E402
+
+from inference.kernels.quant import (  # noqa: E402
+    QMAX,
+    QuantizedWeight,
+    dequantize_blocks,
+    init_quantized_cache,
+    kv_read_bytes,
+    quantize_blocks,
+    quantize_weight,
+    quantized_matmul,
+    write_quantized_kv,
+)
+
+N, BS, KV, D = 6, 8, 2, 16
+
+
+def _tokens(t: int, seed: int, scale: float = 1.0) -> jax.Array:
+    return jnp.asarray(np.random.default_rng(seed).standard_normal((t, KV, D), np.float32) * scale)
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_quantize_blocks_roundtrip_error(kind: str) -> None:
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((N, BS, KV, D), np.float32))
+    codes, scales = quantize_blocks(x, kind)
+    assert scales.shape == (N, KV)
+    np.testing.assert_allclose(np.asarray(scales), np.abs(np.asarray(x)).max(axis=(1, 3)) / QMAX[kind], rtol=1e-6)
+    err = np.abs(np.asarray(dequantize_blocks(codes, scales) - x))
+    s = np.asarray(scales)[:, None, :, None]
+    if kind == "int8":
+        assert (err <= 0.5 * s + 1e-6).all()  # half a step
+    else:  # e4m3: 3 mantissa bits -> relative half-ulp 1/16; subnormals near 0: absolute
+        assert (err <= np.abs(np.asarray(x)) / 16 + s * 2.0**-9 + 1e-6).all()
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_prefill_write_of_fresh_blocks_equals_block_quantization(kind: str) -> None:
+    """Writing 2 full blocks in one call gives exactly the codes/scales of quantizing them whole."""
+    x = _tokens(2 * BS, seed=1)
+    codes, scales = init_quantized_cache(N, BS, KV, D, kind)
+    blocks = jnp.asarray([3] * BS + [1] * BS)
+    slots = jnp.asarray(list(range(BS)) * 2)
+    codes, scales = write_quantized_kv(codes, scales, x, blocks, slots)
+    want_codes, want_scales = quantize_blocks(x.reshape(2, BS, KV, D), kind)
+    np.testing.assert_array_equal(np.asarray(scales[jnp.asarray([3, 1])]), np.asarray(want_scales))
+    np.testing.assert_array_equal(
+        np.asarray(codes[jnp.asarray([3, 1])], np.float32), np.asarray(want_codes, np.float32)
+    )
+    assert float(jnp.abs(scales[0]).max()) == 0.0  # untouched blocks stay empty
+
+
+@pytest.mark.parametrize("kind,bound", [("int8", 0.02), ("fp8", 0.06)])
+def test_token_by_token_writes_with_growing_values(kind: str, bound: float) -> None:
+    """Decode-style writes whose magnitude grows: the scale follows the block max, error stays small."""
+    x = _tokens(BS, seed=2) * jnp.linspace(0.1, 3.0, BS)[:, None, None]
+    codes, scales = init_quantized_cache(N, BS, KV, D, kind)
+    for t in range(BS):
+        codes, scales = write_quantized_kv(codes, scales, x[t : t + 1], jnp.asarray([4]), jnp.asarray([t]))
+    want_scale = np.abs(np.asarray(x)).max(axis=(0, 2)) / QMAX[kind]
+    np.testing.assert_allclose(np.asarray(scales[4]), want_scale, rtol=1e-6)
+    got = dequantize_blocks(codes, scales)[4]
+    rel = float(jnp.linalg.norm(got - x) / jnp.linalg.norm(x))
+    assert rel < bound
+
+
+def test_codes_do_not_drift_when_the_scale_is_unchanged() -> None:
+    big, small = _tokens(1, seed=3, scale=5.0), _tokens(3, seed=4, scale=0.5)
+    codes, scales = init_quantized_cache(N, BS, KV, D, "int8")
+    codes, scales = write_quantized_kv(codes, scales, big, jnp.asarray([2]), jnp.asarray([0]))
+    first = np.asarray(codes[2, 0])
+    for t in range(3):
+        codes, scales = write_quantized_kv(codes, scales, small[t : t + 1], jnp.asarray([2]), jnp.asarray([t + 1]))
+    np.testing.assert_array_equal(np.asarray(codes[2, 0]), first)
+
+
+def test_slot_zero_starts_a_fresh_block() -> None:
+    """A reused block does not keep its previous owner's (large) scale."""
+    codes, scales = init_quantized_cache(N, BS, KV, D, "int8")
+    codes, scales = write_quantized_kv(codes, scales, _tokens(1, 5, scale=100.0), jnp.asarray([0]), jnp.asarray([0]))
+    small = _tokens(1, 6, scale=0.01)
+    codes, scales = write_quantized_kv(codes, scales, small, jnp.asarray([0]), jnp.asarray([0]))
+    np.testing.assert_allclose(np.asarray(scales[0]), np.abs(np.asarray(small[0])).max(axis=-1) / 127, rtol=1e-6)
+
+
+def test_invalid_tokens_are_dropped() -> None:
+    codes, scales = init_quantized_cache(N, BS, KV, D, "fp8")
+    x = _tokens(2, seed=7)
+    codes2, scales2 = write_quantized_kv(
+        codes, scales, x, jnp.asarray([1, 5]), jnp.asarray([0, 0]), valid=jnp.asarray([True, False])
+    )
+    assert float(jnp.abs(scales2[5]).max()) == 0.0
+    assert float(jnp.abs(codes2[5].astype(jnp.float32)).max()) == 0.0
+    assert float(jnp.abs(scales2[1]).min()) > 0.0
+
+
+def test_bad_inputs_are_rejected() -> None:
+    with pytest.raises(ValueError, match="unknown quantization kind"):
+        init_quantized_cache(N, BS, KV, D, "int4")
+    with pytest.raises(ValueError, match="not a quantized KV dtype"):
+        write_quantized_kv(jnp.zeros((N, BS, KV, D)), jnp.zeros((N, KV)), _tokens(1, 0), jnp.asarray([0]),
+                           jnp.asarray([0]))
+    codes, scales = init_quantized_cache(N, BS, KV, D, "int8")
+    with pytest.raises(ValueError, match="do not match"):
+        write_quantized_kv(codes, scales, jnp.zeros((1, KV, D + 1)), jnp.asarray([0]), jnp.asarray([0]))
+    with pytest.raises(ValueError, match="2-D weight"):
+        quantize_weight(jnp.zeros((2, 3, 4)), "int8")
+
+
+def test_kv_read_bytes_worked_by_hand() -> None:
+    """lens 1, 16, 17 with 16-token pages read 1 + 1 + 2 = 4 pages of K and of V.
+
+    bf16: 2 (K,V) * 4 pages * 16 tokens * 2 heads * 64 dims * 2 bytes = 32768.
+    int8: half of that, plus 2 * 4 pages * 2 heads * 4-byte scales = 16384 + 64.
+    """
+    kw = dict(block_size=16, kv_heads=2, head_dim=64)
+    assert kv_read_bytes([1, 16, 17], dtype="bfloat16", **kw) == 32768
+    assert kv_read_bytes([1, 16, 17], dtype="int8", quantized=True, **kw) == 16448
+
+
+@pytest.mark.parametrize("kind,bound", [("int8", 0.01), ("fp8", 0.04)])
+def test_weight_only_matmul(kind: str, bound: float) -> None:
+    rng = np.random.default_rng(8)
+    w = jnp.asarray(rng.standard_normal((64, 48), np.float32) * np.linspace(0.1, 2.0, 48, dtype=np.float32))
+    x = jnp.asarray(rng.standard_normal((5, 64), np.float32))
+    qw = quantize_weight(w, kind)
+    assert isinstance(qw, QuantizedWeight) and qw.shape == (64, 48) and qw.scale.shape == (48,)
+    assert qw.codes.dtype == (jnp.int8 if kind == "int8" else jnp.float8_e4m3fn)
+    np.testing.assert_allclose(np.abs(np.asarray(qw.codes, np.float32)).max(axis=0), QMAX[kind])
+    exact = x @ w
+    for got in (quantized_matmul(x, qw), x @ qw, jax.jit(lambda a, b: a @ b)(x, qw)):
+        rel = float(jnp.linalg.norm(got - exact) / jnp.linalg.norm(exact))
+        assert 0 < rel < bound
+    np.testing.assert_array_equal(np.asarray(quantized_matmul(x, w)), np.asarray(exact))
