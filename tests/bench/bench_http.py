@@ -21,7 +21,7 @@ import time
 import uvloop
 
 REQ = b"GET /v1/models HTTP/1.1\r\nhost: x\r\nuser-agent: bench\r\n\r\n"
-FIXED = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 11\r\n\r\n{\"ok\":true}"
+FIXED = b'HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 11\r\n\r\n{"ok":true}'
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -137,10 +137,14 @@ def main() -> None:
     raw_us, raw_rps = _run("raw", "h1", args.requests, args.conns)
     print(f"baseline raw protocol  h1 : {raw_us:7.1f} µs CPU/request  {raw_rps:9.0f} req/s")
     gw_us, gw_rps = _run("gateway", "h1", args.requests, args.conns)
-    print(f"gateway http           h1 : {gw_us:7.1f} µs CPU/request  {gw_rps:9.0f} req/s  ratio {gw_us / raw_us:.2f}x")
+    print(
+        f"gateway http           h1 : {gw_us:7.1f} µs CPU/request  {gw_rps:9.0f} req/s  ratio {gw_us / raw_us:.2f}x"
+    )
     n2 = max(args.conns, args.requests // 4)
     h2_us, h2_rps = _run("gateway", "h2", n2, args.conns)
-    print(f"gateway http           h2c: {h2_us:7.1f} µs CPU/request  {h2_rps:9.0f} req/s  (httpx client, {n2} req)")
+    print(
+        f"gateway http           h2c: {h2_us:7.1f} µs CPU/request  {h2_rps:9.0f} req/s  (httpx client, {n2} req)"
+    )
 
 
 if __name__ == "__main__":

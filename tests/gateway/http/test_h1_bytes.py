@@ -18,7 +18,9 @@ from gateway.http.h1 import H1Protocol
 from .conftest import FAST_LIMITS, FakeTransport, Recorder, error_of, make_handler, settle
 
 
-def make_conn(limits: HttpLimits = FAST_LIMITS) -> tuple[H1Protocol, FakeTransport, Recorder, ServerState, list[Any]]:
+def make_conn(
+    limits: HttpLimits = FAST_LIMITS,
+) -> tuple[H1Protocol, FakeTransport, Recorder, ServerState, list[Any]]:
     rec = Recorder()
     events: list[Any] = []
     state = ServerState(make_handler(rec), limits, events.append)
@@ -29,7 +31,9 @@ def make_conn(limits: HttpLimits = FAST_LIMITS) -> tuple[H1Protocol, FakeTranspo
     return proto, t, rec, state, events
 
 
-def parse_responses(data: bytes, methods: list[bytes] | None = None) -> list[tuple[int, dict[bytes, bytes], bytes]]:
+def parse_responses(
+    data: bytes, methods: list[bytes] | None = None
+) -> list[tuple[int, dict[bytes, bytes], bytes]]:
     """Parse every complete response in ``data`` with h11 (an independent parser)."""
     conn = h11.Connection(h11.CLIENT)
     out: list[tuple[int, dict[bytes, bytes], bytes]] = []
@@ -122,23 +126,27 @@ async def test_pipelined_responses_never_interleave_with_streaming() -> None:
 
 async def test_expect_100_continue() -> None:
     proto, t, rec, _, _ = make_conn()
-    proto.data_received(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\nExpect: 100-continue\r\n\r\n")
+    proto.data_received(
+        b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\nExpect: 100-continue\r\n\r\n"
+    )
     await settle()
     assert t.take() == b"HTTP/1.1 100 Continue\r\n\r\n"
     proto.data_received(b"abc")
     await settle(lambda: rec.finished)
     await settle()
-    (status, _, body), = parse_responses(t.take(), [b"POST"])
+    ((status, _, body),) = parse_responses(t.take(), [b"POST"])
     assert status == 200 and orjson.loads(body)["body_len"] == 3
 
 
 async def test_expect_100_continue_refused_when_too_large() -> None:
     proto, t, rec, _, events = make_conn()
-    proto.data_received(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 999999\r\nExpect: 100-continue\r\n\r\n")
+    proto.data_received(
+        b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 999999\r\nExpect: 100-continue\r\n\r\n"
+    )
     await settle()
     out = t.take()
     assert b"100 Continue" not in out
-    (status, headers, body), = parse_responses(out)
+    ((status, headers, body),) = parse_responses(out)
     assert status == 413 and headers[b"connection"] == b"close"
     assert error_of(body)["type"] == "invalid_request_error"
     assert [e.status for e in events] == [413] and not rec.seen
@@ -157,18 +165,33 @@ async def test_expect_100_continue_refused_when_too_large() -> None:
         (b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 5000\r\n\r\n", 413),
         (
             b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
-            + b"800\r\n" + b"a" * 2048 + b"\r\n" + b"800\r\n" + b"a" * 2048 + b"\r\n" + b"800\r\na",
+            + b"800\r\n"
+            + b"a" * 2048
+            + b"\r\n"
+            + b"800\r\n"
+            + b"a" * 2048
+            + b"\r\n"
+            + b"800\r\na",
             413,
         ),
     ],
-    ids=["garbage", "bad-content-length", "raw-utf8-target", "pct-utf8-target", "utf8-header", "big-header",
-         "big-target", "content-length-413", "chunked-413"],
+    ids=[
+        "garbage",
+        "bad-content-length",
+        "raw-utf8-target",
+        "pct-utf8-target",
+        "utf8-header",
+        "big-header",
+        "big-target",
+        "content-length-413",
+        "chunked-413",
+    ],
 )
 async def test_bad_input_gets_json_error_and_close(raw: bytes, status: int) -> None:
     proto, t, rec, state, events = make_conn()
     proto.data_received(raw)
     await settle()
-    (got, headers, body), = parse_responses(t.take())
+    ((got, headers, body),) = parse_responses(t.take())
     assert got == status
     assert headers[b"content-type"] == b"application/json" and headers[b"connection"] == b"close"
     error_of(body)
@@ -187,7 +210,7 @@ async def test_header_flood_in_many_pieces_is_cut_off() -> None:
         if t.out:
             break
         proto.data_received(b"a" * 100)
-    (status, _, body), = parse_responses(t.take())
+    ((status, _, body),) = parse_responses(t.take())
     assert status == 431
     error_of(body)
 
@@ -206,34 +229,35 @@ async def test_header_timeout_408() -> None:
     proto, t, rec, _, events = make_conn()
     proto.data_received(b"GET / HTTP/1.1\r\nHost: x\r\n")
     await asyncio.sleep(FAST_LIMITS.header_timeout + 0.2)
-    (status, headers, body), = parse_responses(t.take())
+    ((status, headers, body),) = parse_responses(t.take())
     assert status == 408 and headers[b"connection"] == b"close"
     assert "header" in error_of(body)["message"]
     assert [e.status for e in events] == [408]
 
 
 async def test_stalled_body_408() -> None:
-    proto, t, rec, _, events = make_conn()
+    limits = HttpLimits(body_timeout=1.0)
+    proto, t, rec, _, events = make_conn(limits)
     proto.data_received(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\nabc")
-    await asyncio.sleep(FAST_LIMITS.body_timeout / 2)
+    await asyncio.sleep(0.3)
     proto.data_received(b"de")  # progress resets the stall timer
-    await asyncio.sleep(FAST_LIMITS.body_timeout / 2 + 0.05)
+    await asyncio.sleep(0.8)  # 1.1 s after the start, 0.8 s after the last byte
     assert not t.out
-    await asyncio.sleep(FAST_LIMITS.body_timeout)
-    (status, _, body), = parse_responses(t.take())
+    await settle(lambda: t.out, timeout=2)
+    ((status, _, body),) = parse_responses(t.take())
     assert status == 408 and "body" in error_of(body)["message"]
-    assert not rec.seen
+    assert not rec.seen and [e.status for e in events] == [408]
 
 
 async def test_keepalive_idle_timeout_closes_quietly() -> None:
-    limits = HttpLimits(keepalive_timeout=0.2, header_timeout=5, body_timeout=5)
+    limits = HttpLimits(keepalive_timeout=0.6, header_timeout=5, body_timeout=5)
     proto, t, rec, _, events = make_conn(limits)
     proto.data_received(GET)
     await settle(lambda: rec.finished)
-    await asyncio.sleep(0.1)
+    await asyncio.sleep(0.05)
     assert not t.closed
-    await asyncio.sleep(0.25)
-    assert t.closed and not events
+    await settle(lambda: t.closed, timeout=2)
+    assert not events
     assert [r[0] for r in parse_responses(t.take())] == [200]
 
 

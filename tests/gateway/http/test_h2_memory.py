@@ -31,7 +31,9 @@ class Client:
         self.t = FakeTransport()
         self.t.protocol = self.proto
         self.proto.connection_made(self.t)  # type: ignore[arg-type]
-        self.h2 = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding=None))
+        self.h2 = h2.connection.H2Connection(
+            h2.config.H2Configuration(client_side=True, header_encoding=None)
+        )
         self.h2.initiate_connection()
         if window is not None:
             self.h2.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: window})
@@ -76,8 +78,14 @@ class Client:
         except h2.exceptions.ProtocolError:  # stream (or, after GOAWAY, connection) closed
             pass
 
-    def request(self, path: str, body: bytes | None = None, extra: list[tuple[bytes, bytes]] | None = None,
-                end: bool = True, method: bytes | None = None) -> int:
+    def request(
+        self,
+        path: str,
+        body: bytes | None = None,
+        extra: list[tuple[bytes, bytes]] | None = None,
+        end: bool = True,
+        method: bytes | None = None,
+    ) -> int:
         sid = self.h2.get_next_available_stream_id()
         headers = [
             (b":method", method or (b"POST" if body is not None else b"GET")),
@@ -164,13 +172,20 @@ async def test_flow_control_is_honoured() -> None:
     ],
     ids=["body-413", "content-length-413", "headers-431", "utf8-header", "utf8-path"],
 )
-async def test_bad_stream_gets_error_connection_lives(path: Any, body: bytes | None, extra: Any, status: int) -> None:
+async def test_bad_stream_gets_error_connection_lives(
+    path: Any, body: bytes | None, extra: Any, status: int
+) -> None:
     c = Client()
-    sid = c.request(path, body, extra, end=not extra or extra[0][0] != b"content-length") if body is None or len(body) < 4096 else None
+    sid = (
+        c.request(path, body, extra, end=not extra or extra[0][0] != b"content-length")
+        if body is None or len(body) < 4096
+        else None
+    )
     if sid is None:  # larger than one frame: send in pieces
         sid = c.h2.get_next_available_stream_id()
-        c.h2.send_headers(sid, [(b":method", b"POST"), (b":path", b"/echo"), (b":scheme", b"http"),
-                                (b":authority", b"x")])
+        c.h2.send_headers(
+            sid, [(b":method", b"POST"), (b":path", b"/echo"), (b":scheme", b"http"), (b":authority", b"x")]
+        )
         assert body is not None
         for i in range(0, len(body), 1000):
             c.h2.send_data(sid, body[i : i + 1000])
