@@ -1,0 +1,100 @@
+"""The built-in tiny model behind the ModelRunner contract: startup time, bounded compiles,
+plan ordering, seeded sampling through the runner, input validation."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from inference.model.runner import JaxRunner
+from inference.runner import SeqWork, StepPlan
+from transport.messages import SamplingParams
+
+pytestmark = pytest.mark.slow
+HOT = SamplingParams(temperature=1.0, top_p=0.95, top_k=50)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """Load + warmup + first request, timed (the < 60 s startup budget on 2 cores)."""
+    stages: list[tuple[str, int, int, str]] = []
+    t0 = time.perf_counter()
+    runner = JaxRunner.load("tiny", progress=lambda *a: stages.append(a))
+    runner.warmup(progress=lambda *a: stages.append(a))
+    prompt = list(b"Hello, tiny model!")
+    first = runner.execute(StepPlan(prefills=(SeqWork(0, prompt, 0, [0, 1], HOT, 7, 0),), decodes=()))
+    elapsed = time.perf_counter() - t0
+    return runner, elapsed, stages, first
+
+
+def test_starts_and_answers_within_60s_with_bounded_logged_compiles(tiny):
+    runner, elapsed, stages, first = tiny
+    print(f"tiny startup (load+warmup+first request): {elapsed:.1f}s, {runner.compile_count} shapes, "
+          f"{runner.compile_seconds:.1f}s compiling")
+    assert elapsed < 60
+    assert runner.compile_count == runner.buckets.num_shapes
+    assert {s[0] for s in stages} == {"load", "compile"}
+    assert stages[-1][1] == stages[-1][2]  # progress reached total
+    assert first[0].seq_id == 0 and 0 <= first[0].token_id < 258
+    assert runner.served_name == "tiny" and runner.eos_token_ids == (257,)
+
+
+def test_generation_step_order_and_no_new_compiles(tiny):
+    runner, *_ = tiny
+    before = runner.compile_count
+    prompts = [list(b"abc"), list(b"a much longer prompt, over sixteen bytes"), list(b"x")]
+    tables = [[10, 11, 12, 13], [20, 21, 22, 23], [30, 31, 32, 33]]
+    outs = runner.execute(StepPlan(prefills=tuple(
+        SeqWork(100 + i, p, 0, tables[i], HOT, i, 0) for i, p in enumerate(prompts)), decodes=()))
+    assert [o.seq_id for o in outs] == [100, 101, 102]
+    last = {o.seq_id: o.token_id for o in outs}
+    for step in range(1, 6):
+        decodes = tuple(SeqWork(100 + i, [last[100 + i]], len(p) + step - 1, tables[i], HOT, i, step)
+                        for i, p in enumerate(prompts))
+        # A new request joins mid-stream: its prefill comes first in the output.
+        prefills = (SeqWork(200 + step, list(b"join"), 0, [40 + step], HOT, 9, 0),)
+        outs = runner.execute(StepPlan(prefills=prefills, decodes=decodes))
+        assert [o.seq_id for o in outs] == [200 + step, 100, 101, 102]
+        last.update({o.seq_id: o.token_id for o in outs})
+    assert runner.compile_count == before
+
+
+def test_same_seed_same_tokens_alone_or_batched(tiny):
+    runner, *_ = tiny
+    prompt = list(b"seeded prompt")
+
+    def generate(with_others: bool, base: int) -> list[int]:
+        mine = [base, base + 1]
+        others = [SeqWork(900 + j, list(b"noise %d" % j), 0, [base + 2 + j], HOT, 1000 + j, 0)
+                  for j in range(3)] if with_others else []
+        outs = runner.execute(StepPlan(prefills=(*others, SeqWork(1, prompt, 0, mine, HOT, 1234, 0)),
+                                       decodes=()))
+        tokens = [outs[-1].token_id]
+        for step in range(1, 6):
+            work = SeqWork(1, [tokens[-1]], len(prompt) + step - 1, mine, HOT, 1234, step)
+            other = tuple(SeqWork(900 + j, [65], 7 + step - 1, [base + 2 + j], HOT, 1000 + j, step)
+                          for j in range(3)) if with_others else ()
+            tokens.append(runner.execute(StepPlan(prefills=(), decodes=(*other, work)))[-1].token_id)
+        return tokens
+
+    assert generate(False, 60) == generate(True, 70)
+
+
+def test_bad_work_is_rejected_with_clear_errors(tiny):
+    runner, *_ = tiny
+    p = SamplingParams()
+    bad = {
+        "block table": SeqWork(1, list(range(40)), 0, [1, 2], p, 0, 0),
+        "token id": SeqWork(1, [300], 0, [1], p, 0, 0),
+        "max_model_len": SeqWork(1, [1, 2], runner.max_model_len - 1, list(range(64)), p, 0, 0),
+        "block id": SeqWork(1, [1], 0, [runner.num_blocks], p, 0, 0),
+        "top_logprobs": SeqWork(1, [1], 0, [1], SamplingParams(top_logprobs=21), 0, 0),
+    }
+    for message, work in bad.items():
+        with pytest.raises(ValueError, match=message):
+            runner.execute(StepPlan(prefills=(work,), decodes=()))
+    with pytest.raises(ValueError, match="exactly 1"):
+        runner.execute(StepPlan(prefills=(), decodes=(SeqWork(1, [1, 2], 0, [1], p, 0, 0),)))
+    with pytest.raises(ValueError, match="dtype"):
+        JaxRunner.load("tiny", dtype="float16")
