@@ -1,0 +1,210 @@
+"""Gateway side: :func:`connect` returns a :class:`~transport.api.WorkerConnection`."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+from .api import RequestStream, StreamEvent, WorkerConnection
+from .endpoint import Endpoint
+from .errors import ConnectError, ConnectionClosed, ProtocolError
+from .flow import (
+    ConnectionEnded,
+    Event,
+    FlowConnection,
+    GoodbyeReceived,
+    PeerHello,
+    RequestEnded,
+    StatsReceived,
+    TokensReceived,
+)
+from .messages import Error, ErrorCode, Finish, Hello, Stats, Submit, TokenEntry
+from .select import choose
+from .tcp import open_stream
+
+__all__ = ["connect", "ClientConnection", "ClientStream"]
+
+
+class ClientStream:
+    """One request's events; draining them grants the worker more credit."""
+
+    __slots__ = ("request_id", "_conn", "_events", "_waiter", "_ended", "_final_returned")
+
+    def __init__(self, conn: ClientConnection, request_id: int) -> None:
+        self.request_id = request_id
+        self._conn = conn
+        self._events: list[StreamEvent] = []
+        self._waiter: asyncio.Future[None] | None = None
+        self._ended = False
+        self._final_returned = False
+
+    @property
+    def done(self) -> bool:
+        return self._ended
+
+    def _push(self, ev: StreamEvent) -> None:
+        self._events.append(ev)
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def _end(self, ev: Finish | Error) -> None:
+        if not self._ended:  # the core guarantees once; this keeps the stream honest anyway
+            self._ended = True
+            self._push(ev)
+
+    async def next_events(self) -> list[StreamEvent]:
+        if self._final_returned:
+            raise StopAsyncIteration
+        while not self._events:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        events, self._events = self._events, []
+        ntok = 0
+        for ev in events:
+            if isinstance(ev, TokenEntry):
+                ntok += len(ev.token_ids)
+        if ntok:
+            self._conn._consumed(self.request_id, ntok)
+        if self._ended and not self._events:
+            self._final_returned = True
+        return events
+
+    def cancel(self) -> None:
+        self._conn._cancel(self.request_id)
+
+
+class ClientConnection:
+    """A gateway's connection to one worker (implements ``WorkerConnection``)."""
+
+    def __init__(self, core: FlowConnection, loop: asyncio.AbstractEventLoop) -> None:
+        self.core = core
+        self.loop = loop
+        self.endpoint = Endpoint(core, loop, self._on_events)
+        self.peer_hello: Hello = Hello()
+        self.latest_stats: Stats | None = None
+        self.closed = False
+        self.draining = False
+        self._hello: asyncio.Future[None] = loop.create_future()
+        self._streams: dict[int, ClientStream] = {}
+        self._next_id = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    # --- WorkerConnection --------------------------------------------------------------------
+
+    def next_request_id(self) -> int:
+        while True:
+            self._next_id = self._next_id % 0xFFFF_FFFF + 1
+            if self._next_id not in self._streams and not self.core.is_open(self._next_id):
+                return self._next_id
+
+    def submit(self, submit: Submit) -> RequestStream:
+        if self.closed:
+            raise ConnectionClosed("connection to worker is closed")
+        self.core.submit(submit)
+        stream = ClientStream(self, submit.request_id)
+        self._streams[submit.request_id] = stream
+        self._idle.clear()
+        self.endpoint.flush_soon()
+        return stream
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._streams)
+
+    async def drain(self, timeout: float) -> None:
+        self.core.goodbye("gateway draining")
+        self.endpoint.flush_soon()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        await self.close()
+
+    async def close(self) -> None:
+        self.endpoint.close("connection closed by the gateway")
+        await self.wait_closed()
+
+    async def wait_closed(self) -> None:
+        await self.endpoint.closed_event.wait()
+
+    # --- internals ---------------------------------------------------------------------------
+
+    def _consumed(self, rid: int, tokens: int) -> None:
+        self.core.consumed(rid, tokens)
+        if self.core.has_data_to_send:
+            self.endpoint.flush_soon()
+
+    def _cancel(self, rid: int) -> None:
+        if rid in self._streams:
+            self.endpoint.deliver(self.core.cancel(rid))
+
+    def _on_events(self, events: list[Event]) -> None:
+        streams = self._streams
+        for ev in events:
+            if isinstance(ev, TokensReceived):
+                for entry in ev.batch.entries():
+                    st = streams.get(entry.request_id)
+                    if st is not None:
+                        st._push(entry)
+            elif isinstance(ev, RequestEnded):
+                st = streams.pop(ev.result.request_id, None)
+                if st is not None:
+                    st._end(ev.result)
+                if not streams:
+                    self._idle.set()
+            elif isinstance(ev, StatsReceived):
+                self.latest_stats = ev.stats
+            elif isinstance(ev, PeerHello):
+                self.peer_hello = ev.hello
+                if not self._hello.done():
+                    self._hello.set_result(None)
+            elif isinstance(ev, GoodbyeReceived):
+                self.draining = True
+            elif isinstance(ev, ConnectionEnded):
+                self.closed = True
+                for st in list(streams.values()):  # the core ended them; belt and braces
+                    st._end(Error(st.request_id, ErrorCode.CONNECTION_LOST, ev.error.message))
+                streams.clear()
+                self._idle.set()
+                if not self._hello.done():
+                    exc_type = ProtocolError if ev.error.code == ErrorCode.PROTOCOL else ConnectError
+                    self._hello.set_exception(exc_type(ev.error.message))
+
+
+async def connect(
+    url: str,
+    *,
+    identity: str = "",
+    timeout: float = 10.0,
+    heartbeat_interval: float = 1.0,
+    dead_after: float = 5.0,
+    rdma_required: bool = False,
+    initial_credit: int = 256,
+) -> WorkerConnection:
+    """Connect to a worker at ``url`` and complete the HELLO exchange."""
+    choice = choose(url, rdma_required=rdma_required)
+    loop = asyncio.get_running_loop()
+    hello = Hello(role="gateway", identity=identity, initial_credit=initial_credit)
+    core = FlowConnection(
+        "gateway", hello, loop.time(), heartbeat_interval=heartbeat_interval, dead_after=dead_after
+    )
+    conn = ClientConnection(core, loop)
+    t = choice.target
+    try:
+        async with asyncio.timeout(timeout):
+            if choice.kind == "rdma":
+                from .rdma import rdma_connect
+
+                await rdma_connect(t.host, t.port, lambda: conn.endpoint)
+            else:
+                await open_stream(t.scheme, t.host, t.port, t.path, lambda: conn.endpoint)
+            await conn._hello
+    except TimeoutError:
+        conn.endpoint.close("connect timeout")
+        raise ConnectError(f"{url}: no HELLO from the worker within {timeout}s") from None
+    except OSError as exc:
+        raise ConnectError(f"{url}: {exc.strerror or exc}") from exc
+    return conn

@@ -1,0 +1,457 @@
+"""Connection state: handshake, multiplexing, credits, heartbeats (sans-I/O).
+
+How it works
+------------
+One :class:`FlowConnection` per connection end, ``role`` "gateway" or
+"worker". Bytes from the peer go into :meth:`receive_data`, which returns
+events; bytes for the peer accumulate until :meth:`data_to_send`. The clock
+is an argument (``now``); the adapter arms one timer at :meth:`get_timer` and
+calls :meth:`handle_timer`. No sockets, no asyncio.
+
+* Handshake: each side sends HELLO first; anything else first, a wire
+  version other than ours, or a peer with our own role is a protocol error.
+* Credits: the gateway's HELLO ``initial_credit`` is each request's token
+  window. The worker spends it with every token it sends
+  (:meth:`credit` says what is left; sending more raises ``CreditExceeded``)
+  and the gateway refills it with CREDIT frames as its consumer drains
+  (:meth:`consumed`, batched to half a window). Tokens beyond the window are a
+  protocol error, so a slow consumer bounds what the gateway buffers to one
+  window per request.
+* Heartbeats: a PING every ``heartbeat_interval``; any frame from the peer
+  proves it alive; silence for ``dead_after`` ends the connection with
+  ``CONNECTION_LOST``.
+* Every request ends exactly once on the gateway: :class:`RequestEnded`
+  carries the worker's FINISH/ERROR, or a local ``CANCELLED`` when the gateway
+  cancels (the worker's late reply is then swallowed), or ``CONNECTION_LOST``
+  / the peer's connection error for everything open when the connection ends.
+* GOODBYE: the sender is draining. A worker that said GOODBYE answers new
+  SUBMITs with ``SHUTTING_DOWN``; a gateway that received one refuses to
+  submit (``ConnectionClosed``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import ConnectionClosed, CreditExceeded, WireError
+from .messages import (
+    PROTOCOL_VERSION,
+    Cancel,
+    Credit,
+    Error,
+    ErrorCode,
+    Finish,
+    Goodbye,
+    Hello,
+    Message,
+    Ping,
+    Pong,
+    Stats,
+    Submit,
+    TokenBatch,
+)
+from .wire import DEFAULT_MAX_FRAME, FrameDecoder, FrameEncoder, StreamTable
+
+__all__ = [
+    "FlowConnection",
+    "PeerHello",
+    "SubmitReceived",
+    "CancelReceived",
+    "CreditResumed",
+    "TokensReceived",
+    "RequestEnded",
+    "StatsReceived",
+    "GoodbyeReceived",
+    "ConnectionEnded",
+    "Event",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class PeerHello:
+    hello: Hello
+
+
+@dataclass(frozen=True, slots=True)
+class SubmitReceived:
+    """Worker: a new request (its credit is the gateway's initial window)."""
+
+    submit: Submit
+
+
+@dataclass(frozen=True, slots=True)
+class CancelReceived:
+    """Worker: the gateway cancelled an open request; the worker still ends it."""
+
+    request_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class CreditResumed:
+    """Worker: a request's credit rose from 0 to ``available``."""
+
+    request_id: int
+    available: int
+
+
+@dataclass(frozen=True, slots=True)
+class TokensReceived:
+    """Gateway: one engine step. Entries of locally cancelled requests are to be ignored."""
+
+    batch: TokenBatch
+
+
+@dataclass(frozen=True, slots=True)
+class RequestEnded:
+    """Gateway: the one and only end of a request."""
+
+    result: Finish | Error
+
+
+@dataclass(frozen=True, slots=True)
+class StatsReceived:
+    stats: Stats
+
+
+@dataclass(frozen=True, slots=True)
+class GoodbyeReceived:
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectionEnded:
+    """The connection is over; ``open_requests`` were still open (worker: cancel them)."""
+
+    error: Error
+    open_requests: tuple[int, ...]
+
+
+Event = (
+    PeerHello
+    | SubmitReceived
+    | CancelReceived
+    | CreditResumed
+    | TokensReceived
+    | RequestEnded
+    | StatsReceived
+    | GoodbyeReceived
+    | ConnectionEnded
+)
+
+
+class _GatewayRequest:
+    __slots__ = ("window", "unacked", "cancelled")
+
+    def __init__(self, window: int) -> None:
+        self.window = window  # tokens the worker may still send
+        self.unacked = 0  # consumed but not yet granted back
+        self.cancelled = False
+
+
+class FlowConnection:
+    """Sans-I/O state of one connection end (see the module docstring)."""
+
+    def __init__(
+        self,
+        role: str,
+        hello: Hello,
+        now: float,
+        *,
+        heartbeat_interval: float = 1.0,
+        dead_after: float = 5.0,
+        max_streams: int = 1 << 16,
+    ) -> None:
+        if role not in ("gateway", "worker"):
+            raise ValueError("role must be 'gateway' or 'worker'")
+        if heartbeat_interval <= 0 or dead_after <= 0:
+            raise ValueError("heartbeat_interval and dead_after must be positive")
+        self.role = role
+        self.local_hello = Hello(
+            version=hello.version,
+            role=role,
+            identity=hello.identity,
+            models=hello.models,
+            capabilities=hello.capabilities,
+            initial_credit=hello.initial_credit,
+            max_frame=hello.max_frame or DEFAULT_MAX_FRAME,
+        )
+        self.peer_hello: Hello | None = None
+        self.closed = False
+        self.close_error: Error | None = None
+        self.goodbye_sent = False
+        self.goodbye_received = False
+        self.heartbeat_interval = heartbeat_interval
+        self.dead_after = dead_after
+        streams = StreamTable(max_streams)
+        self._enc = FrameEncoder(streams)
+        self._dec = FrameDecoder(streams, self.local_hello.max_frame)
+        self._out: list[bytes] = []
+        self._last_rx = now
+        self._next_ping = now + heartbeat_interval
+        self._nonce = 0
+        self._gw: dict[int, _GatewayRequest] = {}  # gateway: open requests
+        self._credit: dict[int, int] = {}  # worker: open requests -> remaining credit
+        self._send(self.local_hello)
+
+    # --- bytes in / out --------------------------------------------------------------------
+
+    def data_to_send(self) -> bytes:
+        out = b"".join(self._out)
+        self._out.clear()
+        return out
+
+    @property
+    def has_data_to_send(self) -> bool:
+        return bool(self._out)
+
+    def receive_data(self, data: bytes | bytearray | memoryview, now: float) -> list[Event]:
+        if self.closed:
+            return []
+        self._last_rx = now
+        try:
+            msgs = self._dec.feed(data)
+        except WireError as exc:
+            return self._fail(str(exc))
+        events: list[Event] = []
+        for msg in msgs:
+            self._handle(msg, events)
+            if self.closed:
+                break
+        return events
+
+    def connection_lost(self, reason: str = "connection lost") -> list[Event]:
+        """The byte stream ended or broke."""
+        return self._terminate(Error(0, ErrorCode.CONNECTION_LOST, reason))
+
+    def close(self, reason: str = "connection closed") -> list[Event]:
+        """Local close: every open request ends with ``CONNECTION_LOST``."""
+        return self._terminate(Error(0, ErrorCode.CONNECTION_LOST, reason))
+
+    # --- timers ------------------------------------------------------------------------------
+
+    def get_timer(self) -> float | None:
+        if self.closed:
+            return None
+        return min(self._next_ping, self._last_rx + self.dead_after)
+
+    def handle_timer(self, now: float) -> list[Event]:
+        if self.closed:
+            return []
+        if now >= self._last_rx + self.dead_after:
+            return self._terminate(
+                Error(0, ErrorCode.CONNECTION_LOST, f"peer silent for {now - self._last_rx:.1f}s (dead)")
+            )
+        if now >= self._next_ping:
+            self._nonce += 1
+            self._send(Ping(self._nonce))
+            self._next_ping = now + self.heartbeat_interval
+        return []
+
+    # --- either side -------------------------------------------------------------------------
+
+    @property
+    def open_requests(self) -> tuple[int, ...]:
+        return tuple(self._gw) if self.role == "gateway" else tuple(self._credit)
+
+    def is_open(self, request_id: int) -> bool:
+        return request_id in (self._gw if self.role == "gateway" else self._credit)
+
+    @property
+    def in_flight(self) -> int:
+        """Requests not yet ended on the wire (gateway: includes cancelled, awaiting reply)."""
+        return len(self._gw) if self.role == "gateway" else len(self._credit)
+
+    def goodbye(self, reason: str = "") -> None:
+        """Announce draining (idempotent)."""
+        if self.closed or self.goodbye_sent:
+            return
+        self.goodbye_sent = True
+        self._send(Goodbye(reason))
+
+    # --- gateway side ------------------------------------------------------------------------
+
+    def submit(self, submit: Submit) -> None:
+        self._need("gateway")
+        if self.closed:
+            raise ConnectionClosed(self.close_error.message if self.close_error else "connection closed")
+        if self.peer_hello is None:
+            raise ConnectionClosed("handshake not complete")
+        if self.goodbye_received or self.goodbye_sent:
+            raise ConnectionClosed("connection is draining (Goodbye)")
+        if submit.request_id in self._gw:
+            raise ValueError(f"request id {submit.request_id} is in use")
+        self._send(submit)
+        self._gw[submit.request_id] = _GatewayRequest(self.local_hello.initial_credit)
+
+    def cancel(self, request_id: int) -> list[Event]:
+        """Cancel an open request: it ends now (``CANCELLED``); the worker is told."""
+        self._need("gateway")
+        req = self._gw.get(request_id)
+        if req is None or req.cancelled or self.closed:
+            return []
+        req.cancelled = True
+        self._send(Cancel(request_id))
+        return [RequestEnded(Error(request_id, ErrorCode.CANCELLED, "cancelled"))]
+
+    def consumed(self, request_id: int, tokens: int) -> None:
+        """The gateway's consumer drained ``tokens``; grant them back in batches."""
+        self._need("gateway")
+        req = self._gw.get(request_id)
+        if req is None or req.cancelled or self.closed or tokens <= 0:
+            return
+        req.unacked += tokens
+        if req.unacked >= max(1, self.local_hello.initial_credit // 2):
+            self._send(Credit(request_id, req.unacked))
+            req.window += req.unacked
+            req.unacked = 0
+
+    # --- worker side -------------------------------------------------------------------------
+
+    def credit(self, request_id: int) -> int:
+        """Tokens the worker may still send for this request (0 when not open)."""
+        return self._credit.get(request_id, 0)
+
+    def send_tokens(self, batch: TokenBatch) -> None:
+        self._need("worker")
+        if self.closed:
+            return
+        credit = self._credit
+        counts = batch.counts
+        for i, rid in enumerate(batch.request_ids):
+            c = credit.get(rid)
+            if c is None:
+                raise ValueError(f"tokens for request {rid} that is not open")
+            if counts[i] > c:
+                raise CreditExceeded(f"request {rid}: {counts[i]} tokens, credit {c}")
+        self._send(batch)
+        for i, rid in enumerate(batch.request_ids):
+            credit[rid] -= counts[i]
+
+    def send_finish(self, finish: Finish) -> None:
+        self._end_worker_request(finish)
+
+    def send_error(self, error: Error) -> None:
+        if error.request_id == 0:
+            if not self.closed:
+                self._send(error)
+                self._terminate(error)
+            return
+        self._end_worker_request(error)
+
+    def send_stats(self, stats: Stats) -> None:
+        self._need("worker")
+        if not self.closed:
+            self._send(stats)
+
+    def _end_worker_request(self, msg: Finish | Error) -> None:
+        self._need("worker")
+        if self.closed or msg.request_id not in self._credit:
+            return  # already ended (or the connection is gone): ends exactly once
+        del self._credit[msg.request_id]
+        self._send(msg)
+
+    # --- internals ---------------------------------------------------------------------------
+
+    def _need(self, role: str) -> None:
+        if self.role != role:
+            raise RuntimeError(f"only the {role} side may do this")
+
+    def _send(self, msg: Message) -> None:
+        self._out.append(self._enc.encode(msg))
+
+    def _fail(self, message: str) -> list[Event]:
+        """Protocol violation by the peer: tell it, then end."""
+        err = Error(0, ErrorCode.PROTOCOL, message)
+        if not self.closed:
+            try:
+                self._send(err)
+            except ValueError:  # pragma: no cover - encoding a plain Error cannot fail
+                pass
+        return self._terminate(err)
+
+    def _terminate(self, error: Error) -> list[Event]:
+        if self.closed:
+            return []
+        self.closed = True
+        self.close_error = error
+        events: list[Event] = []
+        if self.role == "gateway":
+            open_ids = tuple(self._gw)
+            for rid, req in self._gw.items():
+                if not req.cancelled:
+                    events.append(RequestEnded(Error(rid, error.code, error.message)))
+            self._gw.clear()
+        else:
+            open_ids = tuple(self._credit)
+            self._credit.clear()
+        events.append(ConnectionEnded(error, open_ids))
+        return events
+
+    def _handle(self, msg: Message, events: list[Event]) -> None:
+        if self.peer_hello is None:
+            if not isinstance(msg, Hello):
+                events.extend(self._fail(f"expected HELLO first, got {type(msg).__name__}"))
+                return
+            if msg.version != PROTOCOL_VERSION:
+                events.extend(self._fail(f"peer speaks version {msg.version}, we speak {PROTOCOL_VERSION}"))
+                return
+            if msg.role == self.role:
+                events.extend(self._fail(f"peer has our own role {msg.role!r}"))
+                return
+            self.peer_hello = msg
+            self._enc.max_frame = msg.max_frame
+            events.append(PeerHello(msg))
+            return
+        if isinstance(msg, Ping):
+            self._send(Pong(msg.nonce))
+        elif isinstance(msg, Pong):
+            pass
+        elif isinstance(msg, Goodbye):
+            self.goodbye_received = True
+            events.append(GoodbyeReceived(msg.reason))
+        elif isinstance(msg, Error) and msg.request_id == 0:
+            events.extend(self._terminate(msg))
+        elif self.role == "gateway":
+            self._handle_gateway(msg, events)
+        else:
+            self._handle_worker(msg, events)
+
+    def _handle_gateway(self, msg: Message, events: list[Event]) -> None:
+        if isinstance(msg, TokenBatch):
+            gw = self._gw
+            counts = msg.counts
+            for i, rid in enumerate(msg.request_ids):
+                req = gw[rid]  # the decoder checked the stream is open
+                req.window -= counts[i]
+                if req.window < 0 and not req.cancelled:
+                    events.extend(self._fail(f"request {rid}: worker sent tokens beyond its credit"))
+                    return
+            events.append(TokensReceived(msg))
+        elif isinstance(msg, (Finish, Error)):
+            req = self._gw.pop(msg.request_id)
+            if not req.cancelled:
+                events.append(RequestEnded(msg))
+        elif isinstance(msg, Stats):
+            events.append(StatsReceived(msg))
+        else:
+            events.extend(self._fail(f"a worker may not send {type(msg).__name__}"))
+
+    def _handle_worker(self, msg: Message, events: list[Event]) -> None:
+        if isinstance(msg, Submit):
+            assert self.peer_hello is not None
+            self._credit[msg.request_id] = self.peer_hello.initial_credit
+            if self.goodbye_sent:
+                self._end_worker_request(Error(msg.request_id, ErrorCode.SHUTTING_DOWN, "worker is draining"))
+            else:
+                events.append(SubmitReceived(msg))
+        elif isinstance(msg, Cancel):
+            if msg.request_id in self._credit:
+                events.append(CancelReceived(msg.request_id))
+        elif isinstance(msg, Credit):
+            old = self._credit.get(msg.request_id)
+            if old is not None:
+                self._credit[msg.request_id] = old + msg.tokens
+                if old == 0:
+                    events.append(CreditResumed(msg.request_id, old + msg.tokens))
+        else:
+            events.extend(self._fail(f"a gateway may not send {type(msg).__name__}"))

@@ -1,0 +1,193 @@
+"""Worker side: :func:`serve` returns a :class:`~transport.api.Server`."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import stat
+from typing import Any
+
+from .api import WorkerHandler
+from .endpoint import Endpoint
+from .flow import (
+    CancelReceived,
+    ConnectionEnded,
+    CreditResumed,
+    Event,
+    FlowConnection,
+    PeerHello,
+    SubmitReceived,
+)
+from .messages import Error, ErrorCode, Finish, Hello, Stats, TokenBatch
+from .select import choose
+from .tcp import listen_stream
+
+__all__ = ["serve", "WorkerServer", "ServerConnectionImpl"]
+
+log = logging.getLogger("transport.server")
+
+
+class ServerConnectionImpl:
+    """A worker's view of one gateway connection (implements ``ServerConnection``)."""
+
+    def __init__(self, server: WorkerServer, core: FlowConnection, loop: asyncio.AbstractEventLoop) -> None:
+        self.core = core
+        self.endpoint = Endpoint(core, loop, self._on_events)
+        self.peer_hello: Hello = Hello()
+        self.closed = False
+        self._server = server
+        self._handler = server.handler
+
+    def send_tokens(self, batch: TokenBatch) -> None:
+        self.core.send_tokens(batch)
+        self.endpoint.flush_soon()
+
+    def send_finish(self, finish: Finish) -> None:
+        self.core.send_finish(finish)
+        self.endpoint.flush_soon()
+
+    def send_error(self, error: Error) -> None:
+        self.core.send_error(error)
+        self.endpoint.deliver([])
+
+    def send_stats(self, stats: Stats) -> None:
+        self.core.send_stats(stats)
+        self.endpoint.flush_soon()
+
+    def credit(self, request_id: int) -> int:
+        return self.core.credit(request_id)
+
+    def goodbye(self, reason: str = "") -> None:
+        """Tell the gateway we are draining (new Submits get SHUTTING_DOWN)."""
+        self.core.goodbye(reason)
+        self.endpoint.flush_soon()
+
+    @property
+    def in_flight(self) -> int:
+        return self.core.in_flight
+
+    def close(self) -> None:
+        self.endpoint.close("worker closed the connection")
+
+    def _on_events(self, events: list[Event]) -> None:
+        h = self._handler
+        for ev in events:
+            if isinstance(ev, SubmitReceived):
+                try:
+                    h.on_submit(self, ev.submit)
+                except Exception as exc:  # a handler bug must still end the request once
+                    log.exception("on_submit failed for request %d", ev.submit.request_id)
+                    self.core.send_error(
+                        Error(ev.submit.request_id, ErrorCode.INTERNAL, f"worker error: {exc}")
+                    )
+            elif isinstance(ev, CancelReceived):
+                h.on_cancel(self, ev.request_id)
+            elif isinstance(ev, CreditResumed):
+                h.on_credit(self, ev.request_id, ev.available)
+            elif isinstance(ev, PeerHello):
+                self.peer_hello = ev.hello
+            elif isinstance(ev, ConnectionEnded):
+                self.closed = True
+                self._server._forget(self)
+                h.on_disconnect(self, ev.open_requests)
+
+
+class WorkerServer:
+    """Listens on one URL; one :class:`ServerConnectionImpl` per gateway connection."""
+
+    def __init__(
+        self, handler: WorkerHandler, identity: str, heartbeat_interval: float, dead_after: float
+    ) -> None:
+        self.handler = handler
+        self.identity = identity
+        self.heartbeat_interval = heartbeat_interval
+        self.dead_after = dead_after
+        self.connections: set[ServerConnectionImpl] = set()
+        self._address = ""
+        self._listener: Any = None
+        self._unix_path: str | None = None
+        self._loop = asyncio.get_running_loop()
+
+    @property
+    def address(self) -> str:
+        return self._address
+
+    def _new_endpoint(self) -> Endpoint:
+        hello = self.handler.hello()
+        if self.identity:
+            hello = Hello(
+                version=hello.version,
+                role="worker",
+                identity=self.identity,
+                models=hello.models,
+                capabilities=hello.capabilities,
+                initial_credit=hello.initial_credit,
+                max_frame=hello.max_frame,
+            )
+        core = FlowConnection(
+            "worker",
+            hello,
+            self._loop.time(),
+            heartbeat_interval=self.heartbeat_interval,
+            dead_after=self.dead_after,
+        )
+        conn = ServerConnectionImpl(self, core, self._loop)
+        self.connections.add(conn)
+        return conn.endpoint
+
+    def _forget(self, conn: ServerConnectionImpl) -> None:
+        self.connections.discard(conn)
+
+    async def drain(self, timeout: float) -> None:
+        """Goodbye to every gateway, then wait (bounded) for in-flight requests to end."""
+        for conn in list(self.connections):
+            conn.goodbye("worker draining")
+        deadline = self._loop.time() + timeout
+        while any(c.in_flight for c in self.connections) and self._loop.time() < deadline:
+            await asyncio.sleep(0.01)
+
+    async def close(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+            if isinstance(self._listener, asyncio.Server):
+                await self._listener.wait_closed()
+            self._listener = None
+        for conn in list(self.connections):
+            conn.close()
+        if self._unix_path:
+            with contextlib.suppress(OSError):
+                os.unlink(self._unix_path)
+            self._unix_path = None
+        await asyncio.sleep(0)
+
+
+async def serve(
+    url: str,
+    handler: WorkerHandler,
+    *,
+    identity: str = "",
+    heartbeat_interval: float = 1.0,
+    dead_after: float = 5.0,
+    rdma_required: bool = False,
+) -> WorkerServer:
+    """Listen on ``url`` (port 0 allowed; see ``server.address``)."""
+    choice = choose(url, rdma_required=rdma_required)
+    server = WorkerServer(handler, identity, heartbeat_interval, dead_after)
+    t = choice.target
+    if choice.kind == "rdma":
+        from .rdma import rdma_listen
+
+        server._listener = await rdma_listen(t.host, t.port, server._new_endpoint)
+        server._address = f"rdma://{t.host}:{t.port}"
+        return server
+    if t.scheme == "unix":
+        with contextlib.suppress(FileNotFoundError):
+            if stat.S_ISSOCK(os.stat(t.path).st_mode):
+                os.unlink(t.path)  # a stale socket from a previous run
+        server._unix_path = t.path
+    server._listener, server._address = await listen_stream(
+        t.scheme, t.host, t.port, t.path, server._new_endpoint
+    )
+    return server
