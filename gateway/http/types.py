@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-__all__ = ["Request", "ResponseSink", "Handler", "Headers"]
+__all__ = ["Request", "RequestBodyStream", "ResponseSink", "Handler", "Headers"]
 
 Headers = list[tuple[bytes, bytes]]
 
@@ -32,6 +32,11 @@ class Request:
     protocol: str  # "http/1.1" | "h2" | "h3"
     scheme: str  # "http" | "https"
     client: tuple[str, int] | None = None
+    # Room for protocols whose request body is itself a stream (gRPC client
+    # streaming): an adapter that serves such a route sets ``stream`` and leaves
+    # ``body`` empty. HTTP/1.1 and HTTP/2 adapters today always read the body in
+    # full (bounded by the body limit) and leave this None.
+    stream: RequestBodyStream | None = None
 
     def header(self, name: bytes, default: bytes | None = None) -> bytes | None:
         """First value of a header (``name`` lower-case)."""
@@ -39,6 +44,14 @@ class Request:
             if k == name:
                 return v
         return default
+
+
+class RequestBodyStream(Protocol):
+    """Incremental request body (see :attr:`Request.stream`)."""
+
+    async def read(self) -> bytes:
+        """The next piece of the body; ``b""`` once it has ended."""
+        ...
 
 
 class ResponseSink(Protocol):
