@@ -62,8 +62,8 @@ class App:
             "/metrics": {"GET": self.metrics_page},
         }
         self._allow = {path: ", ".join(sorted(m)).encode() for path, m in self.routes.items()}
-        self._in_flight_inc = self.metrics.in_flight.inc
-        self._in_flight_dec = self.metrics.in_flight.dec
+        if pool.on_retry is None:
+            pool.on_retry = self.metrics.retries.inc
 
     async def __call__(self, req: Request, sink: ResponseSink) -> None:
         t0 = _perf()
@@ -76,7 +76,8 @@ class App:
             else:
                 route = "other"
         status = 499
-        self._in_flight_inc()
+        metrics = self.metrics
+        metrics.in_flight += 1
         try:
             if methods is None:
                 raise APIError(404, f"Unknown request URL: {req.method} {path}. Please check the URL for typos.",
@@ -102,8 +103,8 @@ class App:
             await sink.respond(500, JSON_HEADERS, render_json(APIError(
                 500, "Internal server error.", "server_error", None, "internal_error")))
         finally:
-            self._in_flight_dec()
-            self.metrics.request_done(route, status, req.protocol, _perf() - t0)
+            metrics.in_flight -= 1
+            metrics.request_done(route, status, req.protocol, _perf() - t0)
 
     # -- small routes -------------------------------------------------------------------
     async def healthz(self, req: Request, sink: ResponseSink, t0: float) -> int:

@@ -23,6 +23,7 @@ from ..errors import APIError, from_wire_code
 from ..observability.metrics import GatewayMetrics
 from ..routing.pool import ModelPool, RoutedStream
 from ..settings import ApiSettings
+from .deadlines import DeadlineSweeper
 from .params import GenerationRequest, parse_chat, parse_completion
 from .render import (
     DONE,
@@ -57,6 +58,7 @@ class OpenAIHandlers:
         self.api = api
         self.created = int(time.time())
         self._deadline_ms = int(api.request_timeout * 1000)
+        self.deadlines = DeadlineSweeper()
 
     # -- models -------------------------------------------------------------------------
     def _model_obj(self, name: str) -> dict[str, Any]:
@@ -90,12 +92,16 @@ class OpenAIHandlers:
         routed = self.pool.open(g.model, g.make_submit)
         tpl = ChunkTemplate(g.chat, new_id("chatcmpl" if g.chat else "cmpl"), g.model, g.include_usage) \
             if g.stream else None
+        task = asyncio.current_task()
+        assert task is not None
+        self.deadlines.add(task, self.api.request_timeout)
         try:
-            async with asyncio.timeout(self.api.request_timeout):
-                if tpl is not None:
-                    return await self._stream(g, tpl, routed, sink, t0, route)
-                return await self._unary(g, routed, sink, t0, route)
-        except TimeoutError:
+            if tpl is not None:
+                return await self._stream(g, tpl, routed, sink, t0, route)
+            return await self._unary(g, routed, sink, t0, route)
+        except asyncio.CancelledError:
+            if not self.deadlines.expired(task):
+                raise  # the client went away
             err = APIError(504, f"The request did not finish within {self.api.request_timeout:g} s.",
                            "server_error", None, "timeout")
             if tpl is None or not tpl.started:
@@ -109,6 +115,7 @@ class OpenAIHandlers:
             log.exception("stream failed after its first byte")
             return await self._abort_stream(sink, APIError(500, "Internal server error.", "server_error"))
         finally:
+            self.deadlines.discard(task)
             if not routed.done:
                 routed.cancel()
 
@@ -126,8 +133,12 @@ class OpenAIHandlers:
         offset = 0
         t_first = 0.0
         fin: Finish | None = None
+        nxt = routed.next_events
         while fin is None:
-            for ev in await routed.next_events():
+            events = await nxt()
+            if routed.started:
+                nxt = routed.direct_next_events()
+            for ev in events:
                 t = type(ev)
                 if t is TokenEntry:
                     if not t_first:
@@ -168,8 +179,11 @@ class OpenAIHandlers:
                       sink: ResponseSink, t0: float, route: str) -> int:
         t_first = 0.0
         offset = 0
+        nxt = routed.next_events
         while True:
-            events = await routed.next_events()
+            events = await nxt()
+            if routed.started:
+                nxt = routed.direct_next_events()
             out: list[bytes] = []
             if not tpl.started:
                 first = events[0]

@@ -148,90 +148,95 @@ def _unsupported_zero(d: dict[str, Any], key: str) -> None:
         raise _bad(f"'{key}' is not supported by this server; omit it or set it to 0.", key, "unsupported_parameter")
 
 
+_RARE = frozenset({"n", "max_completion_tokens", "top_k", "seed", "stop", "user", "stream_options",
+                   "frequency_penalty", "presence_penalty", "logit_bias", "ignore_eos", "logprobs", "top_logprobs"})
+
+
 def _common(d: dict[str, Any], allowed: frozenset[str], max_tokens_limit: int, default_max: int,
             max_logprobs: int, chat: bool) -> tuple[str, SamplingParams, bool, bool, str | None, bool, int]:
-    if len(d) > len(allowed) or not allowed.issuperset(d):
+    if not allowed.issuperset(d):
         extra = sorted(k for k in d if k not in allowed)
-        if extra:
-            raise _bad(f"Unrecognized request argument supplied: {', '.join(extra)}", extra[0],
-                       "unknown_parameter")
+        raise _bad(f"Unrecognized request argument supplied: {', '.join(extra)}", extra[0], "unknown_parameter")
     model = d.get("model")
     if model is None:
         raise _bad("You must provide a model parameter.", "model", "missing_required_parameter")
     if type(model) is not str:
         raise _type_error("model", "a string", model)
-    n = _int(d, "n", 1, 128)
-    if n is not None and n > 1:
-        raise _bad(f"'n' = {n} is not supported: this server returns exactly one choice per request (n = 1).",
-                   "n", "unsupported_parameter")
-    if chat:
-        mt = _int(d, "max_completion_tokens", 1, None)
-        mt2 = _int(d, "max_tokens", 1, None)
-        if mt is not None and mt2 is not None and mt != mt2:
-            raise _bad("Give 'max_tokens' or 'max_completion_tokens', not both with different values.",
-                       "max_tokens", "invalid_value")
-        max_tokens = mt if mt is not None else mt2
-        param = "max_completion_tokens" if mt is not None else "max_tokens"
-    else:
-        max_tokens = _int(d, "max_tokens", 1, None)
-        param = "max_tokens"
+    max_tokens = _int(d, "max_tokens", 1, None)
+    param = "max_tokens"
+    temperature = _num(d, "temperature", 0.0, 2.0, 1.0)
+    top_p = _num(d, "top_p", 0.0, 1.0, 1.0)
+    if top_p == 0.0:
+        raise _bad("Invalid value for 'top_p': 0; it must be > 0 and <= 1.", "top_p", "invalid_value")
+    stream = _bool(d, "stream")
+    top_k = 0
+    seed = user = None
+    stop: tuple[str, ...] = ()
+    include_usage = ignore_eos = logprobs = False
+    top_n = 0
+    if not _RARE.isdisjoint(d):  # the rest only when the request uses any of it
+        n = _int(d, "n", 1, 128)
+        if n is not None and n > 1:
+            raise _bad(f"'n' = {n} is not supported: this server returns exactly one choice per request "
+                       "(n = 1).", "n", "unsupported_parameter")
+        if chat:
+            mt = _int(d, "max_completion_tokens", 1, None)
+            if mt is not None and max_tokens is not None and mt != max_tokens:
+                raise _bad("Give 'max_tokens' or 'max_completion_tokens', not both with different values.",
+                           "max_tokens", "invalid_value")
+            if mt is not None:
+                max_tokens, param = mt, "max_completion_tokens"
+        top_k = _int(d, "top_k", 0, None) or 0
+        seed = d.get("seed")
+        if seed is not None and type(seed) is not int:
+            raise _type_error("seed", "an integer", seed)
+        if seed is not None and not (-(2**63) <= seed < 2**64):
+            raise _bad("Invalid value for 'seed': it must fit in 64 bits.", "seed", "invalid_value")
+        stop = _stop(d)
+        user = d.get("user")
+        if user is not None and type(user) is not str:
+            raise _type_error("user", "a string", user)
+        so = d.get("stream_options")
+        if so is not None:
+            if type(so) is not dict:
+                raise _type_error("stream_options", "an object", so)
+            if not stream:
+                raise _bad("'stream_options' is only allowed when 'stream' is true.", "stream_options",
+                           "invalid_value")
+            unknown = [k for k in so if k not in ("include_usage", "include_obfuscation")]
+            if unknown:
+                raise _bad(f"Unrecognized stream option: {unknown[0]}", "stream_options", "unknown_parameter")
+            iu = so.get("include_usage")
+            if iu is not None and type(iu) is not bool:
+                raise _type_error("stream_options.include_usage", "a boolean", iu)
+            include_usage = bool(iu)
+        for key in ("frequency_penalty", "presence_penalty"):
+            _unsupported_zero(d, key)
+        lb = d.get("logit_bias")
+        if lb is not None:
+            if type(lb) is not dict:
+                raise _type_error("logit_bias", "an object", lb)
+            if lb:
+                raise _bad("'logit_bias' is not supported by this server.", "logit_bias", "unsupported_parameter")
+        ignore_eos = _bool(d, "ignore_eos")
+        if chat:
+            logprobs = _bool(d, "logprobs")
+            top = _int(d, "top_logprobs", 0, 20)
+            if top is not None and top > 0 and not logprobs:
+                raise _bad("'top_logprobs' requires 'logprobs' to be true.", "top_logprobs", "invalid_value")
+            top_n = top or 0
+        else:
+            lp = d.get("logprobs")
+            if lp is not None and (type(lp) is not int):
+                raise _type_error("logprobs", "an integer", lp)
+            lpn = _int(d, "logprobs", 0, max_logprobs)
+            logprobs = lpn is not None
+            top_n = lpn or 0
     if max_tokens is None:
         max_tokens = default_max
     elif max_tokens > max_tokens_limit:
         raise _bad(f"Invalid value for '{param}': {max_tokens}; this server allows at most {max_tokens_limit}.",
                    param, "invalid_value")
-    temperature = _num(d, "temperature", 0.0, 2.0, 1.0)
-    top_p = _num(d, "top_p", 0.0, 1.0, 1.0)
-    if top_p == 0.0 and "top_p" in d:
-        raise _bad("Invalid value for 'top_p': 0; it must be > 0 and <= 1.", "top_p", "invalid_value")
-    top_k = _int(d, "top_k", 0, None) or 0
-    seed = d.get("seed")
-    if seed is not None and type(seed) is not int:
-        raise _type_error("seed", "an integer", seed)
-    if seed is not None and not (-(2**63) <= seed < 2**64):
-        raise _bad("Invalid value for 'seed': it must fit in 64 bits.", "seed", "invalid_value")
-    stop = _stop(d)
-    user = d.get("user")
-    if user is not None and type(user) is not str:
-        raise _type_error("user", "a string", user)
-    stream = _bool(d, "stream")
-    include_usage = False
-    so = d.get("stream_options")
-    if so is not None:
-        if type(so) is not dict:
-            raise _type_error("stream_options", "an object", so)
-        if not stream:
-            raise _bad("'stream_options' is only allowed when 'stream' is true.", "stream_options",
-                       "invalid_value")
-        unknown = [k for k in so if k not in ("include_usage", "include_obfuscation")]
-        if unknown:
-            raise _bad(f"Unrecognized stream option: {unknown[0]}", "stream_options", "unknown_parameter")
-        iu = so.get("include_usage")
-        if iu is not None and type(iu) is not bool:
-            raise _type_error("stream_options.include_usage", "a boolean", iu)
-        include_usage = bool(iu)
-    for key in ("frequency_penalty", "presence_penalty"):
-        _unsupported_zero(d, key)
-    lb = d.get("logit_bias")
-    if lb is not None:
-        if type(lb) is not dict:
-            raise _type_error("logit_bias", "an object", lb)
-        if lb:
-            raise _bad("'logit_bias' is not supported by this server.", "logit_bias", "unsupported_parameter")
-    ignore_eos = _bool(d, "ignore_eos")
-    if chat:
-        logprobs = _bool(d, "logprobs")
-        top = _int(d, "top_logprobs", 0, 20)
-        if top is not None and top > 0 and not logprobs:
-            raise _bad("'top_logprobs' requires 'logprobs' to be true.", "top_logprobs", "invalid_value")
-        top_n = top or 0
-    else:
-        lp = d.get("logprobs")
-        if lp is not None and (type(lp) is not int):
-            raise _type_error("logprobs", "an integer", lp)
-        lpn = _int(d, "logprobs", 0, max_logprobs)
-        logprobs = lpn is not None
-        top_n = lpn or 0
     params = SamplingParams(max_tokens, temperature, top_p, top_k, seed, stop, (), ignore_eos, logprobs, top_n)
     return model, params, stream, include_usage, user, logprobs, top_n
 

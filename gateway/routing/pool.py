@@ -13,7 +13,7 @@ first token*, the stream resubmits on another worker, transparently, up to
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 
 from transport.api import RequestStream, StreamEvent, WorkerConnection
 from transport.messages import Error, ErrorCode, Finish, Submit, TokenEntry
@@ -41,8 +41,9 @@ def load_score(conn: WorkerConnection) -> int:
 class ModelPool:
     """Ready worker connections by served model name."""
 
-    def __init__(self, retries: int = 1) -> None:
+    def __init__(self, retries: int = 1, on_retry: Callable[[], None] | None = None) -> None:
         self.retries = retries
+        self.on_retry = on_retry
         self._by_model: dict[str, list[WorkerConnection]] = {}
         self._known: set[str] = set()  # every model ever announced (404 vs 503)
 
@@ -146,6 +147,16 @@ class RoutedStream:
     def done(self) -> bool:
         return self._stream is None or self._stream.done
 
+    @property
+    def started(self) -> bool:
+        """A token (or the finish) has arrived: the request can no longer move."""
+        return self._started
+
+    def direct_next_events(self) -> Callable[[], Awaitable[list[StreamEvent]]]:
+        """After :attr:`started`, the underlying stream's ``next_events`` (one call layer less)."""
+        assert self._started and self._stream is not None
+        return self._stream.next_events
+
     async def next_events(self) -> list[StreamEvent]:
         assert self._stream is not None
         events = await self._stream.next_events()
@@ -154,6 +165,8 @@ class RoutedStream:
         ev = events[0]
         if type(ev) is Error and ev.code in RETRYABLE and not self._cancelled and self._retries_left > 0:
             self._retries_left -= 1
+            if self._pool.on_retry is not None:
+                self._pool.on_retry()
             log.info("worker failed before the first token (%s: %s); resubmitting", ev.code.name, ev.message)
             try:
                 self._submit_next()
