@@ -1,0 +1,413 @@
+"""Wire codec: round trips and any split for every frame type, and a garbage corpus."""
+
+from __future__ import annotations
+
+import struct
+from array import array
+from typing import Any
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from transport.errors import ProtocolError, WireError
+from transport.messages import (
+    Cancel,
+    Credit,
+    Error,
+    ErrorCode,
+    Finish,
+    FinishReason,
+    Goodbye,
+    Hello,
+    Message,
+    Ping,
+    Pong,
+    SamplingParams,
+    Stats,
+    Submit,
+    TokenBatch,
+)
+from transport.wire import HEADER_SIZE, FrameDecoder, FrameEncoder, FrameType
+
+u32 = st.integers(1, 2**32 - 1)
+u63 = st.integers(0, 2**63 - 1)
+text = st.text(max_size=20)
+finite = st.floats(allow_nan=False, allow_infinity=False)
+
+params_st = st.builds(
+    SamplingParams,
+    max_tokens=st.integers(0, 2**31),
+    temperature=finite,
+    top_p=finite,
+    top_k=st.integers(0, 2**31),
+    seed=st.none() | st.integers(-(2**63), 2**63 - 1),
+    stop=st.lists(text, max_size=3).map(tuple),
+    stop_token_ids=st.lists(st.integers(0, 2**32 - 1), max_size=4).map(tuple),
+    ignore_eos=st.booleans(),
+    logprobs=st.booleans(),
+    top_logprobs=st.integers(0, 20),
+)
+
+
+@st.composite
+def submits(draw: Any, rid: int | None = None) -> Submit:
+    kind = draw(st.sampled_from(["prompt", "ids", "messages"]))
+    return Submit(
+        request_id=rid if rid is not None else draw(u32),
+        model=draw(text),
+        params=draw(params_st),
+        prompt=draw(text) if kind == "prompt" else None,
+        prompt_token_ids=tuple(draw(st.lists(st.integers(0, 2**32 - 1), max_size=8)))
+        if kind == "ids"
+        else None,
+        messages=tuple(draw(st.lists(st.dictionaries(text, text, max_size=3), max_size=3)))
+        if kind == "messages"
+        else None,
+        deadline_ms=draw(st.integers(0, 2**40)),
+        priority=draw(st.integers(-(2**31), 2**31 - 1)),
+        trace=draw(st.none() | st.dictionaries(text, text, max_size=2)),
+        return_text=draw(st.booleans()),
+    )
+
+
+control_st = st.one_of(
+    st.builds(
+        Hello,
+        version=st.integers(0, 255),
+        role=text,
+        identity=text,
+        models=st.lists(text, max_size=3).map(tuple),
+        capabilities=st.lists(text, max_size=3).map(tuple),
+        initial_credit=u32,
+        max_frame=st.integers(1 << 12, 1 << 31),
+    ),
+    st.builds(Cancel, u32),
+    st.builds(Credit, u32, u32),
+    st.builds(Ping, st.integers(0, 2**64 - 1)),
+    st.builds(Pong, st.integers(0, 2**64 - 1)),
+    st.builds(Goodbye, text),
+    st.builds(Error, st.just(0), st.sampled_from(list(ErrorCode)), text),
+    st.builds(
+        Stats,
+        u63,
+        u63,
+        u63,
+        u63,
+        finite,
+        st.lists(st.integers(0, 2**64 - 1), max_size=5).map(tuple),
+        finite,
+    ),
+)
+
+
+@st.composite
+def sessions(draw: Any) -> list[Message]:
+    """A valid message sequence: control frames, Submits, token steps, and ends."""
+    n_streams = draw(st.integers(1, 6))
+    subs = [draw(submits(rid=rid)) for rid in draw(st.lists(u32, min_size=n_streams, max_size=n_streams, unique=True))]
+    msgs: list[Message] = [draw(control_st)]
+    msgs.extend(subs)
+    for _ in range(draw(st.integers(1, 4))):
+        chosen = draw(st.lists(st.sampled_from(subs), min_size=0, max_size=len(subs), unique_by=lambda s: s.request_id))
+        msgs.append(draw(batches(chosen)))
+        if draw(st.booleans()):
+            msgs.append(msgs[-1])  # same request list again: SAME_RIDS path
+        msgs.append(draw(control_st))
+    for s in subs:
+        if draw(st.booleans()):
+            msgs.append(Finish(s.request_id, draw(st.sampled_from(list(FinishReason))), draw(u63), draw(u63), draw(u63)))
+        else:
+            msgs.append(Error(s.request_id, draw(st.sampled_from(list(ErrorCode))), draw(text)))
+    return msgs
+
+
+f32 = st.floats(width=32, allow_nan=False)
+
+
+@st.composite
+def batches(draw: Any, subs: list[Submit]) -> TokenBatch:
+    rids, counts, toks, tlens, texts = array("I"), array("I"), array("I"), array("I"), []
+    lps, tids, tlps = array("f"), array("I"), array("f")
+    for s in subs:
+        c = draw(st.integers(0, 3))
+        rids.append(s.request_id)
+        counts.append(c)
+        toks.extend(draw(st.lists(st.integers(0, 2**32 - 1), min_size=c, max_size=c)))
+        t = draw(st.binary(max_size=12))
+        texts.append(t)
+        tlens.append(len(t))
+        if s.params.logprobs:
+            lps.extend(draw(st.lists(f32, min_size=c, max_size=c)))
+        k = c * s.params.top_logprobs
+        tids.extend(draw(st.lists(st.integers(0, 2**32 - 1), min_size=k, max_size=k)))
+        tlps.extend(draw(st.lists(f32, min_size=k, max_size=k)))
+    # Per-entry option arrays as a producer fills them (only when some stream wants extras).
+    has_lp = array("B", [s.params.logprobs for s in subs])
+    top_ns = array("B", [s.params.top_logprobs for s in subs])
+    if not any(has_lp) and not any(top_ns):
+        has_lp, top_ns = array("B"), array("B")
+    return TokenBatch(rids, counts, toks, tlens, b"".join(texts), has_lp, top_ns, lps, tids, tlps)
+
+
+def norm(m: Message) -> Any:
+    """Comparable form; TokenBatch compared through its per-request views."""
+    if isinstance(m, TokenBatch):
+        return (
+            "tokens",
+            [
+                (e.request_id, e.token_ids.tolist(), e.text, None if e.logprobs is None else e.logprobs.tobytes(),
+                 None if e.top_ids is None else e.top_ids.tolist(),
+                 None if e.top_logprobs is None else e.top_logprobs.tobytes())
+                for e in m.entries()
+            ],
+        )
+    return m
+
+
+def encode_all(msgs: list[Message]) -> bytes:
+    enc = FrameEncoder()
+    return b"".join(enc.encode(m) for m in msgs)
+
+
+@settings(max_examples=60, deadline=None)
+@given(sessions())
+def test_round_trip_every_frame_type(msgs: list[Message]) -> None:
+    data = encode_all(msgs)
+    dec = FrameDecoder()
+    out = dec.feed(data)
+    dec.close()
+    assert [norm(m) for m in out] == [norm(m) for m in msgs]
+
+
+@settings(max_examples=60, deadline=None)
+@given(sessions(), st.lists(st.integers(0, 10_000), max_size=12))
+def test_any_split(msgs: list[Message], cuts: list[int]) -> None:
+    data = encode_all(msgs)
+    points = sorted({c % (len(data) + 1) for c in cuts})
+    dec = FrameDecoder()
+    out: list[Message] = []
+    prev = 0
+    for p in [*points, len(data)]:
+        out.extend(dec.feed(data[prev:p]))
+        prev = p
+    dec.close()
+    assert [norm(m) for m in out] == [norm(m) for m in msgs]
+
+
+def test_one_byte_at_a_time_and_control_examples() -> None:
+    msgs: list[Message] = [
+        Hello(role="worker", models=("tiny",)),
+        Submit(7, "tiny", SamplingParams(logprobs=True, top_logprobs=2), prompt_token_ids=(1, 2, 3)),
+        TokenBatch(array("I", [7]), array("I", [2]), array("I", [70000, 5]), array("I", [3]), b"abc",
+                   has_logprobs=array("B", [1]), top_ns=array("B", [2]), logprobs=array("f", [-0.5, -1.0]), top_ids=array("I", [1, 2, 3, 4]),
+                   top_logprobs=array("f", [-1, -2, -3, -4])),
+        Finish(7, FinishReason.STOP, 3, 2),
+    ]
+    data = encode_all(msgs)
+    dec = FrameDecoder()
+    out: list[Message] = []
+    for i in range(len(data)):
+        out.extend(dec.feed(data[i : i + 1]))
+    assert [norm(m) for m in out] == [norm(m) for m in msgs]
+    assert dec.buffered == 0
+
+
+def test_token_frame_is_compact_and_delta_coded() -> None:
+    """64 single-token steps with ~4 bytes of text: the second frame omits the request ids."""
+    enc = FrameEncoder()
+    for rid in range(1, 65):
+        enc.encode(Submit(rid, "m", prompt="p"))
+    batch = TokenBatch(array("I", range(1, 65)), array("I", [1] * 64), array("I", [30000 + i for i in range(64)]),
+                       array("I", [4] * 64), b"abcd" * 64)
+    first = enc.encode(batch)
+    second = enc.encode(batch)
+    # header 12 + n 4 + rids 64 (u8) + tokens 256 (u32) + text_lens 64 + text 256
+    assert len(first) == 12 + 4 + 64 + 256 + 64 + 256
+    assert len(second) == len(first) - 64
+    assert len(second) / 64 <= 16
+
+
+def test_encoder_rejects_inconsistent_batches() -> None:
+    enc = FrameEncoder()
+    enc.encode(Submit(1, "m", SamplingParams(logprobs=True), prompt="p"))
+    ok = dict(request_ids=array("I", [1]), counts=array("I", [1]), token_ids=array("I", [5]),
+              text_lens=array("I", [1]), text=b"x", logprobs=array("f", [-1.0]))
+    enc.encode(TokenBatch(**ok))  # type: ignore[arg-type]
+    for bad in (
+        {"logprobs": array("f")},  # stream asked for logprobs
+        {"counts": array("I", [2])},  # counts do not add up
+        {"text": b"xy"},  # text lens do not add up
+        {"request_ids": array("I", [2])},  # not open
+        {"text_lens": array("I", [1, 1])},  # length mismatch
+    ):
+        with pytest.raises(ValueError):
+            enc.encode(TokenBatch(**{**ok, **bad}))  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        enc.encode(Submit(1, "m", prompt="p"))  # already open
+    with pytest.raises(ValueError):
+        enc.encode(Submit(2, "m", prompt="p", prompt_token_ids=(1,)))  # two prompts
+    with pytest.raises(ValueError):
+        enc.encode(Finish(9, FinishReason.STOP, 0, 0))  # not open
+
+
+# --- garbage / truncation corpus --------------------------------------------------------------
+
+
+def frame(ftype: int, body: bytes = b"", rid: int = 0, flags: int = 0, version: int = 1, length: int | None = None) -> bytes:
+    return struct.pack("<BBHII", version, ftype, flags, rid, len(body) if length is None else length) + body
+
+
+def mp(obj: object) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+HELLO = FrameEncoder().encode(Hello())
+GOOD_PARAMS = [16, 1.0, 1.0, 0, None, [], b"", False, False, 0]
+GOOD_SUBMIT = ["m", GOOD_PARAMS, "p", None, None, 0, 0, None, True]
+SUBMIT1 = frame(FrameType.SUBMIT, mp(GOOD_SUBMIT), rid=1)
+
+
+def sub(**changes: object) -> bytes:
+    fields = list(GOOD_SUBMIT)
+    for k, v in changes.items():
+        fields[int(k[1:])] = v
+    return frame(FrameType.SUBMIT, mp(fields), rid=1)
+
+
+def params(i: int, v: object) -> bytes:
+    p = list(GOOD_PARAMS)
+    p[i] = v
+    return frame(FrameType.SUBMIT, mp(["m", p, "p", None, None, 0, 0, None, True]), rid=1)
+
+
+def tokens(body: bytes, flags: int = 0, rid: int = 0) -> bytes:
+    return SUBMIT1 + frame(FrameType.TOKENS, body, rid=rid, flags=flags)
+
+
+CORPUS: dict[str, bytes] = {
+    "version 0": frame(1, mp([]), version=0),
+    "version 2": frame(FrameType.PING, bytes(8), version=2),
+    "version 255": b"\xff" * 12,
+    "http request": b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
+    "tls client hello": bytes.fromhex("16030100a5010000a10303") + bytes(32),
+    "type 0": frame(0),
+    "type 12": frame(12),
+    "type 255": frame(255),
+    "oversize length": frame(FrameType.PING, b"", length=(1 << 24) + 1),
+    "length 2**32-1": frame(FrameType.GOODBYE, b"", length=2**32 - 1),
+    "flags on ping": frame(FrameType.PING, bytes(8), flags=1),
+    "flags on hello": frame(FrameType.HELLO, mp([1, "w", "", [], [], 1, 4096]), flags=0x8000),
+    "reserved token flag": tokens(struct.pack("<I", 0), flags=1 << 11),
+    "rid on ping": frame(FrameType.PING, bytes(8), rid=3),
+    "rid on tokens": tokens(struct.pack("<I", 0), rid=1),
+    "rid 0 cancel": frame(FrameType.CANCEL, rid=0),
+    "rid 0 credit": frame(FrameType.CREDIT, struct.pack("<I", 5), rid=0),
+    "rid 0 submit": frame(FrameType.SUBMIT, mp(GOOD_SUBMIT), rid=0),
+    "rid 0 finish": frame(FrameType.FINISH, mp([1, 0, 0, 0]), rid=0),
+    "credit short": frame(FrameType.CREDIT, b"\x01", rid=1),
+    "credit zero": frame(FrameType.CREDIT, bytes(4), rid=1),
+    "cancel body": frame(FrameType.CANCEL, b"x", rid=1),
+    "ping short": frame(FrameType.PING, bytes(7)),
+    "pong long": frame(FrameType.PONG, bytes(9)),
+    "goodbye bad utf8": frame(FrameType.GOODBYE, b"\xff\xfe"),
+    "hello not msgpack": frame(FrameType.HELLO, b"\xc1"),
+    "hello map": frame(FrameType.HELLO, mp({"version": 1})),
+    "hello short list": frame(FrameType.HELLO, mp([1, "w"])),
+    "hello str version": frame(FrameType.HELLO, mp(["1", "w", "", [], [], 1, 4096])),
+    "hello credit 0": frame(FrameType.HELLO, mp([1, "w", "", [], [], 0, 4096])),
+    "hello tiny max_frame": frame(FrameType.HELLO, mp([1, "w", "", [], [], 1, 16])),
+    "hello models not strs": frame(FrameType.HELLO, mp([1, "w", "", [1], [], 1, 4096])),
+    "hello trailing bytes": frame(FrameType.HELLO, mp([1, "w", "", [], [], 1, 4096]) + b"\x00"),
+    "hello ext type": frame(FrameType.HELLO, mp(msgpack.ExtType(1, b"x"))),
+    "submit no prompt": sub(_2=None),
+    "submit two prompts": sub(_3=b"\x01\x00\x00\x00"),
+    "submit ids not multiple of 4": sub(_2=None, _3=b"\x01\x00"),
+    "submit model int": sub(_0=5),
+    "submit params short": sub(_1=[1, 2]),
+    "submit top_logprobs 21": params(9, 21),
+    "submit negative max_tokens": params(0, -1),
+    "submit temperature str": params(1, "hot"),
+    "submit bool as int": params(8, 1),
+    "submit messages not maps": sub(_2=None, _4=["hi"]),
+    "submit trace not strs": sub(_7={"a": 1}),
+    "submit int keys": sub(_2=None, _4=[{1: "x"}]),
+    "duplicate submit": SUBMIT1 + SUBMIT1,
+    "finish unknown rid": frame(FrameType.FINISH, mp([1, 0, 0, 0]), rid=9),
+    "finish unknown reason": SUBMIT1 + frame(FrameType.FINISH, mp([9, 0, 0, 0]), rid=1),
+    "finish negative usage": SUBMIT1 + frame(FrameType.FINISH, mp([1, -1, 0, 0]), rid=1),
+    "error unknown code": frame(FrameType.ERROR, mp([99, "x"])),
+    "error unknown rid": frame(FrameType.ERROR, mp([1, "x"]), rid=4),
+    "error message int": frame(FrameType.ERROR, mp([1, 2])),
+    "stats short": frame(FrameType.STATS, mp([1, 2, 3])),
+    "stats hashes odd": frame(FrameType.STATS, mp([1, 2, 3, 4, 0.0, b"123", 0.0])),
+    "tokens unknown rid": frame(FrameType.TOKENS, struct.pack("<I", 1) + b"\x05" + b"\x01" + b"\x00", flags=4),
+    "tokens same_rids first": tokens(struct.pack("<I", 1) + b"\x01", flags=1 | 2 | 4),
+    "tokens body short": tokens(b"\x01"),
+    "tokens trailing": tokens(struct.pack("<I", 1) + b"\x01" + b"\x05" + b"junk", flags=2 | 4),
+    "tokens width 3": tokens(struct.pack("<I", 1) + bytes(8), flags=3 << 3),
+    "tokens huge n": tokens(struct.pack("<I", 2**32 - 1), flags=4),
+    "tokens counts exceed": tokens(struct.pack("<I", 1) + b"\x01" + b"\xff" + b"\x00", flags=4),
+    "tokens text beyond body": tokens(struct.pack("<I", 1) + b"\x01" + b"\x05" + b"\x09" + b"ab", flags=2),
+}
+
+
+def truncations() -> dict[str, bytes]:
+    enc = FrameEncoder()
+    full = [
+        enc.encode(Hello()),
+        enc.encode(Submit(1, "m", prompt="hello")),
+        enc.encode(TokenBatch(array("I", [1]), array("I", [1]), array("I", [9]), array("I", [2]), b"hi")),
+        enc.encode(Finish(1, FinishReason.STOP, 1, 1)),
+    ]
+    out = {}
+    for i, f in enumerate(full):
+        prefix = b"".join(full[:i])
+        for cut in (1, HEADER_SIZE - 1, HEADER_SIZE, len(f) - 1):
+            if 0 < cut < len(f):
+                out[f"truncated frame {i} at {cut}"] = prefix + f[:cut]
+    return out
+
+
+ALL_BAD = {**CORPUS, **truncations()}
+
+
+def test_corpus_is_big_enough() -> None:
+    assert len(ALL_BAD) >= 50
+
+
+@pytest.mark.parametrize("name", sorted(ALL_BAD))
+def test_garbage_ends_in_one_clean_error(name: str) -> None:
+    data = ALL_BAD[name]
+    for chunk in (len(data), 1, 5):  # whole, byte by byte, small pieces
+        dec = FrameDecoder()
+        with pytest.raises(WireError) as info:
+            for i in range(0, len(data), chunk):
+                dec.feed(data[i : i + chunk])
+            dec.close()
+        assert isinstance(info.value, ProtocolError)
+        with pytest.raises(WireError):  # stays failed
+            dec.feed(HELLO)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(min_size=1, max_size=300))
+def test_random_bytes_never_hang_or_crash(data: bytes) -> None:
+    dec = FrameDecoder(max_frame=1 << 12)
+    try:
+        dec.feed(data)
+        dec.close()
+    except WireError:
+        pass
+    assert dec.buffered <= HEADER_SIZE + (1 << 12)
+
+
+def test_buffering_is_bounded_by_max_frame() -> None:
+    dec = FrameDecoder(max_frame=4096)
+    dec.feed(frame(FrameType.GOODBYE, b"", length=4096))
+    for _ in range(40):
+        dec.feed(b"a" * 100)  # 4000 bytes of a 4096-byte body: still incomplete
+    assert dec.buffered == HEADER_SIZE + 4000
+    with pytest.raises(WireError, match="exceeds max_frame"):  # refused at the header, nothing buffered
+        FrameDecoder(max_frame=4096).feed(frame(FrameType.GOODBYE, b"", length=4097))
