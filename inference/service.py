@@ -85,6 +85,7 @@ class WorkerService:
         self._stopped = False
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine-step") if threaded else None
         self._tokens_window: list[tuple[float, int]] = []
+        self.server: Any = None  # a transport server with ``connections``, if attached
 
     # -- WorkerHandler ------------------------------------------------------
     def hello(self) -> Hello:
@@ -249,9 +250,8 @@ class WorkerService:
         while True:
             await asyncio.sleep(self.stats_interval)
             st = self.stats()
-            for conn in list(self._conns.values()):
+            conns = {id(c): c for c in self._conns.values()}
+            conns.update((id(c), c) for c in getattr(self.server, "connections", ()))
+            for conn in conns.values():
                 if not conn.closed:
                     conn.send_stats(st)
-
-    def connections(self) -> list[Any]:
-        return list(self._conns.values())

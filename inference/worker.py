@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import logging
 import os
@@ -130,6 +129,7 @@ async def _serve(args: argparse.Namespace, service: WorkerService) -> int:
     from transport.server import serve
 
     server = await serve(args.listen, service, identity=service.identity)
+    service.server = server  # Stats also reach connections that have not submitted yet
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -147,18 +147,14 @@ async def _serve(args: argparse.Namespace, service: WorkerService) -> int:
     else:
         log.info("draining: %d waiting, %d running", service.engine.num_waiting, service.engine.num_running)
         service.drain()
-        drain = getattr(server, "drain", None)  # sends Goodbye where the transport offers it
-        if drain is not None:
-            with contextlib.suppress(Exception):
-                res = drain()
-                if asyncio.iscoroutine(res):
-                    asyncio.ensure_future(res)
+        goodbye = asyncio.create_task(server.drain(DRAIN_TIMEOUT))  # Goodbye to every gateway
         try:
             await asyncio.wait_for(asyncio.shield(engine_task), DRAIN_TIMEOUT)
         except TimeoutError:
             service.abort()
             await engine_task
         await asyncio.sleep(0.05)  # let the last frames flush
+        goodbye.cancel()
     stopper.cancel()
     await server.close()
     return rc

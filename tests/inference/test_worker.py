@@ -1,0 +1,165 @@
+"""The worker end to end over the real transport (TCP and Unix sockets), with
+the synthetic engine: in-process, and as a ``quicserve worker`` subprocess."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+from inference.batch_window import FixedWindow
+from inference.worker import build_service, parse_args, parse_cpus
+from transport.client import connect
+from transport.messages import Error, ErrorCode, Finish, FinishReason, SamplingParams, Submit, TokenEntry
+from transport.server import serve
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+async def collect(stream: object) -> tuple[str, list[int], object]:
+    text, toks, end = b"", [], None
+    while True:
+        try:
+            events = await stream.next_events()  # type: ignore[attr-defined]
+        except StopAsyncIteration:
+            return text.decode(), toks, end
+        for ev in events:
+            if isinstance(ev, TokenEntry):
+                text += bytes(ev.text)
+                toks += list(ev.token_ids)
+            else:
+                assert end is None, "a stream ended twice"
+                end = ev
+
+
+@pytest.mark.parametrize("scheme", ["tcp", "unix"])
+async def test_in_process_worker_over_transport(scheme: str, tmp_path: Path) -> None:
+    args = parse_args(["--engine", "synthetic", "--num-blocks", "128", "--stats-interval", "0.05"])
+    svc = build_service(args)
+    url = "tcp://127.0.0.1:0" if scheme == "tcp" else f"unix://{tmp_path}/w.sock"
+    server = await serve(url, svc)
+    svc.server = server
+    loop_task = asyncio.create_task(svc.run())
+    conn = await connect(server.address)
+    try:
+        assert conn.peer_hello.models == ("tiny",)
+
+        def submit(
+            max_tokens: int, seed: int | None = 7, prompt: str = "Hello there", **kw: object
+        ) -> object:
+            p = SamplingParams(max_tokens=max_tokens, seed=seed, **kw)  # type: ignore[arg-type]
+            return conn.submit(Submit(conn.next_request_id(), "tiny", p, prompt=prompt))
+
+        streams = [submit(12), submit(12), submit(30, stop=("~",)), submit(400)]
+        first, second, _, long = await asyncio.gather(*(collect(s) for s in streams[:3]), asyncio.sleep(0))
+        assert first[0] == second[0] and len(first[1]) == 12  # same seed, same text
+        assert first[2] == Finish(1, FinishReason.LENGTH, 12, 12, first[2].cached_tokens)  # type: ignore[union-attr]
+        streams[3].cancel()  # type: ignore[attr-defined]
+        _, _, end = await collect(streams[3])
+        assert isinstance(end, Finish | Error)
+        bad = conn.submit(Submit(conn.next_request_id(), "nope", prompt="x"))
+        _, _, end = await collect(bad)
+        assert isinstance(end, Error) and end.code is ErrorCode.UNKNOWN_MODEL
+        system = "You are a helpful assistant. " * 2  # 3 full blocks of 16 with the bos
+        await collect(submit(2, prompt=system + "Q1"))
+        _, _, end = await collect(submit(2, prompt=system + "Q2"))
+        assert isinstance(end, Finish) and end.cached_tokens == 48
+        for _ in range(100):  # Stats arrive every 50 ms
+            if conn.latest_stats is not None and conn.latest_stats.prefix_hit_rate > 0:
+                break
+            await asyncio.sleep(0.02)
+        assert conn.latest_stats is not None and conn.latest_stats.kv_blocks_total == 128
+        assert conn.latest_stats.prefix_hit_rate > 0 and conn.latest_stats.prefix_hashes
+    finally:
+        await conn.close()
+        svc.abort()
+        await loop_task
+        await server.close()
+
+
+async def test_connection_loss_cancels_its_requests() -> None:
+    svc = build_service(parse_args(["--engine", "synthetic", "--synthetic-step-ms", "2"]))
+    server = await serve("tcp://127.0.0.1:0", svc)
+    loop_task = asyncio.create_task(svc.run())
+    try:
+        conn = await connect(server.address)
+        conn.submit(Submit(conn.next_request_id(), "tiny", SamplingParams(max_tokens=2000), prompt="x"))
+        for _ in range(200):
+            if svc.engine.num_running:
+                break
+            await asyncio.sleep(0.01)
+        assert svc.engine.num_running == 1
+        await conn.close()
+        for _ in range(200):
+            if not svc.engine.has_unfinished():
+                break
+            await asyncio.sleep(0.01)
+        assert not svc.engine.has_unfinished()
+        assert svc.engine.kv.num_free == svc.engine.kv.num_blocks
+    finally:
+        svc.abort()
+        await loop_task
+        await server.close()
+
+
+async def test_worker_subprocess_ready_line_serve_and_sigterm_drain() -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", "import sys; from inference.worker import main; raise SystemExit(main(sys.argv[1:]))",
+        "--engine", "synthetic", "--synthetic-step-ms", "5", "--batch-window", "fixed:1", "--cpus", "0",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env, cwd=str(ROOT),
+    )  # fmt: skip
+    assert proc.stdout is not None
+    try:
+        lines = []
+        while True:
+            line = await asyncio.wait_for(proc.stdout.readline(), 30)
+            assert line, "worker exited before ready"
+            msg = json.loads(line)
+            lines.append(msg)
+            if msg["event"] == "ready":
+                break
+        assert lines[0]["event"] == "progress" and msg["models"] == ["tiny"]
+        conn = await connect(msg["url"])
+        stream = conn.submit(
+            Submit(conn.next_request_id(), "tiny", SamplingParams(max_tokens=40), prompt="hi")
+        )
+        await stream.next_events()
+        proc.send_signal(signal.SIGTERM)  # drain: the in-flight request still finishes
+        text, _, end = await collect(stream)
+        assert isinstance(end, Finish) and end.completion_tokens == 40
+        assert await asyncio.wait_for(proc.wait(), 30) == 0
+        rest = (await proc.stdout.read()).decode().strip()
+        assert "ready" not in rest  # exactly one ready line
+        await conn.close()
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+def test_cli_validation() -> None:
+    assert parse_cpus("0-2,5") == {0, 1, 2, 5}
+    args = parse_args(["--batch-window", "fixed:3"])
+    assert type(args.batch_window) is FixedWindow and args.batch_window.window == 0.003
+    for bad in (["--cpus", "3-1"], ["--batch-window", "soon"], ["--max-batch", "0"],
+                ["--engine", "synthetic", "--model", "/some/dir"]):  # fmt: skip
+        with pytest.raises(SystemExit):
+            parse_args(bad)
+
+
+def test_synthetic_worker_never_imports_jax() -> None:
+    import subprocess
+
+    code = (
+        "import sys; from inference.worker import build_service, parse_args; "
+        "build_service(parse_args(['--engine', 'synthetic'])); print('jax' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=str(ROOT),
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60, check=True)  # fmt: skip
+    assert out.stdout.strip().splitlines()[-1] == "False"
