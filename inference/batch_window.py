@@ -15,8 +15,11 @@ window delays first tokens and makes the steps that carry the prefill longer.
   shrink ``w`` so fewer prompts join each prefill. ``load`` (0..1, the share
   of batch slots wanted) damps the drift when the engine is nearly idle.
 
-Either way admission never waits once the waiting requests would fill every
-free batch slot. Pure logic; times in seconds, passed in.
+The window opens when there is something to admit and the previous
+admission is over (``start = max(oldest arrival, last admission)``), so under
+load prefills happen at most once per window, each carrying the requests and
+freed slots gathered meanwhile. Either way admission never waits once a full
+prefill batch is ready. Pure logic; times in seconds, passed in.
 """
 
 from __future__ import annotations
@@ -29,8 +32,9 @@ __all__ = ["BatchWindow", "FixedWindow", "AdaptiveWindow", "parse_batch_window"]
 class BatchWindow(Protocol):
     window: float
 
-    def admit_at(self, oldest_arrival: float, num_waiting: int, free_slots: int) -> float:
-        """Earliest time the waiting requests may be admitted."""
+    def admit_at(self, start: float, batch: int, full: int) -> float:
+        """Earliest admission time for ``batch`` admissible requests when
+        ``full`` make a full prefill batch; the window opened at ``start``."""
         ...
 
     def observe(self, latency: float, load: float) -> None:
@@ -44,10 +48,10 @@ class FixedWindow:
             raise ValueError("window must be >= 0")
         self.window = window
 
-    def admit_at(self, oldest_arrival: float, num_waiting: int, free_slots: int) -> float:
-        if num_waiting >= free_slots:
-            return oldest_arrival
-        return oldest_arrival + self.window
+    def admit_at(self, start: float, batch: int, full: int) -> float:
+        if batch >= full:
+            return start
+        return start + self.window
 
     def observe(self, latency: float, load: float) -> None:
         pass

@@ -53,6 +53,7 @@ class EngineConfig:
     max_batch: int = 32
     max_prefill_tokens: int = 4096  # per step (one longer prompt may run alone)
     max_waiting: int = 4096
+    prefill_batch: int = 8  # admissions that make a full prefill (the window stops waiting)
     enable_prefix_cache: bool = True
     seed: int = 0  # draws the seeds of unseeded requests
 
@@ -65,8 +66,8 @@ class Engine:
         config: EngineConfig = EngineConfig(),
         window: BatchWindow | None = None,
     ) -> None:
-        if config.max_batch < 1 or config.max_prefill_tokens < 1:
-            raise ValueError("max_batch and max_prefill_tokens must be >= 1")
+        if min(config.max_batch, config.max_prefill_tokens, config.prefill_batch) < 1:
+            raise ValueError("max_batch, max_prefill_tokens and prefill_batch must be >= 1")
         self.runner = runner
         self.tokenizer = tokenizer
         self.config = config
@@ -84,6 +85,7 @@ class Engine:
         self._running: list[Sequence] = []
         self._next_id = 1
         self._step_started: float | None = None
+        self._last_admit = float("-inf")
         self.num_preemptions = 0
         self.tokens_generated = 0
 
@@ -171,12 +173,16 @@ class Engine:
     def next_wakeup(self) -> float | None:
         """When a step could next do something if nothing else happens."""
         times = [s.deadline for s in self._by_key.values() if s.deadline is not None]
-        head = next((s for s in self._waiting if not s.paused), None)
-        if head is not None:
-            free = self.config.max_batch - len(self._running)
-            if free > 0:
-                times.append(self.window.admit_at(head.arrival, len(self._waiting), free))
+        ready = [s for s in self._waiting if not s.paused]
+        free = self.config.max_batch - len(self._running)
+        if ready and free > 0:
+            times.append(self._admit_at(ready, free))
         return min(times) if times else None
+
+    def _admit_at(self, ready: list[Sequence], free_slots: int) -> float:
+        start = max(ready[0].arrival, self._last_admit)
+        full = min(self.config.prefill_batch, self.config.max_batch)
+        return self.window.admit_at(start, min(len(ready), free_slots), full)
 
     # -- one step ------------------------------------------------------------
     def schedule(self, now: float) -> tuple[StepPlan | None, list[EngineEvent]]:
@@ -214,7 +220,7 @@ class Engine:
         ready = [s for s in self._waiting if not s.paused]
         if free_slots <= 0 or not ready:
             return []
-        if now < self.window.admit_at(ready[0].arrival, len(ready), free_slots):
+        if now < self._admit_at(ready, free_slots):
             return []
         budget = self.config.max_prefill_tokens
         work: list[SeqWork] = []
@@ -235,6 +241,7 @@ class Engine:
             s.status = SeqStatus.RUNNING
             s.admitted = now
             s.num_computed = alloc.num_cached_tokens
+            self._last_admit = now
             work.append(
                 SeqWork(s.seq_id, tuple(s.tokens[alloc.num_cached_tokens :]), alloc.num_cached_tokens,
                         alloc.block_table, s.params, s.seed, s.num_generated)

@@ -7,10 +7,10 @@ import pytest
 from inference.batch_window import AdaptiveWindow, FixedWindow, parse_batch_window
 
 
-def test_fixed_window_waits_unless_batch_would_be_full() -> None:
+def test_fixed_window_waits_unless_batch_is_full() -> None:
     w = FixedWindow(0.01)
-    assert w.admit_at(1.0, num_waiting=1, free_slots=4) == pytest.approx(1.01)
-    assert w.admit_at(1.0, num_waiting=4, free_slots=4) == 1.0
+    assert w.admit_at(1.0, batch=1, full=4) == pytest.approx(1.01)
+    assert w.admit_at(1.0, batch=4, full=4) == 1.0
     w.observe(5.0, 1.0)
     assert w.window == 0.01
 

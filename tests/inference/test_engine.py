@@ -256,13 +256,22 @@ def test_context_limit_finishes_with_length() -> None:
 
 
 def test_batch_window_delays_admission_to_batch_prefills() -> None:
-    eng, runner = make({i: b("abc") for i in range(4)}, config=EngineConfig(max_batch=3))
+    """Window 0.5 s, a full prefill is 2 requests. Request 0 (t=0) alone would
+    wait until 0.5; request 1 (t=0.2) completes a full batch, so both go at
+    0.2. Request 2 (t=0.6) opens a new window (until 1.1); request 3 (t=0.8)
+    completes a batch and both go at once."""
+    eng, runner = make({i: b("abcdefghijklmnopq") for i in range(5)},
+                       config=EngineConfig(max_batch=8, prefill_batch=2))  # fmt: skip
     eng.window = FixedWindow(0.5)
-    eng.add(0, [65], SamplingParams(max_tokens=3, seed=0), 0.0)
+    eng.add(0, [65], SamplingParams(max_tokens=16, seed=0), 0.0)
     assert eng.schedule(0.1) == (None, [])
     assert eng.next_wakeup() == 0.5
-    eng.add(1, [65], SamplingParams(max_tokens=3, seed=1), 0.2)
-    assert eng.step(0.5) and len(runner.plans[0].prefills) == 2
-    # enough waiting to fill the free slots: admitted at once
-    eng.add(2, [65], SamplingParams(max_tokens=3, seed=2), 0.6)
-    assert eng.step(0.6) and len(runner.plans[1].prefills) == 1
+    eng.add(1, [65], SamplingParams(max_tokens=16, seed=1), 0.2)
+    assert eng.next_wakeup() == 0.0  # a full prefill batch is ready: no waiting
+    assert eng.step(0.2) and len(runner.plans[0].prefills) == 2
+    eng.add(2, [65], SamplingParams(max_tokens=16, seed=2), 0.6)
+    eng.step(0.7)
+    assert not runner.plans[-1].prefills and eng.next_wakeup() == 1.1
+    eng.add(3, [65], SamplingParams(max_tokens=16, seed=3), 0.8)
+    eng.step(0.8)
+    assert len(runner.plans[-1].prefills) == 2  # 2 and 3 make a full batch
