@@ -251,6 +251,4 @@ class Goodbye:
     reason: str = ""
 
 
-Message = (
-    Hello | Submit | Cancel | Credit | TokenBatch | Finish | Error | Stats | Ping | Pong | Goodbye
-)
+Message = Hello | Submit | Cancel | Credit | TokenBatch | Finish | Error | Stats | Ping | Pong | Goodbye

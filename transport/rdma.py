@@ -134,6 +134,7 @@ class CreditRing:
         self._pending: deque[bytes] = deque()
         self._pending_bytes = 0
         self._reposts: list[int] = []
+        self._unposted_data = 0
         self._peer_data_outstanding = 0  # data messages the peer sent that we have not returned
 
     @property
@@ -193,11 +194,15 @@ class CreditRing:
         self._peer_data_outstanding += 1
         if self._peer_data_outstanding > self.depth:
             raise RingError("peer sent more data messages than its credit")
-        self.owed += 1
+        self._unposted_data += 1
         return bytes(message[_MSG.size :])
 
     def take_reposts(self) -> list[int]:
+        """Slots to post again. Their credits become owed now, not at receipt, so a
+        returned credit always has a posted receive behind it."""
         out, self._reposts = self._reposts, []
+        self.owed += self._unposted_data
+        self._unposted_data = 0
         return out
 
     def _return(self) -> int:

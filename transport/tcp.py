@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import socket
 from collections.abc import Callable
+from typing import cast
 
 from .endpoint import Endpoint
 
@@ -29,8 +30,8 @@ class StreamChannel(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # uvloop's transports are not asyncio.Transport subclasses; both have the methods used here.
+        self.transport = cast(asyncio.Transport, transport)
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             try:

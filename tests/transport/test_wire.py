@@ -106,18 +106,27 @@ control_st = st.one_of(
 def sessions(draw: Any) -> list[Message]:
     """A valid message sequence: control frames, Submits, token steps, and ends."""
     n_streams = draw(st.integers(1, 6))
-    subs = [draw(submits(rid=rid)) for rid in draw(st.lists(u32, min_size=n_streams, max_size=n_streams, unique=True))]
+    subs = [
+        draw(submits(rid=rid))
+        for rid in draw(st.lists(u32, min_size=n_streams, max_size=n_streams, unique=True))
+    ]
     msgs: list[Message] = [draw(control_st)]
     msgs.extend(subs)
     for _ in range(draw(st.integers(1, 4))):
-        chosen = draw(st.lists(st.sampled_from(subs), min_size=0, max_size=len(subs), unique_by=lambda s: s.request_id))
+        chosen = draw(
+            st.lists(st.sampled_from(subs), min_size=0, max_size=len(subs), unique_by=lambda s: s.request_id)
+        )
         msgs.append(draw(batches(chosen)))
         if draw(st.booleans()):
             msgs.append(msgs[-1])  # same request list again: SAME_RIDS path
         msgs.append(draw(control_st))
     for s in subs:
         if draw(st.booleans()):
-            msgs.append(Finish(s.request_id, draw(st.sampled_from(list(FinishReason))), draw(u63), draw(u63), draw(u63)))
+            msgs.append(
+                Finish(
+                    s.request_id, draw(st.sampled_from(list(FinishReason))), draw(u63), draw(u63), draw(u63)
+                )
+            )
         else:
             msgs.append(Error(s.request_id, draw(st.sampled_from(list(ErrorCode))), draw(text)))
     return msgs
@@ -157,9 +166,14 @@ def norm(m: Message) -> Any:
         return (
             "tokens",
             [
-                (e.request_id, e.token_ids.tolist(), e.text, None if e.logprobs is None else e.logprobs.tobytes(),
-                 None if e.top_ids is None else e.top_ids.tolist(),
-                 None if e.top_logprobs is None else e.top_logprobs.tobytes())
+                (
+                    e.request_id,
+                    e.token_ids.tolist(),
+                    e.text,
+                    None if e.logprobs is None else e.logprobs.tobytes(),
+                    None if e.top_ids is None else e.top_ids.tolist(),
+                    None if e.top_logprobs is None else e.top_logprobs.tobytes(),
+                )
                 for e in m.entries()
             ],
         )
@@ -200,9 +214,18 @@ def test_one_byte_at_a_time_and_control_examples() -> None:
     msgs: list[Message] = [
         Hello(role="worker", models=("tiny",)),
         Submit(7, "tiny", SamplingParams(logprobs=True, top_logprobs=2), prompt_token_ids=(1, 2, 3)),
-        TokenBatch(array("I", [7]), array("I", [2]), array("I", [70000, 5]), array("I", [3]), b"abc",
-                   has_logprobs=array("B", [1]), top_ns=array("B", [2]), logprobs=array("f", [-0.5, -1.0]), top_ids=array("I", [1, 2, 3, 4]),
-                   top_logprobs=array("f", [-1, -2, -3, -4])),
+        TokenBatch(
+            array("I", [7]),
+            array("I", [2]),
+            array("I", [70000, 5]),
+            array("I", [3]),
+            b"abc",
+            has_logprobs=array("B", [1]),
+            top_ns=array("B", [2]),
+            logprobs=array("f", [-0.5, -1.0]),
+            top_ids=array("I", [1, 2, 3, 4]),
+            top_logprobs=array("f", [-1, -2, -3, -4]),
+        ),
         Finish(7, FinishReason.STOP, 3, 2),
     ]
     data = encode_all(msgs)
@@ -219,8 +242,13 @@ def test_token_frame_is_compact_and_delta_coded() -> None:
     enc = FrameEncoder()
     for rid in range(1, 65):
         enc.encode(Submit(rid, "m", prompt="p"))
-    batch = TokenBatch(array("I", range(1, 65)), array("I", [1] * 64), array("I", [30000 + i for i in range(64)]),
-                       array("I", [4] * 64), b"abcd" * 64)
+    batch = TokenBatch(
+        array("I", range(1, 65)),
+        array("I", [1] * 64),
+        array("I", [30000 + i for i in range(64)]),
+        array("I", [4] * 64),
+        b"abcd" * 64,
+    )
     first = enc.encode(batch)
     second = enc.encode(batch)
     # header 12 + n 4 + rids 64 (u8) + tokens 256 (u32) + text_lens 64 + text 256
@@ -232,8 +260,14 @@ def test_token_frame_is_compact_and_delta_coded() -> None:
 def test_encoder_rejects_inconsistent_batches() -> None:
     enc = FrameEncoder()
     enc.encode(Submit(1, "m", SamplingParams(logprobs=True), prompt="p"))
-    ok = dict(request_ids=array("I", [1]), counts=array("I", [1]), token_ids=array("I", [5]),
-              text_lens=array("I", [1]), text=b"x", logprobs=array("f", [-1.0]))
+    ok = dict(
+        request_ids=array("I", [1]),
+        counts=array("I", [1]),
+        token_ids=array("I", [5]),
+        text_lens=array("I", [1]),
+        text=b"x",
+        logprobs=array("f", [-1.0]),
+    )
     enc.encode(TokenBatch(**ok))  # type: ignore[arg-type]
     for bad in (
         {"logprobs": array("f")},  # stream asked for logprobs
@@ -255,7 +289,9 @@ def test_encoder_rejects_inconsistent_batches() -> None:
 # --- garbage / truncation corpus --------------------------------------------------------------
 
 
-def frame(ftype: int, body: bytes = b"", rid: int = 0, flags: int = 0, version: int = 1, length: int | None = None) -> bytes:
+def frame(
+    ftype: int, body: bytes = b"", rid: int = 0, flags: int = 0, version: int = 1, length: int | None = None
+) -> bytes:
     return struct.pack("<BBHII", version, ftype, flags, rid, len(body) if length is None else length) + body
 
 
@@ -342,7 +378,9 @@ CORPUS: dict[str, bytes] = {
     "error message int": frame(FrameType.ERROR, mp([1, 2])),
     "stats short": frame(FrameType.STATS, mp([1, 2, 3])),
     "stats hashes odd": frame(FrameType.STATS, mp([1, 2, 3, 4, 0.0, b"123", 0.0])),
-    "tokens unknown rid": frame(FrameType.TOKENS, struct.pack("<I", 1) + b"\x05" + b"\x01" + b"\x00", flags=4),
+    "tokens unknown rid": frame(
+        FrameType.TOKENS, struct.pack("<I", 1) + b"\x05" + b"\x01" + b"\x00", flags=4
+    ),
     "tokens same_rids first": tokens(struct.pack("<I", 1) + b"\x01", flags=1 | 2 | 4),
     "tokens body short": tokens(b"\x01"),
     "tokens trailing": tokens(struct.pack("<I", 1) + b"\x01" + b"\x05" + b"junk", flags=2 | 4),

@@ -1,0 +1,259 @@
+"""Flow control core: a gateway core wired to a worker core in memory, fake clock."""
+
+from __future__ import annotations
+
+from array import array
+from collections import Counter
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from transport.errors import ConnectionClosed, CreditExceeded
+from transport.flow import (
+    CancelReceived,
+    ConnectionEnded,
+    CreditResumed,
+    Event,
+    FlowConnection,
+    GoodbyeReceived,
+    PeerHello,
+    RequestEnded,
+    StatsReceived,
+    SubmitReceived,
+    TokensReceived,
+)
+from transport.messages import (
+    Error,
+    ErrorCode,
+    Finish,
+    FinishReason,
+    Hello,
+    Stats,
+    Submit,
+    TokenBatch,
+)
+from transport.wire import FrameEncoder
+
+
+class Pair:
+    """Gateway and worker cores connected by an in-memory pipe (test double network)."""
+
+    def __init__(self, credit: int = 8, interval: float = 1.0, dead_after: float = 5.0) -> None:
+        self.now = 0.0
+        self.gw = FlowConnection(
+            "gateway", Hello(initial_credit=credit), 0.0, heartbeat_interval=interval, dead_after=dead_after
+        )
+        self.wk = FlowConnection(
+            "worker", Hello(models=("m",)), 0.0, heartbeat_interval=interval, dead_after=dead_after
+        )
+        self.gw_events: list[Event] = []
+        self.wk_events: list[Event] = []
+        self.pump()
+
+    def pump(self) -> None:
+        while self.gw.has_data_to_send or self.wk.has_data_to_send:
+            if self.gw.has_data_to_send:
+                self.wk_events += self.wk.receive_data(self.gw.data_to_send(), self.now)
+            if self.wk.has_data_to_send:
+                self.gw_events += self.gw.receive_data(self.wk.data_to_send(), self.now)
+
+    def ends(self) -> Counter[int]:
+        return Counter(e.result.request_id for e in self.gw_events if isinstance(e, RequestEnded))
+
+
+def batch(rids: list[int], n: int = 1) -> TokenBatch:
+    k = len(rids)
+    return TokenBatch(
+        array("I", rids), array("I", [n] * k), array("I", [7] * (n * k)), array("I", [n] * k), b"x" * (n * k)
+    )
+
+
+def test_handshake_and_request_lifecycle() -> None:
+    p = Pair()
+    assert any(isinstance(e, PeerHello) for e in p.gw_events)
+    assert p.gw.peer_hello is not None and p.gw.peer_hello.models == ("m",)
+    p.gw.submit(Submit(1, "m", prompt="hi"))
+    p.pump()
+    assert [type(e) for e in p.wk_events[-1:]] == [SubmitReceived]
+    p.wk.send_tokens(batch([1], 3))
+    p.wk.send_stats(Stats(1, 1, 10, 20))
+    p.wk.send_finish(Finish(1, FinishReason.STOP, 2, 3))
+    p.pump()
+    kinds = [type(e) for e in p.gw_events if not isinstance(e, PeerHello)]
+    assert kinds == [TokensReceived, StatsReceived, RequestEnded]
+    assert p.gw.in_flight == 0 and p.wk.in_flight == 0
+
+
+def test_credit_bounds_what_a_slow_consumer_buffers() -> None:
+    """The gateway consumer never drains: the worker can send exactly one window, then stalls."""
+    p = Pair(credit=8)
+    p.gw.submit(Submit(1, "m", prompt="hi"))
+    p.pump()
+    sent = 0
+    for _ in range(100):
+        if p.wk.credit(1) >= 1:
+            p.wk.send_tokens(batch([1]))
+            sent += 1
+    p.pump()
+    assert sent == 8
+    with pytest.raises(CreditExceeded):
+        p.wk.send_tokens(batch([1]))
+    buffered = sum(e.batch.num_tokens for e in p.gw_events if isinstance(e, TokensReceived))
+    assert buffered == 8
+    # The consumer drains 3: not yet half a window, no grant. Then 1 more: grant of 4.
+    p.gw.consumed(1, 3)
+    p.pump()
+    assert p.wk.credit(1) == 0
+    p.gw.consumed(1, 1)
+    p.pump()
+    assert p.wk.credit(1) == 4
+    assert any(isinstance(e, CreditResumed) and e.available == 4 for e in p.wk_events)
+
+
+def test_tokens_beyond_credit_are_a_protocol_error() -> None:
+    """A misbehaving worker (raw encoder, bypassing its core) is cut off, not buffered."""
+    p = Pair(credit=2)
+    p.gw.submit(Submit(1, "m", prompt="hi"))
+    p.pump()
+    rogue = FrameEncoder()
+    rogue.encode(Submit(1, "m", prompt="hi"))  # mirror the stream state
+    events = p.gw.receive_data(rogue.encode(batch([1], 3)), 0.0)
+    ended = [e for e in events if isinstance(e, RequestEnded)]
+    assert [e.result.code for e in ended] == [ErrorCode.PROTOCOL]  # type: ignore[union-attr]
+    assert p.gw.closed and isinstance(events[-1], ConnectionEnded)
+
+
+def test_peer_death_detected_within_timeout_fake_clock() -> None:
+    p = Pair(interval=1.0, dead_after=3.0)
+    p.gw.submit(Submit(1, "m", prompt="hi"))
+    p.gw.submit(Submit(2, "m", prompt="hi"))
+    p.pump()
+    # Healthy: pings flow both ways, nobody dies over 10 s.
+    for _ in range(20):
+        p.now += 0.5
+        for side, evs in ((p.gw, p.gw_events), (p.wk, p.wk_events)):
+            t = side.get_timer()
+            assert t is not None and t <= p.now + 3.0
+            if t <= p.now:
+                evs += side.handle_timer(p.now)
+        p.pump()
+    assert not p.gw.closed and not p.wk.closed
+    # The worker goes silent (no more pumping). The gateway notices by dead_after.
+    last_heard = p.now
+    died_at = None
+    while died_at is None:
+        t = p.gw.get_timer()
+        assert t is not None
+        p.now = max(p.now, t)
+        evs = p.gw.handle_timer(p.now)
+        p.gw.data_to_send()  # pings into the void
+        if any(isinstance(e, ConnectionEnded) for e in evs):
+            died_at = p.now
+            p.gw_events += evs
+    assert last_heard + 3.0 <= died_at <= last_heard + 3.0 + 1e-9
+    assert p.ends() == Counter({1: 1, 2: 1})
+    codes = {e.result.code for e in p.gw_events if isinstance(e, RequestEnded)}  # type: ignore[union-attr]
+    assert codes == {ErrorCode.CONNECTION_LOST}
+
+
+def test_cancel_ends_once_and_swallows_the_late_reply() -> None:
+    p = Pair()
+    p.gw.submit(Submit(1, "m", prompt="hi"))
+    p.pump()
+    p.wk.send_tokens(batch([1]))  # in flight when the gateway cancels
+    ev = p.gw.cancel(1)
+    assert [e.result.code for e in ev] == [ErrorCode.CANCELLED]  # type: ignore[union-attr]
+    p.gw_events += ev
+    assert p.gw.cancel(1) == []  # idempotent
+    p.pump()
+    assert any(isinstance(e, CancelReceived) for e in p.wk_events)
+    p.wk.send_finish(Finish(1, FinishReason.CANCELLED, 1, 1))
+    p.pump()
+    assert p.ends() == Counter({1: 1})
+    assert p.gw.in_flight == 0
+
+
+def test_worker_side_error_and_double_finish_end_once() -> None:
+    p = Pair()
+    p.gw.submit(Submit(1, "m", prompt="hi"))
+    p.pump()
+    p.wk.send_error(Error(1, ErrorCode.OVERLOADED, "busy"))
+    p.wk.send_finish(Finish(1, FinishReason.STOP, 0, 0))  # ignored: already ended
+    p.pump()
+    assert p.ends() == Counter({1: 1})
+
+
+def test_goodbye_drain_both_directions() -> None:
+    p = Pair()
+    p.gw.submit(Submit(1, "m", prompt="hi"))
+    p.pump()
+    p.wk.goodbye("restart")
+    p.pump()
+    assert any(isinstance(e, GoodbyeReceived) for e in p.gw_events)
+    with pytest.raises(ConnectionClosed):
+        p.gw.submit(Submit(2, "m", prompt="hi"))
+    p.wk.send_finish(Finish(1, FinishReason.STOP, 1, 1))  # in-flight still finishes
+    p.pump()
+    assert p.ends() == Counter({1: 1})
+
+
+def test_submit_crossing_worker_goodbye_gets_shutting_down() -> None:
+    p = Pair()
+    p.wk.goodbye()
+    p.gw.submit(Submit(1, "m", prompt="hi"))  # sent before the gateway saw the Goodbye
+    p.pump()
+    ends = [e.result for e in p.gw_events if isinstance(e, RequestEnded)]
+    assert [(e.request_id, e.code) for e in ends] == [(1, ErrorCode.SHUTTING_DOWN)]  # type: ignore[union-attr]
+    assert not any(isinstance(e, SubmitReceived) for e in p.wk_events)
+
+
+def test_protocol_errors_reach_the_peer() -> None:
+    gw = FlowConnection("gateway", Hello(), 0.0)
+    gw.data_to_send()
+    evs = gw.receive_data(b"GET / HTTP/1.1\r\n\r\n", 0.0)
+    assert isinstance(evs[-1], ConnectionEnded) and evs[-1].error.code == ErrorCode.PROTOCOL
+    assert gw.data_to_send()  # an ERROR frame telling the peer why
+    # Version mismatch and same-role peers are refused at HELLO.
+    for hello in (Hello(version=2, role="worker"), Hello(role="gateway")):
+        a = FlowConnection("gateway", Hello(), 0.0)
+        evs = a.receive_data(FrameEncoder().encode(hello), 0.0)
+        assert a.closed and isinstance(evs[-1], ConnectionEnded)
+    # A frame before HELLO.
+    w = FlowConnection("worker", Hello(), 0.0)
+    enc = FrameEncoder()
+    evs = w.receive_data(enc.encode(Submit(1, "m", prompt="x")), 0.0)
+    assert w.closed and evs[-1].error.code == ErrorCode.PROTOCOL  # type: ignore[union-attr]
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from("sdcfexk"), st.integers(1, 6)), max_size=60))
+def test_every_request_ends_exactly_once(ops: list[tuple[str, int]]) -> None:
+    """Random submits, drains, cancels, finishes, errors and a kill: each submit ends once."""
+    p = Pair(credit=4)
+    submitted: set[int] = set()
+    for op, rid in ops:
+        if p.gw.closed:
+            break
+        if op == "s" and not p.gw.is_open(rid) and rid not in submitted:
+            p.gw.submit(Submit(rid, "m", prompt="x"))
+            submitted.add(rid)
+        elif op == "d":
+            p.gw.consumed(rid, 2)
+        elif op == "c":
+            p.gw_events += p.gw.cancel(rid)
+        elif op in "fe" and p.wk.is_open(rid):
+            if op == "f":
+                p.wk.send_finish(Finish(rid, FinishReason.STOP, 1, 1))
+            else:
+                p.wk.send_error(Error(rid, ErrorCode.INTERNAL, "x"))
+        elif op == "k" and p.wk.is_open(rid) and p.wk.credit(rid):
+            p.wk.send_tokens(batch([rid]))
+        elif op == "x" and rid == 6:
+            p.gw_events += p.gw.connection_lost("killed")
+            p.wk_events += p.wk.connection_lost("killed")
+        p.pump()
+    p.gw_events += p.gw.close()
+    ends = p.ends()
+    assert set(ends) == submitted
+    assert all(n == 1 for n in ends.values())

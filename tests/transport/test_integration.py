@@ -1,0 +1,273 @@
+"""Real sockets on loopback: TCP and Unix, under asyncio and uvloop, with a test-double worker."""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import pytest
+import uvloop
+
+from tests.transport.doubles import EchoWorker
+from transport.api import RequestStream, StreamEvent, WorkerConnection
+from transport.client import connect
+from transport.errors import ConnectError, ConnectionClosed, ProtocolError
+from transport.messages import Error, ErrorCode, Finish, Hello, SamplingParams, Submit, TokenEntry
+from transport.server import serve
+from transport.wire import FrameEncoder
+
+LOOPS = ["asyncio", "uvloop"]
+
+
+def run(loop_kind: str, fn: Callable[[], Awaitable[None]], limit: float = 20.0) -> None:
+    factory = uvloop.new_event_loop if loop_kind == "uvloop" else asyncio.new_event_loop
+
+    async def bounded() -> None:
+        async with asyncio.timeout(limit):
+            await fn()
+
+    with asyncio.Runner(loop_factory=factory) as runner:
+        runner.run(bounded())
+
+
+def listen_url(kind: str, tmp: str) -> str:
+    return f"unix://{tmp}/w.sock" if kind == "unix" else "tcp://127.0.0.1:0"
+
+
+async def collect(stream: RequestStream) -> list[StreamEvent]:
+    out: list[StreamEvent] = []
+    while True:
+        try:
+            out.extend(await stream.next_events())
+        except StopAsyncIteration:
+            return out
+
+
+def tokens_of(events: list[StreamEvent]) -> list[int]:
+    return [t for e in events if isinstance(e, TokenEntry) for t in e.token_ids]
+
+
+def submit(conn: WorkerConnection, max_tokens: int, model: str = "tiny") -> RequestStream:
+    return conn.submit(
+        Submit(conn.next_request_id(), model, SamplingParams(max_tokens=max_tokens), prompt="x")
+    )
+
+
+@pytest.mark.parametrize("loop_kind", LOOPS)
+@pytest.mark.parametrize("kind", ["tcp", "unix"])
+def test_many_concurrent_streams(kind: str, loop_kind: str) -> None:
+    """20 requests of 300 tokens each (more than one credit window of 256) all arrive in order."""
+
+    async def body() -> None:
+        with tempfile.TemporaryDirectory() as tmp:
+            worker = EchoWorker()
+            srv = await serve(listen_url(kind, tmp), worker, identity="w0")
+            assert srv.address.startswith(f"{kind}://")
+            conn = await connect(srv.address, identity="gw")
+            assert conn.peer_hello.models == ("tiny",) and conn.peer_hello.identity == "w0"
+            streams = [submit(conn, 300) for _ in range(20)]
+            results = await asyncio.gather(*(collect(s) for s in streams))
+            for events in results:
+                assert tokens_of(events) == list(range(300))
+                text = b"".join(e.text for e in events if isinstance(e, TokenEntry))
+                assert text == b"".join(f"t{i}".encode() for i in range(300))
+                assert isinstance(events[-1], Finish) and events[-1].completion_tokens == 300
+                assert sum(isinstance(e, (Finish, Error)) for e in events) == 1
+            assert conn.in_flight == 0
+            await conn.close()
+            assert conn.closed
+            await srv.close()
+
+    run(loop_kind, body)
+
+
+@pytest.mark.parametrize("loop_kind", LOOPS)
+def test_cancel_reaches_worker_and_ends_once(loop_kind: str) -> None:
+    async def body() -> None:
+        worker = EchoWorker(step_delay=0.001)
+        srv = await serve("tcp://127.0.0.1:0", worker)
+        conn = await connect(srv.address)
+        st = submit(conn, 10**6)
+        first = await st.next_events()
+        assert isinstance(first[0], TokenEntry)
+        st.cancel()
+        st.cancel()
+        rest = await collect(st)
+        assert isinstance(rest[-1], Error) and rest[-1].code == ErrorCode.CANCELLED
+        with pytest.raises(StopAsyncIteration):
+            await st.next_events()
+        for _ in range(100):
+            if worker.cancelled:
+                break
+            await asyncio.sleep(0.01)
+        assert worker.cancelled == [st.request_id]
+        # The worker's late Finish(CANCELLED) was swallowed; the connection is still fine.
+        assert tokens_of(await collect(submit(conn, 5))) == [0, 1, 2, 3, 4]
+        assert conn.in_flight == 0
+        await conn.close()
+        await srv.close()
+
+    run(loop_kind, body)
+
+
+def test_unknown_model_and_worker_going_away() -> None:
+    async def body() -> None:
+        worker = EchoWorker(step_delay=0.002)
+        srv = await serve("tcp://127.0.0.1:0", worker)
+        conn = await connect(srv.address)
+        bad = await collect(submit(conn, 3, model="nope"))
+        assert isinstance(bad[-1], Error) and bad[-1].code == ErrorCode.UNKNOWN_MODEL
+        streams = [submit(conn, 10**6) for _ in range(5)]
+        await streams[0].next_events()
+        await srv.close()  # the worker dies mid-stream
+        for s in streams:
+            events = await collect(s)
+            assert isinstance(events[-1], Error) and events[-1].code == ErrorCode.CONNECTION_LOST
+            assert sum(isinstance(e, (Finish, Error)) for e in events) == 1
+        await conn.wait_closed()
+        assert conn.closed
+        with pytest.raises(ConnectionClosed):
+            submit(conn, 1)
+
+    run("asyncio", body)
+
+
+@pytest.mark.parametrize("kind", ["tcp", "unix"])
+def test_slow_consumer_bounded_memory(kind: str) -> None:
+    """A consumer that does not drain holds at most one credit window; the worker stalls."""
+
+    async def body() -> None:
+        with tempfile.TemporaryDirectory() as tmp:
+            worker = EchoWorker()
+            srv = await serve(listen_url(kind, tmp), worker)
+            conn = await connect(srv.address, initial_credit=16)
+            st = submit(conn, 100)
+            await asyncio.sleep(0.3)  # do not drain
+            assert worker.stalled_on_credit > 0
+            first = await st.next_events()
+            assert len(tokens_of(first)) == 16  # everything buffered = exactly one window
+            rest = await collect(st)
+            assert tokens_of(first + rest) == list(range(100))
+            await conn.close()
+            await srv.close()
+
+    run("asyncio", body)
+
+
+def test_dead_peer_detected_over_real_socket() -> None:
+    """A 'worker' that says HELLO and then hangs (never answers PINGs) is declared dead."""
+
+    async def body() -> None:
+        async def hang(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            writer.write(FrameEncoder().encode(Hello(role="worker", models=("tiny",))))
+            await writer.drain()
+            await asyncio.sleep(30)
+
+        server = await asyncio.start_server(hang, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        conn = await connect(f"tcp://127.0.0.1:{port}", heartbeat_interval=0.1, dead_after=0.5)
+        st = submit(conn, 5)
+        t0 = time.monotonic()
+        events = await collect(st)
+        elapsed = time.monotonic() - t0
+        assert isinstance(events[-1], Error) and events[-1].code == ErrorCode.CONNECTION_LOST
+        assert "dead" in events[-1].message
+        assert 0.3 <= elapsed <= 1.5
+        server.close()
+
+    run("asyncio", body)
+
+
+def test_connect_errors_are_clear() -> None:
+    async def body() -> None:
+        srv = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+        port = srv.sockets[0].getsockname()[1]
+        srv.close()
+        await srv.wait_closed()
+        with pytest.raises(ConnectError):
+            await connect(f"tcp://127.0.0.1:{port}", timeout=2)
+
+        async def http(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            writer.write(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+            await writer.drain()
+            await asyncio.sleep(5)
+
+        srv = await asyncio.start_server(http, "127.0.0.1", 0)
+        port = srv.sockets[0].getsockname()[1]
+        with pytest.raises(ProtocolError, match="version"):
+            await connect(f"tcp://127.0.0.1:{port}", timeout=2)
+
+        async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await asyncio.sleep(5)
+
+        srv2 = await asyncio.start_server(silent, "127.0.0.1", 0)
+        port = srv2.sockets[0].getsockname()[1]
+        with pytest.raises(ConnectError, match="HELLO"):
+            await connect(f"tcp://127.0.0.1:{port}", timeout=0.3)
+        srv.close()
+        srv2.close()
+
+    run("asyncio", body)
+
+
+def test_rdma_url_falls_back_to_tcp_end_to_end(caplog: pytest.LogCaptureFixture) -> None:
+    from transport.rdma import list_devices
+
+    if any(d.active for d in list_devices()):
+        pytest.skip("machine has an RDMA device")
+
+    async def body() -> None:
+        srv = await serve("rdma://127.0.0.1:0", EchoWorker())
+        assert srv.address.startswith("tcp://127.0.0.1:")
+        port = srv.address.rsplit(":", 1)[1]
+        conn = await connect(f"rdma://127.0.0.1:{port}")
+        assert tokens_of(await collect(submit(conn, 4))) == [0, 1, 2, 3]
+        await conn.close()
+        await srv.close()
+
+    run("asyncio", body)
+    assert sum("falling back to tcp" in r.getMessage() for r in caplog.records) == 2  # serve + connect
+
+
+def test_worker_drain_sends_goodbye_and_finishes_in_flight() -> None:
+    async def body() -> None:
+        worker = EchoWorker(step_delay=0.001)
+        srv = await serve("tcp://127.0.0.1:0", worker)
+        conn = await connect(srv.address)
+        st = submit(conn, 50)
+        await st.next_events()
+        await srv.drain(timeout=5)
+        events = await collect(st)
+        assert isinstance(events[-1], Finish)
+        assert getattr(conn, "draining", False)
+        with pytest.raises(ConnectionClosed):
+            submit(conn, 1)
+        await conn.close()
+        await srv.close()
+
+    run("asyncio", body)
+
+
+def test_unix_socket_path_is_cleaned_up() -> None:
+    async def body() -> None:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "w.sock"
+            srv = await serve(f"unix://{path}", EchoWorker())
+            assert path.exists()
+            await srv.close()
+            assert not path.exists()
+            srv = await serve(f"unix://{path}", EchoWorker())  # rebinding works
+            await srv.close()
+
+    run("asyncio", body)
+
+
+def test_struct_header_matches_spec() -> None:
+    """The documented header: version, type, flags, request id, length (little-endian)."""
+    frame = FrameEncoder().encode(Hello())
+    version, ftype, flags, rid, length = struct.unpack_from("<BBHII", frame)
+    assert (version, ftype, flags, rid, length) == (1, 1, 0, 0, len(frame) - 12)
