@@ -67,7 +67,7 @@ class EchoWorker:
             self._wake.clear()
             by_conn: dict[int, list[tuple[int, int]]] = {}
             conns: dict[int, ServerConnection] = {}
-            for (cid, rid), (conn, sub, done) in list(self.active.items()):
+            for (cid, rid), (conn, _sub, done) in list(self.active.items()):
                 if conn.closed:
                     continue
                 if conn.credit(rid) < 1:
