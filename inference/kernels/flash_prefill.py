@@ -61,39 +61,48 @@ def _dot_nn(a: Array, b: Array) -> Array:
 def _prefill_kernel(
     qoff_ref, kvlen_ref, q_ref, k_ref, v_ref, o_ref, *, scale: float, block_q: int, block_k: int, seq_k: int
 ):
-    i = pl.program_id(0)
+    # Heaviest causal tiles first: program 0 takes the last query block, so
+    # the long-running programs start early and the tail of the launch is short.
+    i = pl.num_programs(0) - 1 - pl.program_id(0)
     q_off = qoff_ref[0]
     kv_len = jnp.minimum(kvlen_ref[0], seq_k)
     q = q_ref[...]  # [block_q, D]
-    q_pos = q_off + i * block_q + lax.broadcasted_iota(jnp.int32, (block_q, 1), 0)
+    first_q = q_off + i * block_q
+    q_pos = first_q + lax.broadcasted_iota(jnp.int32, (block_q, 1), 0)
     # Keys visible to any query of this tile: [0, min(kv_len, last query pos + 1)).
-    hi = jnp.minimum(kv_len, q_off + (i + 1) * block_q)
-    num_tiles = lax.div(jnp.maximum(hi, 0) + (block_k - 1), block_k)
+    hi = jnp.maximum(jnp.minimum(kv_len, first_q + block_q), 0)
+    num_tiles = lax.div(hi + (block_k - 1), block_k)
+    # Tiles every query of the block sees in full need no mask.
+    num_full = jnp.minimum(lax.div(jnp.minimum(first_q + 1, kv_len), block_k), num_tiles)
     qk_scale = scale * _LOG2E
 
-    def body(j, carry):
-        acc, m_prev, l_prev = carry
-        start = pl.multiple_of(j * block_k, block_k)
-        k = k_ref[pl.ds(start, block_k), :]
-        s = _dot_nt(q, k) * qk_scale  # [block_q, block_k]
-        k_pos = start + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
-        visible = (k_pos <= q_pos) & (k_pos < kv_len)
-        s = jnp.where(visible, s, MASK_VALUE)
-        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
-        correction = jnp.exp2(m_prev - m_next)
-        p = jnp.exp2(s - m_next[:, None])
-        l_next = l_prev * correction + jnp.sum(p, axis=1)
-        v = v_ref[pl.ds(start, block_k), :]
-        acc = acc * correction[:, None] + _dot_nn(p.astype(v.dtype), v)
-        return acc, m_next, l_next
+    def make_body(masked: bool):
+        def body(j, carry):
+            acc, m_prev, l_prev = carry
+            start = pl.multiple_of(j * block_k, block_k)
+            k = k_ref[pl.ds(start, block_k), :]
+            s = _dot_nt(q, k) * qk_scale  # [block_q, block_k]
+            if masked:
+                k_pos = start + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
+                s = jnp.where((k_pos <= q_pos) & (k_pos < kv_len), s, MASK_VALUE)
+            m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
+            correction = jnp.exp2(m_prev - m_next)
+            p = jnp.exp2(s - m_next[:, None])
+            l_next = l_prev * correction + jnp.sum(p, axis=1)
+            v = v_ref[pl.ds(start, block_k), :]
+            acc = acc * correction[:, None] + _dot_nn(p.astype(v.dtype), v)
+            return acc, m_next, l_next
+
+        return body
 
     d = q.shape[-1]
-    init = (
+    carry = (
         jnp.zeros((block_q, d), jnp.float32),
         jnp.full((block_q,), -jnp.inf, jnp.float32),
         jnp.zeros((block_q,), jnp.float32),
     )
-    acc, _, l_sum = lax.fori_loop(0, num_tiles, body, init)
+    carry = lax.fori_loop(0, num_full, make_body(False), carry)
+    acc, _, l_sum = lax.fori_loop(num_full, num_tiles, make_body(True), carry)
     l_sum = jnp.where(l_sum == 0.0, 1.0, l_sum)  # empty sequence: output zeros
     o_ref[...] = (acc / l_sum[:, None]).astype(o_ref.dtype)
 
@@ -150,14 +159,17 @@ def flash_prefill(
     if q_offsets.shape != (b,) or kv_lens.shape != (b,):
         raise ValueError("q_offsets and kv_lens must have shape [B]")
     group = h // kv
-    block_q = min(blocks.block_q, pl.next_power_of_2(t))
-    block_k = min(blocks.block_k, pl.next_power_of_2(s))
-    d_pad = pl.next_power_of_2(d)
+    # Triton's dot needs every tile dimension >= 16; interpretation does not.
+    floor = 1 if interpret else 16
+    block_q = max(floor, min(blocks.block_q, pl.next_power_of_2(t)))
+    block_k = max(floor, min(blocks.block_k, pl.next_power_of_2(s)))
+    d_pad = max(floor, pl.next_power_of_2(d))
     t_pad, s_pad = _round_up(t, block_q), _round_up(s, block_k)
     qp = _pad_axis(_pad_axis(q, 1, t_pad), 3, d_pad)
     kp = _pad_axis(_pad_axis(k, 1, s_pad), 3, d_pad)
     vp = _pad_axis(_pad_axis(v, 1, s_pad), 3, d_pad)
 
+    nq = t_pad // block_q  # query blocks, launched last-first (see the kernel)
     kernel = functools.partial(
         _prefill_kernel, scale=float(scale), block_q=block_q, block_k=block_k, seq_k=s
     )
@@ -166,15 +178,15 @@ def flash_prefill(
     )
     out = pl.pallas_call(
         kernel,
-        grid=(t_pad // block_q, b, h),
+        grid=(nq, b, h),
         in_specs=[
             pl.BlockSpec((1,), lambda i, bi, hi: (bi,)),
             pl.BlockSpec((1,), lambda i, bi, hi: (bi,)),
-            pl.BlockSpec((None, block_q, None, d_pad), lambda i, bi, hi: (bi, i, hi, 0)),
+            pl.BlockSpec((None, block_q, None, d_pad), lambda i, bi, hi: (bi, nq - 1 - i, hi, 0)),
             pl.BlockSpec((None, s_pad, None, d_pad), lambda i, bi, hi: (bi, 0, hi // group, 0)),
             pl.BlockSpec((None, s_pad, None, d_pad), lambda i, bi, hi: (bi, 0, hi // group, 0)),
         ],
-        out_specs=pl.BlockSpec((None, block_q, None, d_pad), lambda i, bi, hi: (bi, i, hi, 0)),
+        out_specs=pl.BlockSpec((None, block_q, None, d_pad), lambda i, bi, hi: (bi, nq - 1 - i, hi, 0)),
         out_shape=jax.ShapeDtypeStruct(qp.shape, q.dtype),
         compiler_params=compiler_params,
         interpret=interpret,

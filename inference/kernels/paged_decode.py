@@ -156,6 +156,8 @@ def paged_decode(
     m = block_tables.shape[1]
     splits = min(blocks.k_splits, m)
     ppc = min(blocks.pages_per_chunk, pl.next_power_of_2(-(-m // splits)))
+    if not interpret:  # Triton's dot needs >= 16 tokens per chunk
+        ppc = max(ppc, pl.next_power_of_2(-(-16 // page_size)))
     per_split = -(-m // (splits * ppc)) * ppc
     tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, per_split * splits - m)))
     qg = q.reshape(b, kv, group, d)

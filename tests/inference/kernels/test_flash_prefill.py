@@ -91,9 +91,18 @@ def test_bad_shapes_are_rejected() -> None:
         PrefillBlocks(48, 16)
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-def test_lowers_for_cuda_through_triton(dtype) -> None:
-    """The kernel lowers to a Triton custom call for CUDA (no GPU needed to lower)."""
+@pytest.mark.parametrize(
+    "dtype,b,t,s,h,kv,d",
+    [(jnp.bfloat16, 2, 256, 512, 32, 8, 128), (jnp.float16, 2, 256, 512, 32, 8, 128),
+     (jnp.float32, 3, 5, 32, 4, 2, 16)],  # the last: a 5-token chunk of the tiny model (16-wide tiles)
+    ids=["bf16", "fp16", "tiny-f32"],
+)
+def test_lowers_for_cuda_through_triton(dtype, b, t, s, h, kv, d) -> None:
+    """The kernel lowers to a Triton custom call for CUDA (no GPU needed to lower).
+
+    This checks every op has a Triton lowering; it cannot check the PTX
+    compilation or the speed, which need a GPU (tests/bench/gpu_kernels.py).
+    """
     sd = jax.ShapeDtypeStruct
 
     def fn(q, k, v, offs, lens):
@@ -103,7 +112,7 @@ def test_lowers_for_cuda_through_triton(dtype) -> None:
         jax.jit(fn),
         platforms=["cuda"],
         disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
-    )(sd((2, 256, 32, 128), dtype), sd((2, 512, 8, 128), dtype), sd((2, 512, 8, 128), dtype),
-      sd((2,), jnp.int32), sd((2,), jnp.int32))
+    )(sd((b, t, h, d), dtype), sd((b, s, kv, d), dtype), sd((b, s, kv, d), dtype),
+      sd((b,), jnp.int32), sd((b,), jnp.int32))
     text = exported.mlir_module()
     assert "__gpu$xla.gpu.triton" in text and 'name = "flash_prefill"' in text

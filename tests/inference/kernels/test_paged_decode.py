@@ -135,3 +135,18 @@ def test_lowers_for_cuda_through_triton(cache_dtype) -> None:
         disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
     )(*args)
     assert "__gpu$xla.gpu.triton" in exported.mlir_module()
+
+
+def test_tiny_model_shapes_lower_for_cuda() -> None:
+    """Tiny model (D=16, 4/2 heads, one-page tables): chunks are widened to Triton's 16-token minimum."""
+    sd = jax.ShapeDtypeStruct
+
+    def fn(q, kc, vc, tables, lens):
+        return paged_decode(q, kc, vc, tables, lens, scale=0.25, blocks=DecodeBlocks(1, 1), platform="gpu")
+
+    exported = export.export(
+        jax.jit(fn), platforms=["cuda"],
+        disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
+    )(sd((2, 4, 16), jnp.float32), sd((64, 8, 2, 16), jnp.float32), sd((64, 8, 2, 16), jnp.float32),
+      sd((2, 1), jnp.int32), sd((2,), jnp.int32))
+    assert "__gpu$xla.gpu.triton" in exported.mlir_module()
