@@ -319,6 +319,7 @@ class FrameEncoder:
         self.streams = streams if streams is not None else StreamTable()
         self.max_frame = max_frame  # the peer's limit
         self._last_rids: bytes | None = None  # previous TOKENS frame's rids, u32 LE
+        self._sizes_cache: tuple[int, int] | None = None
         self._last_removals = -1
 
     def _frame(self, ftype: FrameType, rid: int, body: bytes, flags: int = 0) -> bytes:
@@ -435,7 +436,13 @@ class FrameEncoder:
             flags |= code << _TL_SHIFT
             parts.append(data)
             parts.append(bytes(text))
-        n_lp, n_top = _extras_sizes(streams, rids, counts, n) if streams.with_extras else (0, 0)
+        if not streams.with_extras:
+            n_lp = n_top = 0
+        elif same and flags & _ONE_EACH and self._sizes_cache is not None:
+            n_lp, n_top = self._sizes_cache  # same requests, one token each: same sizes
+        else:
+            n_lp, n_top = _extras_sizes(streams, rids, counts, n)
+        self._sizes_cache = (n_lp, n_top) if flags & _ONE_EACH else None
         if len(b.logprobs) != n_lp or len(b.top_ids) != n_top or len(b.top_logprobs) != n_top:
             raise ValueError(
                 f"TokenBatch carries {len(b.logprobs)} logprobs / {len(b.top_ids)} top ids, "
@@ -617,6 +624,7 @@ class FrameDecoder:
         self._failed: WireError | None = None
         self._last_rids: array[int] | None = None
         self._last_removals = -1
+        self._extras_cache: tuple[bytes, bytes, int, int] | None = None
 
     @property
     def buffered(self) -> int:
@@ -844,7 +852,8 @@ class FrameDecoder:
             text = body[pos : pos + nb].tobytes()
             pos += nb
         if streams.with_extras:
-            batch, pos = self._extras(rids, counts, toks, tlens, text, body, pos)
+            one_each = bool(flags & _ONE_EACH)
+            batch, pos = self._extras(rids, counts, toks, tlens, text, body, pos, one_each, not check)
         else:
             batch = TokenBatch(rids, counts, toks, tlens, text)
         if pos != size:
@@ -863,21 +872,34 @@ class FrameDecoder:
         text: bytes,
         body: memoryview,
         pos: int,
+        one_each: bool,
+        same: bool,
     ) -> tuple[TokenBatch, int]:
-        """Logprob arrays, sized by the options of each entry's stream."""
-        opts = self.streams.options
-        has_lp = array("B")
-        top_ns = array("B")
-        n_lp = n_top = 0
-        for i, rid in enumerate(rids):
-            o = opts[rid]
-            c = counts[i]
-            has_lp.append(o.logprobs)
-            top_ns.append(o.top_n)
-            if o.logprobs:
-                n_lp += c
-            n_top += c * o.top_n
-        if not n_lp and not any(has_lp) and not any(top_ns):
+        """Logprob arrays, sized by the options of each entry's stream.
+
+        With the same requests as the previous frame (no stream closed since) and
+        one token each, the per-entry options and sizes are the previous ones.
+        """
+        cached = self._extras_cache
+        if same and one_each and cached is not None:
+            has_lp, top_ns = array("B", cached[0]), array("B", cached[1])  # bytes -> fresh arrays
+            n_lp, n_top = cached[2], cached[3]
+        else:
+            opts = self.streams.options
+            has_lp = array("B")
+            top_ns = array("B")
+            n_lp = n_top = 0
+            for i, rid in enumerate(rids):
+                o = opts[rid]
+                c = counts[i]
+                has_lp.append(o.logprobs)
+                top_ns.append(o.top_n)
+                if o.logprobs:
+                    n_lp += c
+                n_top += c * o.top_n
+        has_bytes, top_bytes = has_lp.tobytes(), top_ns.tobytes()
+        self._extras_cache = (has_bytes, top_bytes, n_lp, n_top) if one_each else None
+        if not has_bytes.strip(b"\0") and not top_bytes.strip(b"\0"):
             return TokenBatch(rids, counts, toks, tlens, text), pos
         need = 4 * n_lp + 8 * n_top
         if need > len(body) - pos:

@@ -449,3 +449,40 @@ def test_buffering_is_bounded_by_max_frame() -> None:
     assert dec.buffered == HEADER_SIZE + 4000
     with pytest.raises(WireError, match="exceeds max_frame"):  # refused at the header, nothing buffered
         FrameDecoder(max_frame=4096).feed(frame(FrameType.GOODBYE, b"", length=4097))
+
+
+def test_delta_state_survives_stream_reuse_with_new_options() -> None:
+    """Same request list step after step (cached per-entry options), then request 3
+    ends and a new request 3 asks for different options: the cache must not leak."""
+
+    def step(rids: list[int], subs: dict[int, Submit], seed: int) -> TokenBatch:
+        lp = array("f")
+        tids = array("I")
+        tlps = array("f")
+        for r in rids:
+            p = subs[r].params
+            if p.logprobs:
+                lp.append(-seed - r / 10)
+            tids.extend([seed + r] * p.top_logprobs)
+            tlps.extend([-1.5] * p.top_logprobs)
+        return TokenBatch(
+            array("I", rids), array("I", [1] * len(rids)), array("I", [seed * 10 + r for r in rids]),
+            array("I", [1] * len(rids)), b"x" * len(rids),
+            array("B", [subs[r].params.logprobs for r in rids]), array("B", [subs[r].params.top_logprobs for r in rids]),
+            lp, tids, tlps,
+        )
+
+    subs = {
+        1: Submit(1, "m", SamplingParams(logprobs=True), prompt="a"),
+        2: Submit(2, "m", SamplingParams(top_logprobs=2), prompt="b"),
+        3: Submit(3, "m", SamplingParams(), prompt="c"),
+    }
+    msgs: list[Message] = [*subs.values()]
+    msgs += [step([1, 2, 3], subs, s) for s in range(3)]
+    msgs.append(Finish(3, FinishReason.STOP, 1, 3))
+    subs[3] = Submit(3, "m", SamplingParams(logprobs=True, top_logprobs=1), prompt="d")
+    msgs.append(subs[3])
+    msgs += [step([1, 2, 3], subs, s) for s in range(3, 6)]
+    data = encode_all(msgs)
+    out = FrameDecoder().feed(data)
+    assert [norm(m) for m in out] == [norm(m) for m in msgs]
