@@ -163,3 +163,43 @@ def test_synthetic_worker_never_imports_jax() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=str(ROOT),
                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60, check=True)  # fmt: skip
     assert out.stdout.strip().splitlines()[-1] == "False"
+
+
+@pytest.mark.slow
+async def test_jax_worker_tiny_model_answers_within_a_minute() -> None:
+    """The built-in tiny model: start, compile every bucket, answer — under 60 s."""
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", "import sys; from inference.worker import main; raise SystemExit(main(sys.argv[1:]))",
+        "--engine", "jax", "--max-batch", "8",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL, env=env, cwd=str(ROOT),
+    )  # fmt: skip
+    assert proc.stdout is not None
+    try:
+        stages = set()
+        while True:
+            line = await asyncio.wait_for(proc.stdout.readline(), 120)
+            assert line, "worker exited before ready"
+            msg = json.loads(line)
+            if msg["event"] == "ready":
+                break
+            stages.add(msg["stage"])
+        assert stages == {"load", "compile"}
+        conn = await connect(msg["url"])
+        p = SamplingParams(max_tokens=8, temperature=0.0)
+        text, toks, end = await collect(conn.submit(Submit(1, "tiny", p, prompt="Hello")))
+        assert isinstance(end, Finish) and end.completion_tokens == len(toks) + (
+            end.reason is FinishReason.STOP
+        )
+        assert loop.time() - t0 < 60
+        again = await collect(conn.submit(Submit(2, "tiny", p, prompt="Hello")))
+        assert again[1] == toks  # greedy is deterministic
+        await conn.close()
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 30) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
