@@ -22,7 +22,7 @@ is materialised (XLA fuses the convert into the dot's operand).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import jax
@@ -148,13 +148,22 @@ def kv_read_bytes(
     return total
 
 
+_KERNELS = ("xla", "pallas", "interpret")
+
+
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class QuantizedWeight:
-    """Weight-only quantized matrix: ``codes[in, out]`` and ``scale[out]``."""
+    """Weight-only quantized matrix: ``codes[in, out]`` and ``scale[out]``.
+
+    ``kernel`` picks the matmul: ``"xla"`` (convert fused into the dot by
+    XLA), ``"pallas"`` (the Pallas kernel, dequantizing tiles in registers;
+    compiled on GPU) or ``"interpret"`` (that kernel interpreted, for tests).
+    """
 
     codes: Array
     scale: Array
+    kernel: str = field(default="xla", metadata={"static": True})
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -165,19 +174,25 @@ class QuantizedWeight:
         return quantized_matmul(x, self)
 
 
-def quantize_weight(w: Array, kind: str) -> QuantizedWeight:
+def quantize_weight(w: Array, kind: str, *, kernel: str = "xla") -> QuantizedWeight:
     """Per-output-channel quantization of ``w[in, out]`` (as used in ``x @ w``)."""
+    if kernel not in _KERNELS:
+        raise ValueError(f"unknown matmul kernel {kernel!r}; expected one of {_KERNELS}")
     if w.ndim != 2:
         raise ValueError(f"expected a 2-D weight [in, out], got shape {w.shape}")
     x = jnp.asarray(w, jnp.float32)
     scale = jnp.max(jnp.abs(x), axis=0) / QMAX[kind]
     safe = jnp.where(scale > 0, scale, 1.0)
-    return QuantizedWeight(_encode(x / safe[None, :], kind), scale)
+    return QuantizedWeight(_encode(x / safe[None, :], kind), scale, kernel)
 
 
 def quantized_matmul(x: Array, w: QuantizedWeight | Array) -> Array:
     """``x[..., in] @ w`` where ``w`` may be a :class:`QuantizedWeight`."""
     if not isinstance(w, QuantizedWeight):
         return x @ w
+    if w.kernel != "xla":
+        from inference.kernels.quant_matmul import pallas_quantized_matmul
+
+        return pallas_quantized_matmul(x, w.codes, w.scale, interpret=w.kernel == "interpret")
     y = jnp.matmul(x, w.codes.astype(x.dtype), preferred_element_type=jnp.float32)
     return (y * w.scale).astype(x.dtype)

@@ -8,6 +8,8 @@ Prints, per shape:
            (``jax.nn.dot_product_attention(implementation="xla")``, causal,
            GQA), the ratio, and the fraction of the chip's bf16 dense peak
            (``--peak-tflops``, H200 ~790 measured);
+  weights: int8/fp8 weight-only matmul at decode sizes (Pallas kernel and XLA
+           convert+dot) against the bf16 matmul, as weight bytes per second;
   decode:  achieved bandwidth (bytes of K/V pages + scales + q/out per step
            divided by time) of the Pallas kernel and of the XLA paged reference
            (gather + einsum), against ``--peak-tbs`` (H200 ~4.3 TB/s), for
@@ -40,7 +42,8 @@ from inference.kernels.autotune import Autotuner, time_call  # noqa: E402
 from inference.kernels.dispatch import tuned_decode_blocks, tuned_prefill_blocks  # noqa: E402
 from inference.kernels.flash_prefill import flash_prefill  # noqa: E402
 from inference.kernels.paged_decode import paged_decode  # noqa: E402
-from inference.kernels.quant import QMAX, code_dtype, kv_read_bytes  # noqa: E402
+from inference.kernels.quant import QMAX, code_dtype, kv_read_bytes, quantize_weight, quantized_matmul  # noqa: E402
+from inference.kernels.quant_matmul import pallas_quantized_matmul  # noqa: E402
 
 __all__ = ["main"]
 
@@ -138,6 +141,27 @@ class Bench:
         print(f"  pallas / xla speed-up {t_xla / t_ours:5.2f}x  "
               f"[target >1: {self.target(name + ' vs xla', t_ours < t_xla)}]")
 
+    def weight_matmul(self, m: int, k: int, n: int, dtype) -> None:
+        """Weight-only int8/fp8 matmul (decode-sized M): weight bytes per second, no target."""
+        rng = np.random.default_rng(2)
+        x = jnp.asarray(rng.standard_normal((m, k), np.float32)).astype(dtype)
+        w = jnp.asarray(rng.standard_normal((k, n), np.float32) * k**-0.5).astype(dtype)
+        dense = jax.jit(lambda a, b: a @ b)
+        t_dense = time_call(lambda: dense(x, w), iters=self.iters)
+        print(f"\nweight matmul M{m} K{k} N{n}: XLA {jnp.dtype(dtype).name} {t_dense * 1e3:.3f} ms "
+              f"({k * n * w.dtype.itemsize / t_dense / 1e12:.2f} TB/s of weights)")
+        for kind in ("int8", "fp8"):
+            qw = quantize_weight(w, kind)
+            pallas = jax.jit(functools.partial(pallas_quantized_matmul, interpret=self.interpret))
+            fused = jax.jit(quantized_matmul)
+            self.check(f"{kind} weight matmul", pallas(x, qw.codes, qw.scale), fused(x, qw), 2e-2)
+            t_p = time_call(lambda p=pallas, q=qw: p(x, q.codes, q.scale), iters=self.iters)
+            t_f = time_call(lambda f=fused, q=qw: f(x, q), iters=self.iters)
+            wb = k * n * qw.codes.dtype.itemsize
+            print(f"  {kind}: pallas {t_p * 1e3:.3f} ms ({wb / t_p / 1e12:.2f} TB/s), "
+                  f"XLA convert+dot {t_f * 1e3:.3f} ms ({wb / t_f / 1e12:.2f} TB/s); "
+                  f"vs {jnp.dtype(dtype).name} dense: {t_dense / t_p:.2f}x / {t_dense / t_f:.2f}x")
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -160,10 +184,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         prefill_shapes = [(1, 64, 4, 2, 64)]
         decode_shapes = [(2, 8, 2, 64, 64, 16)]
+        matmul_shapes = [(4, 64, 48)]
         dtype = jnp.float32
     else:
         prefill_shapes = [(4, 4096, 32, 8, 128), (1, 8192, 32, 8, 128), (8, 2048, 32, 8, 64)]
         decode_shapes = [(64, 32, 8, 128, 4096, 16), (8, 32, 8, 128, 8192, 16)]
+        matmul_shapes = [(16, 4096, 14336), (64, 4096, 14336)]
         dtype = jnp.bfloat16
     for shape in prefill_shapes:
         if bench.out_of_time():
@@ -174,6 +200,10 @@ def main(argv: list[str] | None = None) -> int:
             if bench.out_of_time():
                 break
             bench.decode(*shape, kind, dtype)
+    for shape in matmul_shapes:
+        if bench.out_of_time():
+            break
+        bench.weight_matmul(*shape, dtype)
 
     met = sum(ok for _, ok in bench.results)
     print(f"\nsummary: {met}/{len(bench.results)} targets met in {time.monotonic() - bench.start:.0f} s")

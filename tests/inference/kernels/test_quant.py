@@ -139,3 +139,34 @@ def test_weight_only_matmul(kind: str, bound: float) -> None:
         rel = float(jnp.linalg.norm(got - exact) / jnp.linalg.norm(exact))
         assert 0 < rel < bound
     np.testing.assert_array_equal(np.asarray(quantized_matmul(x, w)), np.asarray(exact))
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+@pytest.mark.parametrize("m,k,n,blocks", [(5, 64, 48, (16, 16, 16)), (33, 96, 80, (32, 64, 32))])
+def test_pallas_weight_matmul_matches_xla(kind: str, m: int, k: int, n: int, blocks) -> None:
+    """The Pallas kernel (interpreted) equals the XLA path on the same codes, ragged shapes padded."""
+    from inference.kernels.quant_matmul import MatmulBlocks, pallas_quantized_matmul
+
+    rng = np.random.default_rng(9)
+    w = jnp.asarray(rng.standard_normal((k, n), np.float32))
+    x = jnp.asarray(rng.standard_normal((2, m, k), np.float32))
+    qw = quantize_weight(w, kind, kernel="interpret")
+    got = pallas_quantized_matmul(x, qw.codes, qw.scale, blocks=MatmulBlocks(*blocks), interpret=True)
+    want = quantized_matmul(x, quantize_weight(w, kind))
+    assert got.shape == (2, m, n)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(x @ qw), np.asarray(want), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("code", [jnp.int8, jnp.float8_e4m3fn])
+def test_pallas_weight_matmul_lowers_for_cuda(code) -> None:
+    from jax import export
+
+    from inference.kernels.quant_matmul import pallas_quantized_matmul
+
+    sd = jax.ShapeDtypeStruct
+    fn = jax.jit(lambda x, c, s: pallas_quantized_matmul(x, c, s, platform="gpu"))
+    exported = export.export(
+        fn, platforms=["cuda"], disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    )(sd((8, 4096), jnp.bfloat16), sd((4096, 1024), code), sd((1024,), jnp.float32))
+    assert "__gpu$xla.gpu.triton" in exported.mlir_module()
