@@ -26,7 +26,7 @@ from .engine import Engine, EngineConfig
 from .service import WorkerService
 from .tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
-__all__ = ["main", "parse_args", "parse_cpus", "build_service"]
+__all__ = ["main", "parse_args", "parse_cpus", "numa_cpus", "build_service"]
 
 log = logging.getLogger("inference.worker")
 DRAIN_TIMEOUT = 30.0
@@ -45,6 +45,14 @@ def parse_cpus(spec: str) -> set[int]:
     except ValueError:
         raise argparse.ArgumentTypeError(f"bad CPU list {spec!r} (e.g. 0-3,6)") from None
     return cpus
+
+
+def numa_cpus(node: int, sysfs: Path = Path("/sys/devices/system/node")) -> set[int]:
+    """CPUs of a NUMA node, from sysfs."""
+    try:
+        return parse_cpus((sysfs / f"node{node}" / "cpulist").read_text().strip())
+    except (OSError, argparse.ArgumentTypeError) as exc:
+        raise ValueError(f"NUMA node {node}: {exc}") from None
 
 
 def _window(spec: str) -> Any:
@@ -70,6 +78,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--stats-interval", type=float, default=0.5)
     p.add_argument("--synthetic-step-ms", type=float, default=0.0)
     p.add_argument("--cpus", type=parse_cpus, default=None, help="pin to these CPUs, e.g. 0-3")
+    p.add_argument("--numa-node", type=int, default=None, help="pin to this NUMA node's CPUs")
     p.add_argument("--no-prefix-cache", action="store_true")
     p.add_argument("--identity", default="")
     args = p.parse_args(argv)
@@ -165,6 +174,13 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=os.environ.get("QUICSERVE_LOG", "INFO"), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
     args = parse_args(argv)
+    if args.numa_node is not None:
+        try:
+            node_cpus = numa_cpus(args.numa_node)
+        except ValueError as exc:
+            log.error("%s", exc)
+            return 2
+        args.cpus = (args.cpus & node_cpus) if args.cpus else node_cpus
     if args.cpus:
         try:
             os.sched_setaffinity(0, args.cpus)

@@ -64,6 +64,15 @@ def test_eos_and_stop_token_ids() -> None:
     assert col.tokens("stopid") == [72] and col.ends["stopid"].reason is FinishReason.STOP  # type: ignore[union-attr]
 
 
+def test_no_text_requested_still_honours_stop_strings() -> None:
+    eng, _ = make({1: b("abcSTOPdef")})
+    eng.add("a", [65], SamplingParams(max_tokens=10, seed=1, stop=("STOP",)), 0.0, return_text=False)
+    col = Collector()
+    run_until_done(eng, col)
+    assert col.text("a") == "" and col.tokens("a") == b("abcSTOP")
+    assert col.ends["a"].reason is FinishReason.STOP  # type: ignore[union-attr]
+
+
 def test_multibyte_text_is_held_until_complete() -> None:
     eng, _ = make({1: list("é€x".encode())})
     eng.add("a", [65], SamplingParams(max_tokens=6, seed=1), 0.0)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from inference.batch_window import FixedWindow
-from inference.worker import build_service, parse_args, parse_cpus
+from inference.worker import build_service, numa_cpus, parse_args, parse_cpus
 from transport.client import connect
 from transport.messages import Error, ErrorCode, Finish, FinishReason, SamplingParams, Submit, TokenEntry
 from transport.server import serve
@@ -143,8 +143,13 @@ async def test_worker_subprocess_ready_line_serve_and_sigterm_drain() -> None:
             await proc.wait()
 
 
-def test_cli_validation() -> None:
+def test_cli_validation(tmp_path: Path) -> None:
     assert parse_cpus("0-2,5") == {0, 1, 2, 5}
+    (tmp_path / "node1").mkdir()
+    (tmp_path / "node1" / "cpulist").write_text("4-7,12\n")
+    assert numa_cpus(1, tmp_path) == {4, 5, 6, 7, 12}
+    with pytest.raises(ValueError):
+        numa_cpus(2, tmp_path)
     args = parse_args(["--batch-window", "fixed:3"])
     assert type(args.batch_window) is FixedWindow and args.batch_window.window == 0.003
     for bad in (["--cpus", "3-1"], ["--batch-window", "soon"], ["--max-batch", "0"],
