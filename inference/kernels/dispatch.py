@@ -59,19 +59,15 @@ def prefill_candidates() -> list[PrefillBlocks]:
         PrefillBlocks(128, 128, 8, 3),
         PrefillBlocks(64, 64, 4, 3),
         PrefillBlocks(64, 128, 4, 2),
-        PrefillBlocks(128, 32, 4, 3),
-        PrefillBlocks(64, 32, 4, 2),
     ]
 
 
 def decode_candidates(batch: int, kv_heads: int) -> list[DecodeBlocks]:
     """Chunks/splits tried on GPU: split the sequence when B*KV programs are too few."""
-    programs = batch * kv_heads
-    splits = [1, 2] if programs >= 256 else [4, 8, 16]
-    out = [DecodeBlocks(8, splits[0], 4, 2)]
+    splits = [1, 2] if batch * kv_heads >= 256 else [4, 8, 16]
+    out = [DecodeBlocks(8, splits[0], 4, 2), DecodeBlocks(4, splits[0], 4, 2)]
     for s in splits:
-        for p, w in ((4, 4), (8, 4), (16, 8), (8, 8)):
-            cand = DecodeBlocks(p, s, w, 2)
+        for cand in (DecodeBlocks(8, s, 4, 2), DecodeBlocks(16, s, 8, 2)):
             if cand not in out:
                 out.append(cand)
     return out
