@@ -23,7 +23,7 @@ is materialised (XLA fuses the convert into the dot's operand).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +39,8 @@ __all__ = [
     "quantize_blocks",
     "dequantize_blocks",
     "write_quantized_kv",
+    "write_quantized_kv_flat",
+    "gather_dequantized",
     "kv_read_bytes",
     "QuantizedWeight",
     "quantize_weight",
@@ -128,6 +130,26 @@ def write_quantized_kv(
     tok = _encode(x / jnp.maximum(new_s, _TINY)[:, :, None], kind)
     codes = codes.at[blk, slots.astype(jnp.int32)].set(tok, mode="drop")
     return codes, new_scales
+
+
+def write_quantized_kv_flat(codes: Array, scales: Array, new: Array, slots: Array) -> tuple[Array, Array]:
+    """:func:`write_quantized_kv` addressed like the model's float write.
+
+    ``new`` is ``[..., KV, D]`` and ``slots`` the matching flat slot indices
+    ``block * block_size + offset``; a slot ``>= num_blocks * block_size`` is
+    padding and is dropped (the convention of ``inference.model.llama``).
+    """
+    n, bs = codes.shape[:2]
+    flat = slots.reshape(-1).astype(jnp.int32)
+    tokens = new.reshape(-1, *codes.shape[2:])
+    return write_quantized_kv(codes, scales, tokens, flat // bs, flat % bs, valid=flat < n * bs)
+
+
+def gather_dequantized(codes: Array, scales: Array, block_tables: Array, dtype: Any = jnp.float32) -> Array:
+    """Pages of ``block_tables[B, M]`` as contiguous ``[B, M*bs, KV, D]`` values (for prefill)."""
+    pages = codes[block_tables].astype(jnp.float32) * scales[block_tables][:, :, None, :, None]
+    b, m, bs = pages.shape[:3]
+    return pages.reshape(b, m * bs, *pages.shape[3:]).astype(dtype)
 
 
 def kv_read_bytes(

@@ -170,3 +170,17 @@ def test_pallas_weight_matmul_lowers_for_cuda(code) -> None:
         fn, platforms=["cuda"], disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
     )(sd((8, 4096), jnp.bfloat16), sd((4096, 1024), code), sd((1024,), jnp.float32))
     assert "__gpu$xla.gpu.triton" in exported.mlir_module()
+
+
+def test_flat_slot_write_and_dequantizing_gather() -> None:
+    """The model's flat-slot addressing (padding = out of range) and the prefill-side gather."""
+    from inference.kernels.quant import gather_dequantized, write_quantized_kv_flat
+
+    x = _tokens(4, seed=10).reshape(2, 2, KV, D)  # [B=2, T=2, KV, D]
+    codes, scales = init_quantized_cache(N, BS, KV, D, "int8")
+    slots = jnp.asarray([[2 * BS, 2 * BS + 1], [5 * BS, N * BS]])  # last token is padding
+    codes, scales = write_quantized_kv_flat(codes, scales, x, slots)
+    vals = gather_dequantized(codes, scales, jnp.asarray([[2], [5]]))  # [2, BS, KV, D]
+    np.testing.assert_allclose(np.asarray(vals[0, :2]), np.asarray(x[0]), atol=float(scales[2].max()))
+    np.testing.assert_allclose(np.asarray(vals[1, :1]), np.asarray(x[1, :1]), atol=float(scales[5].max()))
+    assert float(jnp.abs(vals[1, 1:]).max()) == 0.0  # the padding token was dropped
