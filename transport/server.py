@@ -141,7 +141,9 @@ class WorkerServer:
         self.connections.discard(conn)
 
     async def drain(self, timeout: float) -> None:
-        """Goodbye to every gateway, then wait (bounded) for in-flight requests to end."""
+        """Stop accepting, say Goodbye to every gateway, wait (bounded) for in-flight requests."""
+        if isinstance(self._listener, asyncio.Server):
+            self._listener.close()  # existing connections stay open
         for conn in list(self.connections):
             conn.goodbye("worker draining")
         deadline = self._loop.time() + timeout

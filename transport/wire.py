@@ -401,9 +401,10 @@ class FrameEncoder:
         rid_bytes = _le(rids if rids.typecode == "I" else array("I", rids))
         same = rid_bytes == self._last_rids and self._last_removals == streams.removals
         if not same:
-            for rid in rids:
-                if rid not in streams.options:
-                    raise ValueError(f"tokens for request {rid} that is not open")
+            opts = streams.options
+            missing = [r for r in rids if r not in opts]
+            if missing:
+                raise ValueError(f"tokens for request {missing[0]} that is not open")
         flags = 0
         parts: list[bytes] = [_U32.pack(n)]
         if same:
@@ -815,9 +816,9 @@ class FrameDecoder:
             check = True
         if check:
             opts = streams.options
-            for rid in rids:
-                if rid not in opts:
-                    raise WireError(f"TOKENS: request {rid} is not open")
+            missing = [r for r in rids if r not in opts]
+            if missing:
+                raise WireError(f"TOKENS: request {missing[0]} is not open")
         if flags & _ONE_EACH:
             counts = _u32_array(_ones(n))
             ntok = n

@@ -246,6 +246,8 @@ def test_worker_drain_sends_goodbye_and_finishes_in_flight() -> None:
         assert getattr(conn, "draining", False)
         with pytest.raises(ConnectionClosed):
             submit(conn, 1)
+        with pytest.raises(ConnectError):  # a draining worker accepts no new connections
+            await connect(srv.address, timeout=2)
         await conn.close()
         await srv.close()
 
