@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.parse
 from dataclasses import dataclass, field
@@ -144,24 +146,27 @@ async def run_load(url: str, *, concurrency: int, duration: float, stream: bool,
     return result
 
 
-def _child_argv(a: argparse.Namespace, concurrency: int) -> list[str]:
+def _child_argv(a: argparse.Namespace, concurrency: int, out: str) -> list[str]:
     argv = [sys.executable, "-m", "gateway.loadgen", "--url", a.url, "--concurrency", str(concurrency),
             "--duration", str(a.duration), "--max-tokens", str(a.max_tokens), "--path", a.path,
-            "--model", a.model, "--processes", "1", "--raw"]
+            "--model", a.model, "--processes", "1", "--raw-out", out]
     return argv + (["--stream"] if a.stream else [])
 
 
 def run_processes(a: argparse.Namespace) -> LoadResult:
     """Split the connections over ``a.processes`` child processes and merge their results."""
     per = [a.concurrency // a.processes + (1 if i < a.concurrency % a.processes else 0) for i in range(a.processes)]
-    procs = [subprocess.Popen(_child_argv(a, c), stdout=subprocess.PIPE) for c in per if c]
     total = LoadResult()
-    for p in procs:
-        out, _ = p.communicate(timeout=a.duration + 60)
-        if p.returncode != 0:
-            raise RuntimeError(f"load generator child failed with status {p.returncode}")
-        d = orjson.loads(out)
-        total.merge(LoadResult(d["latencies"], d["errors"], d["elapsed"], d["first_error"]))
+    with tempfile.TemporaryDirectory() as tmp:
+        jobs = [(c, os.path.join(tmp, f"{i}.json")) for i, c in enumerate(per) if c]
+        procs = [(subprocess.Popen(_child_argv(a, c, out)), out) for c, out in jobs]
+        for p, out in procs:
+            p.wait(timeout=a.duration + 60)
+            if p.returncode != 0:
+                raise RuntimeError(f"load generator child failed with status {p.returncode}")
+            with open(out, "rb") as f:
+                d = orjson.loads(f.read())
+            total.merge(LoadResult(d["latencies"], d["errors"], d["elapsed"], d["first_error"]))
     return total
 
 
@@ -175,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--path", default="/v1/chat/completions")
     p.add_argument("--model", default="tiny")
     p.add_argument("--processes", type=int, default=1)
-    p.add_argument("--raw", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--raw-out", help=argparse.SUPPRESS)  # child mode: write raw results (JSON) here
     a = p.parse_args(argv)
     if a.processes > 1:
         r = run_processes(a)
@@ -184,9 +189,10 @@ def main(argv: list[str] | None = None) -> int:
 
         r = uvloop.run(run_load(a.url, concurrency=a.concurrency, duration=a.duration, stream=a.stream,
                                 max_tokens=a.max_tokens, path=a.path, model=a.model))
-    if a.raw:
-        sys.stdout.buffer.write(orjson.dumps({"latencies": r.latencies, "errors": r.errors, "elapsed": r.elapsed,
-                                              "first_error": r.first_error}))
+    if a.raw_out:
+        with open(a.raw_out, "wb") as f:
+            f.write(orjson.dumps({"latencies": r.latencies, "errors": r.errors, "elapsed": r.elapsed,
+                                  "first_error": r.first_error}))
         return 0
     print(f"{r.requests} ok, {r.errors} errors in {r.elapsed:.1f} s: {r.requests / r.elapsed:.0f} req/s, "
           f"p50 {r.percentile(50) * 1e3:.2f} ms, p99 {r.percentile(99) * 1e3:.2f} ms")

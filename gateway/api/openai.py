@@ -47,6 +47,7 @@ COMPLETIONS_ROUTE = "/v1/completions"
 MODELS_ROUTE = "/v1/models"
 
 _perf = time.perf_counter
+_dumps = orjson.dumps
 
 
 class OpenAIHandlers:
@@ -131,29 +132,32 @@ class OpenAIHandlers:
         lps: list[dict[str, Any]] = []
         legacy: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         offset = 0
-        t_first = 0.0
+        want_lp = g.logprobs
+        events = await routed.next_events()  # may move to another worker before the first token
+        t_first = _perf()
+        nxt = routed.direct_next_events() if routed.started else routed.next_events
         fin: Finish | None = None
-        nxt = routed.next_events
-        while fin is None:
+        while True:
+            if len(events) == 1 and type(events[0]) is TokenEntry and not want_lp:
+                parts.append(events[0].text)  # the common case: one engine step's tokens
+            else:
+                for ev in events:
+                    t = type(ev)
+                    if t is TokenEntry:
+                        parts.append(ev.text)  # type: ignore[union-attr]
+                        if want_lp:
+                            if g.chat:
+                                lps.extend(chat_logprobs(ev, g.top_logprobs))  # type: ignore[arg-type]
+                            else:
+                                offset = completion_logprobs(ev, g.top_logprobs, legacy, offset)  # type: ignore[arg-type]
+                    elif t is Finish:
+                        fin = ev  # type: ignore[assignment]
+                    else:
+                        err: Error = ev  # type: ignore[assignment]
+                        raise from_wire_code(err.code, err.message)
+                if fin is not None:
+                    break
             events = await nxt()
-            if routed.started:
-                nxt = routed.direct_next_events()
-            for ev in events:
-                t = type(ev)
-                if t is TokenEntry:
-                    if not t_first:
-                        t_first = _perf()
-                    parts.append(ev.text)  # type: ignore[union-attr]
-                    if g.logprobs:
-                        if g.chat:
-                            lps.extend(chat_logprobs(ev, g.top_logprobs))  # type: ignore[arg-type]
-                        else:
-                            offset = completion_logprobs(ev, g.top_logprobs, legacy, offset)  # type: ignore[arg-type]
-                elif t is Finish:
-                    fin = ev  # type: ignore[assignment]
-                else:
-                    err: Error = ev  # type: ignore[assignment]
-                    raise from_wire_code(err.code, err.message)
         text = b"".join(parts).decode("utf-8", "replace")
         reason = finish_reason(fin)
         if g.chat:
@@ -161,76 +165,91 @@ class OpenAIHandlers:
                 "id": new_id("chatcmpl"), "object": "chat.completion", "created": int(time.time()),
                 "model": g.model,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
-                             "logprobs": {"content": lps} if g.logprobs else None, "finish_reason": reason}],
+                             "logprobs": {"content": lps} if want_lp else None, "finish_reason": reason}],
                 "usage": usage_dict(fin), "system_fingerprint": None,
             }
         else:
             body = {
                 "id": new_id("cmpl"), "object": "text_completion", "created": int(time.time()), "model": g.model,
-                "choices": [{"text": text, "index": 0, "logprobs": legacy if g.logprobs else None,
+                "choices": [{"text": text, "index": 0, "logprobs": legacy if want_lp else None,
                              "finish_reason": reason}],
                 "usage": usage_dict(fin),
             }
         await sink.respond(200, JSON_HEADERS, orjson.dumps(body))
-        self._observe(route, t0, t_first, _perf(), fin.completion_tokens)
+        self._observe(route, t0, t_first if parts else 0.0, _perf(), fin.completion_tokens)
         return 200
 
     async def _stream(self, g: GenerationRequest, tpl: ChunkTemplate, routed: RoutedStream,
                       sink: ResponseSink, t0: float, route: str) -> int:
-        t_first = 0.0
-        offset = 0
-        nxt = routed.next_events
+        events = await routed.next_events()  # may move to another worker before the first token
+        first = events[0]
+        if type(first) is Error:
+            raise from_wire_code(first.code, first.message)  # nothing sent yet: a real HTTP error
+        t_first = _perf() if type(first) is TokenEntry else 0.0
+        tpl.started = True
+        await sink.start(200, SSE_HEADERS)
+        nxt = routed.direct_next_events()
+        send = sink.send
+        head, tail = tpl.head, tpl.tail
+        pending = tpl.role() if g.chat else b""
+        plain = not g.logprobs
+        state = [0]  # legacy logprobs text offset
         while True:
+            if plain and len(events) == 1 and type(events[0]) is TokenEntry:
+                # the common case: one engine step's tokens -> one chunk, only the delta is escaped
+                await send(pending + head + _dumps(events[0].text.decode("utf-8", "replace")) + tail)
+                pending = b""
+            else:
+                if not t_first and any(type(ev) is TokenEntry for ev in events):
+                    t_first = _perf()
+                status = await self._stream_batch(g, tpl, events, send, sink, pending, state)
+                pending = b""
+                if status:
+                    if status == 200:
+                        fin = events[-1]
+                        self._observe(route, t0, t_first, _perf(), fin.completion_tokens)  # type: ignore[union-attr]
+                    return status
             events = await nxt()
-            if routed.started:
-                nxt = routed.direct_next_events()
-            out: list[bytes] = []
-            if not tpl.started:
-                first = events[0]
-                if type(first) is Error:
-                    raise from_wire_code(first.code, first.message)  # nothing sent yet: a real HTTP error
-                tpl.started = True
-                await sink.start(200, SSE_HEADERS)
-                if g.chat:
-                    out.append(tpl.role())
-            texts: list[bytes] = []
-            lps: Any = None
-            fin: Finish | None = None
-            for ev in events:
-                t = type(ev)
-                if t is TokenEntry:
-                    if not t_first:
-                        t_first = _perf()
-                    texts.append(ev.text)  # type: ignore[union-attr]
-                    if g.logprobs:
-                        if g.chat:
-                            lps = (lps or []) + chat_logprobs(ev, g.top_logprobs)  # type: ignore[arg-type]
-                        else:
-                            lps = lps or {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-                            offset = completion_logprobs(ev, g.top_logprobs, lps, offset)  # type: ignore[arg-type]
-                elif t is Finish:
-                    fin = ev  # type: ignore[assignment]
-                else:
-                    err = from_wire_code(ev.code, ev.message)  # type: ignore[union-attr]
-                    if texts:
-                        out.append(self._content(tpl, texts, lps))
-                    out.append(sse_error(err.status, err.message, err.type, err.code))
-                    await sink.send(b"".join(out))
-                    await sink.end()
-                    return err.status
-            if texts:
-                out.append(self._content(tpl, texts, lps))
-            if fin is not None:
-                out.append(tpl.finish(finish_reason(fin)))
+
+    async def _stream_batch(self, g: GenerationRequest, tpl: ChunkTemplate, events: list[Any],
+                            send: Any, sink: ResponseSink, pending: bytes, state: list[int]) -> int:
+        """General case of one batch (several entries, logprobs, finish, error); 0 = not finished."""
+        out: list[bytes] = [pending] if pending else []
+        texts: list[bytes] = []
+        lps: Any = None
+        for ev in events:
+            t = type(ev)
+            if t is TokenEntry:
+                texts.append(ev.text)
+                if g.logprobs:
+                    if g.chat:
+                        lps = (lps or []) + chat_logprobs(ev, g.top_logprobs)
+                    else:
+                        lps = lps or {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+                        state[0] = completion_logprobs(ev, g.top_logprobs, lps, state[0])
+            elif t is Finish:
+                if texts:
+                    out.append(self._content(tpl, texts, lps))
+                out.append(tpl.finish(finish_reason(ev)))
                 if g.include_usage:
-                    out.append(tpl.usage(fin))
+                    out.append(tpl.usage(ev))
                 out.append(DONE)
-                await sink.send(b"".join(out))
+                await send(b"".join(out))
                 await sink.end()
-                self._observe(route, t0, t_first, _perf(), fin.completion_tokens)
                 return 200
-            if out:
-                await sink.send(out[0] if len(out) == 1 else b"".join(out))
+            else:
+                err = from_wire_code(ev.code, ev.message)
+                if texts:
+                    out.append(self._content(tpl, texts, lps))
+                out.append(sse_error(err.status, err.message, err.type, err.code))
+                await send(b"".join(out))
+                await sink.end()
+                return err.status
+        if texts:
+            out.append(self._content(tpl, texts, lps))
+        if out:
+            await send(b"".join(out))
+        return 0
 
     @staticmethod
     def _content(tpl: ChunkTemplate, texts: list[bytes], lps: Any) -> bytes:

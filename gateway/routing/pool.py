@@ -86,7 +86,7 @@ class ModelPool:
         best: WorkerConnection | None = None
         best_score = 0
         for c in conns:
-            if c.closed or c in exclude:
+            if c.closed or c in exclude or getattr(c, "draining", False):  # draining: sent us Goodbye
                 continue
             score = load_score(c)
             if best is None or score < best_score:
