@@ -8,6 +8,7 @@ One gateway for the module; the drain test starts its own.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import shutil
@@ -246,3 +247,26 @@ def test_sigterm_drains_in_flight_then_stops_workers(tmp_path: Path) -> None:
             time.sleep(0.05)
     with pytest.raises(httpx.ConnectError):
         httpx.get(g.http + "/healthz")
+
+
+def test_crashed_worker_is_restarted(tmp_path: Path) -> None:
+    g = start_gateway(tmp_path, "--no-tls")
+    try:
+        old = g.worker_pid
+        os.kill(old, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        new = old
+        while time.monotonic() < deadline:
+            r = httpx.get(g.http + "/readyz")
+            if r.status_code == 200:
+                with contextlib.suppress(AssertionError):
+                    new = g.worker_pid
+                if new != old:
+                    break
+            time.sleep(0.1)
+        assert new != old, "worker was not restarted"
+        r = httpx.post(g.http + "/v1/chat/completions", json=CHAT)
+        assert r.status_code == 200
+        assert g.metric("quicserve_worker_restarts_total") == 1
+    finally:
+        assert stop_gateway(g) == 0
