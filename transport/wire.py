@@ -86,8 +86,12 @@ body::
     top_ids u32[K]               K = sum of count * top_n over entries
     top_logprobs f32[K]
 
-The body must be consumed exactly. A 64-request single-token step with
-2-byte token ids and ~4 bytes of text per token costs about 7 bytes per token.
+Widths are chosen per frame from the largest value. The encoder uses only u8
+or u32 for token ids (u16 saves 2 bytes per token but its narrowing costs
+more CPU than it is worth); request ids, counts and text lengths use all three.
+The body must be consumed exactly. A 64-request single-token step with a
+32k vocabulary and 1-6 bytes of text per token costs about 9 bytes per token
+(about 6 with a byte-level vocabulary); an OpenAI SSE chunk costs about 185.
 
 Limits and errors
 -----------------

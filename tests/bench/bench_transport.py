@@ -130,7 +130,9 @@ def sse_chunk(rid: int, text: str, lp: float | None) -> bytes:
             {
                 "index": 0,
                 "delta": {"content": text},
-                "logprobs": None if lp is None else {"content": [{"token": text, "logprob": lp, "top_logprobs": []}]},
+                "logprobs": None
+                if lp is None
+                else {"content": [{"token": text, "logprob": lp, "top_logprobs": []}]},
                 "finish_reason": None,
             }
         ],
@@ -174,7 +176,9 @@ def best_per_token(fns: dict[str, Callable[[], int]], rounds: int) -> dict[str, 
 
 def codec_bench(quick: bool) -> None:
     print("== token frames vs OpenAI JSON SSE chunks (orjson), 64 concurrent single-token steps ==")
-    print(f"{'scenario':44s} {'B/tok':>6s} {'json B/tok':>10s} {'us/tok':>7s} {'+views':>7s} {'json us':>8s} {'speedup':>8s}")
+    print(
+        f"{'scenario':44s} {'B/tok':>6s} {'json B/tok':>10s} {'us/tok':>7s} {'+views':>7s} {'json us':>8s} {'speedup':>8s}"
+    )
     n_steps = 100 if quick else 400
     rounds = 9 if quick else 25
     for name, vocab, churn, lp in (
@@ -246,8 +250,13 @@ class BenchWorker:
                 continue
             n = len(ready)
             conn.send_tokens(
-                TokenBatch(array("I", ready), array("I", [1]) * n, array("I", [1234]) * n,
-                           array("I", [4]) * n, text * n)
+                TokenBatch(
+                    array("I", ready),
+                    array("I", [1]) * n,
+                    array("I", [1234]) * n,
+                    array("I", [4]) * n,
+                    text * n,
+                )
             )
             for rid in ready:
                 c, done, mx = self.active[rid]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import struct
 import tempfile
 import time
@@ -273,3 +274,49 @@ def test_struct_header_matches_spec() -> None:
     frame = FrameEncoder().encode(Hello())
     version, ftype, flags, rid, length = struct.unpack_from("<BBHII", frame)
     assert (version, ftype, flags, rid, length) == (1, 1, 0, 0, len(frame) - 12)
+
+
+def test_peer_that_stops_reading_pauses_our_reading() -> None:
+    """A gateway that stops reading: once the worker's write buffer passes high water, the
+    worker stops reading that gateway too; when the gateway reads again, it resumes."""
+
+    async def body() -> None:
+        from transport.tcp import StreamChannel
+
+        srv = await serve("tcp://127.0.0.1:0", EchoWorker())
+        host, port = srv.address[len("tcp://") :].rsplit(":", 1)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # small kernel buffers, so
+        sock.connect((host, int(port)))  # the worker's own buffer is what fills up
+        sock.setblocking(False)
+        reader, writer = await asyncio.open_connection(sock=sock)
+        enc = FrameEncoder()
+        writer.write(enc.encode(Hello(role="gateway", initial_credit=256)))
+        for rid in range(1, 301):
+            writer.write(enc.encode(Submit(rid, "tiny", SamplingParams(max_tokens=256), prompt="x")))
+        await writer.drain()
+        for _ in range(300):
+            if srv.connections:
+                break
+            await asyncio.sleep(0.01)
+        (conn,) = srv.connections
+        sink = conn.endpoint._sink
+        assert isinstance(sink, StreamChannel) and sink.transport is not None
+        sink.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        for _ in range(300):
+            if not sink.transport.is_reading():
+                break
+            await asyncio.sleep(0.01)
+        assert not sink.transport.is_reading()
+        for _ in range(1000):  # the gateway reads again
+            if sink.transport.is_reading():
+                break
+            try:
+                await asyncio.wait_for(reader.read(1 << 16), 0.05)
+            except TimeoutError:
+                pass
+        assert sink.transport.is_reading()
+        writer.close()
+        await srv.close()
+
+    run("asyncio", body)

@@ -187,3 +187,30 @@ async def test_real_rdma_round_trip() -> None:  # pragma: no cover - needs hardw
         await conn.close()
     finally:
         await srv.close()
+
+
+def _pyverbs_or_skip() -> None:
+    from transport.errors import RdmaUnavailable
+    from transport.rdma import import_pyverbs
+
+    try:
+        import_pyverbs()
+    except RdmaUnavailable as exc:
+        pytest.skip(f"pyverbs not importable here: {exc}")
+
+
+def test_pyverbs_imports_from_dist_packages_and_fails_cleanly_without_device() -> None:
+    """Debian's python3-pyverbs loads into the venv; with no device, setup is a ConnectError."""
+    _pyverbs_or_skip()
+    if any(d.active for d in list_devices()):
+        pytest.skip("machine has an RDMA device")
+    from transport.errors import ConnectError
+    from transport.rdma import rdma_connect, rdma_listen
+
+    async def body() -> None:
+        with pytest.raises(ConnectError, match="rdma://127.0.0.1:18515"):
+            await rdma_connect("127.0.0.1", 18515, lambda: None)  # type: ignore[arg-type, return-value]
+        with pytest.raises(ConnectError, match="cannot listen"):
+            await rdma_listen("127.0.0.1", 18515, lambda: None)  # type: ignore[arg-type, return-value]
+
+    asyncio.run(asyncio.wait_for(body(), 20))

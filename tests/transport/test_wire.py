@@ -466,10 +466,16 @@ def test_delta_state_survives_stream_reuse_with_new_options() -> None:
             tids.extend([seed + r] * p.top_logprobs)
             tlps.extend([-1.5] * p.top_logprobs)
         return TokenBatch(
-            array("I", rids), array("I", [1] * len(rids)), array("I", [seed * 10 + r for r in rids]),
-            array("I", [1] * len(rids)), b"x" * len(rids),
-            array("B", [subs[r].params.logprobs for r in rids]), array("B", [subs[r].params.top_logprobs for r in rids]),
-            lp, tids, tlps,
+            array("I", rids),
+            array("I", [1] * len(rids)),
+            array("I", [seed * 10 + r for r in rids]),
+            array("I", [1] * len(rids)),
+            b"x" * len(rids),
+            array("B", [subs[r].params.logprobs for r in rids]),
+            array("B", [subs[r].params.top_logprobs for r in rids]),
+            lp,
+            tids,
+            tlps,
         )
 
     subs = {
