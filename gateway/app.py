@@ -13,26 +13,19 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Protocol
 
 import orjson
 
 from .api.openai import CHAT_ROUTE, COMPLETIONS_ROUTE, MODELS_ROUTE, OpenAIHandlers
 from .api.render import JSON_HEADERS
 from .errors import APIError, render_json
+from .http.common import ProtocolEvent
 from .http.types import Headers, Request, ResponseSink
 from .observability.metrics import CONTENT_TYPE_LATEST, GatewayMetrics
 from .routing.pool import ModelPool
 from .settings import ApiSettings
 
-__all__ = ["App", "Route", "ProtocolEvent"]
-
-
-class ProtocolEvent(Protocol):
-    """What ``gateway.http.common.ProtocolEvent`` carries (status, protocol)."""
-
-    status: int
-    protocol: str
+__all__ = ["App", "Route"]
 
 log = logging.getLogger("quicserve.app")
 

@@ -52,7 +52,7 @@ class Backoff:
     def next_delay(self, ran_for: float) -> float:
         if ran_for >= STABLE_AFTER:
             self.failures = 0
-        delay = min(self.maximum, self.initial * (2 ** self.failures))
+        delay = min(self.maximum, self.initial * float(2**self.failures))
         self.failures += 1
         return delay
 
