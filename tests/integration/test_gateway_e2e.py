@@ -228,16 +228,17 @@ def test_client_disconnect_cancels_on_the_worker(gw: Gateway) -> None:
     assert gw.metric("quicserve_worker_running") == 0  # and the worker freed the sequence
 
 
-def test_sigterm_drains_in_flight_then_stops_workers(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_drains_in_flight_then_stops_workers(tmp_path: Path, sig: signal.Signals) -> None:
     g = start_gateway(tmp_path, "--worker-arg=--synthetic-step-ms=5", "--no-tls")
     worker = g.worker_pid
     with httpx.Client(base_url=g.http, timeout=20) as c:
         with c.stream("POST", "/v1/chat/completions", json={**CHAT, "max_tokens": 200, "stream": True}) as s:
             it = s.iter_bytes()
             first = next(it)
-            os.kill(g.proc.pid, signal.SIGTERM)
+            os.kill(g.proc.pid, sig)
             body = first + b"".join(it)
-    assert body.endswith(b"data: [DONE]\n\n")  # the in-flight stream finished
+    assert body.endswith(b"data: [DONE]\n\n")  # the in-flight stream finished (200 x 5 ms < the deadline)
     assert stop_gateway(g) == 0
     rest = g.proc.stdout.read() if g.proc.stdout else ""
     assert "quicserve: stopped" in rest
@@ -247,6 +248,22 @@ def test_sigterm_drains_in_flight_then_stops_workers(tmp_path: Path) -> None:
             time.sleep(0.05)
     with pytest.raises(httpx.ConnectError):
         httpx.get(g.http + "/healthz")
+
+
+def test_drain_deadline_cuts_long_requests(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("QUICSERVE_SHUTDOWN__DRAIN_TIMEOUT", "0.5")
+    g = start_gateway(tmp_path, "--worker-arg=--synthetic-step-ms=5", "--no-tls")
+    t0 = time.monotonic()
+    with httpx.Client(base_url=g.http, timeout=20) as c:
+        with c.stream("POST", "/v1/chat/completions", json={**CHAT, "max_tokens": 4000, "stream": True}) as s:
+            it = s.iter_bytes()
+            next(it)
+            os.kill(g.proc.pid, signal.SIGTERM)
+            with pytest.raises(httpx.RemoteProtocolError):  # cut at the deadline: no terminating chunk
+                for _ in it:
+                    pass
+    assert time.monotonic() - t0 < 10  # 4000 x 5 ms would have been 20 s
+    assert stop_gateway(g) == 0
 
 
 def test_crashed_worker_is_restarted(tmp_path: Path) -> None:
