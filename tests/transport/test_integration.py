@@ -320,3 +320,61 @@ def test_peer_that_stops_reading_pauses_our_reading() -> None:
         await srv.close()
 
     run("asyncio", body)
+
+
+class RaisingWorker(EchoWorker):
+    """Test double whose engine rejects prompts containing 'boom' by raising."""
+
+    def on_submit(self, conn, submit):  # type: ignore[no-untyped-def]
+        if submit.prompt == "boom":
+            raise RuntimeError("engine exploded")
+        super().on_submit(conn, submit)
+
+
+def test_handler_exception_ends_the_request_not_the_connection() -> None:
+    async def body() -> None:
+        srv = await serve("tcp://127.0.0.1:0", RaisingWorker())
+        conn = await connect(srv.address)
+        bad = conn.submit(Submit(conn.next_request_id(), "tiny", SamplingParams(max_tokens=3), prompt="boom"))
+        events = await collect(bad)
+        assert len(events) == 1 and isinstance(events[0], Error)
+        assert events[0].code == ErrorCode.INTERNAL and "engine exploded" in events[0].message
+        assert tokens_of(await collect(submit(conn, 3))) == [0, 1, 2]
+        await conn.close()
+        await srv.close()
+
+    run("asyncio", body)
+
+
+def test_worker_detects_dead_gateway_and_gateway_close() -> None:
+    """Worker side: a silent gateway is declared dead within dead_after; a closing gateway's
+    open requests are handed to on_disconnect (so the engine can drop them)."""
+
+    async def body() -> None:
+        worker = EchoWorker(step_delay=0.01)
+        srv = await serve("tcp://127.0.0.1:0", worker, heartbeat_interval=0.1, dead_after=0.5)
+        host, port = srv.address[len("tcp://") :].rsplit(":", 1)
+        reader, writer = await asyncio.open_connection(host, int(port))
+        enc = FrameEncoder()
+        writer.write(enc.encode(Hello(role="gateway", initial_credit=4)))
+        writer.write(enc.encode(Submit(1, "tiny", SamplingParams(max_tokens=100), prompt="x")))
+        await writer.drain()
+        t0 = time.monotonic()
+        while not worker.disconnected and time.monotonic() - t0 < 3:
+            await asyncio.sleep(0.02)
+        assert worker.disconnected == [(1,)]
+        assert 0.3 <= time.monotonic() - t0 <= 1.5
+        writer.close()
+
+        conn = await connect(srv.address)
+        streams = [submit(conn, 10**6) for _ in range(3)]
+        await streams[0].next_events()
+        await conn.close()
+        for _ in range(100):
+            if len(worker.disconnected) == 2:
+                break
+            await asyncio.sleep(0.01)
+        assert sorted(worker.disconnected[1]) == [s.request_id for s in streams]
+        await srv.close()
+
+    run("asyncio", body)

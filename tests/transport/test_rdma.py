@@ -44,7 +44,7 @@ def repost(b: Side) -> None:
     b.posted.extend(b.ring.take_reposts())
 
 
-@settings(max_examples=150, deadline=None)
+@settings(database=None, max_examples=150, deadline=None)
 @given(
     st.integers(2, 6),
     st.lists(
