@@ -8,11 +8,17 @@ window delays first tokens and makes the steps that carry the prefill longer.
 * :class:`AdaptiveWindow` (DBS-Adapt) moves ``w`` after every step by a clipped
   gradient step on the step-latency error, scaled by load::
 
-      w <- clip(w + lr * clip(target - latency, -g, g) * load, w_min, w_max)
+      e = clip(target - latency, -g, g);  e *= q / (1 - q) if e < 0
+      w <- clip(w + lr * e * load, w_min, w_max)
 
   Steps faster than the target leave head-room, so ``w`` grows and prefills
   batch up (fewer fixed costs, more throughput); steps slower than the target
-  shrink ``w`` so fewer prompts join each prefill. ``load`` (0..1, the share
+  shrink ``w`` so fewer prompts join each prefill. Misses weigh
+  ``q / (1 - q)`` times more than head-room (the pinball-loss gradient), so
+  ``w`` settles where about ``1 - q`` of steps exceed the target (exactly so
+  when the clip ``g`` is small next to the latency noise: the update is then
+  the pinball-loss gradient), so the target is a ``q``-quantile (p99 by
+  default), not a mean. ``load`` (0..1, the share
   of batch slots wanted) damps the drift when the engine is nearly idle.
 
 The window opens when there is something to admit and the previous
@@ -72,18 +78,22 @@ class AdaptiveWindow(FixedWindow):
         w_max: float = 0.05,
         lr: float = 0.5,
         clip: float | None = None,
+        quantile: float = 0.99,
     ) -> None:
-        if not (0 <= w_min <= w_max) or target_latency <= 0 or lr <= 0:
-            raise ValueError("need 0 <= w_min <= w_max, target_latency > 0, lr > 0")
+        if not (0 <= w_min <= w_max) or target_latency <= 0 or lr <= 0 or not (0 < quantile < 1):
+            raise ValueError("need 0 <= w_min <= w_max, target_latency > 0, lr > 0, 0 < quantile < 1")
         super().__init__(min(max(initial, w_min), w_max))
         self.target_latency = target_latency
         self.w_min = w_min
         self.w_max = w_max
         self.lr = lr
-        self.clip = clip if clip is not None else target_latency
+        self.clip = clip if clip is not None else target_latency / 10
+        self.miss_weight = quantile / (1 - quantile)
 
     def observe(self, latency: float, load: float) -> None:
         err = max(-self.clip, min(self.clip, self.target_latency - latency))
+        if err < 0:
+            err *= self.miss_weight
         load = max(0.0, min(1.0, load))
         self.window = max(self.w_min, min(self.w_max, self.window + self.lr * err * load))
 

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from inference.batch_window import AdaptiveWindow, FixedWindow  # noqa: E402
 from inference.engine import Engine, EngineConfig, Finished  # noqa: E402
@@ -146,11 +147,20 @@ def simulate(window: FixedWindow, dec: dict[int, float], pre: dict[tuple[int, in
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--model", default="tiny", help="tiny | medium | a checkpoint directory")
     ap.add_argument("--duration", type=float, default=20.0, help="virtual seconds per run")
     ap.add_argument("--target-ms", type=float, default=0.0, help="p99 step-latency target (default: derived)")
     args = ap.parse_args()
-    dec, pre = measure(args.model)
+    model = args.model
+    if model == "medium":  # the random Llama of bench_prefix_cache, written to a temp dir
+        import tempfile
+
+        from bench_prefix_cache import MEDIUM  # type: ignore[import-not-found]
+
+        from inference.weights import write_hf_checkpoint
+
+        model = str(write_hf_checkpoint(Path(tempfile.mkdtemp()) / "medium", MEDIUM, seed=0))
+    dec, pre = measure(model)
     print("measured step cost (ms): decode " + ", ".join(f"b{b}={v * 1e3:.2f}" for b, v in dec.items()))
     print("  prefill " + ", ".join(f"{b}x{t}={v * 1e3:.2f}" for (b, t), v in pre.items()))
     # default target: a full decode step plus one full batched prefill of short prompts
@@ -163,7 +173,7 @@ def main() -> None:
         results.append((tps, w_ms, ok))
         print(f"  fixed {w_ms:5.1f} ms: {tps:9.0f} tok/s  p99 {p99 * 1e3:6.2f} ms  TTFT {ttft * 1e3:6.2f} ms"
               f"{'' if ok else '  (misses target)'}")  # fmt: skip
-    adaptive = AdaptiveWindow(target, w_min=0.0, w_max=0.032, lr=0.5)
+    adaptive = AdaptiveWindow(target, w_min=0.0, w_max=0.032, lr=0.5, quantile=0.99)
     a_tps, a_p99, a_ttft = simulate(adaptive, dec, pre, args.duration)
     print(f"  DBS-Adapt     : {a_tps:9.0f} tok/s  p99 {a_p99 * 1e3:6.2f} ms  TTFT {a_ttft * 1e3:6.2f} ms"
           f"{'' if a_p99 <= target else '  (misses target)'}  final w={adaptive.window * 1e3:.2f} ms")  # fmt: skip
