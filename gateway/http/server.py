@@ -63,12 +63,10 @@ class HttpServer:
         self.stop_accepting()
         for conn in list(self._state.connections):
             conn.abort()
+        # let cancelled handler tasks run their finally blocks (bounded: a
+        # handler that swallows cancellation must not hang shutdown)
+        await self.wait_idle(1.0)
         await self._server.wait_closed()
-        # let cancelled handler tasks run their finally blocks
-        for _ in range(3):
-            if self._state.in_flight == 0:
-                break
-            await asyncio.sleep(0)
 
 
 async def start_server(

@@ -264,3 +264,32 @@ async def test_head_has_no_body() -> None:
     assert c.status(sid) == 200 and int(c.responses[sid]["headers"][b"content-length"]) > 0
     assert c.responses[sid]["body"] == b""
     c.close()
+
+
+async def test_idle_connection_gets_goaway() -> None:
+    c = Client(HttpLimits(keepalive_timeout=0.2, body_timeout=5))
+    sid = c.request("/echo")
+    await c.wait(lambda: c.done(sid))
+    assert not c.goaway
+    await c.wait(lambda: c.t.closed, timeout=3)
+    assert c.goaway and c.goaway[0].error_code == 0 and c.goaway[0].last_stream_id == sid
+
+
+async def test_new_streams_refused_after_goaway() -> None:
+    c = Client()
+    held = c.request("/hold")
+    await c.rec.started.wait()
+    c.proto.drain()
+    # the client has not seen the GOAWAY yet and opens another stream
+    sid = c.h2.get_next_available_stream_id()
+    c.h2.send_headers(
+        sid,
+        [(b":method", b"GET"), (b":path", b"/echo"), (b":scheme", b"http"), (b":authority", b"x")],
+        end_stream=True,
+    )
+    c.proto.data_received(c.h2.data_to_send())
+    assert [r.path for r in c.rec.seen] == ["/hold"]
+    c.rec.release.set()
+    await settle(lambda: c.state.in_flight == 0)
+    assert c.rec.finished == ["/hold"] and held == 1
+    c.close()
