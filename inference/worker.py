@@ -113,7 +113,7 @@ def build_service(args: argparse.Namespace) -> WorkerService:
 
         runner: Any = SyntheticRunner(block_size=args.block_size, num_blocks=args.num_blocks or 2048,
                                       max_model_len=args.max_model_len or 4096,
-                                      step_s=args.synthetic_step_ms / 1e3)  # fmt: skip
+                                      step_s=args.synthetic_step_ms / 1e3, verify=False)  # fmt: skip
         tokenizer = ByteTokenizer()
         served = args.served_name or args.model
         _progress("load", 1, 1, "synthetic engine (no model)")

@@ -53,11 +53,12 @@ def reference(prompt: list[int], p: SamplingParams) -> tuple[list[int], str, Fin
     num_blocks=st.integers(6, 24),
     max_batch=st.integers(1, 4),
     prefix_cache=st.booleans(),
+    verify=st.booleans(),
 )
 def test_random_workloads_end_once_and_match_reference(
-    reqs: list[dict], num_blocks: int, max_batch: int, prefix_cache: bool
+    reqs: list[dict], num_blocks: int, max_batch: int, prefix_cache: bool, verify: bool
 ) -> None:
-    runner = SyntheticRunner(block_size=4, num_blocks=num_blocks, max_model_len=64)
+    runner = SyntheticRunner(block_size=4, num_blocks=num_blocks, max_model_len=64, verify=verify)
     eng = Engine(runner, TOK, EngineConfig(max_batch=max_batch, max_prefill_tokens=24,
                                            enable_prefix_cache=prefix_cache))  # fmt: skip
     col = Collector()
