@@ -165,7 +165,9 @@ class WorkerService:
                 if plan is None:
                     self._wake.clear()
                     wake_at = self.engine.next_wakeup()
-                    timeout = None if wake_at is None else max(0.0, wake_at - self._clock())
+                    # A due time that is already past means admission is blocked
+                    # (no free blocks): sleep a little rather than spin.
+                    timeout = None if wake_at is None else max(0.002, wake_at - self._clock())
                     try:
                         await asyncio.wait_for(self._wake.wait(), timeout)
                     except TimeoutError:
