@@ -122,6 +122,11 @@ def test_openai_sync_sdk(gw: Gateway) -> None:
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
         c = client.completions.create(model="tiny", prompt="Once", max_tokens=5)
         assert c.choices[0].text and c.usage.completion_tokens <= 5
+        r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                           max_tokens=3, logprobs=True, top_logprobs=2)
+        lp = r.choices[0].logprobs.content
+        assert len(lp) == r.usage.completion_tokens and all(x.logprob <= 0 and len(x.top_logprobs) == 2 for x in lp)
+        assert "".join(x.token for x in lp) == r.choices[0].message.content
 
 
 async def test_openai_async_sdk_stream_with_usage(gw: Gateway) -> None:
@@ -264,6 +269,33 @@ def test_drain_deadline_cuts_long_requests(tmp_path: Path, monkeypatch: pytest.M
                     pass
     assert time.monotonic() - t0 < 10  # 4000 x 5 ms would have been 20 s
     assert stop_gateway(g) == 0
+
+
+def test_remote_worker_by_url(tmp_path: Path) -> None:
+    """A worker started on its own (`quicserve worker`), given to the gateway by URL."""
+    worker = subprocess.Popen([sys.executable, "-m", "gateway.cli", "worker", "--engine", "synthetic"], cwd=REPO,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert worker.stdout is not None
+        url = ""
+        for line in worker.stdout:
+            ev = orjson.loads(line) if line.startswith("{") else {}
+            if ev.get("event") == "ready":
+                url = ev["url"]
+                break
+        assert url.startswith("tcp://127.0.0.1:")
+        g = start_gateway(tmp_path, "--no-tls", "--worker-url", url)
+        try:
+            with pytest.raises(AssertionError):
+                g.worker_pid  # noqa: B018 - no local worker child was started
+            r = httpx.post(g.http + "/v1/chat/completions", json=CHAT)
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 8
+        finally:
+            assert stop_gateway(g) == 0
+        assert worker.poll() is None  # the gateway does not stop workers it did not start
+    finally:
+        worker.terminate()
+        worker.wait(20)
 
 
 def test_crashed_worker_is_restarted(tmp_path: Path) -> None:
