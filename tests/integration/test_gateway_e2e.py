@@ -157,6 +157,26 @@ def test_httpx(gw: Gateway, mode: str) -> None:
         assert body.endswith(b"data: [DONE]\n\n")
 
 
+async def test_many_concurrent_streams_on_one_h2_connection(gw: Gateway) -> None:
+    async with httpx.AsyncClient(base_url=gw.http, http1=False, http2=True, timeout=30) as c:
+        async def one(i: int) -> bytes:
+            r = await c.post("/v1/chat/completions", json={**CHAT, "stream": True, "max_tokens": 12, "seed": i % 8,
+                                                           "temperature": 1.0})
+            assert r.http_version == "HTTP/2"
+            return r.content
+
+        bodies = await asyncio.gather(*(one(i) for i in range(64)))
+    assert all(b.endswith(b"data: [DONE]\n\n") for b in bodies)
+    by_seed: dict[int, set[str]] = {}
+    for i, b in enumerate(bodies):
+        chunks = [orjson.loads(x[6:]) for x in b.split(b"\n\n") if x.startswith(b"data: {")]
+        text = "".join(ch["choices"][0]["delta"].get("content", "") for ch in chunks if ch["choices"])
+        by_seed.setdefault(i % 8, set()).add(text)
+    # same seed -> same text on every stream (no cross-talk), different seeds -> different texts
+    assert all(len(t) == 1 for t in by_seed.values()), by_seed
+    assert len({next(iter(t)) for t in by_seed.values()}) > 1
+
+
 @pytest.mark.skipif(shutil.which("curl") is None, reason="curl binary not installed")
 @pytest.mark.parametrize("flag", ["--http1.1", "--http2", "--http2-prior-knowledge"])
 def test_curl(gw: Gateway, flag: str) -> None:
