@@ -126,6 +126,7 @@ class ClientConnection:
     async def close(self) -> None:
         self.endpoint.close("connection closed by the gateway")
         await self.wait_closed()
+        await asyncio.sleep(0)  # the channel itself closes on the next loop iteration
 
     async def wait_closed(self) -> None:
         await self.endpoint.closed_event.wait()

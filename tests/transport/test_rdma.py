@@ -214,3 +214,89 @@ def test_pyverbs_imports_from_dist_packages_and_fails_cleanly_without_device() -
             await rdma_listen("127.0.0.1", 18515, lambda: None)  # type: ignore[arg-type, return-value]
 
     asyncio.run(asyncio.wait_for(body(), 20))
+
+
+def test_rdma_channel_adapter_over_fake_verbs() -> None:
+    """The pyverbs adapter end to end over a test-double HCA: tiny rings (depth 3, 128-byte
+    slots) force chunking and credit stalls; completions arrive through a real fd on the loop."""
+    from tests.transport import fake_verbs
+    from tests.transport.doubles import EchoWorker
+    from transport.client import ClientConnection
+    from transport.flow import FlowConnection
+    from transport.messages import Finish, Hello, SamplingParams, Submit, TokenEntry
+    from transport.rdma import RdmaChannel
+    from transport.server import WorkerServer
+
+    async def body() -> None:
+        loop = asyncio.get_running_loop()
+        server = WorkerServer(EchoWorker(), "w", 1.0, 5.0)
+        core = FlowConnection("gateway", Hello(initial_credit=32), loop.time())
+        conn = ClientConnection(core, loop)
+        cm_g, cm_w = fake_verbs.pair()
+        ch_w = RdmaChannel(cm_w, CreditRing(3, 128), server._new_endpoint, verbs=fake_verbs.VERBS)
+        ch_g = RdmaChannel(cm_g, CreditRing(3, 128), lambda: conn.endpoint, verbs=fake_verbs.VERBS)
+        ch_w.start()
+        ch_g.start()
+        await asyncio.wait_for(conn._hello, 5)
+        assert conn.peer_hello.identity == "w"
+        streams = [
+            conn.submit(Submit(conn.next_request_id(), "tiny", SamplingParams(max_tokens=100), prompt="x"))
+            for _ in range(5)
+        ]
+        for st_ in streams:
+            toks: list[int] = []
+            async with asyncio.timeout(10):
+                while True:
+                    try:
+                        evs = await st_.next_events()
+                    except StopAsyncIteration:
+                        break
+                    toks += [t for e in evs if isinstance(e, TokenEntry) for t in e.token_ids]
+                    last = evs[-1]
+            assert toks == list(range(100)) and isinstance(last, Finish)
+        assert cm_g.sends > 50 and cm_w.sends > 50  # many small messages, both ways
+        await conn.close()
+        assert cm_g.closed
+
+    asyncio.run(body())
+
+
+def test_rdma_channel_failed_completion_ends_streams_once() -> None:
+    """A work completion with an error status (e.g. the peer's QP flushed) ends the connection:
+    every open stream gets CONNECTION_LOST exactly once."""
+    from types import SimpleNamespace
+
+    from tests.transport import fake_verbs
+    from tests.transport.doubles import EchoWorker
+    from transport.client import ClientConnection
+    from transport.flow import FlowConnection
+    from transport.messages import Error, ErrorCode, Hello, SamplingParams, Submit
+    from transport.rdma import RdmaChannel
+    from transport.server import WorkerServer
+
+    async def body() -> None:
+        loop = asyncio.get_running_loop()
+        server = WorkerServer(EchoWorker(step_delay=0.005), "w", 1.0, 5.0)
+        conn = ClientConnection(FlowConnection("gateway", Hello(), loop.time()), loop)
+        cm_g, cm_w = fake_verbs.pair()
+        RdmaChannel(cm_w, CreditRing(4, 4096), server._new_endpoint, verbs=fake_verbs.VERBS).start()
+        RdmaChannel(cm_g, CreditRing(4, 4096), lambda: conn.endpoint, verbs=fake_verbs.VERBS).start()
+        await asyncio.wait_for(conn._hello, 5)
+        st_ = conn.submit(
+            Submit(conn.next_request_id(), "tiny", SamplingParams(max_tokens=10**6), prompt="x")
+        )
+        await st_.next_events()
+        assert cm_g.cq is not None
+        cm_g.cq.armed = True
+        cm_g.cq.push(SimpleNamespace(status=5, opcode=fake_verbs.IBV_WC_RECV, byte_len=0))  # WR_FLUSH_ERR
+        ends = []
+        async with asyncio.timeout(5):
+            while True:
+                try:
+                    ends += [e for e in await st_.next_events() if isinstance(e, Error)]
+                except StopAsyncIteration:
+                    break
+        assert [(e.code, "status 5" in e.message) for e in ends] == [(ErrorCode.CONNECTION_LOST, True)]
+        assert conn.closed and cm_g.closed
+
+    asyncio.run(body())
