@@ -148,7 +148,7 @@ class WorkerService:
         self._conns.pop(cid, None)
         for rid in open_requests:
             self.engine.cancel((cid, rid))
-        for key in [k for k in self.engine.keys() if k[0] == cid]:
+        for key in [k for k in self.engine.keys() if isinstance(k, tuple) and k[0] == cid]:
             self.engine.cancel(key)
 
     # -- loop -----------------------------------------------------------------
