@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable
 from typing import Any
 
 import orjson
@@ -79,46 +80,29 @@ class OpenAIHandlers:
         return 200
 
     # -- generation ---------------------------------------------------------------------
-    async def chat(self, req: Request, sink: ResponseSink, t0: float) -> int:
+    # chat()/completions() return the generation coroutine instead of awaiting it, and
+    # _unary/_stream hold their own error handling: every token wakes the handler, and
+    # each coroutine frame in the await chain is resumed on every wake-up.
+    def chat(self, req: Request, sink: ResponseSink, t0: float) -> Awaitable[int]:
         g = parse_chat(req.body, default_max_tokens=self.api.default_max_tokens,
                        max_tokens_limit=self.api.max_tokens_limit, deadline_ms=self._deadline_ms)
-        return await self._generate(g, sink, t0, CHAT_ROUTE)
+        return self._generate(g, sink, t0, CHAT_ROUTE)
 
-    async def completions(self, req: Request, sink: ResponseSink, t0: float) -> int:
+    def completions(self, req: Request, sink: ResponseSink, t0: float) -> Awaitable[int]:
         g = parse_completion(req.body, default_max_tokens=self.api.default_max_tokens,
                              max_tokens_limit=self.api.max_tokens_limit, deadline_ms=self._deadline_ms)
-        return await self._generate(g, sink, t0, COMPLETIONS_ROUTE)
+        return self._generate(g, sink, t0, COMPLETIONS_ROUTE)
 
-    async def _generate(self, g: GenerationRequest, sink: ResponseSink, t0: float, route: str) -> int:
+    def _generate(self, g: GenerationRequest, sink: ResponseSink, t0: float, route: str) -> Awaitable[int]:
         routed = self.pool.open(g.model, g.make_submit)
-        tpl = ChunkTemplate(g.chat, new_id("chatcmpl" if g.chat else "cmpl"), g.model, g.include_usage) \
-            if g.stream else None
-        task = asyncio.current_task()
-        assert task is not None
-        self.deadlines.add(task, self.api.request_timeout)
-        try:
-            if tpl is not None:
-                return await self._stream(g, tpl, routed, sink, t0, route)
-            return await self._unary(g, routed, sink, t0, route)
-        except asyncio.CancelledError:
-            if not self.deadlines.expired(task):
-                raise  # the client went away
-            err = APIError(504, f"The request did not finish within {self.api.request_timeout:g} s.",
-                           "server_error", None, "timeout")
-            if tpl is None or not tpl.started:
-                raise err from None
-            return await self._abort_stream(sink, err)
-        except APIError:
-            raise  # raised only before anything was sent
-        except Exception:
-            if tpl is None or not tpl.started:
-                raise
-            log.exception("stream failed after its first byte")
-            return await self._abort_stream(sink, APIError(500, "Internal server error.", "server_error"))
-        finally:
-            self.deadlines.discard(task)
-            if not routed.done:
-                routed.cancel()
+        if g.stream:
+            tpl = ChunkTemplate(g.chat, new_id("chatcmpl" if g.chat else "cmpl"), g.model, g.include_usage)
+            return self._stream(g, tpl, routed, sink, t0, route)
+        return self._unary(g, routed, sink, t0, route)
+
+    def _timeout(self) -> APIError:
+        return APIError(504, f"The request did not finish within {self.api.request_timeout:g} s.",
+                        "server_error", None, "timeout")
 
     @staticmethod
     async def _abort_stream(sink: ResponseSink, err: APIError) -> int:
@@ -128,88 +112,121 @@ class OpenAIHandlers:
 
     async def _unary(self, g: GenerationRequest, routed: RoutedStream, sink: ResponseSink, t0: float,
                      route: str) -> int:
-        parts: list[bytes] = []
-        lps: list[dict[str, Any]] = []
-        legacy: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        offset = 0
-        want_lp = g.logprobs
-        events = await routed.next_events()  # may move to another worker before the first token
-        t_first = _perf()
-        nxt = routed.direct_next_events() if routed.started else routed.next_events
-        fin: Finish | None = None
-        while True:
-            if len(events) == 1 and type(events[0]) is TokenEntry and not want_lp:
-                parts.append(events[0].text)  # the common case: one engine step's tokens
+        task = asyncio.current_task()
+        assert task is not None
+        self.deadlines.add(task, self.api.request_timeout)
+        try:
+            parts: list[bytes] = []
+            lps: list[dict[str, Any]] = []
+            legacy: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+            offset = 0
+            want_lp = g.logprobs
+            events = await routed.next_events()  # may move to another worker before the first token
+            t_first = _perf()
+            nxt = routed.direct_next_events() if routed.started else routed.next_events
+            fin: Finish | None = None
+            while True:
+                if len(events) == 1 and type(events[0]) is TokenEntry and not want_lp:
+                    parts.append(events[0].text)  # the common case: one engine step's tokens
+                else:
+                    for ev in events:
+                        t = type(ev)
+                        if t is TokenEntry:
+                            parts.append(ev.text)  # type: ignore[union-attr]
+                            if want_lp:
+                                if g.chat:
+                                    lps.extend(chat_logprobs(ev, g.top_logprobs))  # type: ignore[arg-type]
+                                else:
+                                    offset = completion_logprobs(ev, g.top_logprobs, legacy, offset)  # type: ignore[arg-type]
+                        elif t is Finish:
+                            fin = ev  # type: ignore[assignment]
+                        else:
+                            err: Error = ev  # type: ignore[assignment]
+                            raise from_wire_code(err.code, err.message)
+                    if fin is not None:
+                        break
+                events = await nxt()
+            text = b"".join(parts).decode("utf-8", "replace")
+            reason = finish_reason(fin)
+            if g.chat:
+                body: dict[str, Any] = {
+                    "id": new_id("chatcmpl"), "object": "chat.completion", "created": int(time.time()),
+                    "model": g.model,
+                    "choices": [{"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
+                                 "logprobs": {"content": lps} if want_lp else None, "finish_reason": reason}],
+                    "usage": usage_dict(fin), "system_fingerprint": None,
+                }
             else:
-                for ev in events:
-                    t = type(ev)
-                    if t is TokenEntry:
-                        parts.append(ev.text)  # type: ignore[union-attr]
-                        if want_lp:
-                            if g.chat:
-                                lps.extend(chat_logprobs(ev, g.top_logprobs))  # type: ignore[arg-type]
-                            else:
-                                offset = completion_logprobs(ev, g.top_logprobs, legacy, offset)  # type: ignore[arg-type]
-                    elif t is Finish:
-                        fin = ev  # type: ignore[assignment]
-                    else:
-                        err: Error = ev  # type: ignore[assignment]
-                        raise from_wire_code(err.code, err.message)
-                if fin is not None:
-                    break
-            events = await nxt()
-        text = b"".join(parts).decode("utf-8", "replace")
-        reason = finish_reason(fin)
-        if g.chat:
-            body: dict[str, Any] = {
-                "id": new_id("chatcmpl"), "object": "chat.completion", "created": int(time.time()),
-                "model": g.model,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
-                             "logprobs": {"content": lps} if want_lp else None, "finish_reason": reason}],
-                "usage": usage_dict(fin), "system_fingerprint": None,
-            }
-        else:
-            body = {
-                "id": new_id("cmpl"), "object": "text_completion", "created": int(time.time()), "model": g.model,
-                "choices": [{"text": text, "index": 0, "logprobs": legacy if want_lp else None,
-                             "finish_reason": reason}],
-                "usage": usage_dict(fin),
-            }
-        await sink.respond(200, JSON_HEADERS, orjson.dumps(body))
-        self._observe(route, t0, t_first if parts else 0.0, _perf(), fin.completion_tokens)
-        return 200
+                body = {
+                    "id": new_id("cmpl"), "object": "text_completion", "created": int(time.time()), "model": g.model,
+                    "choices": [{"text": text, "index": 0, "logprobs": legacy if want_lp else None,
+                                 "finish_reason": reason}],
+                    "usage": usage_dict(fin),
+                }
+            await sink.respond(200, JSON_HEADERS, orjson.dumps(body))
+            self._observe(route, t0, t_first if parts else 0.0, _perf(), fin.completion_tokens)
+            return 200
+        except asyncio.CancelledError:
+            if not self.deadlines.expired(task):
+                raise  # the client went away
+            raise self._timeout() from None
+        finally:
+            self.deadlines.discard(task)
+            if not routed.done:
+                routed.cancel()
 
     async def _stream(self, g: GenerationRequest, tpl: ChunkTemplate, routed: RoutedStream,
                       sink: ResponseSink, t0: float, route: str) -> int:
-        events = await routed.next_events()  # may move to another worker before the first token
-        first = events[0]
-        if type(first) is Error:
-            raise from_wire_code(first.code, first.message)  # nothing sent yet: a real HTTP error
-        t_first = _perf() if type(first) is TokenEntry else 0.0
-        tpl.started = True
-        await sink.start(200, SSE_HEADERS)
-        nxt = routed.direct_next_events()
-        send = sink.send
-        head, tail = tpl.head, tpl.tail
-        pending = tpl.role() if g.chat else b""
-        plain = not g.logprobs
-        state = [0]  # legacy logprobs text offset
-        while True:
-            if plain and len(events) == 1 and type(events[0]) is TokenEntry:
-                # the common case: one engine step's tokens -> one chunk, only the delta is escaped
-                await send(pending + head + _dumps(events[0].text.decode("utf-8", "replace")) + tail)
-                pending = b""
-            else:
-                if not t_first and any(type(ev) is TokenEntry for ev in events):
-                    t_first = _perf()
-                status = await self._stream_batch(g, tpl, events, send, sink, pending, state)
-                pending = b""
-                if status:
-                    if status == 200:
-                        fin = events[-1]
-                        self._observe(route, t0, t_first, _perf(), fin.completion_tokens)  # type: ignore[union-attr]
-                    return status
-            events = await nxt()
+        task = asyncio.current_task()
+        assert task is not None
+        self.deadlines.add(task, self.api.request_timeout)
+        try:
+            events = await routed.next_events()  # may move to another worker before the first token
+            first = events[0]
+            if type(first) is Error:
+                raise from_wire_code(first.code, first.message)  # nothing sent yet: a real HTTP error
+            t_first = _perf() if type(first) is TokenEntry else 0.0
+            tpl.started = True
+            await sink.start(200, SSE_HEADERS)
+            nxt = routed.direct_next_events()
+            send = sink.send
+            head, tail = tpl.head, tpl.tail
+            pending = tpl.role() if g.chat else b""
+            plain = not g.logprobs
+            state = [0]  # legacy logprobs text offset
+            while True:
+                if plain and len(events) == 1 and type(events[0]) is TokenEntry:
+                    # the common case: one engine step's tokens -> one chunk, only the delta is escaped
+                    await send(pending + head + _dumps(events[0].text.decode("utf-8", "replace")) + tail)
+                    pending = b""
+                else:
+                    if not t_first and any(type(ev) is TokenEntry for ev in events):
+                        t_first = _perf()
+                    status = await self._stream_batch(g, tpl, events, send, sink, pending, state)
+                    pending = b""
+                    if status:
+                        if status == 200:
+                            fin = events[-1]
+                            self._observe(route, t0, t_first, _perf(), fin.completion_tokens)  # type: ignore[union-attr]
+                        return status
+                events = await nxt()
+        except asyncio.CancelledError:
+            if not self.deadlines.expired(task):
+                raise  # the client went away
+            if not tpl.started:
+                raise self._timeout() from None
+            return await self._abort_stream(sink, self._timeout())
+        except APIError:
+            raise  # raised only before anything was sent
+        except Exception:
+            if not tpl.started:
+                raise
+            log.exception("stream failed after its first byte")
+            return await self._abort_stream(sink, APIError(500, "Internal server error.", "server_error"))
+        finally:
+            self.deadlines.discard(task)
+            if not routed.done:
+                routed.cancel()
 
     async def _stream_batch(self, g: GenerationRequest, tpl: ChunkTemplate, events: list[Any],
                             send: Any, sink: ResponseSink, pending: bytes, state: list[int]) -> int:
