@@ -1,0 +1,168 @@
+"""Control frame bodies (msgpack) with strict validation: any deviation is a ``WireError``."""
+
+from __future__ import annotations
+
+import enum
+import sys
+from array import array
+from typing import Any
+
+import msgpack
+
+from .errors import WireError
+from .messages import Submit
+
+__all__ = [
+    "MAX_TOP_N",
+    "check_rid",
+    "pack",
+    "submit_fields",
+    "Fields",
+    "unpack_fields",
+    "enum_value",
+    "le_bytes",
+]
+
+MAX_TOP_N = 20
+_BIG_ENDIAN = sys.byteorder == "big"
+
+
+def le_bytes(a: array[Any]) -> bytes:
+    if _BIG_ENDIAN:
+        a = array(a.typecode, a)
+        a.byteswap()
+    return a.tobytes()
+
+
+def check_rid(rid: int) -> None:
+    if not 0 < rid < 1 << 32:
+        raise ValueError(f"request id {rid} outside 1..2**32-1")
+
+
+def pack(obj: object) -> bytes:
+    out = msgpack.packb(obj, use_bin_type=True)
+    assert isinstance(out, bytes)
+    return out
+
+
+def submit_fields(s: Submit) -> list[object]:
+    p = s.params
+    if not 0 <= p.top_logprobs <= MAX_TOP_N:
+        raise ValueError(f"top_logprobs must be 0..{MAX_TOP_N}")
+    set_count = sum(x is not None for x in (s.prompt, s.prompt_token_ids, s.messages))
+    if set_count != 1:
+        raise ValueError("Submit needs exactly one of prompt, prompt_token_ids, messages")
+    params = [
+        p.max_tokens,
+        float(p.temperature),
+        float(p.top_p),
+        p.top_k,
+        p.seed,
+        list(p.stop),
+        le_bytes(array("I", p.stop_token_ids)),
+        bool(p.ignore_eos),
+        bool(p.logprobs),
+        p.top_logprobs,
+    ]
+    ids = None if s.prompt_token_ids is None else le_bytes(array("I", s.prompt_token_ids))
+    msgs = None if s.messages is None else list(s.messages)
+    return [s.model, params, s.prompt, ids, msgs, s.deadline_ms, s.priority, s.trace, bool(s.return_text)]
+
+
+# --- decoding ------------------------------------------------------------------------------------
+
+
+class Fields:
+    """Validating accessors over one decoded msgpack list."""
+
+    __slots__ = ("items", "what")
+
+    def __init__(self, items: object, what: str, min_len: int) -> None:
+        if not isinstance(items, list) or len(items) < min_len:
+            raise WireError(f"{what}: expected a list of at least {min_len} fields")
+        self.items: list[object] = items
+        self.what = what
+
+    def fail(self, i: int, kind: str) -> WireError:
+        return WireError(f"{self.what}: field {i} must be {kind}")
+
+    def integer(self, i: int, lo: int = 0, hi: int = (1 << 63) - 1) -> int:
+        v = self.items[i]
+        if type(v) is not int or not lo <= v <= hi:
+            raise self.fail(i, f"an integer in {lo}..{hi}")
+        return v
+
+    def opt_integer(self, i: int) -> int | None:
+        return None if self.items[i] is None else self.integer(i, -(1 << 63))
+
+    def number(self, i: int) -> float:
+        v = self.items[i]
+        if type(v) is int:
+            return float(v)
+        if type(v) is not float:
+            raise self.fail(i, "a number")
+        return v
+
+    def flag(self, i: int) -> bool:
+        v = self.items[i]
+        if type(v) is not bool:
+            raise self.fail(i, "a bool")
+        return v
+
+    def text(self, i: int) -> str:
+        v = self.items[i]
+        if type(v) is not str:
+            raise self.fail(i, "a string")
+        return v
+
+    def opt_text(self, i: int) -> str | None:
+        return None if self.items[i] is None else self.text(i)
+
+    def strs(self, i: int) -> tuple[str, ...]:
+        v = self.items[i]
+        if not isinstance(v, list) or not all(type(x) is str for x in v):
+            raise self.fail(i, "a list of strings")
+        return tuple(v)
+
+    def uints(self, i: int, itemsize: int = 4) -> tuple[int, ...]:
+        v = self.items[i]
+        if type(v) is not bytes or len(v) % itemsize:
+            raise self.fail(i, f"bytes of u{itemsize * 8} values")
+        a = array("I" if itemsize == 4 else "Q")
+        a.frombytes(v)
+        if _BIG_ENDIAN:
+            a.byteswap()
+        return tuple(a)
+
+    def str_dict(self, i: int) -> dict[str, str] | None:
+        v = self.items[i]
+        if v is None:
+            return None
+        if not isinstance(v, dict) or not all(type(k) is str and type(x) is str for k, x in v.items()):
+            raise self.fail(i, "a map of strings")
+        return v
+
+    def chat(self, i: int) -> tuple[dict[str, Any], ...] | None:
+        v = self.items[i]
+        if v is None:
+            return None
+        if not isinstance(v, list) or not all(
+            isinstance(m, dict) and all(type(k) is str for k in m) for m in v
+        ):
+            raise self.fail(i, "a list of maps with string keys")
+        return tuple(v)
+
+
+def unpack_fields(body: memoryview, what: str, min_len: int) -> Fields:
+    try:
+        obj = msgpack.unpackb(body, raw=False, strict_map_key=True, use_list=True)
+    except Exception as exc:  # msgpack raises many types for bad input; all mean one thing
+        raise WireError(f"{what}: body is not valid msgpack ({type(exc).__name__})") from None
+    return Fields(obj, what, min_len)
+
+
+def enum_value(cls: type[enum.IntEnum], v: int, what: str) -> Any:
+    try:
+        return cls(v)
+    except ValueError:
+        raise WireError(f"{what}: unknown {cls.__name__} {v}") from None
