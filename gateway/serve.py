@@ -121,8 +121,12 @@ def _hostport(host: str, port: int) -> str:
 def serve_forever(settings: Settings) -> int:
     """Run :func:`run_gateway` on uvloop (unless ``server.uvloop = false``)."""
     logging.basicConfig(level=settings.log.level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if settings.server.uvloop:
-        import uvloop
+    try:
+        if settings.server.uvloop:
+            import uvloop
 
-        return uvloop.run(run_gateway(settings))
-    return asyncio.run(run_gateway(settings))
+            return uvloop.run(run_gateway(settings))
+        return asyncio.run(run_gateway(settings))
+    except OSError as e:  # the usual one: a port already in use
+        print(f"quicserve: cannot start: {e}", file=sys.stderr)
+        return 1

@@ -44,3 +44,23 @@ def test_config_check_cli(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, "-m", "gateway.cli", "config", "check", str(REPO / "config/default.toml")],
                        cwd=REPO, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and r.stdout.strip().endswith("OK")
+
+
+def test_serve_port_in_use_is_a_clear_error() -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), "--no-tls",
+                            "--engine", "synthetic"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1
+    assert "cannot start" in r.stderr and "address already in use" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_serve_rejects_bad_settings() -> None:
+    r = subprocess.run([sys.executable, "-m", "gateway.cli", "serve", "--port", "70000"], cwd=REPO,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "server.port: 70000 is not a TCP port" in r.stderr
