@@ -32,7 +32,7 @@ import numpy as np
 from inference.kernels import reference
 from inference.kernels.autotune import Autotuner, default_tuner, time_call
 from inference.kernels.flash_prefill import PrefillBlocks, flash_prefill
-from inference.kernels.paged_decode import DecodeBlocks, paged_decode
+from inference.kernels.paged_decode import DecodeBlocks, paged_decode, supports
 from inference.kernels.reference import Array
 
 __all__ = [
@@ -139,6 +139,12 @@ def _pallas_fns(interpret: bool, tuner: Autotuner) -> tuple[PrefillFn, DecodeFn]
         k_scale: Array | None = None,
         v_scale: Array | None = None,
     ) -> Array:
+        if not interpret and not supports(k_cache.shape[1], q.shape[-1]):
+            log.warning("paged decode: page size %d / head dim %d not powers of two; using the reference",
+                        k_cache.shape[1], q.shape[-1])
+            return reference.paged_decode_attention(
+                q, k_cache, v_cache, block_tables, context_lens, scale=scale, k_scale=k_scale, v_scale=v_scale
+            )
         blocks = tuned_decode_blocks(
             tuner, q, k_cache, block_tables, quantized=k_scale is not None, interpret=interpret
         )

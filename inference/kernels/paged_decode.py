@@ -30,7 +30,7 @@ from jax.experimental import pallas as pl
 from inference.kernels.flash_prefill import compiler_params_for
 from inference.kernels.reference import MASK_VALUE, Array
 
-__all__ = ["DecodeBlocks", "paged_decode"]
+__all__ = ["DecodeBlocks", "paged_decode", "supports"]
 
 _LOG2E = math.log2(math.e)
 
@@ -50,6 +50,15 @@ class DecodeBlocks:
             raise ValueError(f"pages_per_chunk must be a positive power of two, got {p}")
         if self.k_splits < 1:
             raise ValueError(f"k_splits must be >= 1, got {self.k_splits}")
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def supports(page_size: int, head_dim: int) -> bool:
+    """Whether the compiled kernel handles this cache geometry (Triton tiles are powers of two)."""
+    return _pow2(page_size) and _pow2(head_dim)
 
 
 def _decode_kernel(
@@ -151,6 +160,8 @@ def paged_decode(
         raise ValueError(f"scales must have shape {(n, kv)}, got {k_scale.shape} and {v_scale.shape}")
     if not quantized and k_cache.dtype != q.dtype:
         raise ValueError(f"unquantized cache dtype {k_cache.dtype} must match q dtype {q.dtype}")
+    if not interpret and not (_pow2(page_size) and _pow2(d)):
+        raise ValueError(f"compiled paged decode needs power-of-two page size and head dim, got {page_size}, {d}")
     group = h // kv
     block_h = max(16, pl.next_power_of_2(group))
     m = block_tables.shape[1]

@@ -124,3 +124,22 @@ def test_tuning_runs_at_trace_time_under_jit(tmp_path: Path, monkeypatch: pytest
     (key, entry), = json.loads((tmp_path / "t.json").read_text()).items()
     assert key == "decode/cpu/B2-H8-KV2-D64-N12-bs8-M4-float32-float32"
     assert DecodeBlocks(**entry["params"]) in cands and entry["seconds"] > 0
+
+
+def test_compiled_decode_falls_back_for_non_power_of_two_geometry(caplog: pytest.LogCaptureFixture) -> None:
+    """Head dim 80 (or a 12-token page) has no Triton tile: the compiled path uses the reference, loudly."""
+    from inference.kernels.paged_decode import paged_decode, supports
+
+    assert supports(16, 128) and not supports(16, 80) and not supports(12, 64)
+    rng = np.random.default_rng(4)
+    q = jnp.asarray(rng.standard_normal((1, 2, 80), np.float32))
+    kc = jnp.asarray(rng.standard_normal((2, 16, 1, 80), np.float32))
+    tables, lens = jnp.asarray([[1, 0]], jnp.int32), jnp.asarray([20], jnp.int32)
+    with pytest.raises(ValueError, match="power-of-two"):
+        paged_decode(q, kc, kc, tables, lens, scale=0.1, platform="gpu")
+    _, decode_fn = dispatch._pallas_fns(False, Autotuner(enabled=False))
+    with caplog.at_level(logging.WARNING, logger="inference.kernels.dispatch"):
+        got = decode_fn(q, kc, kc, tables, lens, scale=0.1)
+    assert "not powers of two" in caplog.text
+    want = reference.paged_decode_attention(q, kc, kc, tables, lens, scale=0.1)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6)
