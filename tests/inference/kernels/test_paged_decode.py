@@ -158,3 +158,11 @@ def test_tiny_model_shapes_lower_for_cuda() -> None:
     )(sd((2, 4, 16), jnp.float32), sd((64, 8, 2, 16), jnp.float32), sd((64, 8, 2, 16), jnp.float32),
       sd((2, 1), jnp.int32), sd((2,), jnp.int32))
     assert "__gpu$xla.gpu.triton" in exported.mlir_module()
+
+
+def test_query_group_wider_than_one_tile() -> None:
+    """32 query heads on one KV head: the group fills a 32-row tile (no padding rows)."""
+    q, kc, vc, tables, lens = _inputs(32, 1, 64, seed=6)
+    out = paged_decode(q, kc, vc, tables, lens, scale=0.125, blocks=DecodeBlocks(2, 2), interpret=True)
+    want = reference.paged_decode_attention(q, kc, vc, tables, lens, scale=0.125)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=2e-5, rtol=0)
