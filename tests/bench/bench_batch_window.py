@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import sys
 import time
@@ -98,7 +99,7 @@ class MeasuredCostRunner(SyntheticRunner):
 
 
 def simulate(window: FixedWindow, dec: dict[int, float], pre: dict[tuple[int, int], float],
-             duration: float, seed: int = 0) -> tuple[float, float, float]:  # fmt: skip
+             duration: float, wl: argparse.Namespace, seed: int = 0) -> tuple[float, float, float]:  # fmt: skip
     """(tokens/s, p99 step latency, mean TTFT) of a closed-loop bursty workload."""
     rng = random.Random(seed)
     runner = MeasuredCostRunner(dec, pre)
@@ -106,8 +107,8 @@ def simulate(window: FixedWindow, dec: dict[int, float], pre: dict[tuple[int, in
         runner, ByteTokenizer(), EngineConfig(max_batch=MAX_BATCH, prefill_batch=PREFILL_BATCH), window
     )
     phase = duration / 8
-    clients = [48 if int(t // phase) % 2 == 0 else 6 for t in [i * phase for i in range(8)]]
-    think = 0.02
+    clients = [wl.heavy if i % 2 == 0 else wl.light for i in range(8)]
+    think = wl.think_ms / 1e3
     next_submit: dict[int, float] = {c: rng.uniform(0, think) for c in range(max(clients))}
     owner: dict[int, int] = {}
     arrivals: dict[int, float] = {}
@@ -119,7 +120,7 @@ def simulate(window: FixedWindow, dec: dict[int, float], pre: dict[tuple[int, in
         for c, t in list(next_submit.items()):
             if t <= now and c < active:
                 rid += 1
-                plen, out = rng.randint(8, 40), rng.randint(8, 48)
+                plen, out = rng.randint(*wl.prompt), rng.randint(*wl.output)
                 prompt = [rng.randrange(32, 127) for _ in range(plen)]
                 eng.add(rid, prompt, SamplingParams(max_tokens=out, seed=rid), now)
                 owner[rid], arrivals[rid] = c, now
@@ -145,11 +146,22 @@ def simulate(window: FixedWindow, dec: dict[int, float], pre: dict[tuple[int, in
     return tokens / duration, p99, sum(ttfts) / max(1, len(ttfts))
 
 
+def _range(spec: str) -> tuple[int, int]:
+    lo, _, hi = spec.partition(":")
+    return int(lo), int(hi or lo)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="tiny", help="tiny | medium | a checkpoint directory")
     ap.add_argument("--duration", type=float, default=20.0, help="virtual seconds per run")
     ap.add_argument("--target-ms", type=float, default=0.0, help="p99 step-latency target (default: derived)")
+    ap.add_argument("--prompt", type=_range, default=(8, 40), help="prompt tokens lo:hi")
+    ap.add_argument("--output", type=_range, default=(8, 48), help="generated tokens lo:hi")
+    ap.add_argument("--heavy", type=int, default=48, help="clients in heavy phases")
+    ap.add_argument("--light", type=int, default=6, help="clients in light phases")
+    ap.add_argument("--think-ms", type=float, default=20.0)
+    ap.add_argument("--table", default=None, help="JSON file: reuse a measured cost table, or save one there")
     args = ap.parse_args()
     model = args.model
     if model == "medium":  # the random Llama of bench_prefix_cache, written to a temp dir
@@ -160,21 +172,30 @@ def main() -> None:
         from inference.weights import write_hf_checkpoint
 
         model = str(write_hf_checkpoint(Path(tempfile.mkdtemp()) / "medium", MEDIUM, seed=0))
-    dec, pre = measure(model)
+    if args.table and Path(args.table).exists():
+        raw = json.loads(Path(args.table).read_text())
+        dec = {int(k): v for k, v in raw["decode"].items()}
+        pre = {(int(k.split("x")[0]), int(k.split("x")[1])): v for k, v in raw["prefill"].items()}
+    else:
+        dec, pre = measure(model)
+        if args.table:
+            Path(args.table).write_text(json.dumps(
+                {"decode": dec, "prefill": {f"{b}x{t}": v for (b, t), v in pre.items()}}))  # fmt: skip
     print("measured step cost (ms): decode " + ", ".join(f"b{b}={v * 1e3:.2f}" for b, v in dec.items()))
     print("  prefill " + ", ".join(f"{b}x{t}={v * 1e3:.2f}" for (b, t), v in pre.items()))
     # default target: a full decode step plus one full batched prefill of short prompts
     target = args.target_ms / 1e3 or dec[MAX_BATCH] + pre[(PREFILL_BATCH, 32)]
-    print(f"p99 step-latency target: {target * 1e3:.2f} ms, workload: closed loop, 48 <-> 6 clients")
+    print(f"p99 step-latency target: {target * 1e3:.2f} ms, workload: closed loop, {args.heavy} <-> {args.light}"
+          f" clients, prompts {args.prompt}, outputs {args.output}, think {args.think_ms} ms")  # fmt: skip
     results = []
     for w_ms in (0.0, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0):
-        tps, p99, ttft = simulate(FixedWindow(w_ms / 1e3), dec, pre, args.duration)
+        tps, p99, ttft = simulate(FixedWindow(w_ms / 1e3), dec, pre, args.duration, args)
         ok = p99 <= target
         results.append((tps, w_ms, ok))
         print(f"  fixed {w_ms:5.1f} ms: {tps:9.0f} tok/s  p99 {p99 * 1e3:6.2f} ms  TTFT {ttft * 1e3:6.2f} ms"
               f"{'' if ok else '  (misses target)'}")  # fmt: skip
     adaptive = AdaptiveWindow(target, w_min=0.0, w_max=0.032, lr=0.5, quantile=0.99)
-    a_tps, a_p99, a_ttft = simulate(adaptive, dec, pre, args.duration)
+    a_tps, a_p99, a_ttft = simulate(adaptive, dec, pre, args.duration, args)
     print(f"  DBS-Adapt     : {a_tps:9.0f} tok/s  p99 {a_p99 * 1e3:6.2f} ms  TTFT {a_ttft * 1e3:6.2f} ms"
           f"{'' if a_p99 <= target else '  (misses target)'}  final w={adaptive.window * 1e3:.2f} ms")  # fmt: skip
     eligible = [r for r in results if r[2]]
