@@ -207,5 +207,9 @@ async def connect(
         conn.endpoint.close("connect timeout")
         raise ConnectError(f"{url}: no HELLO from the worker within {timeout}s") from None
     except OSError as exc:
+        conn.endpoint.close("connect failed")
         raise ConnectError(f"{url}: {exc.strerror or exc}") from exc
+    except BaseException:  # protocol error at HELLO, or the caller gave up: leave nothing open
+        conn.endpoint.close("connect aborted")
+        raise
     return conn
