@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import logging
 import sys
 import time
 from pathlib import Path
@@ -171,6 +172,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peak-tbs", type=float, default=4.3, help="HBM bandwidth in TB/s (H200 ~4.3)")
     parser.add_argument("--tune-cache", default=None, help="autotune cache file (default: the tuner's)")
     args = parser.parse_args(argv)
+    kernel_log = logging.getLogger("inference.kernels")  # the autotuner's choices and timings
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("  [%(name)s] %(message)s"))
+    old_level = kernel_log.level
+    kernel_log.addHandler(handler)
+    kernel_log.setLevel(logging.INFO)
+    try:
+        return _run(args)
+    finally:
+        kernel_log.removeHandler(handler)
+        kernel_log.setLevel(old_level)
+
+
+def _run(args: argparse.Namespace) -> int:
 
     platform = jax.default_backend()
     if platform != "gpu" and not args.smoke:
