@@ -87,8 +87,8 @@ class App:
         except APIError as e:
             status = e.status
             await sink.respond(e.status, _error_headers(e), render_json(e))
-        except asyncio.CancelledError:
-            status = 499  # client went away
+        except (asyncio.CancelledError, ConnectionError):
+            status = 499  # the client went away (cancelled by the adapter, or a write failed)
             raise
         except Exception:
             log.exception("unhandled error in %s %s", req.method, path)

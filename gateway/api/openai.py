@@ -216,8 +216,8 @@ class OpenAIHandlers:
             if not tpl.started:
                 raise self._timeout() from None
             return await self._abort_stream(sink, self._timeout())
-        except APIError:
-            raise  # raised only before anything was sent
+        except (APIError, ConnectionError):
+            raise  # APIError: only before anything was sent; ConnectionError: the client is gone
         except Exception:
             if not tpl.started:
                 raise

@@ -264,3 +264,17 @@ async def test_request_timeout_504() -> None:
     s = await call(app, req("/v1/chat/completions", {**CHAT, "stream": True}))
     assert s.status == 200 and sse_events(s.body)[-1]["error"]["code"] == "timeout"
     assert conn.cancels == [1]
+
+
+async def test_write_to_a_gone_client_ends_quietly_and_cancels() -> None:
+    class GoneSink(RecordingSink):
+        async def send(self, data: bytes) -> None:
+            raise ConnectionResetError("client went away")
+
+    conn = ScriptedWorkerConnection(hang_after=3)
+    app = make_app(conn)
+    sink = GoneSink()
+    with pytest.raises(ConnectionError):
+        await app(req("/v1/chat/completions", {**CHAT, "stream": True}), sink)
+    assert conn.cancels == [1] and sink.status == 200  # no second response attempted
+    assert app.metrics.requests[("/v1/chat/completions", "499", "http/1.1")] == 1
