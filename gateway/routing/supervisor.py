@@ -154,7 +154,7 @@ class LocalWorker(_Worker):
     async def run_once(self) -> None:
         ws = self.sup.ws
         self.proc = proc = await asyncio.create_subprocess_exec(
-            *self.argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+            *self.argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, limit=1 << 20,
             start_new_session=True, preexec_fn=_child_setup)
         assert proc.stdout is not None
         self.sup.progress.note(self.name, f"starting (pid {proc.pid}): {' '.join(self.argv[3:])}")
