@@ -104,6 +104,23 @@ class Bench:
         print(f"  xla    {t_xla * 1e3:8.3f} ms  {tf_xla:7.1f} TFLOP/s  {tf_xla / peak:6.1%} of peak")
         print(f"  pallas / xla speed-up {t_xla / t_ours:5.2f}x  "
               f"[target >1: {self.target(name + ' vs xla', t_ours < t_xla)}]")
+        if not self.interpret:
+            self.mosaic_reference(q, k, v, flops)
+
+    def mosaic_reference(self, q, k, v, flops: float) -> None:
+        """For context only: JAX's own Hopper (Mosaic GPU, FA3-style) kernel; uniform lengths, no paging."""
+        try:
+            from jax.experimental.pallas.ops.gpu import attention_mgpu as mgpu
+
+            config = mgpu.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2, causal=True)
+            fn = jax.jit(functools.partial(mgpu.attention, config=config))
+            seconds = time_call(lambda: fn(q, k, v), iters=self.iters)
+        except Exception as exc:  # not every toolchain/shape supports it; it is not ours
+            print(f"  (jax mosaic-gpu reference kernel unavailable: {str(exc).splitlines()[0][:120]})")
+            return
+        tflops = flops / seconds / 1e12
+        print(f"  (jax mosaic-gpu reference kernel, for context: {seconds * 1e3:.3f} ms, {tflops:.1f} TFLOP/s, "
+              f"{tflops / self.args.peak_tflops:.1%} of peak)")
 
     def decode(self, b: int, h: int, kv: int, d: int, ctx: int, bs: int, kind: str, dtype) -> None:
         rng = np.random.default_rng(1)
