@@ -6,8 +6,10 @@ A running gateway is checked too, in tests/integration/test_gateway_e2e.py (its
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -64,3 +66,15 @@ def test_serve_rejects_bad_settings() -> None:
     r = subprocess.run([sys.executable, "-m", "gateway.cli", "serve", "--port", "70000"], cwd=REPO,
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "server.port: 70000 is not a TCP port" in r.stderr
+
+
+def test_config_show_and_transport_probe_cli() -> None:
+    env = {**os.environ, "QUICSERVE_SERVER__PORT": "9001"}
+    r = subprocess.run([sys.executable, "-m", "gateway.cli", "config", "show"], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "[server]\nhost = \"127.0.0.1\"\nport = 9001\n" in r.stdout
+    shown = tomllib.loads(r.stdout)  # what `config show` prints is itself a valid config
+    assert shown["server"]["port"] == 9001 and shown["workers"]["remote"] == []
+    r = subprocess.run([sys.executable, "-m", "gateway.cli", "transport", "probe"], cwd=REPO,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "RDMA" in r.stdout
