@@ -33,6 +33,7 @@ from inference.kernels import reference
 from inference.kernels.autotune import Autotuner, default_tuner, time_call
 from inference.kernels.flash_prefill import PrefillBlocks, flash_prefill
 from inference.kernels.paged_decode import DecodeBlocks, paged_decode, supports
+from inference.kernels.quant_matmul import MatmulBlocks, pallas_quantized_matmul
 from inference.kernels.reference import Array
 
 __all__ = [
@@ -42,6 +43,8 @@ __all__ = [
     "decode_candidates",
     "tuned_prefill_blocks",
     "tuned_decode_blocks",
+    "matmul_candidates",
+    "tuned_matmul_blocks",
 ]
 
 log = logging.getLogger(__name__)
@@ -121,6 +124,29 @@ def tuned_decode_blocks(
         return time_call(lambda: fn(qq, kc, vc, tables, lens), iters=10)
 
     return tuner.pick(key, decode_candidates(b, kv), measure)
+
+
+def matmul_candidates(m: int) -> list[MatmulBlocks]:
+    """Weight-only matmul tiles tried on GPU: thin row blocks for decode-sized M."""
+    if m <= 16:
+        return [MatmulBlocks(16, 128, 128, 4, 3), MatmulBlocks(16, 256, 64, 4, 3), MatmulBlocks(16, 64, 256, 4, 4)]
+    return [MatmulBlocks(64, 128, 64, 4, 3), MatmulBlocks(128, 128, 64, 8, 3), MatmulBlocks(64, 256, 64, 8, 3),
+            MatmulBlocks(128, 256, 64, 8, 3)]
+
+
+def tuned_matmul_blocks(tuner: Autotuner, x: Array, codes: Array) -> MatmulBlocks:
+    """Tiles for ``x[..., K] @ codes[K, N]`` (the weight-only quantized matmul)."""
+    k, n = codes.shape
+    m = int(np.prod(x.shape[:-1]))
+    key = f"wmatmul/{jax.default_backend()}/M{m}-K{k}-N{n}-{jnp.dtype(x.dtype).name}-{jnp.dtype(codes.dtype).name}"
+
+    def measure(blocks: MatmulBlocks) -> float:
+        xx = _random((m, k), x.dtype, 0)
+        cc = _random((k, n), codes.dtype, 1)
+        ss = jnp.full((n,), 0.01, jnp.float32)
+        return time_call(lambda: pallas_quantized_matmul(xx, cc, ss, blocks=blocks), iters=10)
+
+    return tuner.pick(key, matmul_candidates(m), measure)
 
 
 def _pallas_fns(interpret: bool, tuner: Autotuner) -> tuple[PrefillFn, DecodeFn]:

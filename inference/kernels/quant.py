@@ -212,9 +212,16 @@ def quantized_matmul(x: Array, w: QuantizedWeight | Array) -> Array:
     """``x[..., in] @ w`` where ``w`` may be a :class:`QuantizedWeight`."""
     if not isinstance(w, QuantizedWeight):
         return x @ w
-    if w.kernel != "xla":
+    if w.kernel == "interpret":
         from inference.kernels.quant_matmul import pallas_quantized_matmul
 
-        return pallas_quantized_matmul(x, w.codes, w.scale, interpret=w.kernel == "interpret")
+        return pallas_quantized_matmul(x, w.codes, w.scale, interpret=True)
+    if w.kernel == "pallas":  # compiled; tiles tuned per shape on first trace
+        from inference.kernels.autotune import default_tuner
+        from inference.kernels.dispatch import tuned_matmul_blocks
+        from inference.kernels.quant_matmul import pallas_quantized_matmul
+
+        blocks = tuned_matmul_blocks(default_tuner(), x, w.codes)
+        return pallas_quantized_matmul(x, w.codes, w.scale, blocks=blocks)
     y = jnp.matmul(x, w.codes.astype(x.dtype), preferred_element_type=jnp.float32)
     return (y * w.scale).astype(x.dtype)

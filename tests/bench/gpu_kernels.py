@@ -40,11 +40,15 @@ import numpy as np  # noqa: E402
 
 from inference.kernels import reference  # noqa: E402
 from inference.kernels.autotune import Autotuner, time_call  # noqa: E402
-from inference.kernels.dispatch import tuned_decode_blocks, tuned_prefill_blocks  # noqa: E402
+from inference.kernels.dispatch import (  # noqa: E402
+    tuned_decode_blocks,
+    tuned_matmul_blocks,
+    tuned_prefill_blocks,
+)
 from inference.kernels.flash_prefill import flash_prefill  # noqa: E402
 from inference.kernels.paged_decode import paged_decode  # noqa: E402
 from inference.kernels.quant import QMAX, code_dtype, kv_read_bytes, quantize_weight, quantized_matmul  # noqa: E402
-from inference.kernels.quant_matmul import pallas_quantized_matmul  # noqa: E402
+from inference.kernels.quant_matmul import MatmulBlocks, pallas_quantized_matmul  # noqa: E402
 
 __all__ = ["main"]
 
@@ -170,7 +174,8 @@ class Bench:
               f"({k * n * w.dtype.itemsize / t_dense / 1e12:.2f} TB/s of weights)")
         for kind in ("int8", "fp8"):
             qw = quantize_weight(w, kind)
-            pallas = jax.jit(functools.partial(pallas_quantized_matmul, interpret=self.interpret))
+            blocks = MatmulBlocks() if self.interpret else tuned_matmul_blocks(self.tuner, x, qw.codes)
+            pallas = jax.jit(functools.partial(pallas_quantized_matmul, blocks=blocks, interpret=self.interpret))
             fused = jax.jit(quantized_matmul)
             self.check(f"{kind} weight matmul", pallas(x, qw.codes, qw.scale), fused(x, qw), 2e-2)
             t_p = time_call(lambda p=pallas, q=qw: p(x, q.codes, q.scale), iters=self.iters)

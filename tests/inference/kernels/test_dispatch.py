@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from pathlib import Path
@@ -143,3 +144,19 @@ def test_compiled_decode_falls_back_for_non_power_of_two_geometry(caplog: pytest
     assert "not powers of two" in caplog.text
     want = reference.paged_decode_attention(q, kc, kc, tables, lens, scale=0.1)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6)
+
+
+def test_matmul_tuning_key_and_candidates(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Weight matmul tiles are tuned per (M, K, N, dtypes); interpreted candidates are timed for real."""
+    from inference.kernels.quant_matmul import MatmulBlocks, pallas_quantized_matmul
+
+    assert all(c.block_m == 16 for c in dispatch.matmul_candidates(8))
+    # CPU: time the candidates interpreted (on GPU they are compiled)
+    monkeypatch.setattr(dispatch, "pallas_quantized_matmul", functools.partial(pallas_quantized_matmul, interpret=True))
+    monkeypatch.setattr(dispatch, "matmul_candidates", lambda m: [MatmulBlocks(16, 16, 16), MatmulBlocks(16, 32, 32)])
+    tuner = Autotuner(tmp_path / "t.json", enabled=True)
+    x = jnp.ones((2, 3, 32), jnp.float32)
+    chosen = dispatch.tuned_matmul_blocks(tuner, x, jnp.ones((32, 48), jnp.int8))
+    (key, entry), = json.loads((tmp_path / "t.json").read_text()).items()
+    assert key == "wmatmul/cpu/M6-K32-N48-float32-int8"
+    assert MatmulBlocks(**entry["params"]) == chosen
