@@ -27,14 +27,20 @@ The adapter posts every slot the ring hands out and feeds completions back
 Completions are event-driven: the CQ's completion channel fd is registered
 with the event loop (``loop.add_reader``); pyverbs does not expose that fd,
 so it is found as the ``anon_inode:[infinibandevent]`` descriptor that appears
-when the channel is created. rdma_cm setup calls are synchronous in pyverbs
-and run in a worker thread.
+when the channel is created. Connection setup uses rdma_cm's synchronous API
+on the active side and its event API on the passive side; both block, so they
+run in worker threads (setup only, never the data path).
+
+Not exercised on hardware in this repository's CI (no device); the adapter is
+tested over a fake-verbs test double and the ring logic directly.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
+import logging
 import os
 import struct
 import sys
@@ -58,6 +64,8 @@ __all__ = [
     "rdma_connect",
     "rdma_listen",
 ]
+
+log = logging.getLogger("transport.rdma")
 
 DIST_PACKAGES = "/usr/lib/python3/dist-packages"
 SYSFS_IB = "/sys/class/infiniband"
@@ -372,6 +380,25 @@ def _verbs() -> ModuleType:
     return _PV
 
 
+def _addrinfo(pv: Any, *, passive: bool, host: str, port: int) -> Any:
+    """AddrInfo across pyverbs versions (``src_service``/``dst_service`` vs ``service``)."""
+    cm = pv.cm_enums
+    if passive:
+        kw: dict[str, Any] = {"src": host, "port_space": cm.RDMA_PS_TCP, "flags": cm.RAI_PASSIVE}
+        side = "src_service"
+    else:
+        kw = {"dst": host, "port_space": cm.RDMA_PS_TCP}
+        side = "dst_service"
+    try:
+        return pv.cmid.AddrInfo(**kw, **{side: str(port)})
+    except TypeError:
+        return pv.cmid.AddrInfo(**kw, service=str(port))
+
+
+def _conn_param(pv: Any) -> Any:
+    return pv.cmid.ConnParam(retry=7, rnr_retry=7)
+
+
 async def rdma_connect(
     host: str,
     port: int,
@@ -380,17 +407,18 @@ async def rdma_connect(
     depth: int = 64,
     slot_size: int = 1 << 16,
 ) -> RdmaChannel:
-    """Resolve, create the QP and rings, connect (rdma_cm), start the endpoint."""
+    """Active side, rdma_cm's synchronous API (as pyverbs' own tests use it):
+    ``rdma_create_ep`` resolves address and route and binds the device (context
+    and PD), then our CQ/QP/rings are created and ``rdma_connect`` completes."""
     pv = _verbs()
 
     def setup() -> Any:
-        ai = pv.cmid.AddrInfo(dst=host, dst_service=str(port), port_space=pv.cm_enums.RDMA_PS_TCP)
-        return pv.cmid.CMID(creator=ai)
+        return pv.cmid.CMID(creator=_addrinfo(pv, passive=False, host=host, port=port))
 
     try:
         cmid = await asyncio.to_thread(setup)
         chan = RdmaChannel(cmid, CreditRing(depth, slot_size), endpoint_factory)
-        await asyncio.to_thread(cmid.connect, pv.cmid.ConnParam(rnr_retry=7, retry=7))
+        await asyncio.to_thread(cmid.connect, _conn_param(pv))
     except Exception as exc:
         raise ConnectError(f"rdma://{host}:{port}: {exc}") from exc
     chan.start()
@@ -398,49 +426,96 @@ async def rdma_connect(
 
 
 class RdmaListener:
-    """Accepts RDMA connections in a thread (rdma_cm's synchronous API) and starts channels."""
+    """Passive side, rdma_cm's event API. A thread waits for CM events (pyverbs
+    has no fd for them either); each CONNECT_REQUEST becomes a child id that
+    shares the listener's device context and PD, gets its CQ/QP/rings, and is
+    accepted; its channel starts at ESTABLISHED. pyverbs' CMEvent does not say
+    which id an event is for, so accepts are matched to ESTABLISHED in order;
+    disconnects surface as flushed work completions on the child's CQ (and,
+    failing that, the heartbeat timeout)."""
 
     def __init__(
-        self, listen_id: Any, make_endpoint: Callable[[], Endpoint], depth: int, slot_size: int
+        self, ec: Any, listen_id: Any, make_endpoint: Callable[[], Endpoint], depth: int, slot_size: int
     ) -> None:
+        self._pv = _verbs()
+        self._ec = ec
         self._listen_id = listen_id
         self._make_endpoint = make_endpoint
         self._depth = depth
         self._slot_size = slot_size
-        self._task = asyncio.get_running_loop().create_task(self._accept_loop())
+        self._loop = asyncio.get_running_loop()
+        self._pending: deque[RdmaChannel] = deque()
         self.channels: list[RdmaChannel] = []
+        self._closed = False
+        self._task = self._loop.create_task(self._event_loop())
 
-    async def _accept_loop(self) -> None:
-        pv = _verbs()
-        while True:
-            conn_id = await asyncio.to_thread(self._listen_id.get_request)
-            chan = RdmaChannel(conn_id, CreditRing(self._depth, self._slot_size), self._make_endpoint)
-            await asyncio.to_thread(conn_id.accept, pv.cmid.ConnParam(rnr_retry=7, retry=7))
-            chan.start()
-            self.channels.append(chan)
+    async def _event_loop(self) -> None:
+        cm = self._pv.cm_enums
+        while not self._closed:
+            try:
+                kind, child = await asyncio.to_thread(self._next_event)
+            except Exception as exc:  # noqa: BLE001 - the event channel is gone (closing)
+                if not self._closed:
+                    log.warning("rdma listener stopped: %s", exc)
+                return
+            if kind == cm.RDMA_CM_EVENT_CONNECT_REQUEST and child is not None:
+                try:
+                    chan = RdmaChannel(child, CreditRing(self._depth, self._slot_size), self._make_endpoint)
+                    child.accept(_conn_param(self._pv))
+                    self._pending.append(chan)
+                except Exception as exc:  # noqa: BLE001 - refuse this peer, keep listening
+                    log.warning("rdma accept failed: %s", exc)
+                    with contextlib.suppress(Exception):
+                        child.reject()
+            elif kind == cm.RDMA_CM_EVENT_ESTABLISHED and self._pending:
+                chan = self._pending.popleft()
+                chan.start()
+                self.channels.append(chan)
+            elif kind in (cm.RDMA_CM_EVENT_REJECTED, cm.RDMA_CM_EVENT_CONNECT_ERROR) and self._pending:
+                self._pending.popleft().close()
+
+    def _next_event(self) -> tuple[int, Any]:
+        """Blocking: the next CM event (and a child id for a connection request)."""
+        pv = self._pv
+        ev = pv.cmid.CMEvent(self._ec)
+        try:
+            kind = ev.event_type
+            child = None
+            if kind == pv.cm_enums.RDMA_CM_EVENT_CONNECT_REQUEST:
+                child = pv.cmid.CMID(creator=ev, listen_id=self._listen_id)
+            return kind, child
+        finally:
+            ev.ack_cm_event()
 
     def close(self) -> None:
+        self._closed = True
         self._task.cancel()
-        for chan in self.channels:
+        for chan in [*self.channels, *self._pending]:
             chan.close()
-        self._listen_id.close()
+        with contextlib.suppress(Exception):
+            self._listen_id.close()
+        with contextlib.suppress(Exception):
+            self._ec.close()  # wakes the event thread with an error
 
 
 async def rdma_listen(
     host: str, port: int, make_endpoint: Callable[[], Endpoint], *, depth: int = 64, slot_size: int = 1 << 16
 ) -> RdmaListener:
+    """Listen on ``host:port``: an address of the RDMA netdev (binding picks the device;
+    a wildcard address has no device to share) and an explicit port."""
+    if port == 0:
+        raise ConnectError(f"rdma://{host}:0: RDMA listening needs an explicit port")
     pv = _verbs()
 
-    def setup() -> Any:
-        ai = pv.cmid.AddrInfo(
-            src=host, src_service=str(port), port_space=pv.cm_enums.RDMA_PS_TCP, flags=pv.cm_enums.RAI_PASSIVE
-        )
-        lid = pv.cmid.CMID(creator=ai)
+    def setup() -> tuple[Any, Any]:
+        ec = pv.cmid.CMEventChannel()
+        lid = pv.cmid.CMID(creator=ec)
+        lid.bind_addr(_addrinfo(pv, passive=True, host=host, port=port))
         lid.listen()
-        return lid
+        return ec, lid
 
     try:
-        lid = await asyncio.to_thread(setup)
+        ec, lid = await asyncio.to_thread(setup)
     except Exception as exc:
         raise ConnectError(f"rdma://{host}:{port}: cannot listen: {exc}") from exc
-    return RdmaListener(lid, make_endpoint, depth, slot_size)
+    return RdmaListener(ec, lid, make_endpoint, depth, slot_size)
