@@ -166,12 +166,17 @@ def _has_active_device() -> bool:
 @pytest.mark.rdma
 @pytest.mark.skipif(not _has_active_device(), reason="no active RDMA device on this machine")
 async def test_real_rdma_round_trip() -> None:  # pragma: no cover - needs hardware or rxe
+    import os
+    import socket
+
     from tests.transport.doubles import EchoWorker
     from transport.client import connect
     from transport.messages import SamplingParams, Submit
     from transport.server import serve
 
-    srv = await serve("rdma://127.0.0.1:18515", EchoWorker(), rdma_required=True)
+    # rdma_cm binds by IP: use an address of the RDMA netdev (loopback has no device).
+    host = os.environ.get("QUICSERVE_RDMA_HOST") or socket.gethostbyname(socket.gethostname())
+    srv = await serve(f"rdma://{host}:18515", EchoWorker(), rdma_required=True)
     try:
         conn = await connect(srv.address, rdma_required=True)
         st_ = conn.submit(Submit(conn.next_request_id(), "tiny", SamplingParams(max_tokens=300), prompt="x"))
