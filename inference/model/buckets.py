@@ -59,8 +59,13 @@ class Buckets:
 
     @property
     def sample_batches(self) -> tuple[int, ...]:
-        """Sampling runs once per batch bucket (prefill batches are a subset)."""
-        return self.decode_batches
+        """Sampling shapes: logits are padded to 8 rows or to the largest batch (two compiles)."""
+        top = self.decode_batches[-1]
+        return tuple(sorted({min(8, top), top}))
+
+    def sample_rows(self, n: int) -> int:
+        """Rows the sampler runs for a batch bucket of ``n``."""
+        return next(s for s in self.sample_batches if s >= n)
 
     @property
     def num_shapes(self) -> int:

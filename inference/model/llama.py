@@ -146,8 +146,8 @@ def prefill_forward(params: Params, cache: KVCache, tokens: Array, positions: Ar
         ks[i] = _write_cache(ks[i], slots, k)
         vs[i] = _write_cache(vs[i], slots, v)
         kv, d = cfg.num_key_value_heads, cfg.head_dim
-        kg = ks[i][block_tables].reshape(b, -1, kv, d)
-        vg = vs[i][block_tables].reshape(b, -1, kv, d)
+        kg = ks[i].at[block_tables].get(mode="promise_in_bounds").reshape(b, -1, kv, d)
+        vg = vs[i].at[block_tables].get(mode="promise_in_bounds").reshape(b, -1, kv, d)
         o = prefill_fn(q, kg, vg, q_offsets, kv_lens, scale=scale)
         x = x + o.reshape(b, t, -1) @ lp["wo"]
         x = _mlp(x, lp, cfg)

@@ -12,8 +12,11 @@ work overlaps device work. Each new shape compiles once and is logged;
 from __future__ import annotations
 
 import logging
+import os
+import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from functools import partial
 from typing import Any
 
@@ -33,21 +36,29 @@ __all__ = ["JaxRunner", "DTYPES"]
 
 log = logging.getLogger("inference.model")
 Progress = Callable[[str, int, int, str], None]
+Key = tuple[str, int, int]  # (kind, batch, tokens)
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
 def _prefill_step(params: Params, cache: KVCache, tokens: jax.Array, positions: jax.Array, slots: jax.Array,
                   block_tables: jax.Array, q_offsets: jax.Array, kv_lens: jax.Array, last_idx: jax.Array,
-                  *, cfg: LlamaConfig, attn: AttentionFns) -> Any:
-    return prefill_forward(params, cache, tokens, positions, slots, block_tables, q_offsets,
-                           kv_lens, last_idx, cfg=cfg, attn=attn)
+                  *, cfg: LlamaConfig, attn: AttentionFns, rows: int) -> Any:
+    logits, cache = prefill_forward(params, cache, tokens, positions, slots, block_tables, q_offsets,
+                                    kv_lens, last_idx, cfg=cfg, attn=attn)
+    return _pad_rows(logits, rows), cache
 
 
 def _decode_step(params: Params, cache: KVCache, tokens: jax.Array, positions: jax.Array, slots: jax.Array,
                  block_tables: jax.Array, context_lens: jax.Array, *,
-                 cfg: LlamaConfig, attn: AttentionFns) -> Any:
-    return decode_forward(params, cache, tokens, positions, slots, block_tables, context_lens,
-                          cfg=cfg, attn=attn)
+                 cfg: LlamaConfig, attn: AttentionFns, rows: int) -> Any:
+    logits, cache = decode_forward(params, cache, tokens, positions, slots, block_tables, context_lens,
+                                   cfg=cfg, attn=attn)
+    return _pad_rows(logits, rows), cache
+
+
+def _pad_rows(logits: jax.Array, rows: int) -> jax.Array:
+    """Pad logits to the sampler's row count (so sampling compiles for two shapes, not one per batch)."""
+    return jnp.pad(logits, ((0, rows - logits.shape[0]), (0, 0)))
 
 
 class JaxRunner:
@@ -75,11 +86,11 @@ class JaxRunner:
         self._params = loaded.params
         dtype = loaded.params["embed"].dtype
         self._cache: KVCache = init_kv_cache(cfg, num_blocks, block_size, dtype)
-        attn = get_attention_backend(attention)
-        self._prefill = jax.jit(partial(_prefill_step, cfg=cfg, attn=attn), donate_argnums=(1,))
-        self._decode = jax.jit(partial(_decode_step, cfg=cfg, attn=attn), donate_argnums=(1,))
-        self._sample_jit = jax.jit(sample)
-        self._compiled: set[tuple[str, int, int]] = set()
+        self._attn = get_attention_backend(attention)
+        spec = partial(jax.tree.map, lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype))
+        self._params_spec, self._cache_spec = spec(self._params), spec(self._cache)
+        self._execs: dict[Key, Any] = {}  # shape key -> compiled executable
+        self._lock = threading.Lock()
         self.compile_seconds = 0.0
 
     @classmethod
@@ -95,22 +106,26 @@ class JaxRunner:
 
     @property
     def compile_count(self) -> int:
-        return len(self._compiled)
+        """Shapes compiled so far (at most ``buckets.num_shapes``)."""
+        return len(self._execs)
 
-    def warmup(self, progress: Progress | None = None) -> None:
-        """Compile every shape bucket (decode first: it serves most steps)."""
-        shapes = [("decode", b, 1) for b in self.buckets.decode_batches]
-        shapes += [("prefill", b, t) for b, t in self.buckets.prefill_shapes]
-        for i, (kind, b, t) in enumerate(shapes):
-            if progress:
-                progress("compile", i, len(shapes), f"{kind} batch={b} tokens={t}")
-            if kind == "decode":
-                res = self._sample(self._decode_logits([], b), [], b)
-            else:
-                res = self._sample(self._prefill_logits([], b, t), [], b)
-            jax.block_until_ready(res)
+    def warmup(self, progress: Progress | None = None, *, threads: int | None = None) -> None:
+        """Compile every shape bucket, several at a time (XLA compiles outside the GIL)."""
+        keys: list[Key] = [("sample", s, 0) for s in self.buckets.sample_batches]
+        keys += [("decode", b, 1) for b in self.buckets.decode_batches]
+        keys += [("prefill", b, t) for b, t in self.buckets.prefill_shapes]
+        keys = [k for k in keys if k not in self._execs]
         if progress:
-            progress("compile", len(shapes), len(shapes), f"{self.compile_count} shapes compiled")
+            progress("compile", 0, len(keys), f"compiling {len(keys)} shapes")
+        if threads is None:
+            threads = min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 2)
+        with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="compile") as pool:
+            futures = {pool.submit(self._executable, k): k for k in keys}
+            for i, fut in enumerate(as_completed(futures), 1):
+                fut.result()
+                if progress:
+                    kind, b, t = futures[fut]
+                    progress("compile", i, len(keys), f"{kind} batch={b} tokens={t}")
 
     # -- execution ---------------------------------------------------------
 
@@ -193,27 +208,41 @@ class JaxRunner:
                  w.params.top_logprobs) for w in works]
         return SamplingBatch.build(rows, b).arrays()
 
-    def _note_compile(self, key: tuple[str, int, int]) -> bool:
-        if key in self._compiled:
-            return False
-        self._compiled.add(key)
-        log.info("compiling %s batch=%d tokens=%d (shape %d of at most %d)", key[0], key[1], key[2],
-                 len(self._compiled), self.buckets.num_shapes)
-        return True
-
-    def _timed(self, key: tuple[str, int, int], fn: Callable[[], Any]) -> Any:
-        if not self._note_compile(key):
-            return fn()
+    def _executable(self, key: Key) -> Any:
+        """The compiled executable for a shape, compiling it (once, logged) if needed."""
+        exe = self._execs.get(key)
+        if exe is not None:
+            return exe
+        kind, b, t = key
+        i32 = partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
+        tables = i32((b, self._max_blocks_per_seq))
         t0 = time.perf_counter()
-        res = jax.block_until_ready(fn())
+        if kind == "sample":
+            f32, u32 = partial(jax.ShapeDtypeStruct, dtype=jnp.float32), partial(jax.ShapeDtypeStruct, dtype=jnp.uint32)
+            lowered = jax.jit(sample).lower(f32((b, self.config.vocab_size)), f32((b,)), i32((b,)), f32((b,)),
+                                            u32((b,)), u32((b,)), i32((b,)), jax.ShapeDtypeStruct((b,), jnp.bool_))
+        elif kind == "decode":
+            fn = partial(_decode_step, cfg=self.config, attn=self._attn, rows=self.buckets.sample_rows(b))
+            lowered = jax.jit(fn, donate_argnums=(1,)).lower(
+                self._params_spec, self._cache_spec, i32((b,)), i32((b,)), i32((b,)), tables, i32((b,)))
+        else:
+            fn = partial(_prefill_step, cfg=self.config, attn=self._attn, rows=self.buckets.sample_rows(b))
+            lowered = jax.jit(fn, donate_argnums=(1,)).lower(
+                self._params_spec, self._cache_spec, i32((b, t)), i32((b, t)), i32((b, t)), tables,
+                i32((b,)), i32((b,)), i32((b,)))
+        exe = lowered.compile()
         dt = time.perf_counter() - t0
-        self.compile_seconds += dt
-        log.info("compiled %s batch=%d tokens=%d in %.2fs", *key, dt)
-        return res
+        with self._lock:
+            exe = self._execs.setdefault(key, exe)
+            self.compile_seconds += dt
+            n = len(self._execs)
+        log.info("compiled %s batch=%d tokens=%d in %.2fs (%d of %d shapes)", kind, b, t, dt, n,
+                 self.buckets.num_shapes)
+        return exe
 
     def _sample(self, logits: jax.Array, works: Sequence[SeqWork], b: int) -> Any:
-        samp = self._sampling(works, b)
-        return self._timed(("sample", b, 0), lambda: tuple(self._sample_jit(logits, *samp)))
+        rows = self.buckets.sample_rows(b)
+        return tuple(self._executable(("sample", rows, 0))(logits, *self._sampling(works, rows)))
 
     def _prefill_logits(self, works: Sequence[SeqWork], b: int, t: int) -> Any:
         oob = self.num_blocks * self.block_size
@@ -233,11 +262,8 @@ class JaxRunner:
             q_off[row], kv_lens[row], last[row] = w.start_pos, w.start_pos + n, n - 1
         args = (tokens, positions, slots, self._tables(works, b), q_off, kv_lens, last)
 
-        def call() -> Any:
-            logits, self._cache = self._prefill(self._params, self._cache, *args)
-            return logits
-
-        return self._timed(("prefill", b, t), call)
+        logits, self._cache = self._executable(("prefill", b, t))(self._params, self._cache, *args)
+        return logits
 
     def _decode_logits(self, works: Sequence[SeqWork], b: int) -> Any:
         oob = self.num_blocks * self.block_size
@@ -251,8 +277,5 @@ class JaxRunner:
             slots[row] = w.block_table[p // self.block_size] * self.block_size + p % self.block_size
         args = (tokens, positions, slots, self._tables(works, b), ctx)
 
-        def call() -> Any:
-            logits, self._cache = self._decode(self._params, self._cache, *args)
-            return logits
-
-        return self._timed(("decode", b, 1), call)
+        logits, self._cache = self._executable(("decode", b, 1))(self._params, self._cache, *args)
+        return logits
