@@ -98,3 +98,18 @@ def test_bad_work_is_rejected_with_clear_errors(tiny):
         runner.execute(StepPlan(prefills=(), decodes=(SeqWork(1, [1, 2], 0, [1], p, 0, 0),)))
     with pytest.raises(ValueError, match="dtype"):
         JaxRunner.load("tiny", dtype="float16")
+
+
+def test_pallas_backend_plugs_in_behind_the_same_signatures(monkeypatch):
+    """The kernels (interpreted on CPU) give the reference's logits through the whole runner."""
+    monkeypatch.setenv("QUICSERVE_PALLAS_INTERPRET", "1")
+    p = SamplingParams(temperature=0.0)
+    prompt = list(b"hello pallas world, a longer prompt")
+    got = {}
+    for backend in ("reference", "pallas"):
+        r = JaxRunner.load("tiny", attention=backend, max_batch=2, num_blocks=16)
+        pre = r.logits(StepPlan(prefills=(SeqWork(0, prompt, 0, [3, 5, 9], p, 0, 0),), decodes=()))
+        dec = r.logits(StepPlan(prefills=(), decodes=(SeqWork(0, [7], len(prompt), [3, 5, 9], p, 0, 1),)))
+        got[backend] = (pre, dec)
+    for ref, pallas in zip(got["reference"], got["pallas"], strict=True):
+        assert abs(ref - pallas).max() < 1e-4
