@@ -144,6 +144,17 @@ async def test_openai_async_sdk_stream_with_usage(gw: Gateway) -> None:
             await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], n=3)
 
 
+def test_openai_sdk_over_tls_h2(gw: Gateway) -> None:
+    with httpx.Client(http1=False, http2=True, verify=False) as http, \
+            openai.OpenAI(base_url=gw.https + "/v1", api_key="unused", max_retries=0, http_client=http) as client:
+        r = client.chat.completions.with_raw_response.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+        assert r.http_response.http_version == "HTTP/2"
+        assert r.parse().choices[0].message.content
+        stream = client.completions.create(model="tiny", prompt="x", max_tokens=4, stream=True)
+        assert "".join(c.choices[0].text for c in stream)
+
+
 @pytest.mark.parametrize("mode", ["h1", "h2c", "tls-h1", "tls-h2"])
 def test_httpx(gw: Gateway, mode: str) -> None:
     tls = mode.startswith("tls")
