@@ -37,6 +37,7 @@ from gateway.http.common import (
     decode_target,
     error_body,
     run_request,
+    spawn,
 )
 from gateway.http.types import Headers, Request
 
@@ -309,7 +310,7 @@ class H1Protocol(asyncio.Protocol):
         sink = _H1Sink(self, request.method == "HEAD", keep_alive, http10)
         self._active = sink
         self._srv.request_started()
-        task = self._loop.create_task(run_request(self._srv.handler, request, sink))
+        task = spawn(self._loop, run_request(self._srv.handler, request, sink))
         self._task = task
         task.add_done_callback(self._task_done)
 

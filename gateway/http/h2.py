@@ -36,6 +36,7 @@ from gateway.http.common import (
     decode_target,
     error_body,
     run_request,
+    spawn,
 )
 from gateway.http.types import Headers, Request
 
@@ -298,7 +299,7 @@ class H2Protocol(asyncio.Protocol):
         sink = _H2Sink(self, st, st.method == "HEAD")
         st.sink = sink
         self._srv.request_started()
-        st.task = task = self._loop.create_task(run_request(self._srv.handler, request, sink))
+        st.task = task = spawn(self._loop, run_request(self._srv.handler, request, sink))
         task.add_done_callback(sink._task_done)
 
     def _reject(self, st: _Stream, status: int, message: str, client_done: bool) -> None:
@@ -388,6 +389,7 @@ class H2Protocol(asyncio.Protocol):
                 raise ClientDisconnected("stream closed by client")
             n = min(h2c.local_flow_control_window(st.id), h2c.max_outbound_frame_size, total - pos)
             if n <= 0 and pos < total:
+                self._schedule_flush()  # what is already framed goes out while we wait
                 st.waiter = self._loop.create_future()
                 await st.waiter
                 continue

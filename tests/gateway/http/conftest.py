@@ -21,8 +21,8 @@ from gateway.http.types import Request, ResponseSink
 FAST_LIMITS = HttpLimits(
     max_body_bytes=4096,
     max_header_bytes=2048,
-    header_timeout=0.3,
-    body_timeout=0.3,
+    header_timeout=1.0,
+    body_timeout=1.0,
     keepalive_timeout=5.0,
     linger_timeout=0.5,
     max_pipelined=4,

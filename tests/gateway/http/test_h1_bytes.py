@@ -99,7 +99,7 @@ async def test_pipelined_requests_answered_in_order(mode: str) -> None:
     assert not t.closed
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=40, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.integers(min_value=1, max_value=len(PIPELINE) - 1), max_size=12))
 def test_any_split_gives_same_responses(cuts: list[int]) -> None:
     async def run() -> bytes:
