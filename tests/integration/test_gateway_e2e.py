@@ -350,3 +350,25 @@ def test_crashed_worker_is_restarted(tmp_path: Path) -> None:
         assert g.metric("quicserve_worker_restarts_total") == 1
     finally:
         assert stop_gateway(g) == 0
+
+
+async def test_two_workers_share_the_load(tmp_path: Path) -> None:
+    g = start_gateway(tmp_path, "--no-tls", "--workers", "2", "--worker-arg=--synthetic-step-ms=10")
+    try:
+        async with httpx.AsyncClient(base_url=g.http, timeout=30) as c:
+            for _ in range(200):  # "ready" means the first worker; wait for both
+                if (await c.get("/readyz")).json().get("workers") == 2:
+                    break
+                await asyncio.sleep(0.05)
+            reqs = [asyncio.create_task(c.post("/v1/chat/completions", json={**CHAT, "max_tokens": 100}))
+                    for _ in range(20)]
+            await asyncio.sleep(0.5)
+            text = (await c.get("/metrics")).text
+            per_worker = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                          if line.startswith("quicserve_worker_in_flight{")]
+            results = await asyncio.gather(*reqs)
+        assert len(per_worker) == 2 and sum(per_worker) == 20
+        assert min(per_worker) >= 8, per_worker  # least-loaded: an even split, give or take
+        assert all(r.status_code == 200 for r in results)
+    finally:
+        assert stop_gateway(g) == 0
