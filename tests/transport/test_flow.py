@@ -6,7 +6,7 @@ from array import array
 from collections import Counter
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from transport.errors import ConnectionClosed, CreditExceeded
@@ -226,7 +226,12 @@ def test_protocol_errors_reach_the_peer() -> None:
     assert w.closed and evs[-1].error.code == ErrorCode.PROTOCOL  # type: ignore[union-attr]
 
 
-@settings(database=None, max_examples=80, deadline=None)
+@settings(
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    max_examples=80,
+    deadline=None,
+)
 @given(st.lists(st.tuples(st.sampled_from("sdcfexk"), st.integers(1, 6)), max_size=60))
 def test_every_request_ends_exactly_once(ops: list[tuple[str, int]]) -> None:
     """Random submits, drains, cancels, finishes, errors and a kill: each submit ends once."""

@@ -147,7 +147,10 @@ def test_slow_consumer_bounded_memory(kind: str) -> None:
             srv = await serve(listen_url(kind, tmp), worker)
             conn = await connect(srv.address, initial_credit=16)
             st = submit(conn, 100)
-            await asyncio.sleep(0.3)  # do not drain
+            for _ in range(500):  # do not drain; wait until the worker hits the credit wall
+                if worker.stalled_on_credit:
+                    break
+                await asyncio.sleep(0.01)
             assert worker.stalled_on_credit > 0
             first = await st.next_events()
             assert len(tokens_of(first)) == 16  # everything buffered = exactly one window

@@ -7,7 +7,7 @@ from collections import deque
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from transport.rdma import CreditRing, RingError, list_devices
@@ -44,7 +44,12 @@ def repost(b: Side) -> None:
     b.posted.extend(b.ring.take_reposts())
 
 
-@settings(database=None, max_examples=150, deadline=None)
+@settings(
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    max_examples=150,
+    deadline=None,
+)
 @given(
     st.integers(2, 6),
     st.lists(

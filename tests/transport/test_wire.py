@@ -8,7 +8,7 @@ from typing import Any
 
 import msgpack
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from transport.errors import ProtocolError, WireError
@@ -185,7 +185,12 @@ def encode_all(msgs: list[Message]) -> bytes:
     return b"".join(enc.encode(m) for m in msgs)
 
 
-@settings(database=None, max_examples=60, deadline=None)
+@settings(
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    max_examples=60,
+    deadline=None,
+)
 @given(sessions())
 def test_round_trip_every_frame_type(msgs: list[Message]) -> None:
     data = encode_all(msgs)
@@ -195,7 +200,12 @@ def test_round_trip_every_frame_type(msgs: list[Message]) -> None:
     assert [norm(m) for m in out] == [norm(m) for m in msgs]
 
 
-@settings(database=None, max_examples=60, deadline=None)
+@settings(
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    max_examples=60,
+    deadline=None,
+)
 @given(sessions(), st.lists(st.integers(0, 10_000), max_size=12))
 def test_any_split(msgs: list[Message], cuts: list[int]) -> None:
     data = encode_all(msgs)
@@ -429,7 +439,12 @@ def test_garbage_ends_in_one_clean_error(name: str) -> None:
             dec.feed(HELLO)
 
 
-@settings(database=None, max_examples=200, deadline=None)
+@settings(
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    max_examples=200,
+    deadline=None,
+)
 @given(st.binary(min_size=1, max_size=300))
 def test_random_bytes_never_hang_or_crash(data: bytes) -> None:
     dec = FrameDecoder(max_frame=1 << 12)
