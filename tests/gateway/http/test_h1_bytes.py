@@ -157,6 +157,7 @@ async def test_expect_100_continue_refused_when_too_large() -> None:
     [
         (b"GARBAGE\r\n\r\n", 400),
         (b"GET / HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n", 400),
+        (b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n", 400),
         (b"GET /\xff\xfe HTTP/1.1\r\nHost: x\r\n\r\n", 400),
         (b"GET /%ff%fe HTTP/1.1\r\nHost: x\r\n\r\n", 400),
         (b"GET / HTTP/1.1\r\nHost: x\r\nX-Name: \xc3\x28\r\n\r\n", 400),
@@ -178,6 +179,7 @@ async def test_expect_100_continue_refused_when_too_large() -> None:
     ids=[
         "garbage",
         "bad-content-length",
+        "cl-and-te",
         "raw-utf8-target",
         "pct-utf8-target",
         "utf8-header",

@@ -13,6 +13,8 @@ import h2.settings
 import orjson
 import pytest
 from h2.errors import ErrorCodes
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from gateway.http.common import HttpLimits, ServerState
 from gateway.http.h2 import H2Protocol
@@ -23,7 +25,9 @@ from .conftest import FAST_LIMITS, FakeTransport, Recorder, error_of, make_handl
 class Client:
     """An h2 client core wired to an H2Protocol through a fake transport."""
 
-    def __init__(self, limits: HttpLimits = FAST_LIMITS, window: int | None = None) -> None:
+    def __init__(
+        self, limits: HttpLimits = FAST_LIMITS, window: int | None = None, connect: bool = True
+    ) -> None:
         self.rec = Recorder()
         self.events: list[Any] = []
         self.state = ServerState(make_handler(self.rec), limits, self.events.append)
@@ -34,14 +38,15 @@ class Client:
         self.h2 = h2.connection.H2Connection(
             h2.config.H2Configuration(client_side=True, header_encoding=None)
         )
-        self.h2.initiate_connection()
-        if window is not None:
-            self.h2.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: window})
         self.responses: dict[int, dict[str, Any]] = {}
         self.resets: dict[int, int] = {}
         self.goaway: list[h2.events.ConnectionTerminated] = []
         self.ack_data = True
-        self.pump()
+        if connect:
+            self.h2.initiate_connection()
+            if window is not None:
+                self.h2.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: window})
+            self.pump()
 
     def pump(self) -> None:
         """Move bytes both ways until neither side has anything to say."""
@@ -293,3 +298,36 @@ async def test_new_streams_refused_after_goaway() -> None:
     await settle(lambda: c.state.in_flight == 0)
     assert c.rec.finished == ["/hold"] and held == 1
     c.close()
+
+
+@settings(max_examples=25, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.integers(min_value=1, max_value=400), max_size=10))
+def test_any_split_of_client_bytes(cuts: list[int]) -> None:
+    """Preface, SETTINGS, three requests (one with a body) cut anywhere: same answers."""
+
+    async def run() -> list[tuple[int, bytes]]:
+        c = Client(connect=False)
+        client = c.h2
+        client.initiate_connection()
+        base = [(b":scheme", b"http"), (b":authority", b"x")]
+        client.send_headers(1, [(b":method", b"GET"), (b":path", b"/echo?a=1"), *base], end_stream=True)
+        client.send_headers(3, [(b":method", b"POST"), (b":path", b"/echo"), *base])
+        client.send_data(3, b"hello", end_stream=True)
+        client.send_headers(5, [(b":method", b"GET"), (b":path", b"/stream?n=2"), *base], end_stream=True)
+        data = client.data_to_send()
+        pos = 0
+        for cut in sorted({x for x in cuts if x < len(data)}) + [len(data)]:
+            c.proto.data_received(data[pos:cut])
+            pos = cut
+            await asyncio.sleep(0)
+        await c.wait(lambda: all(c.done(i) for i in (1, 3, 5)))
+        out = [(c.status(i), bytes(c.responses[i]["body"])) for i in (1, 3, 5)]
+        c.close()
+        return out
+
+    import uvloop
+
+    (s1, b1), (s3, b3), (s5, b5) = uvloop.run(run())
+    assert (s1, s3, s5) == (200, 200, 200)
+    assert orjson.loads(b1)["query"] == "a=1" and orjson.loads(b3)["body_len"] == 5
+    assert b5 == b"line 0\nline 1\n"
