@@ -14,9 +14,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+import time
 import urllib.parse
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
+from email.utils import formatdate
 from typing import Any, Protocol
 
 from gateway.errors import APIError, render_json
@@ -35,6 +37,7 @@ __all__ = [
     "error_body",
     "decode_target",
     "ERROR_HEADERS",
+    "http_date",
 ]
 
 log = logging.getLogger("gateway.http")
@@ -82,6 +85,19 @@ ERROR_HEADERS: Headers = [(b"content-type", b"application/json")]
 def error_body(status: int, message: str, code: str | None = None) -> bytes:
     typ = "server_error" if status >= 500 else "invalid_request_error"
     return render_json(APIError(status, message, typ, None, code))
+
+
+_date_cache: list[Any] = [0, b""]
+
+
+def http_date() -> bytes:
+    """The ``date`` header value (RFC 9110 IMF-fixdate), rebuilt once a second."""
+    now = int(time.time())
+    if now != _date_cache[0]:
+        _date_cache[0] = now
+        _date_cache[1] = formatdate(now, usegmt=True).encode()
+    value: bytes = _date_cache[1]
+    return value
 
 
 def decode_target(raw_path: bytes) -> str:

@@ -36,6 +36,7 @@ from gateway.http.common import (
     ServerState,
     decode_target,
     error_body,
+    http_date,
     run_request,
     spawn,
 )
@@ -448,7 +449,8 @@ def _error_response(status: int, message: str) -> bytes:
     return b"".join(
         (
             _status_line(status),
-            b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n" % len(body),
+            b"date: %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
+            % (http_date(), len(body)),
             body,
         )
     )
@@ -474,7 +476,7 @@ class _H1Sink:
         self.started = True
         if self._conn._srv.draining:
             self.keep_alive = False
-        buf = [_status_line(status)]
+        buf = [_status_line(status), b"date: ", http_date(), b"\r\n"]
         for k, v in headers:
             buf += (k, b": ", v, b"\r\n")
         buf.append(framing)

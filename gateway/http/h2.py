@@ -35,6 +35,7 @@ from gateway.http.common import (
     ServerState,
     decode_target,
     error_body,
+    http_date,
     run_request,
     spawn,
 )
@@ -310,7 +311,8 @@ class H2Protocol(asyncio.Protocol):
         sid = st.id
         try:
             fits = self._h2.local_flow_control_window(sid) >= len(body)
-            hdrs = [(b":status", b"%d" % status), *ERROR_HEADERS, (b"content-length", b"%d" % len(body))]
+            hdrs = _response_headers(status, ERROR_HEADERS)
+            hdrs.append((b"content-length", b"%d" % len(body)))
             self._h2.send_headers(sid, hdrs, end_stream=not fits)
             if fits:
                 self._h2.send_data(sid, body, end_stream=True)
@@ -408,7 +410,7 @@ class H2Protocol(asyncio.Protocol):
 
 
 def _response_headers(status: int, headers: Headers) -> Headers:
-    out: Headers = [(b":status", b"%d" % status)]
+    out: Headers = [(b":status", b"%d" % status), (b"date", http_date())]
     for k, v in headers:
         if k not in _HOP_BY_HOP:
             out.append((k, v))

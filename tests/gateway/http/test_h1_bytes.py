@@ -71,6 +71,7 @@ PIPELINE = GET + POST + CHUNKED + STREAM + HEAD
 def check_pipeline(out: bytes) -> None:
     res = parse_responses(out, [b"GET", b"POST", b"POST", b"GET", b"HEAD"])
     assert [r[0] for r in res] == [200, 200, 200, 200, 200]
+    assert all(r[1][b"date"].endswith(b" GMT") for r in res)
     docs = [orjson.loads(r[2]) for r in res[:3]]
     assert docs[0]["query"] == "a=1" and docs[0]["method"] == "GET" and docs[0]["host"] == "example"
     assert docs[1]["body_len"] == 5 and docs[2]["body_len"] == 5

@@ -131,6 +131,7 @@ async def test_get_post_and_stream() -> None:
     s = c.request("/stream?n=3")
     await c.wait(lambda: all(c.done(i) for i in (a, b, s)))
     doc = orjson.loads(c.responses[a]["body"])
+    assert c.responses[a]["headers"][b"date"].endswith(b" GMT")
     assert doc["protocol"] == "h2" and doc["query"] == "x=1" and doc["host"] == "example"
     assert orjson.loads(c.responses[b]["body"])["body_len"] == 5
     assert bytes(c.responses[s]["body"]) == b"line 0\nline 1\nline 2\n"
