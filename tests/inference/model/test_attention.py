@@ -44,7 +44,7 @@ def test_paged_decode_matches_dense_and_padding_rows_are_zero():
     n, bs, kv, d, h = 64, 8, 2, 16, 4
     kc, vc = randn(rng, n, bs, kv, d), randn(rng, n, bs, kv, d)
     tables = jnp.asarray(np.stack([rng.permutation(n)[:40] for _ in range(4)]), jnp.int32)
-    ctx = jnp.asarray([1, 129, 300, 0], jnp.int32)  # crosses 128-token chunks; row 3 is padding
+    ctx = jnp.asarray([1, 129, 300, 0], jnp.int32)  # crosses several decode chunks; row 3 is padding
     q = randn(rng, 4, h, d)
     got = np.asarray(paged_decode_attention(q, kc, vc, tables, ctx, scale=0.3))
     ref = np.asarray(dense_paged_decode_attention(q, kc, vc, tables, ctx, scale=0.3))
