@@ -38,10 +38,11 @@ class Recorder:
     finished: list[str] = field(default_factory=list)
     started: asyncio.Event = field(default_factory=asyncio.Event)
     release: asyncio.Event = field(default_factory=asyncio.Event)
+    sent: int = 0
 
 
 def make_handler(rec: Recorder) -> Any:
-    """A small app: /echo, /stream?n=K, /big?n=BYTES, /hold, /apierror, /boom, /silent."""
+    """A small app: /echo, /stream?n=K, /big?n=BYTES, /hold, /flood, /apierror, /boom, /silent."""
 
     async def handler(req: Request, sink: ResponseSink) -> None:
         rec.seen.append(req)
@@ -78,6 +79,12 @@ def make_handler(rec: Recorder) -> Any:
                 await rec.release.wait()
                 await sink.send(b"second\n")
                 await sink.end()
+            elif req.path == "/flood":  # 64 KiB chunks until cancelled; counts what send() accepted
+                await sink.start(200, [])
+                chunk = b"f" * 65536
+                while True:
+                    await sink.send(chunk)
+                    rec.sent += 1
             elif req.path == "/apierror":
                 raise APIError(404, "no such thing", "invalid_request_error", "model", "model_not_found")
             elif req.path == "/boom":

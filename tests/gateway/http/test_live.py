@@ -202,3 +202,37 @@ async def test_client_disconnect_cancels_handler(live: Live, kind: str) -> None:
         await asyncio.sleep(0.01)
     assert live.rec.cancelled == ["/hold"]
     assert live.server.in_flight == live.tls_server.in_flight == 0
+
+
+@pytest.mark.parametrize("kind", ["h1", "h2c"])
+async def test_send_waits_for_a_slow_reader(live: Live, kind: str) -> None:
+    """A client that stops reading stalls the handler's send() (socket buffer /
+    flow-control window) instead of the server buffering without bound."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", live.server.port)
+    if kind == "h1":
+        writer.write(b"GET /flood HTTP/1.1\r\nHost: x\r\n\r\n")
+    else:
+        import h2.config
+        import h2.connection
+
+        conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+        conn.initiate_connection()
+        conn.send_headers(
+            1,
+            [(":method", "GET"), (":path", "/flood"), (":scheme", "http"), (":authority", "x")],
+            end_stream=True,
+        )
+        writer.write(conn.data_to_send())
+    while not live.rec.seen:
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.5)
+    stalled_at = live.rec.sent
+    await asyncio.sleep(0.3)
+    assert live.rec.sent == stalled_at  # the handler is parked in send()
+    assert stalled_at * 65536 < 64 << 20  # bounded by kernel buffers / the h2 window
+    writer.close()
+    for _ in range(300):
+        if live.rec.cancelled:
+            break
+        await asyncio.sleep(0.01)
+    assert live.rec.cancelled == ["/flood"]
