@@ -23,10 +23,16 @@ $(STAMP_TEST): $(STAMP_RUN)
 	$(PIP) install -q -e '.[worker,test]'
 	touch $@
 
-# System packages the tests use (curl with HTTP/2 is checked by tests).
+# System packages the tests use: curl (with HTTP/2) for the curl tests, and
+# Debian's python3-pyverbs so the RDMA probe/fallback path runs against the real
+# bindings (tests that need an RDMA device skip where none exists).
+APT_PKGS := curl python3-pyverbs
 $(SYSDEPS_STAMP): $(VENV)/bin/python
-	@if ! command -v curl >/dev/null; then \
-	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq curl) ; fi
+	@missing=""; for p in $(APT_PKGS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing system packages:$$missing"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
+	fi
 	touch $@
 
 venv: $(STAMP_RUN)
