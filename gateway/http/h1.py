@@ -98,6 +98,8 @@ class H1Protocol(asyncio.Protocol):
         self._body: list[bytes] = []
         self._body_len = 0
         self._content_length = -1
+        self._chunked = False
+        self._upgrade_left = 0
         self._expect = False
         self._continue_pending = False
         self._method = ""
@@ -150,6 +152,10 @@ class H1Protocol(asyncio.Protocol):
                 return
             self._sniff = None
             data = buf
+        if self._upgrade_left:
+            self._now = self._loop.time()
+            self._upgrade_body(data)
+            return
         if self._input_closed:
             return
         self._now = self._loop.time()
@@ -157,10 +163,12 @@ class H1Protocol(asyncio.Protocol):
         was_headers = self._pstate == _HEADERS
         try:
             self._parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
+        except httptools.HttpParserUpgrade as exc:
             # We do not switch protocols on Upgrade (h2c upgrade, websocket): the
             # request is answered as HTTP/1.1 and the connection then closes.
             self._input_closed = True
+            if self._upgrade_left:
+                self._upgrade_body(data[int(exc.args[0]) :])
             return
         except httptools.HttpParserError as exc:
             fail, self._fail_with = self._fail_with, None
@@ -219,6 +227,8 @@ class H1Protocol(asyncio.Protocol):
         self._body = []
         self._body_len = 0
         self._content_length = -1
+        self._chunked = False
+        self._upgrade_left = 0
         self._expect = False
         self._set_deadline(self._now + self._limits.header_timeout)
 
@@ -247,6 +257,8 @@ class H1Protocol(asyncio.Protocol):
                 self._stop(413, f"request body exceeds {self._limits.max_body_bytes} bytes")
         elif name == b"expect" and value.lower() == b"100-continue":
             self._expect = True
+        elif name == b"transfer-encoding":
+            self._chunked = True  # llhttp has checked it is valid (chunked last)
         self._headers.append((name, value))
 
     def on_headers_complete(self) -> None:
@@ -282,12 +294,26 @@ class H1Protocol(asyncio.Protocol):
         self._deadline = self._now + self._limits.body_timeout  # later: the lazy timer copes
 
     def on_message_complete(self) -> None:
+        if (
+            (self._content_length > 0 or self._chunked)
+            and not self._body_len
+            and self._parser.should_upgrade()
+        ):
+            # llhttp hands everything after an Upgrade request's headers to the
+            # "new protocol", body included. We never upgrade (RFC 9110 lets a
+            # server ignore it), so read a declared body ourselves.
+            if self._chunked:
+                self._stop(400, "chunked body on an Upgrade request is not supported")
+            self._upgrade_left = self._content_length
+            return
+        self._complete(self._parser.should_keep_alive() and not self._parser.should_upgrade())
+
+    def _complete(self, keep_alive: bool) -> None:
         parts = self._body
         body = parts[0] if len(parts) == 1 else b"".join(parts)
         request = Request(
             self._method, self._path, self._query, self._headers, body, "http/1.1", self._scheme, self._client
         )
-        keep_alive = self._parser.should_keep_alive()
         http10 = self._parser.get_http_version() == "1.0"
         self._pstate = _IDLE
         self._deadline = inf
@@ -301,6 +327,16 @@ class H1Protocol(asyncio.Protocol):
             if len(self._queue) >= self._limits.max_pipelined and self._transport is not None:
                 self._transport.pause_reading()
                 self._reading_paused = True
+
+    def _upgrade_body(self, data: bytes) -> None:
+        take = data[: self._upgrade_left]
+        if take:
+            self._body.append(take)
+            self._body_len += len(take)
+            self._upgrade_left -= len(take)
+            self._deadline = self._now + self._limits.body_timeout
+        if not self._upgrade_left:
+            self._complete(False)
 
     # ---- requests ---------------------------------------------------------
     def _stop(self, status: int, message: str) -> NoReturn:

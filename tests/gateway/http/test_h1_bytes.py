@@ -328,3 +328,34 @@ async def test_h2c_preface_hands_over() -> None:
     assert t.protocol is not proto and type(t.protocol).__name__ == "H2Protocol"
     assert t.out[3] == 0x04  # the server's SETTINGS frame
     t.protocol.connection_lost(None)
+
+
+UPGRADE_POST = (
+    b"POST /echo HTTP/1.1\r\nHost: x\r\nConnection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\n"
+    b"HTTP2-Settings: AAMAAABkAAQCAAAAAAIAAAAA\r\nContent-Length: 5\r\n\r\nhello"
+)
+
+
+@pytest.mark.parametrize("mode", ["whole", "bytewise"])
+async def test_upgrade_request_answered_as_http11_with_its_body(mode: str) -> None:
+    """curl --http2 on http:// asks to upgrade to h2c; we answer in HTTP/1.1
+    (allowed) and must not lose the body llhttp leaves to the 'new protocol'."""
+    proto, t, rec, _, _ = make_conn()
+    await feed(proto, UPGRADE_POST, list(range(len(UPGRADE_POST))) if mode == "bytewise" else [])
+    await settle(lambda: t.closed)
+    ((status, headers, body),) = parse_responses(t.take(), [b"POST"])
+    doc = orjson.loads(body)
+    assert status == 200 and headers[b"connection"] == b"close"
+    assert doc["body_len"] == 5 and doc["body_sum"] == sum(b"hello")
+
+
+async def test_upgrade_with_chunked_body_refused() -> None:
+    proto, t, rec, _, _ = make_conn()
+    proto.data_received(
+        b"POST /echo HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: h2c\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n"
+    )
+    await settle()
+    ((status, _, body),) = parse_responses(t.take())
+    assert status == 400 and "Upgrade" in error_of(body)["message"]
+    assert not rec.seen

@@ -95,6 +95,9 @@ async def test_curl(live: Live, mode: str) -> None:
     assert orjson.loads(body)["body_len"] == 3
     rc, out, err = await curl(mode, *extra, "-N", f"{base}/stream?n=4")
     assert rc == 0 and out == b"line 0\nline 1\nline 2\nline 3\n", err
+    if mode == "--http2":  # on http:// curl asks to upgrade to h2c; we answer in HTTP/1.1
+        rc, out, err = await curl(mode, "-d", "abcd", f"{live.url}/echo")
+        assert rc == 0 and orjson.loads(out)["body_len"] == 4, err
     rc, out, err = await curl(
         mode, *extra, "-w", "%{http_code}", "-o", "/dev/null", "-H", "x-big: " + "a" * 3000, f"{base}/echo"
     )
