@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
+from typing import NamedTuple
 
 from .api import RequestStream, StreamEvent, WorkerConnection
 from .endpoint import Endpoint
@@ -18,25 +20,47 @@ from .flow import (
     StatsReceived,
     TokensReceived,
 )
-from .messages import Error, ErrorCode, Finish, Hello, Stats, Submit, TokenEntry
+from .messages import Error, ErrorCode, Finish, Hello, Stats, Submit, TokenBatch, TokenEntry
 from .select import choose
 from .tcp import open_stream
 
-__all__ = ["connect", "ClientConnection", "ClientStream"]
+__all__ = ["connect", "ClientConnection", "ClientStream", "Collected"]
+
+
+class Collected(NamedTuple):
+    """What :meth:`ClientStream.collect` returns: the whole request, once it ended."""
+
+    text: bytes  # every text delta, joined
+    tokens: int  # token ids received
+    first_token_at: float  # time.perf_counter() when the first token arrived; 0.0 if none did
+    final: Finish | Error
 
 
 class ClientStream:
-    """One request's events; draining them grants the worker more credit."""
+    """One request's events; draining them grants the worker more credit.
 
-    __slots__ = ("request_id", "_conn", "_events", "_waiter", "_ended", "_final_returned")
+    Two ways to consume: :meth:`next_events` wakes the consumer once per engine
+    step (streaming responses), :meth:`collect` buffers text deltas in the
+    stream and wakes it once, at the end (whole responses). Either way credit
+    is granted back as tokens are consumed, in batches of half a window.
+    """
 
-    def __init__(self, conn: ClientConnection, request_id: int) -> None:
+    __slots__ = ("request_id", "_conn", "_events", "_waiter", "_ended", "_final_returned", "_unacked",
+                 "_parts", "_ntok", "_t_first", "_collector", "_extras")
+
+    def __init__(self, conn: ClientConnection, request_id: int, extras: bool = False) -> None:
         self.request_id = request_id
         self._conn = conn
         self._events: list[StreamEvent] = []
         self._waiter: asyncio.Future[None] | None = None
         self._ended = False
         self._final_returned = False
+        self._unacked = 0  # consumed tokens not yet handed to the core (batched like its Credit)
+        self._parts: list[bytes] | None = None  # collect mode: text deltas
+        self._ntok = 0
+        self._t_first = 0.0
+        self._collector: asyncio.Future[Collected] | None = None
+        self._extras = extras  # the request asked for logprobs: collect() cannot keep them
 
     @property
     def done(self) -> bool:
@@ -49,12 +73,27 @@ class ClientStream:
             w.set_result(None)
 
     def _end(self, ev: Finish | Error) -> None:
-        if not self._ended:  # the core guarantees once; this keeps the stream honest anyway
-            self._ended = True
+        if self._ended:  # the core guarantees once; this keeps the stream honest anyway
+            return
+        self._ended = True
+        parts = self._parts
+        if parts is None:
             self._push(ev)
+            return
+        self._final_returned = True
+        if self._unacked:
+            self._grant()
+        fut = self._collector
+        if fut is not None and not fut.done():
+            text = parts[0] if len(parts) == 1 else b"".join(parts)
+            fut.set_result(Collected(text, self._ntok, self._t_first, ev))
+
+    def _grant(self) -> None:
+        n, self._unacked = self._unacked, 0
+        self._conn._consumed(self.request_id, n)
 
     async def next_events(self) -> list[StreamEvent]:
-        if self._final_returned:
+        if self._final_returned or self._parts is not None:
             raise StopAsyncIteration
         while not self._events:
             self._waiter = asyncio.get_running_loop().create_future()
@@ -65,13 +104,53 @@ class ClientStream:
         events, self._events = self._events, []
         ntok = 0
         for ev in events:
-            if isinstance(ev, TokenEntry):
+            if type(ev) is TokenEntry:
                 ntok += len(ev.token_ids)
         if ntok:
-            self._conn._consumed(self.request_id, ntok)
+            self._unacked += ntok
+            if self._unacked >= self._conn._grant_batch:
+                self._grant()
         if self._ended and not self._events:
             self._final_returned = True
         return events
+
+    def collect(self) -> asyncio.Future[Collected]:
+        """Wait for the end of the request with no wake-up per engine step.
+
+        From now on the stream appends each step's text delta to a buffer (and
+        grants credit) as it arrives; the returned future resolves once, with
+        the joined text, the token count, when the first token came and the
+        final Finish/Error. Events :meth:`next_events` has not returned yet are
+        included. Not for requests that asked for logprobs (``ValueError``):
+        those are only kept per entry.
+        """
+        if self._extras:
+            raise ValueError("collect() keeps text only; this request asked for logprobs")
+        if self._parts is not None or self._final_returned:
+            raise RuntimeError("collect() after the stream was collected or fully read")
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Collected] = loop.create_future()
+        parts: list[bytes] = []
+        final: Finish | Error | None = None
+        for ev in self._events:
+            if type(ev) is TokenEntry:
+                parts.append(bytes(ev.text))
+                n = len(ev.token_ids)
+                self._ntok += n
+                self._unacked += n
+                if not self._t_first:
+                    self._t_first = time.perf_counter()
+            else:
+                final = ev  # type: ignore[assignment]
+        self._events = []
+        self._parts = parts
+        self._collector = fut
+        if final is not None:
+            self._ended = False  # let _end resolve the future with what was buffered
+            self._end(final)
+        elif self._unacked >= self._conn._grant_batch:
+            self._grant()
+        return fut
 
     def cancel(self) -> None:
         self._conn._cancel(self.request_id)
@@ -93,6 +172,9 @@ class ClientConnection:
         self._next_id = 0
         self._idle = asyncio.Event()
         self._idle.set()
+        # Consumed tokens are handed to the core in batches of this size; the core
+        # itself grants Credit at half a window, so this sends exactly the same frames.
+        self._grant_batch = max(1, core.local_hello.initial_credit // 2)
 
     # --- WorkerConnection --------------------------------------------------------------------
 
@@ -106,7 +188,8 @@ class ClientConnection:
         if self.closed:
             raise ConnectionClosed("connection to worker is closed")
         self.core.submit(submit)
-        stream = ClientStream(self, submit.request_id)
+        p = submit.params
+        stream = ClientStream(self, submit.request_id, bool(p.logprobs or p.top_logprobs))
         self._streams[submit.request_id] = stream
         self._idle.clear()
         self.endpoint.flush_soon()
@@ -142,14 +225,51 @@ class ClientConnection:
         if rid in self._streams:
             self.endpoint.deliver(self.core.cancel(rid))
 
+    def _on_tokens(self, batch: TokenBatch) -> None:
+        """Hand one engine step's tokens to their streams, walking the packed arrays.
+
+        Collecting streams get their text slice appended (no per-entry object);
+        the others get a :class:`TokenEntry`. Batches with logprobs take the
+        general path (:meth:`TokenBatch.entries`).
+        """
+        streams = self._streams
+        if batch.has_logprobs or batch.top_ns:
+            for entry in batch.entries():
+                st = streams.get(entry.request_id)
+                if st is not None:
+                    if st._parts is not None:  # cannot happen: collect() refuses logprob requests
+                        st._parts.append(entry.text)
+                    else:
+                        st._push(entry)
+            return
+        text = batch.text
+        grant = self._grant_batch
+        tok: memoryview | None = None
+        t = s = 0
+        for rid, n, ln in zip(batch.request_ids, batch.counts, batch.text_lens, strict=True):
+            st = streams.get(rid)
+            if st is not None:
+                parts = st._parts
+                if parts is not None:
+                    parts.append(text[s : s + ln])
+                    st._ntok += n
+                    if not st._t_first:
+                        st._t_first = time.perf_counter()
+                    st._unacked += n
+                    if st._unacked >= grant:
+                        st._grant()
+                else:
+                    if tok is None:
+                        tok = memoryview(batch.token_ids)
+                    st._push(TokenEntry(rid, tok[t : t + n], text[s : s + ln], None, None, None))
+            t += n
+            s += ln
+
     def _on_events(self, events: list[Event]) -> None:
         streams = self._streams
         for ev in events:
             if isinstance(ev, TokensReceived):
-                for entry in ev.batch.entries():
-                    st = streams.get(entry.request_id)
-                    if st is not None:
-                        st._push(entry)
+                self._on_tokens(ev.batch)
             elif isinstance(ev, RequestEnded):
                 st = streams.pop(ev.result.request_id, None)
                 if st is not None:

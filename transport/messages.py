@@ -20,7 +20,7 @@ import enum
 from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -129,9 +129,13 @@ class Credit:
     tokens: int
 
 
-@dataclass(frozen=True, slots=True)
-class TokenEntry:
-    """A view of one request's slice of a TokenBatch (made on demand)."""
+class TokenEntry(NamedTuple):
+    """A view of one request's slice of a TokenBatch (made on demand).
+
+    A NamedTuple rather than a frozen dataclass: one is built per request per
+    engine step on the gateway's hot path, and a tuple constructs about four
+    times faster. It is immutable all the same.
+    """
 
     request_id: int
     token_ids: memoryview  # uint32

@@ -98,6 +98,8 @@ class OpenAIHandlers:
         if g.stream:
             tpl = ChunkTemplate(g.chat, new_id("chatcmpl" if g.chat else "cmpl"), g.model, g.include_usage)
             return self._stream(g, tpl, routed, sink, t0, route)
+        if not g.logprobs:
+            return self._unary_plain(g, routed, sink, t0, route)
         return self._unary(g, routed, sink, t0, route)
 
     def _timeout(self) -> APIError:
@@ -109,6 +111,49 @@ class OpenAIHandlers:
         await sink.send(sse_error(err.status, err.message, err.type, err.code))
         await sink.end()
         return err.status
+
+    def _body(self, g: GenerationRequest, text: str, fin: Finish, logprobs: Any) -> bytes:
+        """The whole (non-streamed) response body; ``logprobs`` is None when not asked for."""
+        reason = finish_reason(fin)
+        if g.chat:
+            body: dict[str, Any] = {
+                "id": new_id("chatcmpl"), "object": "chat.completion", "created": int(time.time()),
+                "model": g.model,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
+                             "logprobs": logprobs, "finish_reason": reason}],
+                "usage": usage_dict(fin), "system_fingerprint": None,
+            }
+        else:
+            body = {
+                "id": new_id("cmpl"), "object": "text_completion", "created": int(time.time()), "model": g.model,
+                "choices": [{"text": text, "index": 0, "logprobs": logprobs, "finish_reason": reason}],
+                "usage": usage_dict(fin),
+            }
+        return _dumps(body)
+
+    async def _unary_plain(self, g: GenerationRequest, routed: RoutedStream, sink: ResponseSink, t0: float,
+                           route: str) -> int:
+        """A whole response without logprobs: the transport buffers the text, one wake-up at the end."""
+        task = asyncio.current_task()
+        assert task is not None
+        self.deadlines.add(task, self.api.request_timeout)
+        try:
+            res = await routed.collect()
+            fin = res.final
+            if type(fin) is not Finish:
+                raise from_wire_code(fin.code, fin.message)  # type: ignore[union-attr]
+            text = res.text.decode("utf-8", "replace")
+            await sink.respond(200, JSON_HEADERS, self._body(g, text, fin, None))
+            self._observe(route, t0, res.first_token_at, _perf(), fin.completion_tokens)
+            return 200
+        except asyncio.CancelledError:
+            if not self.deadlines.expired(task):
+                raise  # the client went away
+            raise self._timeout() from None
+        finally:
+            self.deadlines.discard(task)
+            if not routed.done:
+                routed.cancel()
 
     async def _unary(self, g: GenerationRequest, routed: RoutedStream, sink: ResponseSink, t0: float,
                      route: str) -> int:
@@ -147,23 +192,9 @@ class OpenAIHandlers:
                         break
                 events = await nxt()
             text = b"".join(parts).decode("utf-8", "replace")
-            reason = finish_reason(fin)
-            if g.chat:
-                body: dict[str, Any] = {
-                    "id": new_id("chatcmpl"), "object": "chat.completion", "created": int(time.time()),
-                    "model": g.model,
-                    "choices": [{"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
-                                 "logprobs": {"content": lps} if want_lp else None, "finish_reason": reason}],
-                    "usage": usage_dict(fin), "system_fingerprint": None,
-                }
-            else:
-                body = {
-                    "id": new_id("cmpl"), "object": "text_completion", "created": int(time.time()), "model": g.model,
-                    "choices": [{"text": text, "index": 0, "logprobs": legacy if want_lp else None,
-                                 "finish_reason": reason}],
-                    "usage": usage_dict(fin),
-                }
-            await sink.respond(200, JSON_HEADERS, orjson.dumps(body))
+            assert fin is not None
+            body = self._body(g, text, fin, ({"content": lps} if g.chat else legacy) if want_lp else None)
+            await sink.respond(200, JSON_HEADERS, body)
             self._observe(route, t0, t_first if parts else 0.0, _perf(), fin.completion_tokens)
             return 200
         except asyncio.CancelledError:

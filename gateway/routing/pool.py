@@ -13,9 +13,11 @@ first token*, the stream resubmits on another worker, transparently, up to
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Awaitable, Callable, Iterable
 
 from transport.api import RequestStream, StreamEvent, WorkerConnection
+from transport.client import Collected
 from transport.messages import Error, ErrorCode, Finish, Submit, TokenEntry
 
 from ..errors import APIError
@@ -177,7 +179,50 @@ class RoutedStream:
             self._started = True
         return events
 
+    async def collect(self) -> Collected:
+        """The whole request at once (text only, no logprobs), waking the caller once.
+
+        Uses the stream's own ``collect()`` when it has one (the transport
+        client buffers text deltas without waking anyone per engine step), else
+        drains :meth:`next_events`. A retryable error before any token moves
+        the request to another worker, as :meth:`next_events` does.
+        """
+        while True:
+            stream = self._stream
+            assert stream is not None
+            own = getattr(stream, "collect", None)
+            res: Collected = await (own() if own is not None else _collect_events(stream))
+            ev = res.final
+            if (not res.tokens and type(ev) is Error and ev.code in RETRYABLE and not self._cancelled
+                    and self._retries_left > 0):
+                self._retries_left -= 1
+                if self._pool.on_retry is not None:
+                    self._pool.on_retry()
+                log.info("worker failed before the first token (%s: %s); resubmitting", ev.code.name, ev.message)
+                try:
+                    self._submit_next()
+                except APIError:
+                    return res  # no other worker: the client gets the original error
+                continue
+            self._started = True
+            return res
+
     def cancel(self) -> None:
         self._cancelled = True
         if self._stream is not None:
             self._stream.cancel()
+
+
+async def _collect_events(stream: RequestStream) -> Collected:
+    """:meth:`RoutedStream.collect` for a stream without its own ``collect()``."""
+    parts: list[bytes] = []
+    ntok = 0
+    t_first = 0.0
+    while True:
+        for ev in await stream.next_events():
+            if type(ev) is TokenEntry:
+                parts.append(bytes(ev.text))
+                ntok += len(ev.token_ids)
+                t_first = t_first or time.perf_counter()
+            else:
+                return Collected(b"".join(parts), ntok, t_first, ev)  # type: ignore[arg-type]
