@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 import sys
@@ -31,9 +32,28 @@ from .routing.pool import ModelPool
 from .routing.supervisor import WorkerSupervisor
 from .settings import Settings, state_dir
 
-__all__ = ["run_gateway", "serve_forever"]
+__all__ = ["run_gateway", "serve_forever", "tune_gc"]
 
 log = logging.getLogger("quicserve")
+
+
+GC_GEN0_THRESHOLD = 20_000
+
+
+def tune_gc(gen0_threshold: int = GC_GEN0_THRESHOLD) -> None:
+    """Garbage-collector settings for a long-running gateway.
+
+    Everything allocated at start-up (modules, settings, the app) is moved to
+    the permanent generation (``gc.freeze``) so no collection walks it again,
+    and generation 0 is collected every ``gen0_threshold`` allocations instead
+    of every 700: the request path makes few reference cycles (asyncio tasks
+    and futures are freed by refcount), and with the default threshold cyclic
+    collections took about a tenth of the gateway's CPU under load.
+    """
+    gc.collect()
+    gc.freeze()
+    _, gen1, gen2 = gc.get_threshold()
+    gc.set_threshold(gen0_threshold, gen1, gen2)
 
 
 def _say(out: TextIO, text: str) -> None:
@@ -71,6 +91,7 @@ async def run_gateway(settings: Settings, *, out: TextIO | None = None,
 
     supervisor = WorkerSupervisor(settings.workers, pool, metrics, ProgressDisplay(settings.log.progress))
     supervisor.start()
+    tune_gc()
 
     stop = stop if stop is not None else asyncio.Event()
     deadline = [settings.shutdown.drain_timeout]

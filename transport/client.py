@@ -96,7 +96,7 @@ class ClientStream:
         if self._final_returned or self._parts is not None:
             raise StopAsyncIteration
         while not self._events:
-            self._waiter = asyncio.get_running_loop().create_future()
+            self._waiter = self._conn.loop.create_future()
             try:
                 await self._waiter
             finally:
@@ -128,8 +128,7 @@ class ClientStream:
             raise ValueError("collect() keeps text only; this request asked for logprobs")
         if self._parts is not None or self._final_returned:
             raise RuntimeError("collect() after the stream was collected or fully read")
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[Collected] = loop.create_future()
+        fut: asyncio.Future[Collected] = self._conn.loop.create_future()
         parts: list[bytes] = []
         final: Finish | Error | None = None
         for ev in self._events:

@@ -237,8 +237,26 @@ def _common(d: dict[str, Any], allowed: frozenset[str], max_tokens_limit: int, d
     elif max_tokens > max_tokens_limit:
         raise _bad(f"Invalid value for '{param}': {max_tokens}; this server allows at most {max_tokens_limit}.",
                    param, "invalid_value")
-    params = SamplingParams(max_tokens, temperature, top_p, top_k, seed, stop, (), ignore_eos, logprobs, top_n)
-    return model, params, stream, include_usage, user, logprobs, top_n
+    return model, _sampling(max_tokens, temperature, top_p, top_k, seed, stop, ignore_eos, logprobs, top_n), \
+        stream, include_usage, user, logprobs, top_n
+
+
+_PARAMS_CACHE: dict[tuple[Any, ...], SamplingParams] = {}
+_PARAMS_CACHE_MAX = 4096
+
+
+def _sampling(max_tokens: int, temperature: float, top_p: float, top_k: int, seed: int | None,
+              stop: tuple[str, ...], ignore_eos: bool, logprobs: bool, top_n: int) -> SamplingParams:
+    """One shared (immutable) SamplingParams per distinct setting: building a frozen dataclass of ten
+    fields costs more than the tuple lookup, and most traffic repeats a few settings."""
+    key = (max_tokens, temperature, top_p, top_k, seed, stop, ignore_eos, logprobs, top_n)
+    sp = _PARAMS_CACHE.get(key)
+    if sp is None:
+        if len(_PARAMS_CACHE) >= _PARAMS_CACHE_MAX:
+            _PARAMS_CACHE.clear()
+        sp = _PARAMS_CACHE[key] = SamplingParams(max_tokens, temperature, top_p, top_k, seed, stop, (),
+                                                 ignore_eos, logprobs, top_n)
+    return sp
 
 
 def _content_text(content: Any, i: int) -> str:

@@ -85,6 +85,9 @@ class ModelPool:
         conns = self._by_model.get(model)
         if not conns:
             return None
+        if len(conns) == 1 and not exclude:  # the common single-worker case: no scoring
+            c = conns[0]
+            return None if c.closed or getattr(c, "draining", False) else c
         best: WorkerConnection | None = None
         best_score = 0
         for c in conns:
