@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Callable
 from typing import NamedTuple
 
 from .api import RequestStream, StreamEvent, WorkerConnection
@@ -46,7 +47,7 @@ class ClientStream:
     """
 
     __slots__ = ("request_id", "_conn", "_events", "_waiter", "_ended", "_final_returned", "_unacked",
-                 "_parts", "_ntok", "_t_first", "_collector", "_extras")
+                 "_parts", "_ntok", "_t_first", "_collector", "_extras", "_listener", "_listen_fut")
 
     def __init__(self, conn: ClientConnection, request_id: int, extras: bool = False) -> None:
         self.request_id = request_id
@@ -60,7 +61,9 @@ class ClientStream:
         self._ntok = 0
         self._t_first = 0.0
         self._collector: asyncio.Future[Collected] | None = None
-        self._extras = extras  # the request asked for logprobs: collect() cannot keep them
+        self._extras = extras  # the request asked for logprobs: collect() and listen() cannot pass them on
+        self._listener: Callable[[bytes], bool] | None = None  # listen mode: called per text delta
+        self._listen_fut: asyncio.Future[Finish | Error | None] | None = None
 
     @property
     def done(self) -> bool:
@@ -76,6 +79,15 @@ class ClientStream:
         if self._ended:  # the core guarantees once; this keeps the stream honest anyway
             return
         self._ended = True
+        if self._listener is not None:
+            self._listener = None
+            self._final_returned = True
+            if self._unacked:
+                self._grant()
+            lf = self._listen_fut
+            if lf is not None and not lf.done():
+                lf.set_result(ev)
+            return
         parts = self._parts
         if parts is None:
             self._push(ev)
@@ -151,6 +163,60 @@ class ClientStream:
             self._grant()
         return fut
 
+    def listen(self, on_text: Callable[[bytes], bool]) -> asyncio.Future[Finish | Error | None]:
+        """Push mode: ``on_text(delta)`` runs synchronously as each engine step's text arrives.
+
+        For streamed responses whose consumer can write without waiting: the
+        consumer is not woken per step at all. ``on_text`` returns True to keep
+        receiving, or False when it cannot take more now (its client is slow);
+        the stream then stops calling it and buffers, and the future resolves
+        to ``None`` -- the consumer waits for its client and calls ``listen``
+        again (buffered deltas are delivered first) or :meth:`next_events`.
+        Otherwise the future resolves once, to the final Finish/Error. Credit
+        is granted for every delta handed to ``on_text``. If ``on_text``
+        raises, the future gets the exception. Not for logprob requests
+        (``ValueError``).
+        """
+        if self._extras:
+            raise ValueError("listen() passes text only; this request asked for logprobs")
+        if self._parts is not None or self._final_returned or self._listener is not None:
+            raise RuntimeError("listen() on a stream that is collected, fully read or already listening")
+        fut: asyncio.Future[Finish | Error | None] = self._conn.loop.create_future()
+        events, self._events = self._events, []
+        for i, ev in enumerate(events):
+            if type(ev) is not TokenEntry:
+                self._final_returned = True
+                fut.set_result(ev)  # type: ignore[arg-type]
+                break
+            self._unacked += len(ev.token_ids)
+            if not on_text(ev.text):
+                self._events = events[i + 1:]
+                fut.set_result(None)
+                break
+        else:
+            self._listener = on_text
+            self._listen_fut = fut
+        if self._unacked >= self._conn._grant_batch or (self._unacked and self._final_returned):
+            self._grant()
+        return fut
+
+    def unlisten(self) -> None:
+        """Leave push mode (idempotent); later deltas buffer for :meth:`next_events`."""
+        self._listener = None
+        lf, self._listen_fut = self._listen_fut, None
+        if lf is not None and not lf.done():
+            lf.cancel()
+
+    def _listener_failed(self, exc: BaseException | None) -> None:
+        """``on_text`` said stop (``exc`` None) or raised: leave push mode, tell the consumer."""
+        self._listener = None
+        lf, self._listen_fut = self._listen_fut, None
+        if lf is not None and not lf.done():
+            if exc is None:
+                lf.set_result(None)
+            else:
+                lf.set_exception(exc)
+
     def cancel(self) -> None:
         self._conn._cancel(self.request_id)
 
@@ -224,6 +290,23 @@ class ClientConnection:
         if rid in self._streams:
             self.endpoint.deliver(self.core.cancel(rid))
 
+    def _text_entry(self, st: ClientStream, text: bytes, n: int) -> None:
+        """One entry for a collecting or listening stream (the general path; see _on_tokens)."""
+        st._unacked += n
+        if st._parts is not None:
+            st._parts.append(text)
+            st._ntok += n
+            if not st._t_first:
+                st._t_first = time.perf_counter()
+        elif st._listener is not None:
+            try:
+                if not st._listener(text):
+                    st._listener_failed(None)
+            except Exception as exc:
+                st._listener_failed(exc)
+        if st._unacked >= self._grant_batch:
+            st._grant()
+
     def _on_tokens(self, batch: TokenBatch) -> None:
         """Hand one engine step's tokens to their streams, walking the packed arrays.
 
@@ -236,8 +319,8 @@ class ClientConnection:
             for entry in batch.entries():
                 st = streams.get(entry.request_id)
                 if st is not None:
-                    if st._parts is not None:  # cannot happen: collect() refuses logprob requests
-                        st._parts.append(entry.text)
+                    if st._parts is not None or st._listener is not None:  # a text-only neighbour
+                        self._text_entry(st, entry.text, len(entry.token_ids))
                     else:
                         st._push(entry)
             return
@@ -257,6 +340,15 @@ class ClientConnection:
                     st._unacked += n
                     if st._unacked >= grant:
                         st._grant()
+                elif st._listener is not None:
+                    st._unacked += n
+                    if st._unacked >= grant:
+                        st._grant()
+                    try:
+                        if not st._listener(text[s : s + ln]):
+                            st._listener_failed(None)
+                    except Exception as exc:  # the consumer's bug must not break the connection
+                        st._listener_failed(exc)
                 else:
                     if tok is None:
                         tok = memoryview(batch.token_ids)

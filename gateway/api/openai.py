@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
@@ -225,6 +225,19 @@ class OpenAIHandlers:
             pending = tpl.role() if g.chat else b""
             plain = not g.logprobs
             state = [0]  # legacy logprobs text offset
+            send_nowait = getattr(sink, "send_nowait", None) if plain else None
+            listen = getattr(routed.stream, "listen", None) if send_nowait is not None else None
+            if listen is not None:
+                if not t_first and any(type(ev) is TokenEntry for ev in events):
+                    t_first = _perf()
+                status = await self._stream_batch(g, tpl, events, send, sink, pending, state)
+                if not status:
+                    fin, status = await self._stream_pushed(g, tpl, routed, send_nowait, sink)  # type: ignore[arg-type]
+                else:
+                    fin = events[-1]
+                if status == 200:
+                    self._observe(route, t0, t_first, _perf(), fin.completion_tokens)  # type: ignore[union-attr]
+                return status
             while True:
                 if plain and len(events) == 1 and type(events[0]) is TokenEntry:
                     # the common case: one engine step's tokens -> one chunk, only the delta is escaped
@@ -258,6 +271,32 @@ class OpenAIHandlers:
             self.deadlines.discard(task)
             if not routed.done:
                 routed.cancel()
+
+    async def _stream_pushed(self, g: GenerationRequest, tpl: ChunkTemplate, routed: RoutedStream,
+                             send_nowait: Callable[[bytes], bool], sink: ResponseSink) -> tuple[Any, int]:
+        """The rest of a plain stream in push mode: the transport calls ``on_text`` per engine step,
+        which writes the chunk without waking this task; it wakes once at the end (or while the
+        client is not reading). Returns (final event, status)."""
+        stream: Any = routed.stream
+        head, tail = tpl.head, tpl.tail
+        held: list[bytes] = []
+
+        def on_text(text: bytes) -> bool:
+            chunk = head + _dumps(text.decode("utf-8", "replace")) + tail
+            if send_nowait(chunk):
+                return True
+            held.append(chunk)  # the client is not reading: the task waits for it, then resumes
+            return False
+
+        try:
+            while True:
+                fin = await stream.listen(on_text)
+                if fin is not None:
+                    break
+                await sink.send(held.pop())
+        finally:
+            stream.unlisten()
+        return fin, await self._stream_batch(g, tpl, [fin], sink.send, sink, b"", [0])
 
     async def _stream_batch(self, g: GenerationRequest, tpl: ChunkTemplate, events: list[Any],
                             send: Any, sink: ResponseSink, pending: bytes, state: list[int]) -> int:

@@ -157,6 +157,11 @@ class RoutedStream:
         """A token (or the finish) has arrived: the request can no longer move."""
         return self._started
 
+    @property
+    def stream(self) -> RequestStream | None:
+        """The current worker's stream (for consumers that use its optional push API)."""
+        return self._stream
+
     def direct_next_events(self) -> Callable[[], Awaitable[list[StreamEvent]]]:
         """After :attr:`started`, the underlying stream's ``next_events`` (one call layer less)."""
         assert self._started and self._stream is not None

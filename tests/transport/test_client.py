@@ -168,3 +168,79 @@ def test_finish_reason_passes_through() -> None:
         await srv.close()
 
     run("asyncio", body)
+
+
+@pytest.mark.parametrize("loop_kind", LOOPS)
+def test_listen_pushes_every_delta_in_order_and_grants_credit(loop_kind: str) -> None:
+    async def body() -> None:
+        worker = EchoWorker()
+        srv = await serve("tcp://127.0.0.1:0", worker)
+        conn = await connect(srv.address, initial_credit=4)
+        st = _submit(conn, 50)
+        got: list[bytes] = []
+        first = await st.next_events()  # the usual start: first event through next_events
+        got += [e.text for e in first]  # type: ignore[union-attr]
+        fin = await st.listen(lambda t: got.append(t) is None)
+        assert isinstance(fin, Finish) and fin.completion_tokens == 50
+        assert b"".join(got) == _text(50)
+        with pytest.raises(RuntimeError):
+            st.listen(lambda t: True)
+        await conn.close()
+        await srv.close()
+
+    run(loop_kind, body)
+
+
+def test_listen_backpressure_resumes_without_loss() -> None:
+    """on_text says "stop" every 5th delta; the consumer re-listens; nothing is lost or reordered."""
+
+    async def body() -> None:
+        worker = EchoWorker(step_delay=0.001)
+        srv = await serve("tcp://127.0.0.1:0", worker)
+        conn = await connect(srv.address, initial_credit=4)
+        st = _submit(conn, 60)
+        got: list[bytes] = []
+        stops = 0
+
+        def on_text(t: bytes) -> bool:
+            got.append(t)
+            return len(got) % 5 != 0
+
+        while True:
+            fin = await st.listen(on_text)
+            if fin is not None:
+                break
+            stops += 1
+            await asyncio.sleep(0.003)  # a slow client: more deltas buffer meanwhile
+        assert stops >= 5 and b"".join(got) == _text(60)
+        await conn.close()
+        await srv.close()
+
+    run("asyncio", body)
+
+
+def test_listen_callback_error_reaches_the_consumer_not_the_connection() -> None:
+    async def body() -> None:
+        worker = EchoWorker(step_delay=0.001)
+        srv = await serve("tcp://127.0.0.1:0", worker)
+        conn = await connect(srv.address)
+        bad = _submit(conn, 50)
+        good = _submit(conn, 20)
+
+        def boom(t: bytes) -> bool:
+            raise KeyError("consumer bug")
+
+        fut = bad.listen(boom)
+        with pytest.raises(KeyError):
+            await fut
+        bad.cancel()
+        res = await good.collect()  # the connection carries on
+        assert res.text == _text(20) and not conn.closed
+        lp = _submit(conn, 3, logprobs=True)
+        with pytest.raises(ValueError, match="logprobs"):
+            lp.listen(lambda t: True)
+        lp.cancel()
+        await conn.close()
+        await srv.close()
+
+    run("asyncio", body)

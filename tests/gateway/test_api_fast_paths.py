@@ -1,0 +1,141 @@
+"""The handlers' low-overhead paths over a real transport connection (EchoWorker double, loopback).
+
+Non-streamed requests use ``ClientStream.collect`` (one wake-up per request);
+plain streams use ``ClientStream.listen`` when the sink offers ``send_nowait``
+(no wake-up per engine step). These check that the bytes are the same as the
+general path's and that backpressure, disconnects and worker errors still work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import orjson
+import pytest
+
+from gateway.app import App
+from gateway.http.types import Request
+from gateway.routing.pool import ModelPool
+from tests.transport.doubles import EchoWorker
+from transport.client import connect
+from transport.server import serve
+
+from .doubles import RecordingSink, sse_events
+
+
+class NowaitSink(RecordingSink):
+    """RecordingSink with the optional ``send_nowait``; refuses (a slow client) every ``refuse_every``-th call."""
+
+    def __init__(self, refuse_every: int = 0, block_after_chunks: int | None = None) -> None:
+        super().__init__(block_after_chunks)
+        self.refuse_every = refuse_every
+        self.nowait_calls = 0
+        self.refused = 0
+
+    def send_nowait(self, data: bytes) -> bool:
+        assert self.streamed and not self.ended
+        self.nowait_calls += 1
+        if self.refuse_every and self.nowait_calls % self.refuse_every == 0:
+            self.refused += 1
+            return False
+        if self.block_after_chunks is not None and len(self.chunks) + 1 >= self.block_after_chunks:
+            return False  # from here on the client "stops reading": send() blocks
+        self.chunks.append(data)
+        return True
+
+
+@pytest.fixture
+async def echo() -> AsyncIterator[tuple[App, EchoWorker]]:
+    worker = EchoWorker(step_delay=0.001)
+    srv = await serve("tcp://127.0.0.1:0", worker)
+    conn = await connect(srv.address, initial_credit=8)  # small window: credit must flow in every mode
+    pool = ModelPool()
+    pool.add(conn)
+    yield App(pool), worker
+    await conn.close()
+    await srv.close()
+
+
+def chat(max_tokens: int, stream: bool, **extra: object) -> Request:
+    body = orjson.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                         "max_tokens": max_tokens, "stream": stream, **extra})
+    return Request("POST", "/v1/chat/completions", "", [], body, "http/1.1", "http")
+
+
+def expected_text(n: int) -> str:
+    return "".join(f"t{i}" for i in range(n))
+
+
+async def test_unary_collects_over_the_real_transport(echo: tuple[App, EchoWorker]) -> None:
+    app, _ = echo
+    sink = RecordingSink()
+    await app(chat(40, False), sink)
+    body = sink.json()
+    assert sink.status == 200
+    assert body["choices"][0]["message"]["content"] == expected_text(40)  # type: ignore[index]
+    assert body["choices"][0]["finish_reason"] == "length"  # type: ignore[index]
+    assert body["usage"]["completion_tokens"] == 40  # type: ignore[index]
+    ttft = app.metrics.ttft["/v1/chat/completions"]
+    assert sum(ttft.counts) == 1
+
+
+@pytest.mark.parametrize("refuse_every", [0, 3])
+async def test_stream_push_mode_same_bytes_and_backpressure(echo: tuple[App, EchoWorker], refuse_every: int) -> None:
+    app, _ = echo
+    sink = NowaitSink(refuse_every)
+    await app(chat(30, True, stream_options={"include_usage": True}), sink)
+    assert sink.status == 200 and sink.ended
+    assert sink.nowait_calls > 0  # the push path ran
+    if refuse_every:
+        assert sink.refused > 0
+    events = sse_events(sink.body)
+    assert events[-1] == "[DONE]"
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}  # type: ignore[index]
+    text = "".join(e["choices"][0]["delta"].get("content", "") for e in events[1:-2]  # type: ignore[index]
+                   if e["choices"])  # type: ignore[index]
+    assert text == expected_text(30)
+    assert events[-3]["choices"][0]["finish_reason"] == "length"  # type: ignore[index]
+    assert events[-2]["usage"]["completion_tokens"] == 30  # type: ignore[index]
+    # every chunk is one whole SSE event
+    assert all(c.startswith(b"data: ") and c.endswith(b"\n\n") for c in sink.chunks)
+
+
+async def test_stream_push_mode_without_nowait_uses_the_general_path(echo: tuple[App, EchoWorker]) -> None:
+    app, _ = echo
+    plain, pushed = RecordingSink(), NowaitSink()
+    await app(chat(12, True), plain)
+    await app(chat(12, True), pushed)
+
+    def texts(s: RecordingSink) -> str:
+        return "".join(e["choices"][0]["delta"].get("content", "")  # type: ignore[index]
+                       for e in sse_events(s.body) if e != "[DONE]")
+
+    assert texts(plain) == texts(pushed) == expected_text(12)
+
+
+async def test_client_gone_during_push_cancels_the_worker_request(echo: tuple[App, EchoWorker]) -> None:
+    app, worker = echo
+    sink = NowaitSink(block_after_chunks=5)
+    task = asyncio.ensure_future(app(chat(4000, True), sink))
+    await asyncio.wait_for(sink.blocked.wait(), 10)  # the handler is waiting on a client that stopped reading
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    for _ in range(400):
+        if worker.cancelled:
+            break
+        await asyncio.sleep(0.005)
+    assert len(worker.cancelled) == 1 and not worker.active
+
+
+async def test_worker_error_in_fast_paths(echo: tuple[App, EchoWorker]) -> None:
+    """The pool thinks the worker serves "ghost"; the worker answers UNKNOWN_MODEL -> 404, both modes."""
+    app, _ = echo
+    app.pool.add(app.pool.connections()[0], ["ghost"])
+    for stream in (False, True):
+        body = orjson.dumps({"model": "ghost", "messages": [{"role": "user", "content": "x"}], "stream": stream})
+        sink = NowaitSink()
+        await app(Request("POST", "/v1/chat/completions", "", [], body, "http/1.1", "http"), sink)
+        assert sink.status == 404 and not sink.streamed
+        assert sink.json()["error"]["code"] == "model_not_found"  # type: ignore[index]
