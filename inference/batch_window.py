@@ -1,35 +1,55 @@
-"""Admission windows: how long new requests may wait to join one prefill.
+"""Admission windows: how long new requests may wait to join one prefill,
+and how much prefill one step may carry.
 
-Batching prefills amortises each prefill step's fixed cost, but a wider
+Batching prefills amortises each prefill call's fixed cost, but a wider
 window delays first tokens and makes the steps that carry the prefill longer.
 
 * :class:`FixedWindow` waits a constant ``w`` after the oldest waiting request
-  arrived (``w = 0`` admits at once).
+  arrived (``w = 0`` admits at once) and leaves the per-step prefill size to
+  the engine's static ``max_prefill_tokens``.
 * :class:`AdaptiveWindow` (DBS-Adapt) moves ``w`` after every step by a clipped
   gradient step on the step-latency error, scaled by load::
 
-      e = clip(target - latency, -g, g);  e *= q / (1 - q) if e < 0
-      w <- clip(w + lr * e * load, w_min, w_max)
+      e = min(target - latency, g);  e = -g * q / (1 - q) on a miss
+      w <- clip(w + lr * e * load, w_min, min(w_max, c))
 
   Steps faster than the target leave head-room, so ``w`` grows and prefills
-  batch up (fewer fixed costs, more throughput); steps slower than the target
-  shrink ``w`` so fewer prompts join each prefill. Misses weigh
-  ``q / (1 - q)`` times more than head-room (the pinball-loss gradient), so
-  ``w`` settles where about ``1 - q`` of steps exceed the target (exactly so
-  when the clip ``g`` is small next to the latency noise: the update is then
-  the pinball-loss gradient), so the target is a ``q``-quantile (p99 by
-  default), not a mean. ``load`` (0..1, the share
-  of batch slots wanted) damps the drift when the engine is nearly idle.
+  batch up (fewer fixed costs); a step slower than the target shrinks ``w``
+  so fewer prompts join each prefill. A miss of any size pulls ``q / (1 - q)``
+  times as hard as the most head-room pushes (the sign-based pinball-loss
+  gradient), so at most about ``1 - q`` of steps exceed the target whatever
+  the latency distribution: the target is a ``q``-quantile (p99 by default),
+  not a mean. (Weighing a miss by its size, as a first version did, lets
+  many small misses through: with bucketed step costs most misses are small.)
+  ``load`` (0..1, the share of batch slots wanted) damps the drift when the
+  engine is nearly idle. ``c`` is the fitted fixed cost of one prefill call:
+  a request joining a prefill saves at most that, so waiting longer cannot pay.
+
+  The window alone cannot hold a latency target: it changes how often
+  prefills run, not how big the one that runs is (a burst of arrivals is
+  admitted at once whatever ``w``). So DBS-Adapt also bounds each step's
+  prefill (:meth:`AdaptiveWindow.prefill_fits`, which the engine asks before
+  adding each request to a step): it fits ``latency ~ base + c * calls +
+  k * padded_area`` over recent steps (exponentially weighted least squares;
+  prefills run in calls of up to ``prefill_group``, each padded to powers of
+  two like the JAX runner's shape buckets) and admits while the predicted
+  step stays within ``target - m`` (the first request always runs, alone if
+  need be). The margin ``m`` takes the same quantile step as ``w``, 100x
+  smaller and with the opposite sign, so misses the fit did not foresee
+  widen it.
 
 The window opens when there is something to admit and the previous
 admission is over (``start = max(oldest arrival, last admission)``), so under
 load prefills happen at most once per window, each carrying the requests and
 freed slots gathered meanwhile. Either way admission never waits once a full
-prefill batch is ready. Pure logic; times in seconds, passed in.
+prefill batch is ready (the engine also counts a batch as full when the next
+request would not fit the step's prefill bound). Pure logic; times in
+seconds, passed in.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 __all__ = ["BatchWindow", "FixedWindow", "AdaptiveWindow", "parse_batch_window"]
@@ -43,8 +63,14 @@ class BatchWindow(Protocol):
         ``full`` make a full prefill batch; the window opened at ``start``."""
         ...
 
-    def observe(self, latency: float, load: float) -> None:
-        """Feed back one step's wall time and load (0..1)."""
+    def observe(self, latency: float, load: float, prefill_lengths: Sequence[int] = ()) -> None:
+        """Feed back one step's wall time, load (0..1) and the new-token
+        counts of the prefills it carried."""
+        ...
+
+    def prefill_fits(self, prefill_lengths: Sequence[int]) -> bool:
+        """Whether one step may carry prefills of these new-token counts
+        (the engine always lets the first one through)."""
         ...
 
 
@@ -59,15 +85,19 @@ class FixedWindow:
             return start
         return start + self.window
 
-    def observe(self, latency: float, load: float) -> None:
+    def observe(self, latency: float, load: float, prefill_lengths: Sequence[int] = ()) -> None:
         pass
+
+    def prefill_fits(self, prefill_lengths: Sequence[int]) -> bool:
+        return True
 
     def __repr__(self) -> str:
         return f"FixedWindow({self.window * 1e3:.1f} ms)"
 
 
 class AdaptiveWindow(FixedWindow):
-    """DBS-Adapt: gradient steps on (target latency - observed latency)."""
+    """DBS-Adapt: gradient steps on (target latency - observed latency), and
+    a per-step prefill bound from a fitted step-cost model."""
 
     def __init__(
         self,
@@ -79,9 +109,13 @@ class AdaptiveWindow(FixedWindow):
         lr: float = 0.5,
         clip: float | None = None,
         quantile: float = 0.99,
+        prefill_group: int = 8,
+        cost_halflife: float = 256.0,
     ) -> None:
         if not (0 <= w_min <= w_max) or target_latency <= 0 or lr <= 0 or not (0 < quantile < 1):
             raise ValueError("need 0 <= w_min <= w_max, target_latency > 0, lr > 0, 0 < quantile < 1")
+        if cost_halflife <= 0 or prefill_group < 1:
+            raise ValueError("cost_halflife must be > 0 (steps) and prefill_group >= 1")
         super().__init__(min(max(initial, w_min), w_max))
         self.target_latency = target_latency
         self.w_min = w_min
@@ -89,16 +123,95 @@ class AdaptiveWindow(FixedWindow):
         self.lr = lr
         self.clip = clip if clip is not None else target_latency / 10
         self.miss_weight = quantile / (1 - quantile)
+        self.prefill_group = prefill_group
+        self.margin = 0.0  # seconds the prefill bound keeps below the target
+        self._decay = 0.5 ** (1.0 / cost_halflife)
+        self._xtx = [[0.0] * 3 for _ in range(3)]  # weighted X'X and X'y, X = (1, calls, area)
+        self._xty = [0.0] * 3
+        self._coef: tuple[float, float, float] | None = None
 
-    def observe(self, latency: float, load: float) -> None:
-        err = max(-self.clip, min(self.clip, self.target_latency - latency))
+    def observe(self, latency: float, load: float, prefill_lengths: Sequence[int] = ()) -> None:
+        # A miss of any size counts as a full clipped miss: then a miss pulls
+        # at least q / (1 - q) times harder than any head-room pushes, so at
+        # most about 1 - q of steps miss whatever the latency distribution.
+        err = min(self.clip, self.target_latency - latency)
         if err < 0:
-            err *= self.miss_weight
+            err = -self.clip * self.miss_weight
         load = max(0.0, min(1.0, load))
-        self.window = max(self.w_min, min(self.w_max, self.window + self.lr * err * load))
+        w = self.window + self.lr * err * load
+        # Waiting longer than one call's fixed cost cannot pay: that is all a
+        # request joining the prefill saves.
+        top = self.w_max if self._coef is None else min(self.w_max, max(self.w_min, self._coef[1]))
+        self.window = max(self.w_min, min(top, w))
+        # The same quantile step, 100x smaller and with the opposite sign,
+        # widens the prefill bound's margin on misses the cost fit did not
+        # foresee (bucket padding, noise) and narrows it on head-room.
+        self.margin = max(0.0, min(self.target_latency, self.margin - self.lr / 100 * err))
+        self._fit_step(self._features(prefill_lengths), latency)
+
+    def _features(self, lengths: Sequence[int]) -> tuple[float, float, float]:
+        """(1, prefill calls, padded prefill area): prefills run in calls of up
+        to ``prefill_group`` sequences, shortest first, each call padded to
+        powers of two in batch and length (16 tokens at least)."""
+        ls = sorted(lengths)
+        calls, area = 0, 0
+        for i in range(0, len(ls), self.prefill_group):
+            chunk = ls[i : i + self.prefill_group]
+            calls += 1
+            area += _pow2(len(chunk)) * max(16, _pow2(chunk[-1]))
+        return 1.0, float(calls), float(area)
+
+    def _fit_step(self, x: tuple[float, float, float], y: float) -> None:
+        d = self._decay
+        for i in range(3):
+            self._xty[i] = self._xty[i] * d + x[i] * y
+            for j in range(3):
+                self._xtx[i][j] = self._xtx[i][j] * d + x[i] * x[j]
+        if self._xtx[0][2] > 0:  # some step carried a prefill
+            coef = _solve(self._xtx, self._xty, ridge=1e-9)
+            if coef is not None and coef[2] > 0:
+                self._coef = (coef[0], max(0.0, coef[1]), coef[2])
+
+    @property
+    def cost_model(self) -> tuple[float, float, float] | None:
+        """``(base, per_call, per_area)`` of the fitted step latency
+        ``base + per_call * calls + per_area * padded_area``, once known."""
+        return self._coef
+
+    def predict(self, prefill_lengths: Sequence[int]) -> float | None:
+        """Predicted latency of a step that carries these prefills."""
+        if self._coef is None:
+            return None
+        x = self._features(prefill_lengths)
+        return sum(c * v for c, v in zip(self._coef, x, strict=True))
+
+    def prefill_fits(self, prefill_lengths: Sequence[int]) -> bool:
+        pred = self.predict(prefill_lengths)
+        return pred is None or pred <= self.target_latency - self.margin
 
     def __repr__(self) -> str:
         return f"AdaptiveWindow(w={self.window * 1e3:.2f} ms, target={self.target_latency * 1e3:.1f} ms)"
+
+
+def _pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def _solve(a: list[list[float]], b: list[float], *, ridge: float) -> list[float] | None:
+    """Solve (a + ridge * trace * I) x = b (3x3, Gaussian elimination); None if singular."""
+    n = len(b)
+    lam = ridge * max(1e-30, sum(a[i][i] for i in range(n)))
+    m = [[a[i][j] + (lam if i == j else 0.0) for j in range(n)] + [b[i]] for i in range(n)]
+    for c in range(n):
+        p = max(range(c, n), key=lambda r: abs(m[r][c]))
+        if abs(m[p][c]) < 1e-300:
+            return None
+        m[c], m[p] = m[p], m[c]
+        for r in range(n):
+            if r != c:
+                f = m[r][c] / m[c][c]
+                m[r] = [x - f * y for x, y in zip(m[r], m[c], strict=True)]
+    return [m[i][n] / m[i][i] for i in range(n)]
 
 
 def parse_batch_window(spec: str, *, target_latency: float = 0.05) -> FixedWindow:

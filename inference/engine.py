@@ -10,7 +10,9 @@ How it works. Requests wait in ``_waiting`` (FIFO) and run in ``_running``
          (free its blocks, requeue it at the front; it is recomputed from its
          prompt + generated tokens later, usually from the prefix cache);
       3. if the batch window says so, admit waiting requests in order while
-         there are batch slots, free blocks and prefill-token budget.
+         there are batch slots, free blocks and prefill-token budget (the
+         prefill holds at most ``max_prefill_tokens`` new tokens and what the
+         window's ``prefill_fits`` allows; the first request always fits).
   ``commit(plan, outputs, now)`` -> events
       feeds each sampled token to its sequence (text delta, stop checks),
       finishes the done ones, registers newly full blocks in the prefix cache
@@ -182,7 +184,18 @@ class Engine:
     def _admit_at(self, ready: list[Sequence], free_slots: int) -> float:
         start = max(ready[0].arrival, self._last_admit)
         full = min(self.config.prefill_batch, self.config.max_batch)
-        return self.window.admit_at(start, min(len(ready), free_slots), full)
+        batch = min(len(ready), free_slots)
+        # When this step's prefill bound (token cap, the window's cost bound)
+        # stops short of the ready requests, waiting cannot make the prefill
+        # any bigger: count it as full.
+        lengths: list[int] = []
+        for s in ready[:batch]:
+            lengths.append(len(s.tokens))
+            if len(lengths) > 1 and (sum(lengths) > self.config.max_prefill_tokens
+                                     or not self.window.prefill_fits(lengths)):  # fmt: skip
+                batch = full
+                break
+        return self.window.admit_at(start, batch, full)
 
     # -- one step ------------------------------------------------------------
     def schedule(self, now: float) -> tuple[StepPlan | None, list[EngineEvent]]:
@@ -224,16 +237,19 @@ class Engine:
             return []
         budget = self.config.max_prefill_tokens
         work: list[SeqWork] = []
+        lengths: list[int] = []
         for s in ready:
             if len(self._running) >= self.config.max_batch:
                 break
             cached = self.kv.cached_prefix_len(s.tokens)
-            if work and len(s.tokens) - cached > budget:
+            if work and (len(s.tokens) - cached > budget
+                         or not self.window.prefill_fits([*lengths, len(s.tokens) - cached])):  # fmt: skip
                 break
             alloc = self.kv.allocate(s.seq_id, s.tokens)
             if alloc is None:
                 break
             budget -= len(s.tokens) - alloc.num_cached_tokens
+            lengths.append(len(s.tokens) - alloc.num_cached_tokens)
             if s.cached_tokens < 0:
                 s.cached_tokens = alloc.num_cached_tokens
             self._waiting.remove(s)
@@ -271,7 +287,8 @@ class Engine:
                 events.append(s.finished(reason))
         if self._step_started is not None:
             load = min(1.0, (len(self._running) + len(self._waiting)) / self.config.max_batch)
-            self.window.observe(now - self._step_started, load)
+            lengths = [len(w.token_ids) for w in plan.prefills]
+            self.window.observe(now - self._step_started, load, prefill_lengths=lengths)
             self._step_started = None
         return events
 

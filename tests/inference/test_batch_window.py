@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 
 from inference.batch_window import AdaptiveWindow, FixedWindow, parse_batch_window
+from inference.engine import Engine, EngineConfig
+from inference.synthetic import SyntheticRunner
+from inference.tokenizer import ByteTokenizer
+from transport.messages import SamplingParams
 
 
 def test_fixed_window_waits_unless_batch_is_full() -> None:
@@ -47,6 +53,93 @@ def test_adaptive_window_tracks_a_latency_quantile() -> None:
     assert 0.08 < misses / 10_000 < 0.12
     with pytest.raises(ValueError):
         AdaptiveWindow(0.01, quantile=1.0)
+
+
+def test_a_miss_of_any_size_counts_in_full() -> None:
+    """Latency is the target plus or minus a hair: were a miss weighed by its
+    size (clip 1 ms, excess 1 us) against full head-room pushes, most steps
+    would miss; counted in full, at most about 1 - q do."""
+    import random
+
+    rng = random.Random(1)
+    w = AdaptiveWindow(0.010, lr=0.5, w_max=0.05, quantile=0.9, clip=0.001)
+    misses = 0
+    for i in range(20_000):
+        latency = 0.002 + w.window + (1e-6 if rng.random() < 0.5 else -0.002)
+        misses += i >= 10_000 and latency > 0.010
+        w.observe(latency, load=1.0)
+    assert misses / 10_000 < 0.12
+
+
+def _cost(lengths: list[int], group: int = 8) -> float:
+    """A bucketed step cost: 3 ms base, 1 ms per prefill call, 10 us per padded token."""
+    ls, cost = sorted(lengths), 0.003
+    for i in range(0, len(ls), group):
+        chunk = ls[i : i + group]
+        cost += 0.001 + 1e-5 * (1 << (len(chunk) - 1).bit_length()) * max(16, 1 << (chunk[-1] - 1).bit_length())
+    return cost
+
+
+def test_adaptive_window_fits_the_step_cost_and_bounds_prefills() -> None:
+    import random
+
+    rng = random.Random(2)
+    w = AdaptiveWindow(0.010, w_max=0.05, lr=0.5)
+    assert w.cost_model is None and w.prefill_fits([4000] * 30)  # nothing learned: no bound
+    for _ in range(400):
+        lengths = [rng.randint(1, 64) for _ in range(rng.choice((0, 0, 1, 2, 3, 5, 8)))]
+        w.observe(_cost(lengths), load=1.0, prefill_lengths=lengths)
+    base, per_call, per_area = w.cost_model  # type: ignore[misc]
+    assert base == pytest.approx(0.003, rel=1e-3) and per_call == pytest.approx(0.001, rel=1e-3)
+    assert per_area == pytest.approx(1e-5, rel=1e-3)
+    assert w.predict([40, 40]) == pytest.approx(_cost([40, 40]), rel=1e-3)
+    # 10 ms target, margin 0 (no step missed): 3 + 1 + 0.01 * area <= 10 -> area <= 600
+    assert w.margin == 0.0
+    assert w.prefill_fits([64] * 8) and not w.prefill_fits([65] * 8)  # 8 x 64 = 512 vs 8 x 128
+    assert not w.prefill_fits([64] * 9)  # a second call: 3 + 2 + 5.12 + 0.64 ms
+    # waiting longer than the 1 ms one call costs cannot pay: the window stops there
+    assert w.window == pytest.approx(0.001, rel=1e-3)
+    w.observe(0.02, load=1.0)  # a miss widens the margin
+    assert w.margin > 0 and w.window == 0.0
+
+
+class _TokenBound(FixedWindow):
+    """Test double: a fixed window whose prefill bound is a token count."""
+
+    def __init__(self, window: float, tokens: int) -> None:
+        super().__init__(window)
+        self.tokens = tokens
+        self.seen: list[list[int]] = []
+
+    def prefill_fits(self, prefill_lengths: Sequence[int]) -> bool:
+        return sum(prefill_lengths) <= self.tokens
+
+    def observe(self, latency: float, load: float, prefill_lengths: Sequence[int] = ()) -> None:
+        self.seen.append(list(prefill_lengths))
+
+
+def test_engine_admits_what_the_window_bound_allows_without_waiting() -> None:
+    """Window 1 s, full prefill = 8, bound = 25 tokens: three 10-token prompts
+    are more than one step may carry, so the window does not wait for more
+    (the prefill cannot grow) and each step takes what fits; the window sees
+    every step's prefill lengths."""
+    runner = SyntheticRunner(block_size=4, num_blocks=64, max_model_len=64)
+    window = _TokenBound(1.0, 25)
+    eng = Engine(runner, ByteTokenizer(), EngineConfig(max_batch=8, prefill_batch=8), window)
+    for i in range(3):
+        eng.add(i, [65 + i] * 10, SamplingParams(max_tokens=4, seed=i), 0.0)
+    assert eng.next_wakeup() == 0.0
+    plan, _ = eng.schedule(0.0)
+    assert plan is not None and [len(w.token_ids) for w in plan.prefills] == [10, 10]
+    eng.commit(plan, runner.execute(plan), 0.01)
+    plan, _ = eng.schedule(0.01)  # the third is alone and more could join: it waits
+    assert plan is not None and not plan.prefills and eng.next_wakeup() == pytest.approx(1.0)
+    eng.commit(plan, runner.execute(plan), 0.02)
+    assert window.seen == [[10, 10], []]
+    eng.add(3, [70] * 20, SamplingParams(max_tokens=4, seed=3), 0.03)
+    assert eng.next_wakeup() <= 0.03  # 10 + 20 > 25: the next prefill is as full as it gets
+    plan, _ = eng.schedule(0.03)
+    assert plan is not None and [len(w.token_ids) for w in plan.prefills] == [10]
 
 
 def test_parse_batch_window() -> None:
