@@ -6,7 +6,9 @@ prompt length and output length (mixed). Our side runs a minimal
 continuous-batching loop over the runner (prefill on admission, one decode
 step for every running sequence, finished sequences leave the batch);
 transformers runs one ``generate`` per batch (left-padded prompts, greedy, no
-EOS) up to the longest requested output, which is how it serves a batch.
+EOS, KV cache on, SDPA attention, float32, torch threads = --torch-threads)
+up to the longest requested output, which is how it serves a batch; tokens
+it generates past a request's own length are not counted.
 Throughput = requested output tokens / wall time, prefill included, compile
 excluded (both sides do one untimed warm pass). Each side is timed
 ``--repeats`` times, alternating, and the best time counts (the machine is
@@ -19,6 +21,7 @@ compared for the first request as a sanity check.
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 import time
 
@@ -74,9 +77,13 @@ def run_hf(model, torch, reqs: list[tuple[list[int], int]]) -> list[list[int]]:
         ids[i, width - len(p):] = torch.tensor(p)
         mask[i, width - len(p):] = 1
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=mask, do_sample=False, pad_token_id=0,
+        out = model.generate(ids, attention_mask=mask, do_sample=False, pad_token_id=0, use_cache=True,
                              max_new_tokens=max(n for _, n in reqs))
     return [out[i, width:width + n].tolist() for i, (_, n) in enumerate(reqs)]
+
+
+def _load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,22 +91,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--torch-threads", type=int, default=2)
     args = ap.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
 
     import torch
     import transformers
 
+    torch.set_num_threads(args.torch_threads)
+
     with tempfile.TemporaryDirectory() as tmp:
         cfg = model_config(args.layers)
         write_hf_checkpoint(tmp, cfg, seed=0)
-        hf = transformers.LlamaForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
+        hf = transformers.LlamaForCausalLM.from_pretrained(tmp, dtype=torch.float32,
+                                                           attn_implementation="sdpa").eval()
         hf.generation_config.eos_token_id = None
         runner = JaxRunner.load(tmp, block_size=BLOCK, num_blocks=2048, max_batch=max(batches),
                                 max_model_len=512)
     params = sum(p.numel() for p in hf.parameters())
-    print(f"model: {params / 1e6:.1f}M params, {args.layers} layers; torch threads {torch.get_num_threads()}")
-    print(f"{'batch':>5} {'tokens':>7} {'ours tok/s':>11} {'hf tok/s':>9} {'ratio':>6}  greedy-match")
+    print(f"model: {params / 1e6:.1f}M params, {args.layers} layers, float32; torch threads "
+          f"{torch.get_num_threads()}, hf attention {hf.config._attn_implementation}")
+    print(f"load average at start: {_load()} (machine has {os.cpu_count()} cores)")
+    print(f"{'batch':>5} {'tokens':>7} {'ours tok/s':>11} {'hf tok/s':>9} {'ratio':>6}  greedy-match  load1")
     for batch in batches:
         reqs = workload(batch, seed=batch)
         run_ours(runner, reqs)  # warm: compiles this workload's shapes
@@ -115,8 +128,9 @@ def main(argv: list[str] | None = None) -> int:
         tokens = sum(n for _, n in reqs)
         match = ours[0] == theirs[0]
         print(f"{batch:>5} {tokens:>7} {tokens / t_ours:>11.1f} {tokens / t_hf:>9.1f} "
-              f"{t_hf / t_ours:>5.2f}x  {match}", flush=True)
+              f"{t_hf / t_ours:>5.2f}x  {match!s:>12}  {os.getloadavg()[0]:.2f}", flush=True)
     print(f"compiled shapes: {runner.compile_count}, compile time {runner.compile_seconds:.1f}s")
+    print(f"load average at end: {_load()}")
     return 0
 
 
