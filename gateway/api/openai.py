@@ -134,7 +134,7 @@ class OpenAIHandlers:
     async def _unary_plain(self, g: GenerationRequest, routed: RoutedStream, sink: ResponseSink, t0: float,
                            route: str) -> int:
         """A whole response without logprobs: the transport buffers the text, one wake-up at the end."""
-        task = asyncio.current_task()
+        task = asyncio.current_task(getattr(routed.conn, "loop", None))  # no get_running_loop (a getpid)
         assert task is not None
         self.deadlines.add(task, self.api.request_timeout)
         try:
@@ -157,7 +157,7 @@ class OpenAIHandlers:
 
     async def _unary(self, g: GenerationRequest, routed: RoutedStream, sink: ResponseSink, t0: float,
                      route: str) -> int:
-        task = asyncio.current_task()
+        task = asyncio.current_task(getattr(routed.conn, "loop", None))  # no get_running_loop (a getpid)
         assert task is not None
         self.deadlines.add(task, self.api.request_timeout)
         try:
@@ -208,7 +208,7 @@ class OpenAIHandlers:
 
     async def _stream(self, g: GenerationRequest, tpl: ChunkTemplate, routed: RoutedStream,
                       sink: ResponseSink, t0: float, route: str) -> int:
-        task = asyncio.current_task()
+        task = asyncio.current_task(getattr(routed.conn, "loop", None))  # no get_running_loop (a getpid)
         assert task is not None
         self.deadlines.add(task, self.api.request_timeout)
         try:
