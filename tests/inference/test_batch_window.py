@@ -89,7 +89,9 @@ def test_adaptive_window_fits_the_step_cost_and_bounds_prefills() -> None:
     for _ in range(400):
         lengths = [rng.randint(1, 64) for _ in range(rng.choice((0, 0, 1, 2, 3, 5, 8)))]
         w.observe(_cost(lengths), load=1.0, prefill_lengths=lengths)
-    base, per_call, per_area = w.cost_model  # type: ignore[misc]
+    model = w.cost_model
+    assert model is not None
+    base, per_call, per_area = model
     assert base == pytest.approx(0.003, rel=1e-3) and per_call == pytest.approx(0.001, rel=1e-3)
     assert per_area == pytest.approx(1e-5, rel=1e-3)
     assert w.predict([40, 40]) == pytest.approx(_cost([40, 40]), rel=1e-3)
@@ -137,13 +139,15 @@ def test_engine_admits_what_the_window_bound_allows_without_waiting() -> None:
     eng.commit(plan, runner.execute(plan), 0.02)
     assert window.seen == [[10, 10], []]
     eng.add(3, [70] * 20, SamplingParams(max_tokens=4, seed=3), 0.03)
-    assert eng.next_wakeup() <= 0.03  # 10 + 20 > 25: the next prefill is as full as it gets
+    wake = eng.next_wakeup()
+    assert wake is not None and wake <= 0.03  # 10 + 20 > 25: the next prefill is as full as it gets
     plan, _ = eng.schedule(0.03)
     assert plan is not None and [len(w.token_ids) for w in plan.prefills] == [10]
 
 
 def test_parse_batch_window() -> None:
     assert isinstance(parse_batch_window("adaptive"), AdaptiveWindow)
+    assert parse_batch_window("adaptive", prefill_group=1).prefill_group == 1  # type: ignore[attr-defined]
     fixed = parse_batch_window("fixed:2.5")
     assert type(fixed) is FixedWindow and fixed.window == pytest.approx(0.0025)
     for bad in ("fixed:x", "sometimes", "fixed:-1"):
