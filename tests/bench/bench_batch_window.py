@@ -170,7 +170,7 @@ def simulate(window: FixedWindow, runner: MeasuredCostRunner, cap: int, duration
     """(tokens/s, p99 step latency, mean TTFT) of one workload replay."""
     cfg = EngineConfig(max_batch=MAX_BATCH, prefill_batch=PREFILL_BATCH, max_prefill_tokens=cap)
     eng = Engine(runner, ByteTokenizer(), cfg, window)  # type: ignore[arg-type]
-    wl = Workload(args, duration, rate)
+    wl = Workload(args, duration, rate, seed=args.seed)
     arrivals: dict[int, float] = {}
     ttfts: list[float] = []
     lat: list[float] = []
@@ -254,6 +254,7 @@ def main() -> None:
     ap.add_argument("--heavy", type=int, default=48, help="clients in heavy phases (bursty closed loop)")
     ap.add_argument("--light", type=int, default=6, help="clients in light phases")
     ap.add_argument("--think-ms", type=float, default=20.0)
+    ap.add_argument("--seed", type=int, default=0, help="workload seed")
     ap.add_argument("--no-overlap", action="store_true", help="a step costs the plain sum of its calls")
     ap.add_argument("--quantile", type=float, default=0.99, help="the latency quantile DBS-Adapt tracks")
     ap.add_argument("--table", default=None, help="JSON file: reuse a measured cost table, or save one there")
