@@ -1,7 +1,8 @@
 """The Llama forward pass over a paged KV cache (pure functions; the runner jits them).
 
 Parameters are a plain pytree (see :func:`param_shapes`), with the HF
-projections transposed to ``[in, out]`` and fused: ``wqkv`` = q|k|v and
+projections transposed to ``[in, out]`` (or kept ``[out, in]`` under
+``<name>_t`` keys, see :func:`transpose_weights`) and fused: ``wqkv`` = q|k|v and
 ``w_gate_up`` = gate|up, so each layer does three matmuls plus the output
 projections. The KV cache is one ``[num_blocks, block_size, KV, D]`` array
 per layer for keys and one for values; a token's K/V is written to flat slot
@@ -32,6 +33,7 @@ __all__ = [
     "init_kv_cache",
     "prefill_forward",
     "decode_forward",
+    "transpose_weights",
 ]
 
 Array = jax.Array
@@ -101,6 +103,35 @@ def _rope(x: Array, positions: Array, inv_freq: Array) -> Array:
     return (xf * jnp.cos(emb) + rotated * jnp.sin(emb)).astype(x.dtype)
 
 
+def transpose_weights(params: Params) -> Params:
+    """The same parameters with every projection stored ``[out, in]`` (key ``<name>_t``).
+
+    XLA on CPU multiplies ``x[B, in]`` by an ``[out, in]`` matrix (contracting
+    the minor axis of both) about 20-25% faster than by ``[in, out]`` at decode
+    batch sizes (8-32 rows), and no slower for prefill; the runner keeps this
+    layout. The forward functions accept either layout, per matrix.
+    """
+
+    def tr(group: dict[str, Any]) -> dict[str, Any]:
+        return {(k + "_t" if k in _MATRICES else k): (jnp.asarray(v.T) if k in _MATRICES else v)
+                for k, v in group.items()}
+
+    out = tr({k: v for k, v in params.items() if k != "layers"})
+    out["layers"] = [tr(lp) for lp in params["layers"]]
+    return out
+
+
+_MATRICES = frozenset({"wqkv", "wo", "w_gate_up", "w_down", "lm_head"})
+
+
+def _linear(x: Array, p: dict[str, Array], name: str) -> Array:
+    """``x @ W`` for ``p[name]`` stored ``[in, out]`` or ``p[name + "_t"]`` stored ``[out, in]``."""
+    w = p.get(name)
+    if w is not None:
+        return x @ w
+    return jax.lax.dot_general(x, p[name + "_t"], (((x.ndim - 1,), (1,)), ((), ())))
+
+
 def _write_cache(cache: Array, slots: Array, new: Array) -> Array:
     n, bs, kv, d = cache.shape
     flat = cache.reshape(n * bs, kv, d).at[slots.reshape(-1)].set(new.reshape(-1, kv, d), mode="drop")
@@ -109,15 +140,15 @@ def _write_cache(cache: Array, slots: Array, new: Array) -> Array:
 
 def _mlp(x: Array, lp: dict[str, Array], cfg: LlamaConfig) -> Array:
     h = _rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
-    gate, up = jnp.split(h @ lp["w_gate_up"], 2, axis=-1)
-    return x + (jax.nn.silu(gate) * up) @ lp["w_down"]
+    gate, up = jnp.split(_linear(h, lp, "w_gate_up"), 2, axis=-1)
+    return x + _linear(jax.nn.silu(gate) * up, lp, "w_down")
 
 
 def _qkv(x: Array, lp: dict[str, Array], cfg: LlamaConfig, positions: Array,
          inv_freq: Array) -> tuple[Array, Array, Array]:
     hq, kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     h = _rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-    qkv = h @ lp["wqkv"]
+    qkv = _linear(h, lp, "wqkv")
     lead = qkv.shape[:-1]
     q = qkv[..., : hq * d].reshape(*lead, hq, d)
     k = qkv[..., hq * d: (hq + kv) * d].reshape(*lead, kv, d)
@@ -127,8 +158,10 @@ def _qkv(x: Array, lp: dict[str, Array], cfg: LlamaConfig, positions: Array,
 
 def _logits(params: Params, x: Array, cfg: LlamaConfig) -> Array:
     x = _rms_norm(x, params["norm"], cfg.rms_norm_eps)
-    head = params["lm_head"] if "lm_head" in params else params["embed"].T
-    return jnp.dot(x, head, preferred_element_type=jnp.float32)
+    if "lm_head" in params:
+        return jnp.dot(x, params["lm_head"], preferred_element_type=jnp.float32)
+    head_t = params["lm_head_t"] if "lm_head_t" in params else params["embed"]  # [vocab, hidden]
+    return jax.lax.dot_general(x, head_t, (((x.ndim - 1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 
 def prefill_forward(params: Params, cache: KVCache, tokens: Array, positions: Array, slots: Array,
@@ -149,7 +182,7 @@ def prefill_forward(params: Params, cache: KVCache, tokens: Array, positions: Ar
         kg = ks[i].at[block_tables].get(mode="promise_in_bounds").reshape(b, -1, kv, d)
         vg = vs[i].at[block_tables].get(mode="promise_in_bounds").reshape(b, -1, kv, d)
         o = prefill_fn(q, kg, vg, q_offsets, kv_lens, scale=scale)
-        x = x + o.reshape(b, t, -1) @ lp["wo"]
+        x = x + _linear(o.reshape(b, t, -1), lp, "wo")
         x = _mlp(x, lp, cfg)
     last = x[jnp.arange(b), last_idx]
     return _logits(params, last, cfg), (tuple(ks), tuple(vs))
@@ -170,6 +203,6 @@ def decode_forward(params: Params, cache: KVCache, tokens: Array, positions: Arr
         ks[i] = _write_cache(ks[i], slots, k)
         vs[i] = _write_cache(vs[i], slots, v)
         o = decode_fn(q, ks[i], vs[i], block_tables, context_lens, scale=scale)
-        x = x + o.reshape(b, -1) @ lp["wo"]
+        x = x + _linear(o.reshape(b, -1), lp, "wo")
         x = _mlp(x, lp, cfg)
     return _logits(params, x, cfg), (tuple(ks), tuple(vs))
