@@ -21,6 +21,14 @@
    a loss; a cell where no fixed configuration meets it is shown, not scored.
 
     .venv/bin/python tests/bench/bench_batch_window.py [--model tiny] [--table FILE]
+
+Last measured (tiny model, this 2-core box under load, seeds 0-2, 60 cells):
+DBS-Adapt met every SLO (6.6-12.7 ms); throughput vs the best fixed
+configuration that meets the same SLO 0.97x-1.08x, median 1.00x. A fixed
+0 ms window at the default cap has p99 8.6 ms, so it misses SLOs below that
+which DBS-Adapt holds. The ceiling for a window on this cost structure, from
+whole measured steps: 1.18x before the slots left idle while 8 gather,
+~1.05x after, so the issue's >= 1.25x is out of reach here.
 """
 
 from __future__ import annotations
@@ -256,7 +264,9 @@ def main() -> None:
     ap.add_argument("--think-ms", type=float, default=20.0)
     ap.add_argument("--seed", type=int, default=0, help="workload seed")
     ap.add_argument("--no-overlap", action="store_true", help="a step costs the plain sum of its calls")
-    ap.add_argument("--quantile", type=float, default=0.99, help="the latency quantile DBS-Adapt tracks")
+    # A quantile tracker oscillates about its miss rate, so to hold a p99 SLO
+    # DBS-Adapt aims at p99.5 (at 0.99 one cell in 60 missed by 2%).
+    ap.add_argument("--quantile", type=float, default=0.995, help="the latency quantile DBS-Adapt tracks")
     ap.add_argument("--table", default=None, help="JSON file: reuse a measured cost table, or save one there")
     args = ap.parse_args()
     dec, pre, mixed = load_table(args)
