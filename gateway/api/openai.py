@@ -35,8 +35,8 @@ from .render import (
     completion_logprobs,
     finish_reason,
     new_id,
+    response_body,
     sse_error,
-    usage_dict,
 )
 
 __all__ = ["OpenAIHandlers", "CHAT_ROUTE", "COMPLETIONS_ROUTE", "MODELS_ROUTE"]
@@ -112,25 +112,6 @@ class OpenAIHandlers:
         await sink.end()
         return err.status
 
-    def _body(self, g: GenerationRequest, text: str, fin: Finish, logprobs: Any) -> bytes:
-        """The whole (non-streamed) response body; ``logprobs`` is None when not asked for."""
-        reason = finish_reason(fin)
-        if g.chat:
-            body: dict[str, Any] = {
-                "id": new_id("chatcmpl"), "object": "chat.completion", "created": int(time.time()),
-                "model": g.model,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
-                             "logprobs": logprobs, "finish_reason": reason}],
-                "usage": usage_dict(fin), "system_fingerprint": None,
-            }
-        else:
-            body = {
-                "id": new_id("cmpl"), "object": "text_completion", "created": int(time.time()), "model": g.model,
-                "choices": [{"text": text, "index": 0, "logprobs": logprobs, "finish_reason": reason}],
-                "usage": usage_dict(fin),
-            }
-        return _dumps(body)
-
     async def _unary_plain(self, g: GenerationRequest, routed: RoutedStream, sink: ResponseSink, t0: float,
                            route: str) -> int:
         """A whole response without logprobs: the transport buffers the text, one wake-up at the end."""
@@ -143,7 +124,7 @@ class OpenAIHandlers:
             if type(fin) is not Finish:
                 raise from_wire_code(fin.code, fin.message)  # type: ignore[union-attr]
             text = res.text.decode("utf-8", "replace")
-            await sink.respond(200, JSON_HEADERS, self._body(g, text, fin, None))
+            await sink.respond(200, JSON_HEADERS, response_body(g.chat, g.model, text, fin, None))
             self._observe(route, t0, res.first_token_at, _perf(), fin.completion_tokens)
             return 200
         except asyncio.CancelledError:
@@ -193,7 +174,7 @@ class OpenAIHandlers:
                 events = await nxt()
             text = b"".join(parts).decode("utf-8", "replace")
             assert fin is not None
-            body = self._body(g, text, fin, ({"content": lps} if g.chat else legacy) if want_lp else None)
+            body = response_body(g.chat, g.model, text, fin, ({"content": lps} if g.chat else legacy) if want_lp else None)
             await sink.respond(200, JSON_HEADERS, body)
             self._observe(route, t0, t_first if parts else 0.0, _perf(), fin.completion_tokens)
             return 200

@@ -19,6 +19,7 @@ from transport.messages import Finish, FinishReason, TokenEntry
 __all__ = [
     "ChunkTemplate",
     "new_id",
+    "response_body",
     "usage_dict",
     "finish_reason",
     "chat_logprobs",
@@ -107,6 +108,25 @@ def completion_logprobs(ev: TokenEntry, top_n: int, acc: dict[str, list[Any]], o
                 top[_token_repr(ev.top_ids[j])] = float(ev.top_logprobs[j])
         acc["top_logprobs"].append(top)
     return offset
+
+
+def response_body(chat: bool, model: str, text: str, fin: Finish, logprobs: Any) -> bytes:
+    """A whole (non-streamed) chat.completion / text_completion body; ``logprobs`` None when not asked for."""
+    reason = finish_reason(fin)
+    if chat:
+        body: dict[str, Any] = {
+            "id": new_id("chatcmpl"), "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
+                         "logprobs": logprobs, "finish_reason": reason}],
+            "usage": usage_dict(fin), "system_fingerprint": None,
+        }
+    else:
+        body = {
+            "id": new_id("cmpl"), "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": [{"text": text, "index": 0, "logprobs": logprobs, "finish_reason": reason}],
+            "usage": usage_dict(fin),
+        }
+    return orjson.dumps(body)
 
 
 def sse_error(status: int, message: str, type_: str, code: str | None) -> bytes:
