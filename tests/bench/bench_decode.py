@@ -15,6 +15,11 @@ excluded (both sides do one untimed warm pass). Each side is timed
 shared, so the minimum is the least noisy estimate). Greedy outputs are
 compared for the first request as a sanity check.
 
+Load matters more than the minimum can hide: torch with 2 threads degrades
+sharply when the cores are shared (its batch-32 throughput was seen to drop
+~10x at load average 4-6, ours ~2x), so ratios from a busy machine overstate
+our lead. The load average is printed per row; trust rows taken below ~2.
+
     .venv/bin/python -m tests.bench.bench_decode [--batches 1,8,32] [--layers 8]
 """
 
