@@ -558,6 +558,25 @@ class _H1Sink:
         if conn._write_paused or conn._transport is None:
             await conn._drain()
 
+    def send_nowait(self, data: bytes) -> bool:
+        """Optional fast path of :meth:`send` for push-style producers: write ``data`` now if that
+        needs no waiting and return True; return False, writing nothing, while the client is not
+        reading (or is gone) -- the caller then awaits :meth:`send` with the same data."""
+        if not self.started or self.ended:
+            raise RuntimeError("send_nowait() outside start()..end()")
+        conn = self._conn
+        t = conn._transport
+        if conn._write_paused or t is None:
+            return False
+        if data and not self._head:
+            if self._chunked:
+                data = b"%x\r\n%b\r\n" % (len(data), data)
+            if conn._out:
+                conn._write(data)  # a flush is pending: stay in order behind it
+            else:
+                t.write(data)  # nothing buffered: one chunk per producer step, no flush callback
+        return True
+
     async def end(self) -> None:
         self._end()
 
