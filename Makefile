@@ -43,13 +43,14 @@ run: $(STAMP_RUN)
 	$(VENV)/bin/quicserve serve $(ARGS)
 
 test: $(STAMP_TEST) $(SYSDEPS_STAMP)
+	$(VENV)/bin/ruff check gateway transport inference tests
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
 lint: $(STAMP_TEST)
 	$(VENV)/bin/ruff check gateway transport inference tests
 
 bench: $(STAMP_TEST)
-	for f in tests/bench/bench_*.py; do $(PY) $$f || exit 1; done
+	for f in tests/bench/bench_*.py tests/bench/gpu_kernels.py; do echo "== $$f"; $(PY) $$f || exit 1; done
 
 clean:
 	rm -rf $(VENV) build *.egg-info

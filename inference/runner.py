@@ -18,8 +18,9 @@ sequence lives in block ``block_table[p // block_size]`` at slot
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Protocol
 
 from transport.messages import SamplingParams
 
