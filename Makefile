@@ -50,7 +50,7 @@ lint: $(STAMP_TEST)
 	$(VENV)/bin/ruff check gateway transport inference tests
 
 bench: $(STAMP_TEST)
-	for f in tests/bench/bench_*.py tests/bench/gpu_kernels.py; do echo "== $$f"; $(PY) $$f || exit 1; done
+	for f in tests/bench/bench_*.py tests/bench/gpu_kernels.py; do m=$$(basename $$f .py); echo "== $$m"; $(PY) -m tests.bench.$$m || exit 1; done
 
 clean:
 	rm -rf $(VENV) build *.egg-info
