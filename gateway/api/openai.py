@@ -102,6 +102,19 @@ class OpenAIHandlers:
             return self._unary_plain(g, routed, sink, t0, route)
         return self._unary(g, routed, sink, t0, route)
 
+    def _track(self, routed: RoutedStream) -> asyncio.Task[Any]:
+        """The handler's task, under the request deadline (cancelled when it expires)."""
+        task = asyncio.current_task(getattr(routed.conn, "loop", None))  # no get_running_loop (a getpid)
+        assert task is not None
+        self.deadlines.add(task, self.api.request_timeout)
+        return task
+
+    def _untrack(self, task: asyncio.Task[Any], routed: RoutedStream) -> None:
+        """Every generation path ends here: drop the deadline, cancel the worker request if still open."""
+        self.deadlines.discard(task)
+        if not routed.done:
+            routed.cancel()
+
     def _timeout(self) -> APIError:
         return APIError(504, f"The request did not finish within {self.api.request_timeout:g} s.",
                         "server_error", None, "timeout")
@@ -115,9 +128,7 @@ class OpenAIHandlers:
     async def _unary_plain(self, g: GenerationRequest, routed: RoutedStream, sink: ResponseSink, t0: float,
                            route: str) -> int:
         """A whole response without logprobs: the transport buffers the text, one wake-up at the end."""
-        task = asyncio.current_task(getattr(routed.conn, "loop", None))  # no get_running_loop (a getpid)
-        assert task is not None
-        self.deadlines.add(task, self.api.request_timeout)
+        task = self._track(routed)
         try:
             res = await routed.collect()
             fin = res.final
@@ -132,15 +143,11 @@ class OpenAIHandlers:
                 raise  # the client went away
             raise self._timeout() from None
         finally:
-            self.deadlines.discard(task)
-            if not routed.done:
-                routed.cancel()
+            self._untrack(task, routed)
 
     async def _unary(self, g: GenerationRequest, routed: RoutedStream, sink: ResponseSink, t0: float,
                      route: str) -> int:
-        task = asyncio.current_task(getattr(routed.conn, "loop", None))  # no get_running_loop (a getpid)
-        assert task is not None
-        self.deadlines.add(task, self.api.request_timeout)
+        task = self._track(routed)
         try:
             parts: list[bytes] = []
             lps: list[dict[str, Any]] = []
@@ -183,15 +190,11 @@ class OpenAIHandlers:
                 raise  # the client went away
             raise self._timeout() from None
         finally:
-            self.deadlines.discard(task)
-            if not routed.done:
-                routed.cancel()
+            self._untrack(task, routed)
 
     async def _stream(self, g: GenerationRequest, tpl: ChunkTemplate, routed: RoutedStream,
                       sink: ResponseSink, t0: float, route: str) -> int:
-        task = asyncio.current_task(getattr(routed.conn, "loop", None))  # no get_running_loop (a getpid)
-        assert task is not None
-        self.deadlines.add(task, self.api.request_timeout)
+        task = self._track(routed)
         try:
             events = await routed.next_events()  # may move to another worker before the first token
             first = events[0]
@@ -249,9 +252,7 @@ class OpenAIHandlers:
             log.exception("stream failed after its first byte")
             return await self._abort_stream(sink, APIError(500, "Internal server error.", "server_error"))
         finally:
-            self.deadlines.discard(task)
-            if not routed.done:
-                routed.cancel()
+            self._untrack(task, routed)
 
     async def _stream_pushed(self, g: GenerationRequest, tpl: ChunkTemplate, routed: RoutedStream,
                              send_nowait: Callable[[bytes], bool], sink: ResponseSink) -> tuple[Any, int]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
+from typing import TypeGuard
 
 from transport.api import RequestStream, StreamEvent, WorkerConnection
 from transport.client import Collected
@@ -167,22 +168,33 @@ class RoutedStream:
         assert self._started and self._stream is not None
         return self._stream.next_events
 
+    def _retryable(self, ev: object) -> TypeGuard[Error]:
+        """An error before the first token that another worker may not have, with retries left."""
+        return (type(ev) is Error and ev.code in RETRYABLE and not self._cancelled
+                and self._retries_left > 0)
+
+    def _resubmit(self, ev: Error) -> bool:
+        """Move the request to another worker; False when there is none."""
+        self._retries_left -= 1
+        if self._pool.on_retry is not None:
+            self._pool.on_retry()
+        log.info("worker failed before the first token (%s: %s); resubmitting", ev.code.name, ev.message)
+        try:
+            self._submit_next()
+        except APIError:
+            return False
+        return True
+
     async def next_events(self) -> list[StreamEvent]:
         assert self._stream is not None
         events = await self._stream.next_events()
         if self._started:
             return events
         ev = events[0]
-        if type(ev) is Error and ev.code in RETRYABLE and not self._cancelled and self._retries_left > 0:
-            self._retries_left -= 1
-            if self._pool.on_retry is not None:
-                self._pool.on_retry()
-            log.info("worker failed before the first token (%s: %s); resubmitting", ev.code.name, ev.message)
-            try:
-                self._submit_next()
-            except APIError:
-                return events  # no other worker: the client gets the original error
-            return await self.next_events()
+        if self._retryable(ev):
+            if self._resubmit(ev):
+                return await self.next_events()
+            return events  # no other worker: the client gets the original error
         if type(ev) is TokenEntry or type(ev) is Finish:
             self._started = True
         return events
@@ -201,17 +213,10 @@ class RoutedStream:
             own = getattr(stream, "collect", None)
             res: Collected = await (own() if own is not None else _collect_events(stream))
             ev = res.final
-            if (not res.tokens and type(ev) is Error and ev.code in RETRYABLE and not self._cancelled
-                    and self._retries_left > 0):
-                self._retries_left -= 1
-                if self._pool.on_retry is not None:
-                    self._pool.on_retry()
-                log.info("worker failed before the first token (%s: %s); resubmitting", ev.code.name, ev.message)
-                try:
-                    self._submit_next()
-                except APIError:
-                    return res  # no other worker: the client gets the original error
-                continue
+            if not res.tokens and self._retryable(ev):
+                if self._resubmit(ev):
+                    continue
+                return res  # no other worker: the client gets the original error
             self._started = True
             return res
 
