@@ -72,7 +72,7 @@ class PeerHello:
     hello: Hello
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: one per step/request, and frozen init is slow
 class SubmitReceived:
     """Worker: a new request (its credit is the gateway's initial window)."""
 
@@ -94,14 +94,14 @@ class CreditResumed:
     available: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: one per step/request, and frozen init is slow
 class TokensReceived:
     """Gateway: one engine step. Entries of locally cancelled requests are to be ignored."""
 
     batch: TokenBatch
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: one per step/request, and frozen init is slow
 class RequestEnded:
     """Gateway: the one and only end of a request."""
 

@@ -5,6 +5,11 @@ small frozen dataclasses (control messages) plus one packed, array-backed
 message for tokens (:class:`TokenBatch`), so that one engine step becomes one
 frame with no per-token Python objects on the hot path.
 
+The messages built once per request or per engine step (``Submit``,
+``TokenBatch``, ``Finish``) are slotted but *not* frozen: a frozen
+dataclass's ``__init__`` sets each field through ``object.__setattr__`` and
+costs about four times as much. Treat them as immutable all the same.
+
 Direction:
   gateway -> worker: Hello, Submit, Cancel, Credit, Ping, Pong, Goodbye
   worker -> gateway: Hello, TokenBatch, Finish, Error, Stats, Ping, Pong, Goodbye
@@ -96,7 +101,7 @@ class Hello:
     max_frame: int = 1 << 24
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: built per request/step (module docstring)
 class Submit:
     """A new request. Exactly one of prompt / prompt_token_ids / messages is set.
 
@@ -145,7 +150,7 @@ class TokenEntry(NamedTuple):
     top_logprobs: memoryview | None  # float32, top_n per token
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: built per request/step (module docstring)
 class TokenBatch:
     """Tokens produced by one engine step for many requests (packed arrays).
 
@@ -205,7 +210,7 @@ class TokenBatch:
             s += ln
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: built per request/step (module docstring)
 class Finish:
     request_id: int
     reason: FinishReason

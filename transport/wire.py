@@ -109,6 +109,8 @@ import enum
 import struct
 from array import array
 
+import msgpack
+
 from .errors import WireError
 from .messages import (
     PROTOCOL_VERSION,
@@ -135,7 +137,7 @@ from .wire_control import (
     enum_value,
     le_bytes,
     pack,
-    submit_fields,
+    submit_body,
     unpack_fields,
 )
 from .wire_tokens import (
@@ -167,6 +169,9 @@ HEADER_SIZE = HEADER.size
 DEFAULT_MAX_FRAME = 1 << 24
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
+_FINISH_REASONS = {int(r): r for r in FinishReason}
+_I63 = (1 << 63) - 1
+_unpackb = msgpack.unpackb  # its defaults are our settings: raw=False, strict_map_key, use_list
 assert array("Q").itemsize == 8
 
 
@@ -221,7 +226,7 @@ class FrameEncoder:
             return self._frame(FrameType.ERROR, msg.request_id, pack([int(msg.code), msg.message]))
         if isinstance(msg, Submit):
             check_rid(msg.request_id)
-            body = pack(submit_fields(msg))
+            body = submit_body(msg)
             if not self.streams.open(msg.request_id, stream_options(msg.params)):
                 raise ValueError(f"request {msg.request_id} is already open (or too many streams)")
             return self._frame(FrameType.SUBMIT, msg.request_id, body)
@@ -353,6 +358,19 @@ class FrameDecoder:
                 raise WireError("CREDIT: zero tokens")
             return Credit(rid, tokens)
         if ftype == FrameType.FINISH:
+            # Fast path (one per request): a well-formed body, checked field by field;
+            # anything else goes through the validating decoder for its exact error.
+            try:
+                items = _unpackb(body)
+            except Exception:
+                items = None
+            if type(items) is list and len(items) >= 4:
+                r, p, c, k = items[0], items[1], items[2], items[3]
+                if (type(r) is int and type(p) is int and type(c) is int and type(k) is int
+                        and r in _FINISH_REASONS and 0 <= p <= _I63 and 0 <= c <= _I63 and 0 <= k <= _I63):
+                    if not self.streams.close(rid):
+                        raise WireError(f"FINISH for request {rid} that is not open")
+                    return Finish(rid, _FINISH_REASONS[r], p, c, k)
             f = unpack_fields(body, "FINISH", 4)
             reason = enum_value(FinishReason, f.integer(0), "FINISH")
             if not self.streams.close(rid):

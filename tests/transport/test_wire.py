@@ -383,6 +383,12 @@ CORPUS: dict[str, bytes] = {
     "finish unknown rid": frame(FrameType.FINISH, mp([1, 0, 0, 0]), rid=9),
     "finish unknown reason": SUBMIT1 + frame(FrameType.FINISH, mp([9, 0, 0, 0]), rid=1),
     "finish negative usage": SUBMIT1 + frame(FrameType.FINISH, mp([1, -1, 0, 0]), rid=1),
+    "finish bool reason": SUBMIT1 + frame(FrameType.FINISH, mp([True, 0, 0, 0]), rid=1),
+    "finish float usage": SUBMIT1 + frame(FrameType.FINISH, mp([1, 0, 1.0, 0]), rid=1),
+    "finish usage over i63": SUBMIT1 + frame(FrameType.FINISH, mp([1, 0, 0, 2**63]), rid=1),
+    "finish short": SUBMIT1 + frame(FrameType.FINISH, mp([1, 0, 0]), rid=1),
+    "finish not a list": SUBMIT1 + frame(FrameType.FINISH, mp({"r": 1}), rid=1),
+    "finish trailing bytes": SUBMIT1 + frame(FrameType.FINISH, mp([1, 0, 0, 0]) + b"\x00", rid=1),
     "error unknown code": frame(FrameType.ERROR, mp([99, "x"])),
     "error unknown rid": frame(FrameType.ERROR, mp([1, "x"]), rid=4),
     "error message int": frame(FrameType.ERROR, mp([1, 2])),
@@ -507,3 +513,13 @@ def test_delta_state_survives_stream_reuse_with_new_options() -> None:
     data = encode_all(msgs)
     out = FrameDecoder().feed(data)
     assert [norm(m) for m in out] == [norm(m) for m in msgs]
+
+
+@given(submits())
+def test_submit_body_is_the_packed_field_list(sub: Submit) -> None:
+    """The encoder's spliced SUBMIT body (params packed once per SamplingParams) equals
+    packing the spec's field list, on first use and from the cache."""
+    from transport.wire_control import pack, submit_body, submit_fields
+
+    assert submit_body(sub) == pack(submit_fields(sub))
+    assert submit_body(sub) == pack(submit_fields(sub))
