@@ -14,6 +14,7 @@ from inference.kernels.quant import (  # noqa: E402
     dequantize_blocks,
     init_quantized_cache,
     kv_read_bytes,
+    kv_scale,
     quantize_blocks,
     quantize_weight,
     quantized_matmul,
@@ -32,7 +33,13 @@ def test_quantize_blocks_roundtrip_error(kind: str) -> None:
     x = jnp.asarray(np.random.default_rng(0).standard_normal((N, BS, KV, D), np.float32))
     codes, scales = quantize_blocks(x, kind)
     assert scales.shape == (N, KV)
-    np.testing.assert_allclose(np.asarray(scales), np.abs(np.asarray(x)).max(axis=(1, 3)) / QMAX[kind], rtol=1e-6)
+    ideal = np.abs(np.asarray(x)).max(axis=(1, 3)) / QMAX[kind]
+    if kind == "int8":
+        np.testing.assert_allclose(np.asarray(scales), ideal, rtol=1e-6)
+    else:  # the power of two at or above amax / 448
+        got = np.asarray(scales)
+        assert (got >= ideal).all() and (got < 2 * ideal).all()
+        np.testing.assert_array_equal(np.exp2(np.round(np.log2(got))), got)
     err = np.abs(np.asarray(dequantize_blocks(codes, scales) - x))
     s = np.asarray(scales)[:, None, :, None]
     if kind == "int8":
@@ -64,11 +71,38 @@ def test_token_by_token_writes_with_growing_values(kind: str, bound: float) -> N
     codes, scales = init_quantized_cache(N, BS, KV, D, kind)
     for t in range(BS):
         codes, scales = write_quantized_kv(codes, scales, x[t : t + 1], jnp.asarray([4]), jnp.asarray([t]))
-    want_scale = np.abs(np.asarray(x)).max(axis=(0, 2)) / QMAX[kind]
+    want_scale = np.asarray(kv_scale(jnp.abs(x).max(axis=(0, 2)), kind))
     np.testing.assert_allclose(np.asarray(scales[4]), want_scale, rtol=1e-6)
     got = dequantize_blocks(codes, scales)[4]
     rel = float(jnp.linalg.norm(got - x) / jnp.linalg.norm(x))
     assert rel < bound
+
+
+def test_kv_scale_worked_by_hand() -> None:
+    """int8: amax / 127. fp8: amax / 448 rounded up to a power of two (exact powers stay)."""
+    amax = jnp.asarray([0.0, 127.0, 448.0, 449.0, 300.0, 0.5])
+    np.testing.assert_allclose(np.asarray(kv_scale(amax, "int8")), np.asarray(amax) / 127, rtol=1e-7)
+    np.testing.assert_array_equal(np.asarray(kv_scale(amax, "fp8")), [0.0, 0.5, 1.0, 2.0, 1.0, 2.0**-9])
+
+
+def test_fp8_token_by_token_writes_equal_whole_block_quantization() -> None:
+    """Scale growth by powers of two re-encodes fp8 codes exactly: no double rounding.
+
+    Tokens grow 30x over the block, so the scale grows several times; the codes
+    end up as if the finished block had been quantized in one go. (Codes that
+    drop into e4m3's subnormal range, below 2**-6, may differ; none do here.)
+    """
+    x = _tokens(BS, seed=11) * jnp.linspace(0.1, 3.0, BS)[:, None, None]
+    codes, scales = init_quantized_cache(N, BS, KV, D, "fp8")
+    grew = 0
+    for t in range(BS):
+        before = scales[4]
+        codes, scales = write_quantized_kv(codes, scales, x[t : t + 1], jnp.asarray([4]), jnp.asarray([t]))
+        grew += int(t > 0 and bool((scales[4] > before).any()))
+    want_codes, want_scales = quantize_blocks(x[None], "fp8")
+    assert grew >= 2
+    np.testing.assert_array_equal(np.asarray(scales[4]), np.asarray(want_scales[0]))
+    np.testing.assert_array_equal(np.asarray(codes[4], np.float32), np.asarray(want_codes[0], np.float32))
 
 
 def test_codes_do_not_drift_when_the_scale_is_unchanged() -> None:
