@@ -40,9 +40,12 @@ class DecodeRun:
     logits: np.ndarray  # [B, steps, V] float32
 
 
-def quantize_params(params: dict[str, Any], kind: str) -> dict[str, Any]:
+def quantize_params(params: dict[str, Any], kind: str, group_size: int | None = None) -> dict[str, Any]:
     """Weight-only quantization of every layer's linear maps (embeddings/lm_head stay float)."""
-    layers = [{k: quantize_weight(v, kind) if k in _MATRICES else v for k, v in lp.items()} for lp in params["layers"]]
+    layers = [
+        {k: quantize_weight(v, kind, group_size=group_size) if k in _MATRICES else v for k, v in lp.items()}
+        for lp in params["layers"]
+    ]
     return {**params, "layers": layers}
 
 

@@ -192,8 +192,54 @@ def test_pallas_weight_matmul_matches_xla(kind: str, m: int, k: int, n: int, blo
     np.testing.assert_allclose(np.asarray(x @ qw), np.asarray(want), atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_group_wise_weight_quantization(kind: str) -> None:
+    """Scales per (group of 16 input rows, output channel); each group's amax maps to qmax.
+
+    The rows' magnitudes vary 100x, so one scale per column wastes the small
+    rows' resolution: group-wise int8 is more accurate there (0.0054 vs 0.0081
+    relative error of ``x @ w`` when written).
+    """
+    rng = np.random.default_rng(12)
+    rows = np.geomspace(0.01, 1.0, 64, dtype=np.float32)[:, None]
+    w = jnp.asarray(rng.standard_normal((64, 48), np.float32) * rows)
+    x = jnp.asarray(rng.standard_normal((5, 64), np.float32))
+    qw = quantize_weight(w, kind, group_size=16)
+    assert qw.scale.shape == (4, 48) and qw.group_size == 16 and quantize_weight(w, kind).group_size is None
+    np.testing.assert_allclose(np.abs(np.asarray(qw.codes, np.float32)).reshape(4, 16, 48).max(axis=1), QMAX[kind])
+    exact = x @ w
+    rel = {g: float(jnp.linalg.norm(x @ quantize_weight(w, kind, group_size=g) - exact) / jnp.linalg.norm(exact))
+           for g in (None, 16)}
+    assert 0 < rel[16] < rel[None]
+    if kind == "int8":
+        assert rel[16] < 0.8 * rel[None]
+    np.testing.assert_allclose(np.asarray(jax.jit(lambda a, b: a @ b)(x, qw)), np.asarray(x @ qw), rtol=1e-5, atol=1e-5)
+    for bad in (0, 24, 128):
+        with pytest.raises(ValueError, match="group_size"):
+            quantize_weight(w, kind, group_size=bad)
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+@pytest.mark.parametrize("m,k,n,group,block_k", [(5, 64, 48, 16, 32), (33, 128, 80, 64, 16), (3, 96, 40, 32, 32)])
+def test_pallas_group_wise_matmul_matches_xla(kind: str, m: int, k: int, n: int, group: int, block_k: int) -> None:
+    """Group-wise scales in the kernel (tile capped at the group, or several tiles per group) equal XLA."""
+    from inference.kernels.quant_matmul import MatmulBlocks, pallas_quantized_matmul
+
+    rng = np.random.default_rng(13)
+    w = jnp.asarray(rng.standard_normal((k, n), np.float32) * rng.uniform(0.1, 2.0, (k, 1)).astype(np.float32))
+    x = jnp.asarray(rng.standard_normal((2, m, k), np.float32))
+    qw = quantize_weight(w, kind, group_size=group)
+    got = pallas_quantized_matmul(x, qw.codes, qw.scale, blocks=MatmulBlocks(16, 16, block_k), interpret=True)
+    want = quantized_matmul(x, qw)
+    assert got.shape == (2, m, n)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4, rtol=1e-5)
+    interp = quantize_weight(w, kind, kernel="interpret", group_size=group)
+    np.testing.assert_allclose(np.asarray(x @ interp), np.asarray(want), atol=1e-4, rtol=1e-5)
+
+
 @pytest.mark.parametrize("code", [jnp.int8, jnp.float8_e4m3fn])
-def test_pallas_weight_matmul_lowers_for_cuda(code) -> None:
+@pytest.mark.parametrize("groups", [None, 32])
+def test_pallas_weight_matmul_lowers_for_cuda(code, groups) -> None:
     from jax import export
 
     from inference.kernels.quant_matmul import pallas_quantized_matmul
@@ -202,7 +248,7 @@ def test_pallas_weight_matmul_lowers_for_cuda(code) -> None:
     fn = jax.jit(lambda x, c, s: pallas_quantized_matmul(x, c, s, platform="gpu"))
     exported = export.export(
         fn, platforms=["cuda"], disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
-    )(sd((8, 4096), jnp.bfloat16), sd((4096, 1024), code), sd((1024,), jnp.float32))
+    )(sd((8, 4096), jnp.bfloat16), sd((4096, 1024), code), sd((1024,) if groups is None else (groups, 1024), jnp.float32))
     assert "__gpu$xla.gpu.triton" in exported.mlir_module()
 
 

@@ -94,6 +94,7 @@ CASES = [
     ("llama", "kv", "int8", 0.99, 0.015),
     ("llama", "kv", "fp8", 0.97, 0.035),
     ("llama", "weights", "int8", 0.975, 0.025),
+    ("llama", "weights/g64", "int8", 0.975, 0.02),
 ]
 
 
@@ -102,8 +103,9 @@ def test_quantized_decoding_quality(models, model, what, kind, min_agree, max_re
     m, prompts, base = models[model]
     if what == "kv":
         run = greedy_decode(m.config, m.params, prompts, STEPS, kv_kind=kind, forced=base.tokens)
-    else:
-        run = greedy_decode(m.config, quantize_params(m.params, kind), prompts, STEPS, forced=base.tokens)
+    else:  # "weights" (one scale per output channel) or "weights/g<N>" (group-wise, N input rows)
+        group = int(what.split("/g")[1]) if "/g" in what else None
+        run = greedy_decode(m.config, quantize_params(m.params, kind, group), prompts, STEPS, forced=base.tokens)
     agree, rel = _compare(base, run)
     print(f"\n{model} {what} {kind}: greedy agreement {agree:.2%} of {base.tokens.size} steps, "
           f"max logits rel error {rel:.4f}")
