@@ -18,9 +18,10 @@ import orjson
 
 from .api.openai import CHAT_ROUTE, COMPLETIONS_ROUTE, MODELS_ROUTE, OpenAIHandlers
 from .api.render import JSON_HEADERS
-from .errors import APIError, render_json
+from .api.unary import UnaryCall
+from .errors import APIError, error_headers, render_json
 from .http.common import ProtocolEvent
-from .http.types import Headers, Request, ResponseSink
+from .http.types import Request, ResponseSink
 from .observability.metrics import CONTENT_TYPE_LATEST, GatewayMetrics
 from .routing.pool import ModelPool
 from .settings import ApiSettings
@@ -86,7 +87,7 @@ class App:
             status = await handler(req, sink, t0)
         except APIError as e:
             status = e.status
-            await sink.respond(e.status, _error_headers(e), render_json(e))
+            await sink.respond(e.status, error_headers(e), render_json(e))
         except (asyncio.CancelledError, ConnectionError):
             status = 499  # the client went away (cancelled by the adapter, or a write failed)
             raise
@@ -98,6 +99,26 @@ class App:
         finally:
             metrics.in_flight -= 1
             metrics.request_done(route, status, req.protocol, _perf() - t0)
+
+    def fast(self, req: Request, sink: ResponseSink, done: Callable[[], None]) -> UnaryCall | None:
+        """The task-free path for plain non-streaming generations (:mod:`gateway.api.unary`);
+        None for everything else, which the adapter then runs through :meth:`__call__`."""
+        respond = getattr(sink, "respond_nowait", None)
+        if respond is None or req.method != "POST":
+            return None
+        t0 = _perf()
+        metrics = self.metrics
+        metrics.in_flight += 1
+        route, protocol = req.path, req.protocol
+
+        def on_end(status: int) -> None:
+            metrics.in_flight -= 1
+            metrics.request_done(route, status, protocol, _perf() - t0)
+
+        call = self.openai.unary_call(req, respond, t0, on_end, done)
+        if call is None:
+            metrics.in_flight -= 1
+        return call
 
     # -- small routes -------------------------------------------------------------------
     async def healthz(self, req: Request, sink: ResponseSink, t0: float) -> int:
@@ -123,8 +144,3 @@ class App:
         """``on_event`` hook for protocol adapters: a request rejected before routing (400/408/413/431)."""
         self.metrics.protocol_error(event.status, event.protocol)
 
-
-def _error_headers(e: APIError) -> Headers:
-    if e.retry_after is not None:
-        return [*JSON_HEADERS, (b"retry-after", str(max(1, round(e.retry_after))).encode())]
-    return JSON_HEADERS

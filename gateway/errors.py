@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import orjson
 
-__all__ = ["APIError", "render_json", "from_wire_code"]
+__all__ = ["APIError", "render_json", "error_headers", "from_wire_code"]
 
 
 @dataclass(slots=True)
@@ -32,6 +32,16 @@ def render_json(err: APIError) -> bytes:
     return orjson.dumps(
         {"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}}
     )
+
+
+_JSON = (b"content-type", b"application/json")
+
+
+def error_headers(err: APIError) -> list[tuple[bytes, bytes]]:
+    """Response headers for an error body (``retry-after`` when the error carries one)."""
+    if err.retry_after is not None:
+        return [_JSON, (b"retry-after", str(max(1, round(err.retry_after))).encode())]
+    return [_JSON]
 
 
 # ErrorCode (transport.messages) value -> (HTTP status, OpenAI type, code)

@@ -119,6 +119,9 @@ class Submit:
     priority: int = 0
     trace: dict[str, str] | None = None
     return_text: bool = True  # worker sends detokenized text deltas
+    # The consumer wants the whole result at once (non-streaming): the worker sends
+    # all tokens as one entry right before the end, outside credit (see transport.wire).
+    buffered: bool = False
 
 
 @dataclass(frozen=True, slots=True)

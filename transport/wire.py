@@ -25,7 +25,8 @@ type   name       request_id  body
                               [capabilities], initial_credit, max_frame]
 2      SUBMIT     rid (>0)    msgpack [model, params, prompt|nil,
                               prompt_token_ids (bin, u32 LE)|nil, messages|nil,
-                              deadline_ms, priority, trace|nil, return_text]
+                              deadline_ms, priority, trace|nil, return_text,
+                              buffered (optional, default false)]
                               params = [max_tokens, temperature, top_p, top_k,
                               seed|nil, [stop], stop_token_ids (bin, u32 LE),
                               ignore_eos, logprobs, top_logprobs (0..20)]
@@ -56,6 +57,13 @@ alternatives appear in a TOKENS frame exactly when its Submit asked for them.
 Tokens for a stream that is not open, a second SUBMIT for an open rid, or
 FINISH for a rid that is not open are protocol errors. CANCEL and CREDIT for
 unknown rids are allowed (they can cross a FINISH in flight).
+
+A SUBMIT with ``buffered`` set asks for the whole result at once (a
+non-streaming consumer): the worker sends no TOKENS entries for it until it
+ends, then all of its tokens as one entry in the TOKENS frame right before its
+FINISH or ERROR. Credit does not apply to a buffered stream (its consumer takes
+everything at the end; ``max_tokens`` bounds it), and it cannot ask for
+logprobs or top_logprobs.
 
 Both sides also remember the request-id list of the previous TOKENS frame; a
 continuous-batching engine usually emits the same requests in the same order
@@ -439,6 +447,9 @@ class FrameDecoder:
             top_logprobs=p.integer(9, 0, MAX_TOP_N),
         )
         ids = None if f.items[3] is None else f.uints(3)
+        buffered = f.flag(9) if len(f.items) > 9 else False
+        if buffered and (params.logprobs or params.top_logprobs):
+            raise WireError("SUBMIT: a buffered request cannot ask for logprobs")
         sub = Submit(
             request_id=rid,
             model=f.text(0),
@@ -450,6 +461,7 @@ class FrameDecoder:
             priority=f.integer(6, -(1 << 31), (1 << 31) - 1),
             trace=f.str_dict(7),
             return_text=f.flag(8),
+            buffered=buffered,
         )
         if sum(x is not None for x in (sub.prompt, sub.prompt_token_ids, sub.messages)) != 1:
             raise WireError("SUBMIT: exactly one of prompt, prompt_token_ids, messages must be set")

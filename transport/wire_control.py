@@ -58,7 +58,7 @@ def submit_fields(s: Submit) -> list[object]:
     ids = None if s.prompt_token_ids is None else le_bytes(array("I", s.prompt_token_ids))
     msgs = None if s.messages is None else list(s.messages)
     return [s.model, _params_fields(s.params), s.prompt, ids, msgs, s.deadline_ms, s.priority, s.trace,
-            bool(s.return_text)]
+            bool(s.return_text), bool(s.buffered)]
 
 
 def submit_body(s: Submit) -> bytes:
@@ -67,9 +67,10 @@ def submit_body(s: Submit) -> bytes:
     _check_submit(s)
     ids = None if s.prompt_token_ids is None else le_bytes(array("I", s.prompt_token_ids))
     msgs = None if s.messages is None else list(s.messages)
-    rest = _PACKER.pack([s.prompt, ids, msgs, s.deadline_ms, s.priority, s.trace, bool(s.return_text)])
-    # msgpack: an array of 9 is the byte 0x99 then its items; ``rest`` is an array of 7 (0x97 + items).
-    return b"\x99" + _PACKER.pack(s.model) + _params_bytes(s.params) + rest[1:]
+    rest = _PACKER.pack([s.prompt, ids, msgs, s.deadline_ms, s.priority, s.trace, bool(s.return_text),
+                         bool(s.buffered)])
+    # msgpack: an array of 10 is the byte 0x9a then its items; ``rest`` is an array of 8 (0x98 + items).
+    return b"\x9a" + _PACKER.pack(s.model) + _params_bytes(s.params) + rest[1:]
 
 
 def _check_submit(s: Submit) -> None:
@@ -77,6 +78,8 @@ def _check_submit(s: Submit) -> None:
         raise ValueError(f"top_logprobs must be 0..{MAX_TOP_N}")
     if (s.prompt is not None) + (s.prompt_token_ids is not None) + (s.messages is not None) != 1:
         raise ValueError("Submit needs exactly one of prompt, prompt_token_ids, messages")
+    if s.buffered and (s.params.logprobs or s.params.top_logprobs):
+        raise ValueError("a buffered Submit cannot ask for logprobs")
 
 
 _PARAMS_PACKED: dict[int, tuple[SamplingParams, bytes]] = {}  # id -> (the object, kept alive; its bytes)

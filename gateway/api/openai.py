@@ -38,6 +38,7 @@ from .render import (
     response_body,
     sse_error,
 )
+from .unary import Respond, UnaryCall
 
 __all__ = ["OpenAIHandlers", "CHAT_ROUTE", "COMPLETIONS_ROUTE", "MODELS_ROUTE"]
 
@@ -93,6 +94,30 @@ class OpenAIHandlers:
                              max_tokens_limit=self.api.max_tokens_limit, deadline_ms=self._deadline_ms)
         return self._generate(g, sink, t0, COMPLETIONS_ROUTE)
 
+    def unary_call(self, req: Request, respond: Respond, t0: float, on_end: Callable[[int], None],
+                   done: Callable[[], None]) -> UnaryCall | None:
+        """The fast path (:mod:`.unary`) for a plain non-streaming generation, started; None when
+        the request is not one (a stream, logprobs, another route) or fails before its submit:
+        the task path then serves it (and renders the error)."""
+        route = req.path
+        try:
+            if route == CHAT_ROUTE:
+                g = parse_chat(req.body, default_max_tokens=self.api.default_max_tokens,
+                               max_tokens_limit=self.api.max_tokens_limit, deadline_ms=self._deadline_ms)
+            elif route == COMPLETIONS_ROUTE:
+                g = parse_completion(req.body, default_max_tokens=self.api.default_max_tokens,
+                                     max_tokens_limit=self.api.max_tokens_limit, deadline_ms=self._deadline_ms)
+            else:
+                return None
+            if g.stream or g.logprobs:
+                return None
+            routed = self.pool.open(g.model, g.make_submit)
+        except APIError:
+            return None
+        call = UnaryCall(self, g, routed, respond, t0, route, on_end, done)
+        call.start()
+        return call
+
     def _generate(self, g: GenerationRequest, sink: ResponseSink, t0: float, route: str) -> Awaitable[int]:
         routed = self.pool.open(g.model, g.make_submit)
         if g.stream:
@@ -136,7 +161,7 @@ class OpenAIHandlers:
                 raise from_wire_code(fin.code, fin.message)  # type: ignore[union-attr]
             text = res.text.decode("utf-8", "replace")
             await sink.respond(200, JSON_HEADERS, response_body(g.chat, g.model, text, fin, None))
-            self._observe(route, t0, res.first_token_at, _perf(), fin.completion_tokens)
+            self.metrics.tokens(route, None, None, fin.completion_tokens)  # delivered whole: no TTFT
             return 200
         except asyncio.CancelledError:
             if not self.deadlines.expired(task):

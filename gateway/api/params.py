@@ -51,8 +51,9 @@ class GenerationRequest:
     deadline_ms: int = 0
 
     def make_submit(self, request_id: int) -> Submit:
+        # A whole (non-streaming, no logprobs) response is delivered by the worker in one piece.
         return Submit(request_id, self.model, self.params, self.prompt, self.prompt_token_ids,
-                      self.messages, self.deadline_ms)
+                      self.messages, self.deadline_ms, 0, None, True, not self.stream and not self.logprobs)
 
 
 def _bad(message: str, param: str | None, code: str | None = None) -> APIError:

@@ -22,7 +22,7 @@ from email.utils import formatdate
 from typing import Any, Protocol
 
 from gateway.errors import APIError, render_json
-from gateway.http.types import Handler, Headers, Request, ResponseSink
+from gateway.http.types import FastHandler, Handler, Headers, Request, ResponseSink
 
 __all__ = [
     "HttpLimits",
@@ -121,10 +121,11 @@ class Connection(Protocol):
 class ServerState:
     """Server-wide bookkeeping shared by all connections of one ``start_server``."""
 
-    __slots__ = ("handler", "limits", "on_event", "in_flight", "draining", "connections", "_idle")
+    __slots__ = ("handler", "fast", "limits", "on_event", "in_flight", "draining", "connections", "_idle")
 
     def __init__(self, handler: Handler, limits: HttpLimits, on_event: EventHook | None) -> None:
         self.handler = handler
+        self.fast: FastHandler | None = getattr(handler, "fast", None)  # see gateway.http.types
         self.limits = limits
         self.on_event = on_event
         self.in_flight = 0

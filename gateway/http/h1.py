@@ -40,7 +40,7 @@ from gateway.http.common import (
     run_request,
     spawn,
 )
-from gateway.http.types import Headers, Request
+from gateway.http.types import Call, Headers, Request
 
 __all__ = ["H1Protocol", "H2_PREFACE"]
 
@@ -109,7 +109,7 @@ class H1Protocol(asyncio.Protocol):
         # requests
         self._queue: deque[_Queued] = deque()
         self._active: _H1Sink | None = None
-        self._task: asyncio.Task[None] | None = None
+        self._task: Call | None = None  # the running handler: an asyncio.Task, or a fast-path Call
         self._input_closed = False
         self._closing = False
         self._reading_paused = False
@@ -347,11 +347,20 @@ class H1Protocol(asyncio.Protocol):
         sink = _H1Sink(self, request.method == "HEAD", keep_alive, http10)
         self._active = sink
         self._srv.request_started()
+        fast = self._srv.fast
+        if fast is not None:
+            call = fast(request, sink, self._call_done)
+            if call is not None:
+                self._task = call
+                return
         task = spawn(self._loop, run_request(self._srv.handler, request, sink))
         self._task = task
         task.add_done_callback(self._task_done)
 
-    def _task_done(self, task: asyncio.Task[None]) -> None:
+    def _call_done(self) -> None:
+        self._task_done(None)
+
+    def _task_done(self, task: asyncio.Task[None] | None) -> None:
         self._srv.request_done()
         sink, self._active, self._task = self._active, None, None
         if self._transport is None or self._closing or sink is None:
@@ -525,6 +534,10 @@ class _H1Sink:
         return buf
 
     async def respond(self, status: int, headers: Headers, body: bytes) -> None:
+        self._respond(status, headers, body)
+
+    def respond_nowait(self, status: int, headers: Headers, body: bytes) -> None:
+        """:meth:`respond` without a coroutine (for :data:`gateway.http.types.FastHandler` calls)."""
         self._respond(status, headers, body)
 
     def _respond(self, status: int, headers: Headers, body: bytes) -> None:

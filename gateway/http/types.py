@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-__all__ = ["Request", "RequestBodyStream", "ResponseSink", "Handler", "Headers"]
+__all__ = ["Request", "RequestBodyStream", "ResponseSink", "Handler", "Headers", "Call", "FastHandler"]
 
 Headers = list[tuple[bytes, bytes]]
 
@@ -75,3 +75,22 @@ class ResponseSink(Protocol):
 
 
 Handler = Callable[[Request, ResponseSink], Awaitable[None]]
+
+
+class Call(Protocol):
+    """A request the application runs by callbacks rather than in a task (see :data:`FastHandler`)."""
+
+    def cancel(self) -> object:
+        """The client went away: stop (cancel the worker request); ``done`` still comes, once."""
+        ...
+
+
+FastHandler = Callable[[Request, ResponseSink, Callable[[], None]], "Call | None"]
+"""Optional fast path an application may offer as ``handler.fast(request, sink, done)``.
+
+It returns None (the adapter runs ``handler`` in a task, as always) or a :class:`Call`
+that has taken the request: it answers through ``sink.respond_nowait(status, headers,
+body)`` and then calls ``done()`` exactly once, never from inside ``fast`` itself. The
+adapter calls ``call.cancel()`` if the client goes away first. Adapters whose sinks have
+no ``respond_nowait`` never get a Call.
+"""

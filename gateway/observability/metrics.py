@@ -1,7 +1,8 @@
 """Prometheus metrics for the gateway (prometheus_client exposition, one registry per app).
 
-The per-request series (request counts, TTFT, time per output token, e2e
-latency, in-flight) are plain Python ints and lists updated without locks --
+The per-request series (request counts, TTFT, time per output token -- both
+for streamed responses, whose tokens the gateway sees arrive -- e2e latency,
+in-flight) are plain Python ints and lists updated without locks --
 the gateway is one event-loop thread -- and turned into Prometheus families
 by a collector at scrape time. prometheus_client's own Counter/Histogram take
 a lock per ``inc``; with ~10 updates per request that was a fifth of the
@@ -77,12 +78,18 @@ class GatewayMetrics:
             h = self.e2e[route] = FastHistogram(LATENCY_BUCKETS)
         h.observe(seconds)
 
-    def tokens(self, route: str, ttft: float, tpot: float | None, n: int) -> None:
-        """One generation finished: first-token latency, mean inter-token time, count."""
-        h = self.ttft.get(route)
-        if h is None:
-            h = self.ttft[route] = FastHistogram(LATENCY_BUCKETS)
-        h.observe(ttft)
+    def tokens(self, route: str, ttft: float | None, tpot: float | None, n: int) -> None:
+        """One generation finished: first-token latency, mean inter-token time, count.
+
+        ``ttft``/``tpot`` are None when the gateway did not see tokens arrive one step
+        at a time: a non-streaming response is delivered by the worker in one piece
+        (``Submit.buffered``), so only its token count is recorded.
+        """
+        if ttft is not None:
+            h = self.ttft.get(route)
+            if h is None:
+                h = self.ttft[route] = FastHistogram(LATENCY_BUCKETS)
+            h.observe(ttft)
         if tpot is not None:
             h = self.tpot.get(route)
             if h is None:

@@ -12,6 +12,7 @@ first token*, the stream resubmits on another worker, transparently, up to
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
@@ -208,17 +209,29 @@ class RoutedStream:
         the request to another worker, as :meth:`next_events` does.
         """
         while True:
-            stream = self._stream
-            assert stream is not None
-            own = getattr(stream, "collect", None)
-            res: Collected = await (own() if own is not None else _collect_events(stream))
-            ev = res.final
-            if not res.tokens and self._retryable(ev):
-                if self._resubmit(ev):
-                    continue
-                return res  # no other worker: the client gets the original error
-            self._started = True
-            return res
+            res = await self.collect_nowait()
+            if not self.retry(res):
+                return res
+
+    def collect_nowait(self) -> Awaitable[Collected]:
+        """The current stream's whole result as a future (no retry: see :meth:`retry`)."""
+        stream = self._stream
+        assert stream is not None
+        own = getattr(stream, "collect", None)
+        if own is not None:
+            return own()  # type: ignore[no-any-return]
+        return asyncio.ensure_future(_collect_events(stream))
+
+    def retry(self, res: Collected) -> bool:
+        """After a collected result: True if it was a retryable error before any token and the
+        request moved to another worker (collect again); False if ``res`` is the answer."""
+        ev = res.final
+        if not res.tokens and self._retryable(ev):
+            if self._resubmit(ev):
+                return True
+            return False  # no other worker: the client gets the original error
+        self._started = True
+        return False
 
     def cancel(self) -> None:
         self._cancelled = True

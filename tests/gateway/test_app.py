@@ -28,10 +28,49 @@ def req(path: str, body: object = None, method: str = "POST", raw: bytes | None 
     return Request(method, path, "", [], data, "http/1.1", "http")
 
 
+class FastSink(RecordingSink):
+    """A sink that offers ``respond_nowait``, as the h1 adapter's does (so ``App.fast`` may take
+    the request)."""
+
+    def respond_nowait(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+        assert self.status is None, "response already started"
+        self.status, self.headers, self.chunks, self.ended = status, headers, [body], True
+
+
+MODE = "task"
+
+
+@pytest.fixture(autouse=True, params=["task", "adapter"])
+def path_mode(request: pytest.FixtureRequest) -> None:
+    """Every test runs twice: through ``App.__call__`` in a task, and the way the h1 adapter
+    serves a request (``App.fast`` first, the task path when it declines)."""
+    global MODE
+    MODE = request.param
+
+
 async def call(app: App, r: Request) -> RecordingSink:
-    sink = RecordingSink()
-    await app(r, sink)
-    return sink
+    if MODE == "task":
+        sink = RecordingSink()
+        await app(r, sink)
+        return sink
+    fast_sink = FastSink()
+    ended = asyncio.get_running_loop().create_future()
+    calls: list[int] = []
+
+    def done() -> None:
+        calls.append(1)
+        ended.set_result(None)
+
+    c = app.fast(r, fast_sink, done)
+    assert not calls, "done() must never run inside fast()"
+    if c is None:
+        await app(r, fast_sink)
+    else:
+        await ended
+        await asyncio.sleep(0)
+        assert calls == [1]
+    assert app.metrics.in_flight == 0
+    return fast_sink
 
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
@@ -160,10 +199,11 @@ async def test_404_405_health_ready_metrics() -> None:
     s = await call(app, req("/readyz", method="GET"))
     assert s.status == 200 and s.json()["workers"] == 1
     await call(app, req("/v1/chat/completions", CHAT))
+    await call(app, req("/v1/chat/completions", {**CHAT, "stream": True}))  # TTFT: streamed responses
     s = await call(app, req("/metrics", method="GET"))
     text = s.body.decode()
     assert s.status == 200 and s.header(b"content-type").startswith(b"text/plain")
-    assert 'quicserve_requests_total{protocol="http/1.1",route="/v1/chat/completions",status="200"} 1.0' in text
+    assert 'quicserve_requests_total{protocol="http/1.1",route="/v1/chat/completions",status="200"} 2.0' in text
     assert 'quicserve_requests_total{protocol="http/1.1",route="other",status="404"} 1.0' in text
     assert "quicserve_time_to_first_token_seconds_count" in text
     assert "quicserve_requests_in_flight 1.0" in text  # this very /metrics request
@@ -277,4 +317,43 @@ async def test_write_to_a_gone_client_ends_quietly_and_cancels() -> None:
     with pytest.raises(ConnectionError):
         await app(req("/v1/chat/completions", {**CHAT, "stream": True}), sink)
     assert conn.cancels == [1] and sink.status == 200  # no second response attempted
+    assert app.metrics.requests[("/v1/chat/completions", "499", "http/1.1")] == 1
+
+
+# -- the task-free path (gateway.api.unary) ------------------------------------------------
+
+
+async def test_fast_path_takes_only_plain_unary_generations() -> None:
+    conn = ScriptedWorkerConnection()
+    app = make_app(conn)
+    never = lambda: pytest.fail("done() for a declined request")  # noqa: E731
+    for r in (req("/v1/chat/completions", {**CHAT, "stream": True}),
+              req("/v1/chat/completions", {**CHAT, "logprobs": True}),
+              req("/v1/chat/completions", raw=b"{bad json"),
+              req("/v1/chat/completions", {**CHAT, "model": "nope"}),
+              req("/v1/models", method="GET"), req("/healthz", method="GET")):
+        assert app.fast(r, FastSink(), never) is None
+    assert app.fast(req("/v1/chat/completions", CHAT), RecordingSink(), never) is None  # no respond_nowait
+    assert conn.submits == [] and app.metrics.in_flight == 0
+    assert app.fast(req("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 2}), FastSink(),
+                    lambda: None) is not None
+    assert conn.submits[0].buffered
+
+
+async def test_fast_path_client_gone_cancels_the_worker_request_once() -> None:
+    conn = ScriptedWorkerConnection(hang_after=2)
+    app = make_app(conn)
+    sink = FastSink()
+    done: list[int] = []
+    c = app.fast(req("/v1/chat/completions", CHAT), sink, lambda: done.append(1))
+    assert c is not None
+    for _ in range(10):
+        await asyncio.sleep(0)
+    assert conn.in_flight == 1 and not done
+    assert c.cancel() is True  # what the adapter does when the client goes away
+    assert c.cancel() is False
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert conn.cancels == [1] and done == [1] and sink.status is None
+    assert app.metrics.in_flight == 0
     assert app.metrics.requests[("/v1/chat/completions", "499", "http/1.1")] == 1

@@ -238,6 +238,10 @@ def test_health_ready_metrics(gw: Gateway) -> None:
     assert httpx.get(gw.http + "/healthz").json() == {"status": "ok"}
     r = httpx.get(gw.http + "/readyz")
     assert r.status_code == 200 and r.json()["models"] == ["tiny"]
+    # TTFT and time per output token are measured on streamed responses
+    r = httpx.post(gw.http + "/v1/chat/completions", json={
+        "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True})
+    assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
     text = httpx.get(gw.http + "/metrics").text
     for name in ("quicserve_requests_total", "quicserve_time_to_first_token_seconds_bucket",
                  "quicserve_time_per_output_token_seconds_bucket", "quicserve_request_duration_seconds_bucket",
