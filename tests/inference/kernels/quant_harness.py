@@ -16,7 +16,9 @@ tokens so that every step compares logits for the same context.
 from __future__ import annotations
 
 import functools
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -27,10 +29,68 @@ from inference.kernels import reference
 from inference.kernels.quant import QuantizedWeight, init_quantized_cache, quantize_weight, write_quantized_kv
 from inference.model import attention, llama
 from inference.model.config import LlamaConfig
+from inference.weights import random_hf_tensors
 
-__all__ = ["DecodeRun", "greedy_decode", "quantize_params"]
+__all__ = ["DecodeRun", "LLAMA", "greedy_decode", "quantize_params", "write_random_llama", "compare"]
 
 _MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")
+LLAMA = {
+    "vocab_size": 1000, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
+    "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64, "max_position_embeddings": 1024,
+    "tie_word_embeddings": False,
+}
+
+
+def write_random_llama(directory: Path, init: str = "fan_in", seed: int = 1) -> Path:
+    """A random HF-format Llama (config :data:`LLAMA`) in ``directory``.
+
+    ``init="hf"``: every matrix N(0, 0.02), as HF initialises Llama. At this
+    width (hidden 256) that is 3x below fan-in scale and the logits come out
+    flat (std ~0.3 over 1000 tokens). ``init="fan_in"``: matrices N(0,
+    1/fan_in), embeddings N(0, 1) -- the scale 0.02 is meant to approximate at
+    hidden ~2500; logits std ~1.
+    """
+    from safetensors.numpy import save_file
+
+    cfg = LlamaConfig.from_hf(LLAMA)
+    tensors = random_hf_tensors(cfg, seed=seed)  # N(0, 0.02)
+    if init == "fan_in":
+        for name, t in tensors.items():
+            if t.ndim == 2:
+                tensors[name] = (t / 0.02 * (1.0 if "embed" in name else t.shape[1] ** -0.5)).astype(np.float32)
+    elif init != "hf":
+        raise ValueError(f"unknown init {init!r}")
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(cfg.to_hf()))
+    save_file(tensors, str(directory / "model.safetensors"))
+    return directory
+
+
+def compare(base: DecodeRun, run: DecodeRun) -> dict[str, Any]:
+    """Teacher-forced agreement and logits error of ``run`` against the float ``base``.
+
+    ``agree``: fraction of steps whose argmax is the baseline's token.
+    ``rel``: per-step ``||l_q - l|| / ||l||``. ``gap``: the baseline's top-1
+    minus top-2 logit per step; ``flip_gaps`` its values where the argmax
+    changed and ``flip_pctile`` their rank among all steps' gaps;
+    ``flip_shift``: how much the quantized run moved the decisive pair
+    (``l[top1] - l[new]``) at those steps.
+    """
+    lb, lq = base.logits, run.logits
+    flips = run.argmax != base.tokens
+    rel = np.linalg.norm(lq - lb, axis=-1) / np.linalg.norm(lb, axis=-1)
+    top2 = np.sort(lb, axis=-1)[..., -2:]
+    gap = top2[..., 1] - top2[..., 0]
+
+    def at(logits: np.ndarray, tok: np.ndarray) -> np.ndarray:
+        return np.take_along_axis(logits, tok[..., None], -1)[..., 0]
+
+    shift = (at(lq, base.tokens) - at(lq, run.argmax)) - (at(lb, base.tokens) - at(lb, run.argmax))
+    return {
+        "agree": float(1 - flips.mean()), "flips": int(flips.sum()), "steps": int(flips.size),
+        "rel": rel, "gap": gap, "flip_gaps": gap[flips],
+        "flip_pctile": np.array([np.mean(gap < g) for g in gap[flips]]), "flip_shift": shift[flips],
+    }
 
 
 @dataclass(frozen=True)

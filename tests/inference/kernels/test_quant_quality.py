@@ -4,27 +4,31 @@ Method: the float model (``inference.model.llama.decode_forward``) decodes 4
 prompts greedily for 256 steps. Each quantized variant is then run
 *teacher-forced* on the baseline's tokens, so every step compares logits for
 the same context; a step "agrees" when its argmax equals the baseline token.
-Logits error is ``||l_q - l|| / ||l||`` per step (bounds are on the max).
+(Free-running agreement is not used: after the first flip the two runs decode
+different texts, so it measures where the first near-tie falls.) Logits error
+is ``||l_q - l|| / ||l||`` per step; the bound is on the max over all steps.
 
-Models: the built-in ``tiny`` model and a random Llama checkpoint written in
-HF format (8 query heads, 2 KV heads, head dim 64). The checkpoint uses a
-fan-in-scaled init (std 1/sqrt(fan_in), unit-variance embeddings): with the
-N(0, 0.02) init of ``write_hf_checkpoint`` at this width the next-token
-distribution is nearly uniform (top-2 logit gaps far below any quantization
-error), so greedy agreement there measures coin flips, not the cache.
+Models: the built-in ``tiny`` model and a random Llama checkpoint in HF format
+(``quant_harness.write_random_llama``: hidden 256, 8 query / 2 KV heads, head
+dim 64) with fan-in init, N(0, 1/fan_in). HF's N(0, 0.02) is meant to
+approximate that at hidden ~2500; at hidden 256 it is 3x smaller and the
+logits are nearly flat (std 0.3, median top-2 gap 0.05): there even running
+the float model in bf16, with no quantization, changes 2.9% of greedy steps
+(``tests/bench/bench_quant_quality.py --hf-init``).
 
-Measured (CPU, float32 baseline) and asserted with some margin:
-  tiny:  KV int8 100% / fp8 99.9%, weights int8 100% / fp8 99.9% of steps agree.
-  llama: KV int8 99.6%, KV fp8 98.2%, weights int8 98.4%. The issue's 99%
-  target holds for int8 KV; fp8 KV and int8 weights fall short of it on this
-  random checkpoint (its logits are still flat: median top-2 gap ~0.2 with
-  logit std ~1), and are asserted at the levels they reach.
+Measured (CPU, float32 baseline), asserted with some margin:
+  tiny:  KV int8 100% / fp8 100%, weights int8 100% / fp8 99.9% of steps agree.
+  llama: KV int8 99.6%, KV fp8 98.3%, weights int8 98.4% (group-wise g=64:
+  98.8%). The issue's 99% target holds for int8 KV. fp8 KV and int8 weights
+  fall short on this random checkpoint and are asserted at the levels they
+  reach: every flip is at a near-tie (baseline top-2 gap median 0.007 vs 0.22
+  over all steps), and over 4096 steps the bench finds bf16 weights and
+  activations alone (no quantization) agree on only 99.0% of steps, against
+  98.1% (KV fp8) and 98.5% (weights int8). fp8 KV is at e4m3's floor: per-
+  token scales instead of per-block ones do not lower its error.
 """
 
 from __future__ import annotations
-
-import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -32,49 +36,28 @@ import pytest
 jax = pytest.importorskip("jax")
 
 from inference.kernels.quant import kv_read_bytes  # noqa: E402
-from inference.model.config import LlamaConfig  # noqa: E402
-from inference.weights import load_hf_dir, load_model, random_hf_tensors  # noqa: E402
-from tests.inference.kernels.quant_harness import greedy_decode, quantize_params  # noqa: E402
+from inference.weights import load_hf_dir, load_model  # noqa: E402
+from tests.inference.kernels.quant_harness import (  # noqa: E402
+    compare,
+    greedy_decode,
+    quantize_params,
+    write_random_llama,
+)
 
 pytestmark = pytest.mark.slow
 STEPS = 256
-LLAMA = {
-    "vocab_size": 1000, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
-    "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64, "max_position_embeddings": 1024,
-    "tie_word_embeddings": False,
-}
-
-
-def _write_llama(directory: Path) -> Path:
-    from safetensors.numpy import save_file
-
-    cfg = LlamaConfig.from_hf(LLAMA)
-    tensors = random_hf_tensors(cfg, seed=1)  # N(0, 0.02): rescale to fan-in init
-    for name, t in tensors.items():
-        if t.ndim == 2:
-            tensors[name] = (t / 0.02 * (1.0 if "embed" in name else t.shape[1] ** -0.5)).astype(np.float32)
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(cfg.to_hf()))
-    save_file(tensors, str(directory / "model.safetensors"))
-    return directory
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory):
     tiny = load_model("tiny")
-    llama = load_hf_dir(_write_llama(tmp_path_factory.mktemp("llama") / "random-llama"))
+    llama = load_hf_dir(write_random_llama(tmp_path_factory.mktemp("llama") / "random-llama"))
     out = {}
     for name, m, vocab, seed in (("tiny", tiny, 256, 0), ("llama", llama, 1000, 1)):
         prompts = np.random.default_rng(seed).integers(0, vocab, (4, 8))
         base = greedy_decode(m.config, m.params, prompts, STEPS, use_model_forward=True)
         out[name] = (m, prompts, base)
     return out
-
-
-def _compare(base, run) -> tuple[float, float]:
-    agree = float((run.argmax == base.tokens).mean())
-    rel = np.linalg.norm(run.logits - base.logits, axis=-1) / np.linalg.norm(base.logits, axis=-1)
-    return agree, float(rel.max())
 
 
 def test_composed_decode_step_equals_the_model(models) -> None:
@@ -106,11 +89,15 @@ def test_quantized_decoding_quality(models, model, what, kind, min_agree, max_re
     else:  # "weights" (one scale per output channel) or "weights/g<N>" (group-wise, N input rows)
         group = int(what.split("/g")[1]) if "/g" in what else None
         run = greedy_decode(m.config, quantize_params(m.params, kind, group), prompts, STEPS, forced=base.tokens)
-    agree, rel = _compare(base, run)
-    print(f"\n{model} {what} {kind}: greedy agreement {agree:.2%} of {base.tokens.size} steps, "
-          f"max logits rel error {rel:.4f}")
-    assert agree >= min_agree
+    c = compare(base, run)
+    rel = float(c["rel"].max())
+    print(f"\n{model} {what} {kind}: greedy agreement {c['agree']:.2%} of {c['steps']} steps, logits rel error "
+          f"max {rel:.4f} median {np.median(c['rel']):.4f}; flipped steps' top-2 gaps "
+          f"[{', '.join(f'{g:.4f}' for g in c['flip_gaps'])}] (median gap of all steps {np.median(c['gap']):.3f})")
+    assert c["agree"] >= min_agree
     assert 0 < rel < max_rel
+    # Any flip is a near-tie: its baseline top-2 gap is among the smallest quarter of all steps'.
+    assert (c["flip_pctile"] < 0.25).all()
 
 
 def test_kv_bytes_read_per_decode_step(models) -> None:
