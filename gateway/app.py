@@ -18,10 +18,9 @@ import orjson
 
 from .api.openai import CHAT_ROUTE, COMPLETIONS_ROUTE, MODELS_ROUTE, OpenAIHandlers
 from .api.render import JSON_HEADERS
-from .api.unary import UnaryCall
 from .errors import APIError, error_headers, render_json
-from .http.common import ProtocolEvent
-from .http.types import Request, ResponseSink
+from .http.common import ProtocolEvent, run_request, spawn
+from .http.types import Call, Request, ResponseSink
 from .observability.metrics import CONTENT_TYPE_LATEST, GatewayMetrics
 from .routing.pool import ModelPool
 from .settings import ApiSettings
@@ -69,22 +68,31 @@ class App:
                 methods, route = {"GET": self.openai.model}, "/v1/models/{id}"
             else:
                 route = "other"
+        await self._serve(req, sink, t0, route, lambda: self._dispatch(req, sink, t0, methods))
+
+    async def _dispatch(self, req: Request, sink: ResponseSink, t0: float,
+                        methods: dict[str, Route] | None) -> int:
+        path = req.path
+        if methods is None:
+            raise APIError(404, f"Unknown request URL: {req.method} {path}. Please check the URL for typos.",
+                           "invalid_request_error", None, "unknown_url")
+        handler = methods.get(req.method)
+        if handler is None:
+            allow = self._allow.get(path, b"GET")
+            await sink.respond(405, [*JSON_HEADERS, (b"allow", allow)], render_json(APIError(
+                405, f"Method {req.method} is not allowed for {path}; allowed: {allow.decode()}.",
+                "invalid_request_error", None, "method_not_allowed")))
+            return 405
+        return await handler(req, sink, t0)
+
+    async def _serve(self, req: Request, sink: ResponseSink, t0: float, route: str,
+                     run: Callable[[], Awaitable[int]]) -> None:
+        """Run one request's handler: errors rendered here, once; metrics recorded."""
         status = 499
         metrics = self.metrics
         metrics.in_flight += 1
         try:
-            if methods is None:
-                raise APIError(404, f"Unknown request URL: {req.method} {path}. Please check the URL for typos.",
-                               "invalid_request_error", None, "unknown_url")
-            handler = methods.get(req.method)
-            if handler is None:
-                allow = self._allow.get(path, b"GET")
-                status = 405
-                await sink.respond(405, [*JSON_HEADERS, (b"allow", allow)], render_json(APIError(
-                    405, f"Method {req.method} is not allowed for {path}; allowed: {allow.decode()}.",
-                    "invalid_request_error", None, "method_not_allowed")))
-                return
-            status = await handler(req, sink, t0)
+            status = await run()
         except APIError as e:
             status = e.status
             await sink.respond(e.status, error_headers(e), render_json(e))
@@ -92,7 +100,7 @@ class App:
             status = 499  # the client went away (cancelled by the adapter, or a write failed)
             raise
         except Exception:
-            log.exception("unhandled error in %s %s", req.method, path)
+            log.exception("unhandled error in %s %s", req.method, req.path)
             status = 500
             await sink.respond(500, JSON_HEADERS, render_json(APIError(
                 500, "Internal server error.", "server_error", None, "internal_error")))
@@ -100,25 +108,40 @@ class App:
             metrics.in_flight -= 1
             metrics.request_done(route, status, req.protocol, _perf() - t0)
 
-    def fast(self, req: Request, sink: ResponseSink, done: Callable[[], None]) -> UnaryCall | None:
-        """The task-free path for plain non-streaming generations (:mod:`gateway.api.unary`);
-        None for everything else, which the adapter then runs through :meth:`__call__`."""
-        respond = getattr(sink, "respond_nowait", None)
-        if respond is None or req.method != "POST":
+    def fast(self, req: Request, sink: ResponseSink, done: Callable[[], None]) -> Call | None:
+        """How the h1 adapter starts a request (:data:`gateway.http.types.FastHandler`).
+
+        A generation request is parsed here, once: a plain non-streaming one runs
+        without a task (:mod:`gateway.api.unary`); a stream or a logprobs request runs
+        in a task of its own with the parsed request. None for everything else (and
+        for a body that does not parse): the adapter then runs :meth:`__call__`.
+        """
+        if req.method != "POST":
             return None
         t0 = _perf()
-        metrics = self.metrics
-        metrics.in_flight += 1
-        route, protocol = req.path, req.protocol
+        route = req.path
+        h = self.openai
+        g = h.parse(req)
+        if g is None:
+            return None
+        respond = getattr(sink, "respond_nowait", None)
+        if respond is not None and not g.stream and not g.logprobs:
+            metrics = self.metrics
+            protocol = req.protocol
+            metrics.in_flight += 1
 
-        def on_end(status: int) -> None:
-            metrics.in_flight -= 1
-            metrics.request_done(route, status, protocol, _perf() - t0)
+            def on_end(status: int) -> None:
+                metrics.in_flight -= 1
+                metrics.request_done(route, status, protocol, _perf() - t0)
 
-        call = self.openai.unary_call(req, respond, t0, on_end, done)
-        if call is None:
-            metrics.in_flight -= 1
-        return call
+            call = h.unary_call(g, route, respond, t0, on_end, done)
+            if call is not None:
+                return call
+            metrics.in_flight -= 1  # no worker for it: the task path answers
+        task = spawn(asyncio.get_running_loop(), run_request(
+            lambda r, s: self._serve(r, s, t0, route, lambda: h.generate(g, s, t0, route)), req, sink))
+        task.add_done_callback(lambda _: done())
+        return task
 
     # -- small routes -------------------------------------------------------------------
     async def healthz(self, req: Request, sink: ResponseSink, t0: float) -> int:

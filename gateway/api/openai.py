@@ -94,29 +94,35 @@ class OpenAIHandlers:
                              max_tokens_limit=self.api.max_tokens_limit, deadline_ms=self._deadline_ms)
         return self._generate(g, sink, t0, COMPLETIONS_ROUTE)
 
-    def unary_call(self, req: Request, respond: Respond, t0: float, on_end: Callable[[int], None],
-                   done: Callable[[], None]) -> UnaryCall | None:
-        """The fast path (:mod:`.unary`) for a plain non-streaming generation, started; None when
-        the request is not one (a stream, logprobs, another route) or fails before its submit:
-        the task path then serves it (and renders the error)."""
-        route = req.path
+    def parse(self, req: Request) -> GenerationRequest | None:
+        """A generation route's body, parsed; None for another route or a body that does not
+        parse (the task path then renders that error)."""
         try:
-            if route == CHAT_ROUTE:
-                g = parse_chat(req.body, default_max_tokens=self.api.default_max_tokens,
-                               max_tokens_limit=self.api.max_tokens_limit, deadline_ms=self._deadline_ms)
-            elif route == COMPLETIONS_ROUTE:
-                g = parse_completion(req.body, default_max_tokens=self.api.default_max_tokens,
-                                     max_tokens_limit=self.api.max_tokens_limit, deadline_ms=self._deadline_ms)
-            else:
-                return None
-            if g.stream or g.logprobs:
-                return None
+            if req.path == CHAT_ROUTE:
+                return parse_chat(req.body, default_max_tokens=self.api.default_max_tokens,
+                                  max_tokens_limit=self.api.max_tokens_limit, deadline_ms=self._deadline_ms)
+            if req.path == COMPLETIONS_ROUTE:
+                return parse_completion(req.body, default_max_tokens=self.api.default_max_tokens,
+                                        max_tokens_limit=self.api.max_tokens_limit, deadline_ms=self._deadline_ms)
+        except APIError:
+            pass
+        return None
+
+    def unary_call(self, g: GenerationRequest, route: str, respond: Respond, t0: float,
+                   on_end: Callable[[int], None], done: Callable[[], None]) -> UnaryCall | None:
+        """The task-free path (:mod:`.unary`) for a plain non-streaming generation, started; None
+        when no worker can take it (the task path then renders that error)."""
+        try:
             routed = self.pool.open(g.model, g.make_submit)
         except APIError:
             return None
         call = UnaryCall(self, g, routed, respond, t0, route, on_end, done)
         call.start()
         return call
+
+    def generate(self, g: GenerationRequest, sink: ResponseSink, t0: float, route: str) -> Awaitable[int]:
+        """A parsed generation request, served in the caller's task."""
+        return self._generate(g, sink, t0, route)
 
     def _generate(self, g: GenerationRequest, sink: ResponseSink, t0: float, route: str) -> Awaitable[int]:
         routed = self.pool.open(g.model, g.make_submit)

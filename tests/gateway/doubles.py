@@ -177,6 +177,16 @@ class RecordingSink:
         assert self.streamed and not self.ended
         self.ended = True
 
+    # what an adapter's sink adds for gateway.http.common.run_request
+    def fail(self, err: object) -> None:
+        if self.status is None:
+            self.status, self.chunks, self.ended = getattr(err, "status", 500), [b"{}"], True
+
+    def finish(self) -> None:
+        if self.status is None:
+            self.fail(None)
+        self.ended = True
+
     @property
     def body(self) -> bytes:
         return b"".join(self.chunks)

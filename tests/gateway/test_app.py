@@ -323,21 +323,28 @@ async def test_write_to_a_gone_client_ends_quietly_and_cancels() -> None:
 # -- the task-free path (gateway.api.unary) ------------------------------------------------
 
 
-async def test_fast_path_takes_only_plain_unary_generations() -> None:
+async def test_fast_path_takes_plain_unary_generations_and_tasks_the_rest() -> None:
+    from gateway.api.unary import UnaryCall
+
     conn = ScriptedWorkerConnection()
     app = make_app(conn)
     never = lambda: pytest.fail("done() for a declined request")  # noqa: E731
-    for r in (req("/v1/chat/completions", {**CHAT, "stream": True}),
-              req("/v1/chat/completions", {**CHAT, "logprobs": True}),
-              req("/v1/chat/completions", raw=b"{bad json"),
-              req("/v1/chat/completions", {**CHAT, "model": "nope"}),
-              req("/v1/models", method="GET"), req("/healthz", method="GET")):
-        assert app.fast(r, FastSink(), never) is None
-    assert app.fast(req("/v1/chat/completions", CHAT), RecordingSink(), never) is None  # no respond_nowait
+    for r in (req("/v1/chat/completions", raw=b"{bad json"), req("/v1/models", method="GET"),
+              req("/healthz", method="GET"), req("/nope", {})):
+        assert app.fast(r, FastSink(), never) is None  # the adapter runs App.__call__
     assert conn.submits == [] and app.metrics.in_flight == 0
-    assert app.fast(req("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 2}), FastSink(),
-                    lambda: None) is not None
-    assert conn.submits[0].buffered
+    for body, sink, kind in (({**CHAT, "stream": True}, FastSink(), asyncio.Task),
+                             ({**CHAT, "logprobs": True}, FastSink(), asyncio.Task),
+                             ({**CHAT, "model": "nope"}, FastSink(), asyncio.Task),  # 404 from the task path
+                             (CHAT, RecordingSink(), asyncio.Task),  # a sink without respond_nowait
+                             (CHAT, FastSink(), UnaryCall)):
+        done = asyncio.get_running_loop().create_future()
+        c = app.fast(req("/v1/chat/completions", body), sink, lambda d=done: d.set_result(None))
+        assert isinstance(c, kind) and not done.done()
+        await done
+        assert sink.status == (404 if body.get("model") == "nope" else 200)
+    assert [s.buffered for s in conn.submits] == [False, False, True, True]  # whole results: buffered
+    assert app.metrics.in_flight == 0
 
 
 async def test_fast_path_client_gone_cancels_the_worker_request_once() -> None:
