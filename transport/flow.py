@@ -367,20 +367,25 @@ class FlowConnection:
         k_rids, k_counts, k_toks, k_tlens = array("I"), array("I"), array("I"), array("I")
         k_text: list[bytes] = []
         k_idx: list[int] = []
+        if getattr(toks, "typecode", "") != "I":
+            toks = array("I", toks)
         t = s = 0
         for i, rid in enumerate(rids):
             n = counts[i]
             ln = tlens[i] if tlens else 0
             h = held.get(rid)
             if h is not None:
-                h.tokens.fromlist(toks[t : t + n].tolist())
+                if n == 1:
+                    h.tokens.append(toks[t])
+                else:
+                    h.tokens.extend(toks[t : t + n])
                 if ln:
                     h.text.append(bytes(text[s : s + ln]))
             else:
                 k_idx.append(i)
                 k_rids.append(rid)
                 k_counts.append(n)
-                k_toks.fromlist(toks[t : t + n].tolist())
+                k_toks.extend(toks[t : t + n])
                 k_tlens.append(ln)
                 k_text.append(bytes(text[s : s + ln]))
             t += n

@@ -451,6 +451,15 @@ class H1Protocol(asyncio.Protocol):
             self._flush_scheduled = True
             self._loop.call_soon(self._flush)
 
+    def _write_now(self, data: bytes) -> None:
+        """A whole response: out at once (a loop iteration sooner, one callback less), after
+        anything already queued."""
+        if self._out:
+            self._write(data)
+            self._flush()
+        elif self._transport is not None:
+            self._transport.write(data)
+
     def _flush(self) -> None:
         self._flush_scheduled = False
         out = self._out
@@ -545,7 +554,7 @@ class _H1Sink:
         if body and not self._head:
             buf.append(body)
         self.ended = True
-        self._conn._write(b"".join(buf))
+        self._conn._write_now(b"".join(buf))
 
     async def start(self, status: int, headers: Headers) -> None:
         if self._http10:  # no chunked coding in 1.0: the body ends at close
