@@ -7,15 +7,16 @@ written (:func:`write_quantized_kv`) and dequantized inside the decode kernel.
 
 How writing keeps per-block scales correct: a block is filled a few tokens at
 a time, so a new token may be larger than anything the block's scale was
-chosen for. The scale only grows (``max(old, scale_for(amax(new)))``); when
+chosen for. The scale only grows (``max(old, kv_scale(amax(new)))``); when
 it grows, the block's existing codes are re-encoded with ``old / new``, which
 is exact when the scale is unchanged (and for fp8 always, see below) and
-costs int8 at most one extra rounding per growth. A write to slot 0 starts a fresh block (the allocator hands
-out blocks that are filled from slot 0; full blocks shared by the prefix
-cache are never written), so a reused block does not inherit a stale scale.
+costs int8 at most one extra rounding per growth. A write to slot 0 starts a
+fresh block (the allocator hands out blocks that are filled from slot 0; full
+blocks shared by the prefix cache are never written), so a reused block does
+not inherit a stale scale.
 
 Scales: int8 maps a block's amax to 127 (``scale = amax / 127``). fp8 uses
-the power of two nearest above ``amax / 448`` (amax lands in (224, 448]), the
+the smallest power of two ``>= amax / 448`` (amax lands in (224, 448]), the
 shared-exponent convention of the OCP MX formats: e4m3's relative precision
 does not depend on where amax lands, and a growing scale then changes by a
 power of two, so re-encoding a block's codes only shifts their exponents and
