@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -266,6 +267,27 @@ def test_client_disconnect_cancels_on_the_worker(gw: Gateway) -> None:
     while time.monotonic() < deadline and gw.metric("quicserve_worker_running"):
         time.sleep(0.1)
     assert gw.metric("quicserve_worker_running") == 0  # and the worker freed the sequence
+
+
+def test_client_disconnect_cancels_a_non_streaming_request_on_the_worker(gw: Gateway) -> None:
+    """The task-free non-streaming path (gateway.api.unary) over real sockets: a client that
+    goes away mid-generation gets its worker request cancelled and the sequence freed."""
+    body = orjson.dumps({**CHAT, "max_tokens": 4000})
+    host, port = gw.http.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                     b"content-length: %d\r\n\r\n%s" % (len(body), body))
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and gw.metric("quicserve_worker_running") != 1:
+            time.sleep(0.05)
+        assert gw.metric("quicserve_worker_in_flight") == 1 and gw.metric("quicserve_worker_running") == 1
+    deadline = time.monotonic() + 3
+    while time.monotonic() < deadline and (gw.metric("quicserve_worker_in_flight")
+                                           or gw.metric("quicserve_worker_running")):
+        time.sleep(0.05)
+    assert gw.metric("quicserve_worker_in_flight") == 0 and gw.metric("quicserve_worker_running") == 0
+    r = httpx.post(gw.http + "/v1/chat/completions", json={**CHAT, "max_tokens": 3})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3  # still serving
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
