@@ -125,6 +125,7 @@ class AdaptiveWindow(FixedWindow):
         self.miss_weight = quantile / (1 - quantile)
         self.prefill_group = prefill_group
         self.margin = 0.0  # seconds the prefill bound keeps below the target
+        self._mean_len = 0.0  # recent new tokens per prefill (moving average)
         self._decay = 0.5 ** (1.0 / cost_halflife)
         self._xtx = [[0.0] * 3 for _ in range(3)]  # weighted X'X and X'y, X = (1, calls, area)
         self._xty = [0.0] * 3
@@ -139,9 +140,20 @@ class AdaptiveWindow(FixedWindow):
             err = -self.clip * self.miss_weight
         load = max(0.0, min(1.0, load))
         w = self.window + self.lr * err * load
-        # Waiting longer than one call's fixed cost cannot pay: that is all a
-        # request joining the prefill saves.
-        top = self.w_max if self._coef is None else min(self.w_max, max(self.w_min, self._coef[1]))
+        # Below saturation a request waits for nothing but company, and one
+        # joining a prefill saves at most a call's fixed cost: waiting longer
+        # cannot pay. At saturation (load 1) the wait is for batch slots to
+        # free up; gathering a full call of them pays (each call's fixed cost
+        # is shared) if the step's prefill bound lets a full call of typical
+        # prompts through. If it does not, a longer wait only leaves slots
+        # empty, and the latency feedback cannot see that.
+        if prefill_lengths:
+            self._mean_len += (sum(prefill_lengths) / len(prefill_lengths) - self._mean_len) / 16
+        top = self.w_max
+        if self._coef is not None and not (
+            load >= 1.0 and self.prefill_fits([max(1, round(self._mean_len))] * self.prefill_group)
+        ):
+            top = min(self.w_max, max(self.w_min, self._coef[1]))
         self.window = max(self.w_min, min(top, w))
         # The same quantile step, 100x smaller and with the opposite sign,
         # widens the prefill bound's margin on misses the cost fit did not

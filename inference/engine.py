@@ -186,16 +186,19 @@ class Engine:
         full = min(self.config.prefill_batch, self.config.max_batch)
         batch = min(len(ready), free_slots)
         # When this step's prefill bound (token cap, the window's cost bound)
-        # stops short of the ready requests, waiting cannot make the prefill
-        # any bigger: count it as full.
+        # stops short of the ready requests, or would refuse one more like the
+        # last, waiting cannot make the prefill any bigger: count it as full.
         lengths: list[int] = []
         for s in ready[:batch]:
             lengths.append(len(s.tokens))
-            if len(lengths) > 1 and (sum(lengths) > self.config.max_prefill_tokens
-                                     or not self.window.prefill_fits(lengths)):  # fmt: skip
-                batch = full
-                break
+            if len(lengths) > 1 and not self._prefill_fits(lengths):
+                return self.window.admit_at(start, full, full)
+        if batch < full and not self._prefill_fits([*lengths, lengths[-1]]):
+            batch = full
         return self.window.admit_at(start, batch, full)
+
+    def _prefill_fits(self, lengths: list[int]) -> bool:
+        return sum(lengths) <= self.config.max_prefill_tokens and self.window.prefill_fits(lengths)
 
     # -- one step ------------------------------------------------------------
     def schedule(self, now: float) -> tuple[StepPlan | None, list[EngineEvent]]:

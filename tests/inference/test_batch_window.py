@@ -99,10 +99,23 @@ def test_adaptive_window_fits_the_step_cost_and_bounds_prefills() -> None:
     assert w.margin == 0.0
     assert w.prefill_fits([64] * 8) and not w.prefill_fits([65] * 8)  # 8 x 64 = 512 vs 8 x 128
     assert not w.prefill_fits([64] * 9)  # a second call: 3 + 2 + 5.12 + 0.64 ms
-    # waiting longer than the 1 ms one call costs cannot pay: the window stops there
-    assert w.window == pytest.approx(0.001, rel=1e-3)
+    # saturated, and a full call of typical (~32-token) prompts fits the bound:
+    # gathering freed slots into full calls pays, so the window may grow to w_max
+    assert w.window == 0.05
+    w.observe(0.004, load=0.5)  # below saturation waiting longer than the 1 ms
+    assert w.window == pytest.approx(0.001, rel=1e-3)  # one call costs cannot pay
     w.observe(0.02, load=1.0)  # a miss widens the margin
     assert w.margin > 0 and w.window == 0.0
+    # Target 6 ms: steps of up to two prefills (<= 3 + 1 + 0.01 * 2 * 64 = 5.3 ms)
+    # never miss, but a full call of 8 typical prompts (3 + 1 + 0.01 * 8 * 32 =
+    # 6.6 ms) never fits, so even saturated a longer wait would only leave
+    # slots empty: the window stays at one call's cost.
+    w2 = AdaptiveWindow(0.006, w_max=0.05, lr=0.5)
+    for _ in range(400):
+        lengths = [rng.randint(1, 64) for _ in range(rng.choice((0, 0, 1, 1, 2)))]
+        w2.observe(_cost(lengths), load=1.0, prefill_lengths=lengths)
+    assert w2.cost_model is not None and w2.margin == 0.0
+    assert w2.window == pytest.approx(0.001, rel=1e-3)
 
 
 class _TokenBound(FixedWindow):
@@ -143,6 +156,24 @@ def test_engine_admits_what_the_window_bound_allows_without_waiting() -> None:
     assert wake is not None and wake <= 0.03  # 10 + 20 > 25: the next prefill is as full as it gets
     plan, _ = eng.schedule(0.03)
     assert plan is not None and [len(w.token_ids) for w in plan.prefills] == [10]
+
+
+def test_engine_does_not_wait_for_company_that_would_not_fit() -> None:
+    """Window 1 s, bound 25 tokens: a lone 10-token prompt waits (a second
+    like it would fit), a lone 15-token one does not (15 + 15 > 25: waiting
+    cannot make its prefill bigger, it would only leave a slot empty)."""
+    runner = SyntheticRunner(block_size=4, num_blocks=64, max_model_len=64)
+    for n, wake in ((10, 1.0), (15, 0.0)):
+        eng = Engine(runner, ByteTokenizer(), EngineConfig(max_batch=8, prefill_batch=8), _TokenBound(1.0, 25))
+        eng.add(0, [65] * n, SamplingParams(max_tokens=4, seed=0), 0.0)
+        assert eng.next_wakeup() == pytest.approx(wake)
+        plan, _ = eng.schedule(0.0)
+        assert bool(plan) is (wake == 0.0)
+    # the engine's own token cap counts the same way, for any window
+    eng = Engine(runner, ByteTokenizer(), EngineConfig(max_batch=8, prefill_batch=8, max_prefill_tokens=25),
+                 FixedWindow(1.0))  # fmt: skip
+    eng.add(0, [65] * 15, SamplingParams(max_tokens=4, seed=0), 0.0)
+    assert eng.next_wakeup() == 0.0
 
 
 def test_parse_batch_window() -> None:
