@@ -146,11 +146,12 @@ _UNLIMITED = 1 << 62  # the window of a buffered request: credit does not apply 
 class _Held:
     """Worker side: what a buffered request has produced so far (sent when it ends)."""
 
-    __slots__ = ("tokens", "text")
+    __slots__ = ("tokens", "text", "dropped")
 
     def __init__(self) -> None:
         self.tokens: array[int] = array("I")
         self.text: list[bytes] = []
+        self.dropped = False  # cancelled by the gateway: keep nothing, send nothing
 
 
 class _GatewayRequest:
@@ -375,11 +376,13 @@ class FlowConnection:
             ln = tlens[i] if tlens else 0
             h = held.get(rid)
             if h is not None:
-                if n == 1:
+                if h.dropped:
+                    pass
+                elif n == 1:
                     h.tokens.append(toks[t])
                 else:
                     h.tokens.extend(toks[t : t + n])
-                if ln:
+                if ln and not h.dropped:
                     h.text.append(bytes(text[s : s + ln]))
             else:
                 k_idx.append(i)
@@ -423,7 +426,7 @@ class FlowConnection:
         rid = msg.request_id
         del self._credit[rid]
         h = self._held.pop(rid, None)
-        if h is not None and h.tokens:  # a buffered request: all its tokens, right before its end
+        if h is not None and h.tokens and not h.dropped:  # a buffered result: its tokens, right before its end
             self._ending.append((rid, h, msg))  # those ending together share one TOKENS frame
             return
         self._send(msg)
@@ -548,6 +551,9 @@ class FlowConnection:
                 events.append(SubmitReceived(msg))
         elif isinstance(msg, Cancel):
             if msg.request_id in self._credit:
+                h = self._held.get(msg.request_id)
+                if h is not None:
+                    h.dropped = True  # the gateway ended it: its tokens will never be read
                 events.append(CancelReceived(msg.request_id))
         elif isinstance(msg, Credit):
             old = self._credit.get(msg.request_id)

@@ -333,8 +333,11 @@ def test_buffered_tokens_go_out_before_an_error_and_cancel_swallows_them() -> No
     p.gw_events.clear()
     p.gw.cancel(2)  # the gateway ended it already; the worker's late Finish is swallowed
     p.pump()
+    assert p.wk_events[-1] == CancelReceived(2)
+    p.wk.send_tokens(batch([2], 2))
     p.wk.send_finish(Finish(2, FinishReason.CANCELLED, 1, 2))
     p.pump()
+    assert _tokens(p.gw_events) == []  # a cancelled buffered result is not sent at all
     assert not any(isinstance(e, RequestEnded) for e in p.gw_events)
     assert p.ends() == Counter() and 2 not in p.wk.open_requests
 
