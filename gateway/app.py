@@ -63,36 +63,34 @@ class App:
         path = req.path
         methods = self.routes.get(path)
         route = path
-        if methods is None:
-            if path.startswith("/v1/models/") and len(path) > 11:
-                methods, route = {"GET": self.openai.model}, "/v1/models/{id}"
-            else:
-                route = "other"
-        await self._serve(req, sink, t0, route, lambda: self._dispatch(req, sink, t0, methods))
+        handler: Route
+        if methods is not None:
+            handler = methods.get(req.method) or self._not_allowed
+        elif path.startswith("/v1/models/") and len(path) > 11:
+            handler = self.openai.model if req.method == "GET" else self._not_allowed
+            route = "/v1/models/{id}"
+        else:
+            handler, route = self._not_found, "other"
+        await self._serve(req, sink, t0, route, handler)
 
-    async def _dispatch(self, req: Request, sink: ResponseSink, t0: float,
-                        methods: dict[str, Route] | None) -> int:
-        path = req.path
-        if methods is None:
-            raise APIError(404, f"Unknown request URL: {req.method} {path}. Please check the URL for typos.",
-                           "invalid_request_error", None, "unknown_url")
-        handler = methods.get(req.method)
-        if handler is None:
-            allow = self._allow.get(path, b"GET")
-            await sink.respond(405, [*JSON_HEADERS, (b"allow", allow)], render_json(APIError(
-                405, f"Method {req.method} is not allowed for {path}; allowed: {allow.decode()}.",
-                "invalid_request_error", None, "method_not_allowed")))
-            return 405
-        return await handler(req, sink, t0)
+    async def _not_found(self, req: Request, sink: ResponseSink, t0: float) -> int:
+        raise APIError(404, f"Unknown request URL: {req.method} {req.path}. Please check the URL for typos.",
+                       "invalid_request_error", None, "unknown_url")
 
-    async def _serve(self, req: Request, sink: ResponseSink, t0: float, route: str,
-                     run: Callable[[], Awaitable[int]]) -> None:
+    async def _not_allowed(self, req: Request, sink: ResponseSink, t0: float) -> int:
+        allow = self._allow.get(req.path, b"GET")
+        await sink.respond(405, [*JSON_HEADERS, (b"allow", allow)], render_json(APIError(
+            405, f"Method {req.method} is not allowed for {req.path}; allowed: {allow.decode()}.",
+            "invalid_request_error", None, "method_not_allowed")))
+        return 405
+
+    async def _serve(self, req: Request, sink: ResponseSink, t0: float, route: str, handler: Route) -> None:
         """Run one request's handler: errors rendered here, once; metrics recorded."""
         status = 499
         metrics = self.metrics
         metrics.in_flight += 1
         try:
-            status = await run()
+            status = await handler(req, sink, t0)
         except APIError as e:
             status = e.status
             await sink.respond(e.status, error_headers(e), render_json(e))
@@ -139,7 +137,7 @@ class App:
                 return call
             metrics.in_flight -= 1  # no worker for it: the task path answers
         task = spawn(asyncio.get_running_loop(), run_request(
-            lambda r, s: self._serve(r, s, t0, route, lambda: h.generate(g, s, t0, route)), req, sink))
+            lambda r, s: self._serve(r, s, t0, route, lambda r, s, t: h.generate(g, s, t, route)), req, sink))
         task.add_done_callback(lambda _: done())
         return task
 
