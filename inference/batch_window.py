@@ -11,7 +11,7 @@ window delays first tokens and makes the steps that carry the prefill longer.
   gradient step on the step-latency error, scaled by load::
 
       e = min(target - latency, g);  e = -g * q / (1 - q) on a miss
-      w <- clip(w + lr * e * load, w_min, min(w_max, c))
+      w <- clip(w + lr * e * load, w_min, top);  top = w_max or min(w_max, c)
 
   Steps faster than the target leave head-room, so ``w`` grows and prefills
   batch up (fewer fixed costs); a step slower than the target shrinks ``w``
@@ -22,8 +22,14 @@ window delays first tokens and makes the steps that carry the prefill longer.
   not a mean. (Weighing a miss by its size, as a first version did, lets
   many small misses through: with bucketed step costs most misses are small.)
   ``load`` (0..1, the share of batch slots wanted) damps the drift when the
-  engine is nearly idle. ``c`` is the fitted fixed cost of one prefill call:
-  a request joining a prefill saves at most that, so waiting longer cannot pay.
+  engine is nearly idle. ``c`` is the fitted fixed cost of one prefill call.
+  Below saturation a request joining a prefill saves at most ``c``, so
+  waiting longer cannot pay: ``top = min(w_max, c)``. At saturation (load 1)
+  admission waits for batch slots to free up, and gathering them into full
+  calls shares each call's fixed cost, so ``top = w_max`` there, but only if
+  the step's prefill bound (below) lets a full call of typical prompts
+  through; otherwise a longer wait would leave slots empty without making
+  any prefill bigger, a loss the latency feedback cannot see.
 
   The window alone cannot hold a latency target: it changes how often
   prefills run, not how big the one that runs is (a burst of arrivals is
@@ -43,8 +49,8 @@ admission is over (``start = max(oldest arrival, last admission)``), so under
 load prefills happen at most once per window, each carrying the requests and
 freed slots gathered meanwhile. Either way admission never waits once a full
 prefill batch is ready (the engine also counts a batch as full when the next
-request would not fit the step's prefill bound). Pure logic; times in
-seconds, passed in.
+ready request, or one more like the last, would not fit the step's prefill
+bound). Pure logic; times in seconds, passed in.
 """
 
 from __future__ import annotations

@@ -1,45 +1,86 @@
-"""DBS-Adapt vs the best fixed admission window at a p99 step-latency target.
+"""DBS-Adapt vs the best fixed admission window: throughput at a p99 step-latency target.
 
-1. Measure the real ``JaxRunner``'s step cost (tiny model by default, built
-   with ``max_prefill_batch=8`` so that several prefills run as one call):
-   decode steps per batch bucket and prefill calls per (batch, length) bucket,
-   all shapes interleaved over several rounds (median), so a noisy neighbour
-   shifts every shape alike. Then check the model the replay uses (a step costs
-   the sum of its calls) against whole mixed steps (decode 32 + k prefills)
-   measured on the same runner.
-2. Replay workloads through the real engine on a virtual clock; each step
-   costs what the table says for the calls the runner would make (the
-   ``MeasuredCostRunner`` bench double groups prefills with the runner's own
-   :class:`~inference.model.buckets.Buckets`; ``--prefill-batch 1`` models a
-   runner that runs one prefill per call, where a window cannot save calls).
-   Loads: a bursty closed loop (48 <-> 6 clients) and open-loop Poisson
-   arrivals at fractions of the window-0 capacity.
-3. For every load and every p99 step-latency SLO: the best fixed
-   configuration whose p99 meets the SLO (window x per-step prefill-token cap;
-   also the best fixed window at the engine's default cap) vs DBS-Adapt run
-   with that SLO as its target. A cell where DBS-Adapt misses the SLO counts as
-   a loss; a cell where no fixed configuration meets it is shown, not scored.
+The issue's figure is "throughput at a p99 step-latency target": for each
+SLO, the most load a configuration sustains while its p99 step latency stays
+within the SLO. (An earlier version of this bench replayed a few fixed
+offered loads and compared tokens/s; every configuration that keeps up with
+an open-loop load produces the same tokens/s, so that ratio was ~1.00x by
+construction and said nothing about the SLO.)
 
-    .venv/bin/python tests/bench/bench_batch_window.py [--model tiny] [--table FILE]
+1. Measure the real ``JaxRunner``'s step cost (tiny model by default):
+   decode calls per batch bucket, prefill calls per (batch, length) bucket,
+   and whole mixed steps (decode 16 or 32 + one prefill call of each bucket),
+   all interleaved over 30 rounds; the lower quartile, as a neighbour's burst
+   inflates some rounds. A step's calls overlap (the host prepares one while
+   the previous runs), so the replay charges a step the sum of its calls less
+   the overlap measured for each prefill bucket beside a decode-32 call, and
+   is checked on the held-out decode-16 mixed steps.
+2. Replay open-loop Poisson arrivals through the real engine on a virtual
+   clock (``MeasuredCostRunner`` groups prefills with the runner's own
+   :class:`~inference.model.buckets.Buckets`, ``--prefill-batch`` per call,
+   default the worker's 4). Every configuration sees the same requests.
+   Then run a replay's own steps (plans, block tables) on the real runner and
+   compare their wall time with what the replay charged.
+3. For each SLO, each configuration's score is the highest arrival rate at
+   and below which every swept rate was sustained (at most one batch left
+   waiting at the end) with p99 step latency within the SLO: a 0.1 grid from
+   0.3x the window-0 capacity, refined in 0.02 steps. DBS-Adapt (that SLO as
+   its target, tracking p99.5) vs (a) the best fixed window (0-32 ms) at the
+   engine's default per-step prefill cap, the issue's baseline, and (b) the
+   best fixed window x static prefill-token cap (32-4096), a stronger one.
 
-Last measured (tiny model, this 2-core box under load, seeds 0-2, 60 cells):
-DBS-Adapt met every SLO (6.6-12.7 ms); throughput vs the best fixed
-configuration that meets the same SLO 0.97x-1.08x, median 1.00x. A fixed
-0 ms window at the default cap has p99 8.6 ms, so it misses SLOs below that
-which DBS-Adapt holds. The ceiling for a window on this cost structure, from
-whole measured steps: 1.18x before the slots left idle while 8 gather,
-~1.05x after, so the issue's >= 1.25x is out of reach here.
+    .venv/bin/python tests/bench/bench_batch_window.py [--model tiny] [--table FILE] [--seed N]
+
+Last measured (tiny model, 2-core box shared with three others), SLOs from
+1.05x to 2x the tightest one (a decode-32 step plus one lone prompt), seeds
+0-2, 15 (SLO, seed) cells per table; min / median / max of DBS-Adapt's max
+sustainable throughput over the best fixed configuration's:
+
+  table A (measured at load 7; decode-32 step 2.80 ms, a prompt adds
+  0.95-1.39 ms alone, 0.45-0.89 ms in a call of 4), SLOs 4.4-8.4 ms:
+    vs the best fixed window            1.00 / 1.45 / 1.58
+    vs the best fixed window x cap      1.00 / 1.03 / 1.09
+  table B (load 3.8; decode-32 3.36 ms, a prompt adds 1.14-1.66 ms alone,
+  0.52-1.01 ms in a call of 4), SLOs 5.3-10.0 ms:
+    vs the best fixed window            1.00 / 1.62 / 1.74
+    vs the best fixed window x cap      0.98 / 1.02 / 1.11
+  table A, seed 0, --prefill-batch 8: 1.01 / 1.35 / 1.51 and 1.01 / 1.01 / 1.06;
+  --prefill-batch 1 (every prompt its own call, as the worker ran before it
+  passed a batch to the runner): 1.00 / 1.43 / 1.47 and 1.00 / 1.06 / 1.29.
+  Before this version's window rule (table A, seed 0): 0.97 / 1.35 / 1.51
+  and 0.97 / 1.01 / 1.06. The old fixed-offered-load design: 0.98-1.03x,
+  median 1.00x.
+
+Replay vs whole measured steps: -3%..+6% on the held-out decode-16 steps; a
+replay's own steps on the real runner: median real/replay 0.86-1.20 across
+runs (load 2-7), the p99 step -15% to +93% (the real tail is the neighbours'
+bursts: worst at load 7; the table is a lower quartile).
+
+Reading it: the issue's >= 1.25x holds against its baseline, the best fixed
+window, in the median (1.45x, 1.62x), but that margin is DBS-Adapt's per-step
+prefill bound, not its window: at the engine's default cap a burst of
+prompts lands in one step, so a fixed window's p99 crosses a tight SLO at
+0.55-0.75x of capacity, while DBS-Adapt holds it to 0.96-1.10x. Against a
+fixed window with a hand-picked static prefill-token cap (a knob the issue
+does not ask for) it is 0.98-1.11x, median 1.02-1.03x, because batching
+prompts cannot buy more on this runner: at saturation 1.14 prompts join
+each step and gathering 4 into one call (padded to the longest) shortens a
+step by 1.10-1.12x at best (the ceiling line), less the slots left empty
+while they gather; the best fixed windows reach 1.04-1.10x of window-0
+capacity at loose SLOs and so does DBS-Adapt.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -53,21 +94,23 @@ from inference.tokenizer import ByteTokenizer  # noqa: E402
 from transport.messages import SamplingParams  # noqa: E402
 
 MAX_BATCH = 32
-PREFILL_BATCH = 8
+PREFILL_BATCH = 4  # the worker's --max-prefill-batch default
 DEFAULT_CAP = 4096  # EngineConfig.max_prefill_tokens
 DECODE_B = (1, 2, 4, 8, 16, 32)
 PREFILL_B = (1, 2, 4, 8)
 PREFILL_T = (16, 32, 64)
-MIXED_K = (1, 2, 4, 8)  # decode 32 + k prefills of 32 tokens, measured whole
+CHECK_DECODE = 16  # held-out check: decode 16 + k prefills (the replay is fitted on decode 32 + k)
 
-Table = tuple[dict[int, float], dict[tuple[int, int], float], dict[int, float]]
+# decode cost per batch bucket; prefill call cost per (batch, tokens) bucket;
+# whole mixed steps: (decode batch, prefill batch, prefill tokens) -> cost
+Table = tuple[dict[int, float], dict[tuple[int, int], float], dict[tuple[int, int, int], float]]
 
 
-def measure(model: str, rounds: int = 15) -> Table:
+def measure(model: str, rounds: int = 30) -> Table:
     from inference.model.runner import JaxRunner
 
     r = JaxRunner.load(
-        model, block_size=16, num_blocks=512, max_batch=MAX_BATCH, max_prefill_batch=PREFILL_BATCH
+        model, block_size=16, num_blocks=512, max_batch=MAX_BATCH, max_prefill_batch=max(PREFILL_B)
     )
     sp = SamplingParams(max_tokens=8, temperature=1.0, seed=1)
 
@@ -82,7 +125,9 @@ def measure(model: str, rounds: int = 15) -> Table:
 
     plans: dict[tuple, StepPlan] = {("d", b): StepPlan((), dec_work(b)) for b in DECODE_B}
     plans.update({("p", b, t): StepPlan(pre_work(b, t), ()) for b in PREFILL_B for t in PREFILL_T})
-    plans.update({("m", k): StepPlan(pre_work(k, 32, base=40), dec_work(MAX_BATCH)) for k in MIXED_K})
+    for d in (MAX_BATCH, CHECK_DECODE):
+        plans.update({("m", d, b, t): StepPlan(pre_work(b, t, base=40), dec_work(d))
+                      for b in PREFILL_B for t in PREFILL_T})  # fmt: skip
     for plan in plans.values():
         r.execute(plan)  # compile
     times: dict[tuple, list[float]] = {k: [] for k in plans}
@@ -94,126 +139,169 @@ def measure(model: str, rounds: int = 15) -> Table:
             t0 = time.perf_counter()
             r.execute(plans[k])
             times[k].append(time.perf_counter() - t0)
-    med = {k: statistics.median(v) for k, v in times.items()}
+    # The lower quartile: on a shared box a neighbour's burst inflates some
+    # rounds (and per-call overheads most), which a dedicated server would not see.
+    med = {k: statistics.quantiles(v, n=4)[0] for k, v in times.items()}
     return (
         {b: med[("d", b)] for b in DECODE_B},
         {(b, t): med[("p", b, t)] for b in PREFILL_B for t in PREFILL_T},
-        {k: med[("m", k)] for k in MIXED_K},
+        {k[1:]: v for k, v in med.items() if k[0] == "m"},
     )
+
+
+def overlaps(table: Table) -> dict[tuple[int, int], float]:
+    """How much of a prefill call of each bucket hides behind the decode call
+    of the same step: a whole measured step (decode 32 + one prefill call)
+    costs less than its two calls measured alone, by this much."""
+    dec, pre, mixed = table
+    return {(b, t): dec[MAX_BATCH] + pre[(b, t)] - v for (d, b, t), v in mixed.items() if d == MAX_BATCH}
 
 
 class MeasuredCostRunner:
     """Bench double for the model runner: a constant token (requests end at
     ``max_tokens``), step time from the measured table for the calls the real
-    runner would make (prefills grouped by its Buckets, decodes per bucket)."""
+    runner would make (prefills grouped by its Buckets, decodes per bucket),
+    less what each prefill call of that bucket was measured to overlap."""
 
-    def __init__(self, dec: dict[int, float], pre: dict[tuple[int, int], float], prefill_batch: int,
-                 overlap: float = 0.0) -> None:  # fmt: skip
+    def __init__(self, table: Table, prefill_batch: int, overlap: bool = True) -> None:
         self.block_size, self.num_blocks, self.max_model_len = 16, 1024, 512
         self.eos_token_ids: tuple[int, ...] = (257,)
-        self.dec, self.pre = dec, pre
-        self.overlap = overlap  # seconds each call after a step's first hides behind the previous one
+        self.dec, self.pre, _ = table
+        self.overlap = overlaps(table) if overlap else {}
         self.buckets = Buckets(max_batch=MAX_BATCH, max_model_len=self.max_model_len,
                                max_prefill_batch=prefill_batch, max_prefill_tokens=2048)  # fmt: skip
         self.last_cost = 0.0
 
     def cost(self, plan: StepPlan) -> float:
         lengths = [len(w.token_ids) for w in plan.prefills]
-        calls = []
+        cost = 0.0
+        for i in range(0, len(plan.decodes), MAX_BATCH):
+            cost += self.dec[pow2_ceil(len(plan.decodes[i : i + MAX_BATCH]))]
         for group in self.buckets.group_prefills(lengths) if lengths else []:
             b, t = self.buckets.prefill_shape(len(group), max(lengths[i] for i in group))
             tt = min(t, PREFILL_T[-1])  # longer (recomputed) prompts: scale the longest measured
-            calls.append(self.pre[(b, tt)] * t / tt)
-        for i in range(0, len(plan.decodes), MAX_BATCH):
-            calls.append(self.dec[pow2_ceil(len(plan.decodes[i : i + MAX_BATCH]))])
-        return sum(calls) - self.overlap * max(0, len(calls) - 1)
+            call = self.pre[(b, tt)] * t / tt
+            cost += call - (self.overlap.get((b, tt), 0.0) if cost > 0 else 0.0)
+        return cost
 
     def execute(self, plan: StepPlan) -> list[SeqOutput]:
         self.last_cost = self.cost(plan)
         return [SeqOutput(w.seq_id, 65, -0.1) for w in (*plan.prefills, *plan.decodes)]
 
 
-class Workload:
-    """Arrivals: a bursty closed loop (``rate`` None) or open-loop Poisson."""
+class Arrivals:
+    """Open-loop Poisson arrivals; the same seed gives every configuration the
+    same requests at the same times (common random numbers)."""
 
-    def __init__(self, args: argparse.Namespace, duration: float, rate: float | None, seed: int = 0) -> None:
+    def __init__(self, args: argparse.Namespace, rate: float, seed: int) -> None:
         self.rng = random.Random(seed)
-        self.args, self.duration, self.rate = args, duration, rate
-        self.think = args.think_ms / 1e3
-        self.phase = duration / 8
-        self.clients = [args.heavy if i % 2 == 0 else args.light for i in range(8)]
-        if rate is None:
-            self.next: dict[int, float] = {c: self.rng.uniform(0, self.think) for c in range(max(self.clients))}
-        else:
-            self.next = {0: self.rng.expovariate(rate)}
-        self.owner: dict[int, int] = {}
+        self.args, self.rate = args, rate
+        self.next = self.rng.expovariate(rate)
 
-    def _active(self, now: float) -> int:
-        return 1 if self.rate is not None else self.clients[min(int(now // self.phase), 7)]
-
-    def due(self, now: float, submit: Callable[[list[int], int], int]) -> None:
-        active = self._active(now)
-        for c in list(self.next):
-            while c < active and c in self.next and self.next[c] <= now:
-                plen, out = self.rng.randint(*self.args.prompt), self.rng.randint(*self.args.output)
-                key = submit([self.rng.randrange(32, 127) for _ in range(plen)], out)
-                if self.rate is None:
-                    self.owner[key] = c
-                    del self.next[c]
-                else:
-                    self.next[c] += self.rng.expovariate(self.rate)
-
-    def wakeup(self, now: float) -> float:
-        active = self._active(now)
-        times = [t for c, t in self.next.items() if c < active]
-        return min(times) if times else now + 1e-3
-
-    def finished(self, key: int, now: float) -> None:
-        if self.rate is None:
-            self.next[self.owner.pop(key)] = now + self.rng.expovariate(1 / self.think)
+    def due(self, now: float, submit: Callable[[list[int], int], None]) -> None:
+        while self.next <= now:
+            plen, out = self.rng.randint(*self.args.prompt), self.rng.randint(*self.args.output)
+            submit([self.rng.randrange(32, 127) for _ in range(plen)], out)
+            self.next += self.rng.expovariate(self.rate)
 
 
-def simulate(window: FixedWindow, runner: MeasuredCostRunner, cap: int, duration: float,
-             args: argparse.Namespace, rate: float | None) -> tuple[float, float, float]:  # fmt: skip
-    """(tokens/s, p99 step latency, mean TTFT) of one workload replay."""
-    cfg = EngineConfig(max_batch=MAX_BATCH, prefill_batch=PREFILL_BATCH, max_prefill_tokens=cap)
+@dataclass(frozen=True, slots=True)
+class Replay:
+    tps: float  # generated tokens per second
+    p99: float  # p99 step latency, seconds
+    backlog: int  # requests still waiting for admission at the end
+    ttft: float  # mean time to first token, seconds
+
+
+def simulate(window: FixedWindow, runner: MeasuredCostRunner, cap: int, rate: float,
+             args: argparse.Namespace, record: list[tuple[StepPlan, float]] | None = None) -> Replay:  # fmt: skip
+    """One open-loop replay on the virtual clock; the first tenth is warm-up
+    (not counted in throughput or latency). ``record`` collects every step's
+    plan and replayed cost."""
+    cfg = EngineConfig(max_batch=MAX_BATCH, prefill_batch=args.prefill_batch, max_prefill_tokens=cap)
     eng = Engine(runner, ByteTokenizer(), cfg, window)  # type: ignore[arg-type]
-    wl = Workload(args, duration, rate, seed=args.seed)
-    arrivals: dict[int, float] = {}
+    arrivals = Arrivals(args, rate, args.seed)
+    start_of: dict[int, float] = {}
     ttfts: list[float] = []
     lat: list[float] = []
-    now, tokens = 0.0, 0
+    now, tokens, count = 0.0, 0, 0
+    warm = args.duration / 10
 
-    count = 0
-
-    def submit(prompt: list[int], out: int) -> int:
+    def submit(prompt: list[int], out: int) -> None:
         nonlocal count
         count += 1
-        key = count
-        eng.add(key, prompt, SamplingParams(max_tokens=out, seed=key), now, return_text=False)
-        arrivals[key] = now
-        return key
+        eng.add(count, prompt, SamplingParams(max_tokens=out, seed=count), now, return_text=False)
+        start_of[count] = now
 
-    while now < duration:
-        wl.due(now, submit)
+    while now < args.duration:
+        arrivals.due(now, submit)
         plan, _ = eng.schedule(now)
         if plan is None:
             w = eng.next_wakeup()
-            now = max(now + 1e-6, min(wl.wakeup(now), w if w is not None else float("inf")))
+            now = max(now + 1e-6, min(arrivals.next, w if w is not None else float("inf")))
             continue
         outs = runner.execute(plan)
+        if record is not None:
+            record.append((plan, runner.last_cost))
         now += runner.last_cost
-        lat.append(runner.last_cost)
+        counted = now - runner.last_cost >= warm
+        if counted:
+            lat.append(runner.last_cost)
         for ev in eng.commit(plan, outs, now):
             if isinstance(ev, Finished):
-                wl.finished(ev.key, now)  # type: ignore[arg-type]
                 continue
-            tokens += len(ev.token_ids)  # type: ignore[union-attr]
-            if ev.key in arrivals:
-                ttfts.append(now - arrivals.pop(ev.key))  # type: ignore[call-overload]
+            if counted:
+                tokens += len(ev.token_ids)  # type: ignore[union-attr]
+            if ev.key in start_of:
+                t = now - start_of.pop(ev.key)  # type: ignore[call-overload]
+                if counted:
+                    ttfts.append(t)
     lat.sort()
     p99 = lat[int(0.99 * (len(lat) - 1))] if lat else 0.0
-    return tokens / duration, p99, sum(ttfts) / max(1, len(ttfts))
+    return Replay(tokens / (args.duration - warm), p99, eng.num_waiting, sum(ttfts) / max(1, len(ttfts)))
+
+
+def sustained(r: Replay) -> bool:
+    """The engine kept up: no more than one batch of requests left waiting
+    (an overloaded engine's queue grows by the excess rate x duration)."""
+    return r.backlog <= MAX_BATCH
+
+
+class Sweep:
+    """One configuration's replays over arrival rates (cached: a fixed
+    configuration is scored at every SLO from the same replays)."""
+
+    def __init__(self, make: Callable[[], FixedWindow], runner: MeasuredCostRunner, cap: int,
+                 unit: float, args: argparse.Namespace) -> None:  # fmt: skip
+        self.make, self.runner, self.cap, self.unit, self.args = make, runner, cap, unit, args
+        self.runs: dict[float, Replay] = {}
+
+    def run(self, f: float) -> Replay:
+        f = round(f, 3)
+        if f not in self.runs:
+            self.runs[f] = simulate(self.make(), self.runner, self.cap, f * self.unit, self.args)
+        return self.runs[f]
+
+    def ok(self, f: float, slo: float) -> bool:
+        r = self.run(f)
+        return sustained(r) and r.p99 <= slo
+
+    def max_rate(self, slo: float) -> float:
+        """The highest rate (a fraction of ``unit``) at and below which every
+        swept rate was sustained with p99 step latency within ``slo``: a coarse
+        walk up the grid, then steps of ``fine`` past the last coarse pass."""
+        a = self.args
+        best = 0.0
+        for f in a.rates:
+            if not self.ok(f, slo):
+                break
+            best = f
+        else:
+            return best
+        f = best + a.fine if best else a.rates[0] / 2
+        while f < (best or a.rates[0]) + (a.rates[1] - a.rates[0]) - 1e-9 and self.ok(f, slo):
+            best, f = f, f + a.fine
+        return best
 
 
 def _range(spec: str) -> tuple[int, int]:
@@ -225,129 +313,193 @@ def _floats(spec: str) -> tuple[float, ...]:
     return tuple(float(x) for x in spec.split(","))
 
 
+def resolve_model(args: argparse.Namespace) -> str:
+    """The model to load: ``medium`` is the random Llama of bench_prefix_cache, written to a temp dir."""
+    if args.model != "medium":
+        return str(args.model)
+    import tempfile
+
+    from bench_prefix_cache import MEDIUM  # type: ignore[import-not-found]
+
+    from inference.weights import write_hf_checkpoint
+
+    return str(write_hf_checkpoint(Path(tempfile.mkdtemp()) / "medium", MEDIUM, seed=0))
+
+
 def load_table(args: argparse.Namespace) -> Table:
-    model = args.model
     if args.table and Path(args.table).exists():
         raw = json.loads(Path(args.table).read_text())
-        dec = {int(k): v for k, v in raw["decode"].items()}
-        pre = {(int(k.split("x")[0]), int(k.split("x")[1])): v for k, v in raw["prefill"].items()}
-        return dec, pre, {int(k): v for k, v in raw.get("mixed", {}).items()}
-    if model == "medium":  # the random Llama of bench_prefix_cache, written to a temp dir
-        import tempfile
-
-        from bench_prefix_cache import MEDIUM  # type: ignore[import-not-found]
-
-        from inference.weights import write_hf_checkpoint
-
-        model = str(write_hf_checkpoint(Path(tempfile.mkdtemp()) / "medium", MEDIUM, seed=0))
-    dec, pre, mixed = measure(model)
+        if "mixed3" in raw:
+            dec = {int(k): v for k, v in raw["decode"].items()}
+            pre = {(int(k.split("x")[0]), int(k.split("x")[1])): v for k, v in raw["prefill"].items()}
+            mixed = {tuple(int(x) for x in k.split("x")): v for k, v in raw["mixed3"].items()}
+            return dec, pre, mixed  # type: ignore[return-value]
+    dec, pre, mixed = measure(resolve_model(args))
     if args.table:
-        Path(args.table).write_text(json.dumps({"decode": dec, "prefill": {f"{b}x{t}": v for (b, t), v in pre.items()},
-                                                "mixed": mixed}))  # fmt: skip
+        Path(args.table).write_text(json.dumps({
+            "decode": dec, "prefill": {f"{b}x{t}": v for (b, t), v in pre.items()},
+            "mixed3": {"x".join(map(str, k)): v for k, v in mixed.items()}}))  # fmt: skip
     return dec, pre, mixed
+
+
+def check_replay(model: str, steps: list[tuple[StepPlan, float]], prefill_batch: int, passes: int = 3) -> str:
+    """Run a replay's own steps (its plans, block tables included) on the real
+    runner, ``passes`` times interleaved (the fastest pass of each step, as the
+    table takes a low quantile), and compare with what the replay charged:
+    decode-only steps and steps that carry prefills apart."""
+    from inference.model.runner import JaxRunner
+
+    r = JaxRunner.load(model, block_size=16, num_blocks=1024, max_batch=MAX_BATCH, max_prefill_batch=prefill_batch)
+    for plan, _ in steps:  # compile every shape the steps use
+        r.execute(plan)
+    real = [float("inf")] * len(steps)
+    for _ in range(passes):
+        for i, (plan, _) in enumerate(steps):
+            t0 = time.perf_counter()
+            r.execute(plan)
+            real[i] = min(real[i], time.perf_counter() - t0)
+    out = []
+    for name, keep in (("decode only", False), ("with prefills", True)):
+        idx = [i for i, (plan, _) in enumerate(steps) if bool(plan.prefills) is keep]
+        if not idx:
+            continue
+        ratio = sorted(real[i] / steps[i][1] for i in idx)
+        a, b = sorted(real[i] for i in idx), sorted(steps[i][1] for i in idx)
+        q = int(0.99 * (len(idx) - 1))
+        out.append(f"{name} ({len(idx)}): real/replay median {statistics.median(ratio):.2f} (p10 "
+                   f"{ratio[len(ratio) // 10]:.2f}, p90 {ratio[9 * len(ratio) // 10]:.2f}), p99 real "
+                   f"{a[q] * 1e3:.2f} ms vs replay {b[q] * 1e3:.2f} ms")  # fmt: skip
+    return "; ".join(out)
+
+
+def report_table(table: Table, runner: MeasuredCostRunner) -> None:
+    dec, pre, mixed = table
+    print("measured step cost (ms, lower quartile of interleaved rounds): decode " + ", ".join(f"b{b}={v * 1e3:.2f}" for b, v in dec.items()))
+    print("  prefill calls alone " + ", ".join(f"{b}x{t}={v * 1e3:.2f}" for (b, t), v in pre.items()))
+    print("  replay model vs whole measured steps (decode d + one prefill call of b x t), ms:")
+    errs = {MAX_BATCH: [], CHECK_DECODE: []}  # type: dict[int, list[float]]
+    for (d, b, t), v in sorted(mixed.items()):
+        if b > runner.buckets.max_prefill_batch:
+            continue  # measured as one call; the replay's runner would make two
+        sp = StepPlan(tuple(SeqWork(i, (66,) * t, 0, (), None, 0, 0) for i in range(b)),  # type: ignore[arg-type]
+                      tuple(SeqWork(100 + i, (65,), 63, (), None, 0, 1) for i in range(d)))  # type: ignore[arg-type]
+        model = runner.cost(sp)
+        errs[d].append(model / v - 1)
+        if t == 32:
+            print(f"    d{d} + {b}x{t}: measured {v * 1e3:.2f}, replay {model * 1e3:.2f} ({model / v - 1:+.0%})")
+    print(f"  replay error: fitted on decode {MAX_BATCH} (exact there by construction); held-out decode "
+          f"{CHECK_DECODE}: {min(errs[CHECK_DECODE]):+.0%} .. {max(errs[CHECK_DECODE]):+.0%}")  # fmt: skip
+    for t in PREFILL_T:
+        adds = {b: mixed[(MAX_BATCH, b, t)] - dec[MAX_BATCH] for b in PREFILL_B}
+        print(f"  in a decode-{MAX_BATCH} step a {t}-token-bucket prefill adds " + ", ".join(
+            f"{adds[b] / b * 1e3:.2f} ms each in a call of {b}" for b in PREFILL_B))  # fmt: skip
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="tiny", help="tiny | medium | a checkpoint directory")
-    ap.add_argument("--duration", type=float, default=8.0, help="virtual seconds per replay")
+    ap.add_argument("--duration", type=float, default=4.0, help="virtual seconds per replay")
     ap.add_argument("--slo-ms", type=_floats, default=None, help="p99 step-latency SLOs (default: from the table)")
-    ap.add_argument("--loads", type=_floats, default=(0.8, 1.0, 1.2),
-                    help="open-loop arrival rates as fractions of the window-0 capacity")  # fmt: skip
-    ap.add_argument("--windows-ms", type=_floats, default=(0, 1, 2, 4, 8, 16))
+    ap.add_argument("--rates", type=_floats, default=tuple(round(0.3 + 0.1 * i, 1) for i in range(13)),
+                    help="coarse grid of open-loop arrival rates, as fractions of the window-0 capacity")  # fmt: skip
+    ap.add_argument("--fine", type=float, default=0.02, help="finer rate steps past the last coarse pass")
+    ap.add_argument("--windows-ms", type=_floats, default=(0, 2, 4, 8, 16, 32))
     ap.add_argument("--caps", type=_floats, default=(32, 64, 128, DEFAULT_CAP), help="prefill tokens per step")
     ap.add_argument("--prefill-batch", type=int, default=PREFILL_BATCH, help="prefills per runner call")
     ap.add_argument("--prompt", type=_range, default=(8, 40), help="prompt tokens lo:hi")
     ap.add_argument("--output", type=_range, default=(8, 48), help="generated tokens lo:hi")
-    ap.add_argument("--heavy", type=int, default=48, help="clients in heavy phases (bursty closed loop)")
-    ap.add_argument("--light", type=int, default=6, help="clients in light phases")
-    ap.add_argument("--think-ms", type=float, default=20.0)
     ap.add_argument("--seed", type=int, default=0, help="workload seed")
     ap.add_argument("--no-overlap", action="store_true", help="a step costs the plain sum of its calls")
     # A quantile tracker oscillates about its miss rate, so to hold a p99 SLO
-    # DBS-Adapt aims at p99.5 (at 0.99 one cell in 60 missed by 2%).
+    # DBS-Adapt aims at p99.5.
     ap.add_argument("--quantile", type=float, default=0.995, help="the latency quantile DBS-Adapt tracks")
+    ap.add_argument("--no-check", action="store_true", help="skip running replayed steps on the real runner")
     ap.add_argument("--table", default=None, help="JSON file: reuse a measured cost table, or save one there")
     args = ap.parse_args()
-    dec, pre, mixed = load_table(args)
-    print("measured step cost (ms, median): decode " + ", ".join(f"b{b}={v * 1e3:.2f}" for b, v in dec.items()))
-    print("  prefill calls " + ", ".join(f"{b}x{t}={v * 1e3:.2f}" for (b, t), v in pre.items()))
-    # Whole mixed steps cost less than the sum of their calls (the host
-    # prepares the next call while the device runs the previous one): the
-    # replay takes the median saving off every call after a step's first.
-    overlap = statistics.median(dec[MAX_BATCH] + pre[(k, 32)] - v for k, v in mixed.items()) if mixed else 0.0
-    if args.no_overlap:
-        overlap = 0.0
-    runner = MeasuredCostRunner(dec, pre, args.prefill_batch, overlap)
-    for k, v in mixed.items():
-        model = dec[MAX_BATCH] + pre[(k, 32)]
-        print(f"  check: decode 32 + {k} prefill(s) of 32 in one step: measured {v * 1e3:.2f} ms, "
-              f"sum of the 2 calls {model * 1e3:.2f} ms, replay model {(model - overlap) * 1e3:.2f} ms")  # fmt: skip
-    print(f"  replay: a step costs the sum of its calls less {overlap * 1e3:.2f} ms per call after the first")
-    # What batching prefills can buy at most: at saturation every step admits
-    # r = max_batch / mean output requests; singly that costs r single-prefill
-    # calls, perfectly batched r/8 of an 8-prefill call.
-    mean_out = sum(args.output) / 2
-    r = MAX_BATCH / mean_out
-    plen = pow2_ceil(max(16, round(sum(args.prompt) / 2)))
-    single = dec[MAX_BATCH] + r * pre[(1, plen)]
-    batched = dec[MAX_BATCH] + r * pre[(PREFILL_BATCH, plen)] / PREFILL_BATCH
-    print(f"upper bound from batching prefills at saturation ({r:.2f} admissions/step, {plen}-token bucket): "
-          f"step {single * 1e3:.2f} -> {batched * 1e3:.2f} ms = {single / batched:.2f}x throughput (sum of calls)")  # fmt: skip
-    if args.prefill_batch == 1:
-        print("  (--prefill-batch 1: every prefill is its own call, so a window cannot save any)")
-    elif 1 in mixed and PREFILL_BATCH in mixed:
-        one, eight = mixed[1] - dec[MAX_BATCH], (mixed[PREFILL_BATCH] - dec[MAX_BATCH]) / PREFILL_BATCH
-        gain = (dec[MAX_BATCH] + r * one) / (dec[MAX_BATCH] + r * eight)
-        idle = (PREFILL_BATCH / r - 1) / 2 * r / MAX_BATCH  # mean share of slots left empty while 8 gather
-        print(f"  from whole measured steps: a prefill adds {one * 1e3:.2f} ms alone, {eight * 1e3:.2f} ms in a "
-              f"call of 8 -> {gain:.2f}x; gathering 8 freed slots leaves {idle:.0%} of them idle -> "
-              f"{gain * (1 - idle):.2f}x")  # fmt: skip
-    cap_rps = r / single  # window-0 capacity, requests/s
-    # The tightest SLO that can hold at saturation: a full decode step plus one
-    # prefill of the longest prompt bucket; the grid goes from there.
-    tight = dec[MAX_BATCH] + pre[(1, min(pow2_ceil(max(16, args.prompt[1])), PREFILL_T[-1]))]
-    slos = args.slo_ms or tuple(round(tight * m * 1e3, 2) for m in (1.05, 1.15, 1.3, 1.5, 2.0))
-    loads: list[tuple[str, float | None]] = [("bursty closed loop", None)]
-    loads += [(f"open loop {f:.0%} of capacity ({f * cap_rps:.0f} req/s)", f * cap_rps) for f in args.loads]
-    print(f"prefills per call: {args.prefill_batch}; prompts {args.prompt}, outputs {args.output}; "
-          f"{args.duration:.0f} virtual s per replay; SLOs (p99 step, ms): {slos}")  # fmt: skip
-    scored: list[float] = []
-    for name, rate in loads:
-        print(f"\n== {name}")
-        fixed = []
-        for cap in args.caps:
-            for w_ms in args.windows_ms:
-                tps, p99, ttft = simulate(FixedWindow(w_ms / 1e3), runner, int(cap), args.duration, args, rate)
-                fixed.append((tps, p99, w_ms, int(cap), ttft))
-        for tps, p99, w_ms, cap, ttft in fixed:
-            if cap == DEFAULT_CAP or w_ms == 0:
-                print(f"  fixed {w_ms:4.0f} ms cap {cap:5d}: {tps:6.0f} tok/s p99 {p99 * 1e3:6.2f} ms TTFT {ttft * 1e3:6.1f} ms")
-        for slo in slos:
-            ok = [f for f in fixed if f[1] <= slo / 1e3]
-            ok_default = [f for f in ok if f[3] == DEFAULT_CAP]
-            ada = AdaptiveWindow(slo / 1e3, w_min=0.0, w_max=0.032, lr=0.5, quantile=args.quantile,
-                                 prefill_group=args.prefill_batch)
-            a_tps, a_p99, a_ttft = simulate(ada, runner, DEFAULT_CAP, args.duration, args, rate)
-            a_ok = a_p99 <= slo / 1e3
-            line = f"  SLO {slo:6.2f} ms: DBS-Adapt {a_tps:6.0f} tok/s p99 {a_p99 * 1e3:6.2f}{'' if a_ok else ' MISS'}"
-            if not ok:
-                print(line + "  | no fixed configuration meets it")
-                continue
-            best = max(ok)
-            ratio = a_tps / best[0] if a_ok else 0.0
-            scored.append(ratio)
-            line += f" | best fixed {best[0]:6.0f} (w {best[2]:.0f} ms, cap {best[3]}) -> {ratio:.2f}x"
-            if ok_default:
-                bd = max(ok_default)
-                line += f" | best window at cap {DEFAULT_CAP}: {bd[0]:6.0f} (w {bd[2]:.0f}) -> " + (
-                    f"{a_tps / bd[0]:.2f}x" if a_ok else "0x")
-            print(line)
-    if scored:
-        print(f"\nDBS-Adapt / best fixed throughput over {len(scored)} (load, SLO) cells: "
-              f"min {min(scored):.2f}x, median {statistics.median(scored):.2f}x, max {max(scored):.2f}x "
-              f"(target >= 1.25x; a missed SLO scores 0)")  # fmt: skip
+    table = load_table(args)
+    dec, pre, _ = table
+    runner = MeasuredCostRunner(table, args.prefill_batch, overlap=not args.no_overlap)
+    print(f"load average {os.getloadavg()[0]:.2f}")
+    report_table(table, runner)
+    # At saturation every step admits r = max_batch / mean output requests.
+    # Window 0 runs them about one call each; a window that gathers k runs
+    # them in calls of k, each padded to its longest prompt's bucket. The
+    # mean cost each adds to a full decode step, over prompts drawn as in
+    # the workload, bounds what batching can buy (before the slots that
+    # stay empty while k gather).
+    r = MAX_BATCH / (sum(args.output) / 2)
+    rng = random.Random(1)
 
+    def added(k: int, n: int = 400) -> float:
+        total = 0.0
+        for _ in range(n):
+            sp = StepPlan(tuple(SeqWork(i, (66,) * rng.randint(*args.prompt), 0, (), None, 0, 0)  # type: ignore[arg-type]
+                                for i in range(k)),
+                          tuple(SeqWork(100 + i, (65,), 63, (), None, 0, 1) for i in range(MAX_BATCH)))  # type: ignore[arg-type]
+            total += runner.cost(sp) - dec[MAX_BATCH]
+        return total / n / k
+
+    single = dec[MAX_BATCH] + r * added(1)
+    steps = {k: dec[MAX_BATCH] + r * added(k) for k in (2, 4, 8)}
+    print(f"ceiling of prefill batching at saturation ({r:.2f} admissions/step): step {single * 1e3:.2f} ms -> "
+          + ", ".join(f"{v * 1e3:.2f}" for v in steps.values())
+          + f" ms if 2, 4, 8 gather (in calls of up to {args.prefill_batch}) = "
+          + ", ".join(f"{single / v:.2f}x" for v in steps.values()) + " (before slots idle while they gather)")
+    cap_rps = r / single  # window-0 capacity, requests/s (the unit of the rate sweep)
+    tight = dec[MAX_BATCH] + pre[(1, min(pow2_ceil(max(16, args.prompt[1])), PREFILL_T[-1]))] - runner.overlap.get(
+        (1, min(pow2_ceil(max(16, args.prompt[1])), PREFILL_T[-1])), 0.0)  # fmt: skip
+    slos = args.slo_ms or tuple(round(tight * m * 1e3, 2) for m in (1.05, 1.15, 1.3, 1.5, 2.0))
+    print(f"prompts {args.prompt}, outputs {args.output}; open-loop Poisson at {args.rates[0]:.2f}..{args.rates[-1]:.2f}"
+          f" x the window-0 capacity ({cap_rps:.0f} req/s); {args.duration:.0f} virtual s per replay; seed {args.seed}")
+    print(f"SLOs (p99 step, ms): {slos}; the score of a configuration at an SLO is the highest swept rate at and "
+          "below which it kept up with p99 within the SLO")  # fmt: skip
+    if not args.no_check:
+        steps: list[tuple[StepPlan, float]] = []
+        short = argparse.Namespace(**{**vars(args), "duration": 1.0})
+        simulate(AdaptiveWindow(slos[2] / 1e3, w_max=0.032, quantile=args.quantile, prefill_group=args.prefill_batch),
+                 runner, DEFAULT_CAP, cap_rps, short, steps)  # fmt: skip
+        simulate(FixedWindow(0.032), runner, DEFAULT_CAP, cap_rps, short, steps)
+        print(f"check: a replay's own steps (DBS-Adapt at {slos[2]} ms and a fixed 32 ms window, both at 1.0x) on "
+              f"the real runner: {check_replay(resolve_model(args), steps, args.prefill_batch)} "
+              f"(load average {os.getloadavg()[0]:.2f})", flush=True)  # fmt: skip
+    t0 = time.perf_counter()
+    fixed = {(w_ms, int(cap)): Sweep(lambda w=w_ms: FixedWindow(w / 1e3), runner, int(cap), cap_rps, args)
+             for cap in args.caps for w_ms in args.windows_ms}  # fmt: skip
+    vs_all: list[float] = []
+    vs_window: list[float] = []
+    for slo in slos:
+        s = slo / 1e3
+        ada = Sweep(lambda s=s: AdaptiveWindow(s, w_min=0.0, w_max=0.032, lr=0.5, quantile=args.quantile,
+                                               prefill_group=args.prefill_batch),
+                    runner, DEFAULT_CAP, cap_rps, args)  # fmt: skip
+        a_f = ada.max_rate(s)
+        a_tps = ada.run(a_f).tps if a_f else 0.0
+        scores = {key: sw.max_rate(s) for key, sw in fixed.items()}
+        line = f"  SLO {slo:6.2f} ms: DBS-Adapt {a_f:.2f}x ({a_tps:5.0f} tok/s)"
+        for name, keys, acc in (("best fixed window", [k for k in fixed if k[1] == DEFAULT_CAP], vs_window),
+                                ("best fixed window x cap", list(fixed), vs_all)):  # fmt: skip
+            key = max(keys, key=lambda k: (scores[k], fixed[k].run(scores[k]).tps if scores[k] else 0.0))
+            f = scores[key]
+            if not f:
+                line += f" | {name}: none meets it"
+                continue
+            tps = fixed[key].run(f).tps
+            acc.append(a_tps / tps)
+            line += f" | {name} (w {key[0]:g} ms, cap {key[1]}) {f:.2f}x ({tps:5.0f}) -> {a_tps / tps:.2f}x"
+        print(line, flush=True)
+    print("highest rate each fixed configuration keeps up with (any p99), and its p99 there:")
+    for (w_ms, cap), sw in fixed.items():
+        f = sw.max_rate(float("inf"))
+        if f:
+            x = sw.run(f)
+            print(f"  fixed {w_ms:3g} ms cap {cap:5d}: {f:.2f}x ({x.tps:5.0f} tok/s), p99 {x.p99 * 1e3:5.2f} ms, "
+                  f"TTFT {x.ttft * 1e3:5.1f} ms")  # fmt: skip
+    for name, acc in (("the best fixed window (engine's default prefill cap)", vs_window),
+                      ("the best fixed window x static prefill-token cap", vs_all)):  # fmt: skip
+        if acc:
+            print(f"DBS-Adapt / {name}: max sustainable throughput at the SLO over {len(acc)} SLOs: "
+                  f"min {min(acc):.2f}x, median {statistics.median(acc):.2f}x, max {max(acc):.2f}x")
+    print(f"({time.perf_counter() - t0:.0f} s of replays; load average {os.getloadavg()[0]:.2f})")
 
 if __name__ == "__main__":
     main()
