@@ -72,9 +72,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=None)
     p.add_argument("--max-batch", type=int, default=32)
-    # 4: measured on CPU, calls of 4 save most of what calls of 8 do, and
-    # every batch size adds prefill buckets to compile at start-up.
-    p.add_argument("--max-prefill-batch", type=int, default=4,
+    # 2: each batch size adds prefill buckets to compile at start-up (tiny
+    # model, --max-batch 8, measured at load 4: 17 s of compiling at 1, 35 s
+    # at 2, 62 s at 4), and at saturation ~1 prompt joins per step, so pairs
+    # are what a short wait gathers (calls of 4 shorten a saturated step by
+    # 1.12x at best, pairs by 1.08x: tests/bench/bench_batch_window.py).
+    p.add_argument("--max-prefill-batch", type=int, default=2,
                    help="prompts one prefill call may carry (the batch window gathers up to this many)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--batch-window", type=_window, default="adaptive", help="adaptive | fixed:<ms>")
