@@ -298,8 +298,9 @@ class Sweep:
             best = f
         else:
             return best
+        step = a.rates[1] - a.rates[0] if len(a.rates) > 1 else a.fine
         f = best + a.fine if best else a.rates[0] / 2
-        while f < (best or a.rates[0]) + (a.rates[1] - a.rates[0]) - 1e-9 and self.ok(f, slo):
+        while f < (best or a.rates[0]) + step - 1e-9 and self.ok(f, slo):
             best, f = f, f + a.fine
         return best
 
