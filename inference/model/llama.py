@@ -124,12 +124,34 @@ def transpose_weights(params: Params) -> Params:
 _MATRICES = frozenset({"wqkv", "wo", "w_gate_up", "w_down", "lm_head"})
 
 
+# Row counts for which x @ W.T runs as a fused multiply-reduce instead of a dot (see _matmul_t).
+MULREDUCE_ROWS = (2, 32)
+
+
+def _matmul_t(x: Array, w_t: Array, out_dtype: Any) -> Array:
+    """``x @ w_t.T`` for ``w_t`` stored ``[out, in]``, accumulated in float32.
+
+    For a few rows (decode batches) XLA:CPU's dot packs the whole weight matrix
+    on every call, which costs more than the multiply itself; a broadcast
+    multiply-reduce laid out ``[out, rows]`` reads each weight row once and
+    reuses it from L1 for every row. Measured on the ~31M bench model, one core,
+    all projections of a decode step: 19.3 -> 15.1 ms at 8 rows, 36.1 -> 29.8 ms
+    at 32 rows; one row stays a dot (a matrix-vector product XLA does well).
+    """
+    rows = math.prod(x.shape[:-1])
+    if not MULREDUCE_ROWS[0] <= rows <= MULREDUCE_ROWS[1]:
+        return jax.lax.dot_general(x, w_t, (((x.ndim - 1,), (1,)), ((), ())), preferred_element_type=out_dtype)
+    x2 = x.reshape(rows, x.shape[-1]).astype(jnp.float32)
+    y = (w_t.astype(jnp.float32)[:, None, :] * x2[None, :, :]).sum(-1)  # [out, rows]
+    return y.T.reshape(*x.shape[:-1], w_t.shape[0]).astype(out_dtype)
+
+
 def _linear(x: Array, p: dict[str, Array], name: str) -> Array:
     """``x @ W`` for ``p[name]`` stored ``[in, out]`` or ``p[name + "_t"]`` stored ``[out, in]``."""
     w = p.get(name)
     if w is not None:
         return x @ w
-    return jax.lax.dot_general(x, p[name + "_t"], (((x.ndim - 1,), (1,)), ((), ())))
+    return _matmul_t(x, p[name + "_t"], x.dtype)
 
 
 def _write_cache(cache: Array, slots: Array, new: Array) -> Array:
@@ -161,7 +183,7 @@ def _logits(params: Params, x: Array, cfg: LlamaConfig) -> Array:
     if "lm_head" in params:
         return jnp.dot(x, params["lm_head"], preferred_element_type=jnp.float32)
     head_t = params["lm_head_t"] if "lm_head_t" in params else params["embed"]  # [vocab, hidden]
-    return jax.lax.dot_general(x, head_t, (((x.ndim - 1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return _matmul_t(x, head_t, jnp.float32)
 
 
 def prefill_forward(params: Params, cache: KVCache, tokens: Array, positions: Array, slots: Array,

@@ -28,6 +28,13 @@ is worth; here, it is counted. Same weights, dtype, threads, greedy decoding
 and token accounting (requested tokens / wall time, prefill included). Rows
 are labelled ``batch`` and ``stream``; ``--stream 0`` gives the batch rows only.
 
+``cpu-ratio`` compares process CPU time instead of wall time. It is the
+robust figure when both sides run on one pinned core with one thread each
+(``taskset -c 1 ... --torch-threads 1``): time the process is descheduled
+for other users' work is not counted, so it measures work per token, not
+luck. With several threads it also counts spinning threads, so read the
+wall ``ratio`` there.
+
 Load matters more than the minimum can hide: torch with 2 threads degrades
 sharply when the cores are shared (its batch-32 throughput was seen to drop
 ~10x at load average 4-6, ours ~2x), so ratios from a busy machine overstate
@@ -162,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{torch.get_num_threads()}, hf attention {hf.config._attn_implementation}")
     print(f"load average at start: {_load()} (machine has {os.cpu_count()} cores)")
     runner.warmup()  # every shape bucket, so no row pays for a compile
-    print(f"{'mode':>6} {'batch':>5} {'reqs':>4} {'tokens':>7} {'ours tok/s':>11} {'hf tok/s':>9} {'ratio':>6}  "
+    print(f"{'mode':>6} {'batch':>5} {'reqs':>4} {'tokens':>7} {'ours tok/s':>11} {'hf tok/s':>9} {'ratio':>6} {'cpu-ratio':>9}  "
           f"greedy-match  load1")
     rows = [("batch", b, 1) for b in batches] + [("stream", b, args.stream) for b in batches if args.stream]
     for mode, batch, factor in rows:
@@ -173,18 +180,19 @@ def main(argv: list[str] | None = None) -> int:
             ours_fn = partial(run_ours_stream, runner, reqs, batch)
             hf_fn = partial(run_hf_stream, hf, torch, reqs, batch)
         run_hf(hf, torch, reqs[:1])  # warm
-        t_ours = t_hf = float("inf")
+        t_ours = t_hf = c_ours = c_hf = float("inf")
         for _ in range(args.repeats):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             ours = ours_fn()
-            t_ours = min(t_ours, time.perf_counter() - t0)
-            t0 = time.perf_counter()
+            t_ours, c_ours = min(t_ours, time.perf_counter() - t0), min(c_ours, time.process_time() - c0)
+            t0, c0 = time.perf_counter(), time.process_time()
             theirs = hf_fn()
-            t_hf = min(t_hf, time.perf_counter() - t0)
+            t_hf, c_hf = min(t_hf, time.perf_counter() - t0), min(c_hf, time.process_time() - c0)
         tokens = sum(n for _, n in reqs)
         match = sum(a == b for a, b in zip(ours, theirs, strict=True))
         print(f"{mode:>6} {batch:>5} {len(reqs):>4} {tokens:>7} {tokens / t_ours:>11.1f} {tokens / t_hf:>9.1f} "
-              f"{t_hf / t_ours:>5.2f}x  {f'{match}/{len(reqs)}':>12}  {os.getloadavg()[0]:.2f}", flush=True)
+              f"{t_hf / t_ours:>5.2f}x {c_hf / c_ours:>8.2f}x  {f'{match}/{len(reqs)}':>12}  "
+              f"{os.getloadavg()[0]:.2f}", flush=True)
     print(f"compiled shapes: {runner.compile_count}, compile time {runner.compile_seconds:.1f}s")
     print(f"load average at end: {_load()}")
     return 0
