@@ -40,6 +40,19 @@ sharply when the cores are shared (its batch-32 throughput was seen to drop
 ~10x at load average 4-6, ours ~2x), so ratios from a busy machine overstate
 our lead. The load average is printed per row; trust rows taken below ~2.
 
+What bounds the ratio (measured 2026-11-30, one pinned core, process CPU
+time, batch 32, contexts 100-200): our decode step ~49 ms = projections ~30
+ms + paged attention ~18 ms; transformers' ~70 ms = matmuls ~40 ms + SDPA
+and KV-cache ``cat`` ~13 ms + elementwise ops and Python. Prefill is
+matmul-bound on both sides (~0.75 ms per padded 128-token-bucket token).
+So the per-step lead is ~1.4x; the rest of the ratio is what transformers
+spends on padding (to the longest prompt and the longest output). A 3x lead
+at batch 32 would need a decode step below the cost of our projections
+alone. Last figures (``--stream 2``, 2 threads, load 0.6-2.1): ratio 1.88x
+/ 1.87x / 1.73x (batch 1/8/32), stream 1.97x / 2.14x / 1.82x; pinned to one
+core with ``--torch-threads 1``: cpu-ratio 1.63x / 1.67x / 1.65x, stream
+1.56x / 1.74x / 1.71x.
+
     .venv/bin/python -m tests.bench.bench_decode [--batches 1,8,32] [--layers 8] [--stream 4]
 """
 
