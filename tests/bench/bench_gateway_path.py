@@ -173,6 +173,8 @@ async def _round(req: bytes, conn: ClientConnection, worker: _WorkerDouble, sink
         sink.pending.clear()
         while worker.running:
             data = worker.step()
+            if not data:
+                continue  # a step with nothing for the gateway (buffered results): no wake-up there
             t = time.thread_time()
             conn.endpoint.data_received(data)
             await _settle(2)
