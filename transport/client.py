@@ -98,14 +98,15 @@ class ClientConnection:
     def _on_events(self, events: list[Event]) -> None:
         streams = self._streams
         for ev in events:
-            if isinstance(ev, TokensReceived):
-                deliver_tokens(streams, ev.batch, self._grant_batch)
-            elif isinstance(ev, RequestEnded):
-                st = streams.pop(ev.result.request_id, None)
+            t = type(ev)  # exact types: the events are final dataclasses, and this runs per frame
+            if t is RequestEnded:
+                st = streams.pop(ev.result.request_id, None)  # type: ignore[union-attr]
                 if st is not None:
-                    st._end(ev.result)
+                    st._end(ev.result)  # type: ignore[union-attr]
                 if not streams:
                     self._idle.set()
+            elif t is TokensReceived:
+                deliver_tokens(streams, ev.batch, self._grant_batch)  # type: ignore[union-attr]
             elif isinstance(ev, StatsReceived):
                 self.latest_stats = ev.stats
             elif isinstance(ev, PeerHello):

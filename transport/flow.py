@@ -491,6 +491,10 @@ class FlowConnection:
         return events
 
     def _handle(self, msg: Message, events: list[Event]) -> None:
+        t = type(msg)
+        if (t is Finish or t is TokenBatch) and self.role == "gateway" and self.peer_hello is not None:
+            self._handle_gateway(msg, events)  # the common case, without the checks below
+            return
         if self.peer_hello is None:
             if not isinstance(msg, Hello):
                 events.extend(self._fail(f"expected HELLO first, got {type(msg).__name__}"))
@@ -520,7 +524,11 @@ class FlowConnection:
             self._handle_worker(msg, events)
 
     def _handle_gateway(self, msg: Message, events: list[Event]) -> None:
-        if isinstance(msg, TokenBatch):
+        if type(msg) is Finish:
+            req = self._gw.pop(msg.request_id)
+            if not req.cancelled:
+                events.append(RequestEnded(msg))
+        elif isinstance(msg, TokenBatch):
             gw = self._gw
             counts = msg.counts
             for i, rid in enumerate(msg.request_ids):

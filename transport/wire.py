@@ -212,6 +212,12 @@ class FrameEncoder:
 
     def encode(self, msg: Message) -> bytes:
         """Encode one message. Raises ``ValueError`` for messages that break the rules."""
+        if type(msg) is Submit:  # the gateway's hot path (the general isinstance chain follows)
+            check_rid(msg.request_id)
+            body = submit_body(msg)
+            if not self.streams.open(msg.request_id, stream_options(msg.params)):
+                raise ValueError(f"request {msg.request_id} is already open (or too many streams)")
+            return self._frame(FrameType.SUBMIT, msg.request_id, body)
         if isinstance(msg, TokenBatch):
             flags, body = self._tokens.encode(msg)
             return self._frame(FrameType.TOKENS, 0, body, flags)
@@ -232,12 +238,6 @@ class FrameEncoder:
                 if not self.streams.close(msg.request_id):
                     raise ValueError(f"Error for request {msg.request_id} that is not open")
             return self._frame(FrameType.ERROR, msg.request_id, pack([int(msg.code), msg.message]))
-        if isinstance(msg, Submit):
-            check_rid(msg.request_id)
-            body = submit_body(msg)
-            if not self.streams.open(msg.request_id, stream_options(msg.params)):
-                raise ValueError(f"request {msg.request_id} is already open (or too many streams)")
-            return self._frame(FrameType.SUBMIT, msg.request_id, body)
         if isinstance(msg, Cancel):
             check_rid(msg.request_id)
             return self._frame(FrameType.CANCEL, msg.request_id, b"")

@@ -242,6 +242,8 @@ def _common(d: dict[str, Any], allowed: frozenset[str], max_tokens_limit: int, d
         stream, include_usage, user, logprobs, top_n
 
 
+_CHAT_RARE = frozenset({"tools", "tool_choice", "response_format"})
+
 _PARAMS_CACHE: dict[tuple[Any, ...], SamplingParams] = {}
 _PARAMS_CACHE_MAX = 4096
 
@@ -304,14 +306,16 @@ def parse_chat(body: bytes, *, default_max_tokens: int, max_tokens_limit: int,
     model, params, stream, include_usage, user, logprobs, top_n = _common(
         d, _CHAT_KEYS, max_tokens_limit, default_max_tokens, 20, chat=True)
     messages = _messages(d)
-    for key in ("tools", "tool_choice"):
-        v = d.get(key)
-        if v not in (None, [], "none"):
-            raise _bad(f"'{key}' (tool calling) is not supported by this server.", key, "unsupported_parameter")
-    rf = d.get("response_format")
-    if rf is not None and rf != {"type": "text"}:
-        raise _bad("Only response_format {\"type\": \"text\"} is supported.", "response_format",
-                   "unsupported_parameter")
+    if not _CHAT_RARE.isdisjoint(d):
+        for key in ("tools", "tool_choice"):
+            v = d.get(key)
+            if v not in (None, [], "none"):
+                raise _bad(f"'{key}' (tool calling) is not supported by this server.", key,
+                           "unsupported_parameter")
+        rf = d.get("response_format")
+        if rf is not None and rf != {"type": "text"}:
+            raise _bad("Only response_format {\"type\": \"text\"} is supported.", "response_format",
+                       "unsupported_parameter")
     return GenerationRequest(True, model, params, stream, include_usage, None, None, messages, logprobs,
                              top_n, user, deadline_ms)
 
