@@ -126,16 +126,15 @@ class App:
         if respond is not None and not g.stream and not g.logprobs:
             metrics = self.metrics
             protocol = req.protocol
-            metrics.in_flight += 1
 
-            def on_end(status: int) -> None:
+            def on_end(status: int) -> None:  # never before unary_call returns (its ends are callbacks)
                 metrics.in_flight -= 1
                 metrics.request_done(route, status, protocol, _perf() - t0)
 
             call = h.unary_call(g, route, respond, t0, on_end, done)
             if call is not None:
+                metrics.in_flight += 1
                 return call
-            metrics.in_flight -= 1  # no worker for it: the task path answers
         task = spawn(asyncio.get_running_loop(), run_request(
             lambda r, s: self._serve(r, s, t0, route, lambda r, s, t: h.generate(g, s, t, route)), req, sink))
         task.add_done_callback(lambda _: done())

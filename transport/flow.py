@@ -524,7 +524,7 @@ class FlowConnection:
             self._handle_worker(msg, events)
 
     def _handle_gateway(self, msg: Message, events: list[Event]) -> None:
-        if type(msg) is Finish:
+        if isinstance(msg, (Finish, Error)):
             req = self._gw.pop(msg.request_id)
             if not req.cancelled:
                 events.append(RequestEnded(msg))
@@ -538,10 +538,6 @@ class FlowConnection:
                     events.extend(self._fail(f"request {rid}: worker sent tokens beyond its credit"))
                     return
             events.append(TokensReceived(msg))
-        elif isinstance(msg, (Finish, Error)):
-            req = self._gw.pop(msg.request_id)
-            if not req.cancelled:
-                events.append(RequestEnded(msg))
         elif isinstance(msg, Stats):
             events.append(StatsReceived(msg))
         else:

@@ -54,23 +54,23 @@ def pack(obj: object) -> bytes:
 
 def submit_fields(s: Submit) -> list[object]:
     """The SUBMIT body as a list (the spec's field order); :func:`submit_body` packs the same."""
-    _check_submit(s)
-    ids = None if s.prompt_token_ids is None else le_bytes(array("I", s.prompt_token_ids))
-    msgs = None if s.messages is None else list(s.messages)
-    return [s.model, _params_fields(s.params), s.prompt, ids, msgs, s.deadline_ms, s.priority, s.trace,
-            bool(s.return_text), bool(s.buffered)]
+    return [s.model, _params_fields(s.params), *_submit_rest(s)]
 
 
 def submit_body(s: Submit) -> bytes:
     """``pack(submit_fields(s))``, faster: the params sub-array is packed once per SamplingParams
     object (the gateway shares one per distinct setting) and spliced in."""
+    rest = _PACKER.pack(_submit_rest(s))
+    # msgpack: an array of 10 is the byte 0x9a then its items; ``rest`` is an array of 8 (0x98 + items).
+    return b"\x9a" + _PACKER.pack(s.model) + _params_bytes(s.params) + rest[1:]
+
+
+def _submit_rest(s: Submit) -> list[object]:
+    """Fields 2..9 of a checked SUBMIT (everything after model and params)."""
     _check_submit(s)
     ids = None if s.prompt_token_ids is None else le_bytes(array("I", s.prompt_token_ids))
     msgs = None if s.messages is None else list(s.messages)
-    rest = _PACKER.pack([s.prompt, ids, msgs, s.deadline_ms, s.priority, s.trace, bool(s.return_text),
-                         bool(s.buffered)])
-    # msgpack: an array of 10 is the byte 0x9a then its items; ``rest`` is an array of 8 (0x98 + items).
-    return b"\x9a" + _PACKER.pack(s.model) + _params_bytes(s.params) + rest[1:]
+    return [s.prompt, ids, msgs, s.deadline_ms, s.priority, s.trace, bool(s.return_text), bool(s.buffered)]
 
 
 def _check_submit(s: Submit) -> None:

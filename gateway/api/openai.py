@@ -18,6 +18,7 @@ from typing import Any
 import orjson
 
 from gateway.http.types import Request, ResponseSink
+from transport.client_stream import Collected
 from transport.messages import Error, Finish, TokenEntry
 
 from ..errors import APIError, from_wire_code
@@ -50,6 +51,7 @@ MODELS_ROUTE = "/v1/models"
 
 _perf = time.perf_counter
 _dumps = orjson.dumps
+_PARSERS: dict[str, Callable[..., GenerationRequest]] = {CHAT_ROUTE: parse_chat, COMPLETIONS_ROUTE: parse_completion}
 
 
 class OpenAIHandlers:
@@ -85,28 +87,35 @@ class OpenAIHandlers:
     # _unary/_stream hold their own error handling: every token wakes the handler, and
     # each coroutine frame in the await chain is resumed on every wake-up.
     def chat(self, req: Request, sink: ResponseSink, t0: float) -> Awaitable[int]:
-        g = parse_chat(req.body, default_max_tokens=self.api.default_max_tokens,
-                       max_tokens_limit=self.api.max_tokens_limit, deadline_ms=self._deadline_ms)
-        return self._generate(g, sink, t0, CHAT_ROUTE)
+        return self._generate(self._parse(parse_chat, req), sink, t0, CHAT_ROUTE)
 
     def completions(self, req: Request, sink: ResponseSink, t0: float) -> Awaitable[int]:
-        g = parse_completion(req.body, default_max_tokens=self.api.default_max_tokens,
-                             max_tokens_limit=self.api.max_tokens_limit, deadline_ms=self._deadline_ms)
-        return self._generate(g, sink, t0, COMPLETIONS_ROUTE)
+        return self._generate(self._parse(parse_completion, req), sink, t0, COMPLETIONS_ROUTE)
+
+    def _parse(self, parse: Callable[..., GenerationRequest], req: Request) -> GenerationRequest:
+        return parse(req.body, default_max_tokens=self.api.default_max_tokens,
+                     max_tokens_limit=self.api.max_tokens_limit, deadline_ms=self._deadline_ms)
 
     def parse(self, req: Request) -> GenerationRequest | None:
         """A generation route's body, parsed; None for another route or a body that does not
         parse (the task path then renders that error)."""
+        parse = _PARSERS.get(req.path)
+        if parse is None:
+            return None
         try:
-            if req.path == CHAT_ROUTE:
-                return parse_chat(req.body, default_max_tokens=self.api.default_max_tokens,
-                                  max_tokens_limit=self.api.max_tokens_limit, deadline_ms=self._deadline_ms)
-            if req.path == COMPLETIONS_ROUTE:
-                return parse_completion(req.body, default_max_tokens=self.api.default_max_tokens,
-                                        max_tokens_limit=self.api.max_tokens_limit, deadline_ms=self._deadline_ms)
+            return self._parse(parse, req)
         except APIError:
-            pass
-        return None
+            return None
+
+    def whole_response(self, g: GenerationRequest, route: str, res: Collected) -> bytes:
+        """The body of a non-streamed response from its collected result (an Error final raises
+        its APIError); counts its tokens (delivered whole: no TTFT)."""
+        fin = res.final
+        if type(fin) is not Finish:
+            raise from_wire_code(fin.code, fin.message)  # type: ignore[union-attr]
+        text = res.text.decode("utf-8", "replace")
+        self.metrics.tokens(route, None, None, fin.completion_tokens)
+        return response_body(g.chat, g.model, text, fin, None)
 
     def unary_call(self, g: GenerationRequest, route: str, respond: Respond, t0: float,
                    on_end: Callable[[int], None], done: Callable[[], None]) -> UnaryCall | None:
@@ -162,12 +171,7 @@ class OpenAIHandlers:
         task = self._track(routed)
         try:
             res = await routed.collect()
-            fin = res.final
-            if type(fin) is not Finish:
-                raise from_wire_code(fin.code, fin.message)  # type: ignore[union-attr]
-            text = res.text.decode("utf-8", "replace")
-            await sink.respond(200, JSON_HEADERS, response_body(g.chat, g.model, text, fin, None))
-            self.metrics.tokens(route, None, None, fin.completion_tokens)  # delivered whole: no TTFT
+            await sink.respond(200, JSON_HEADERS, self.whole_response(g, route, res))
             return 200
         except asyncio.CancelledError:
             if not self.deadlines.expired(task):

@@ -19,16 +19,13 @@ tests run both).
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from transport.messages import Finish
-
-from ..errors import APIError, error_headers, from_wire_code, render_json
+from ..errors import APIError, error_headers, render_json
 from ..routing.pool import RoutedStream
 from .params import GenerationRequest
-from .render import JSON_HEADERS, response_body
+from .render import JSON_HEADERS
 
 if TYPE_CHECKING:
     from .openai import OpenAIHandlers
@@ -36,8 +33,6 @@ if TYPE_CHECKING:
 __all__ = ["UnaryCall"]
 
 log = logging.getLogger("quicserve.api")
-
-_perf = time.perf_counter
 
 Respond = Callable[[int, list[tuple[bytes, bytes]], bytes], None]
 
@@ -80,13 +75,7 @@ class UnaryCall:
             if self._routed.retry(res):  # a worker failed before any token: it moved to another
                 self._wait(self._routed.collect_nowait())
                 return
-            fin = res.final
-            if type(fin) is not Finish:
-                raise from_wire_code(fin.code, fin.message)
-            g = self._g
-            text = res.text.decode("utf-8", "replace")
-            self._respond(200, JSON_HEADERS, response_body(g.chat, g.model, text, fin, None))
-            self._h.metrics.tokens(self._route, None, None, fin.completion_tokens)  # delivered whole: no TTFT
+            self._respond(200, JSON_HEADERS, self._h.whole_response(self._g, self._route, res))
             status = 200
         except APIError as e:
             status = self._error(e)
