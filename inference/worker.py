@@ -141,8 +141,11 @@ def build_service(args: argparse.Namespace) -> WorkerService:
     cfg = EngineConfig(max_batch=args.max_batch, max_prefill_tokens=2048, prefill_batch=args.max_prefill_batch,
                        enable_prefix_cache=not args.no_prefix_cache)  # fmt: skip
     engine = Engine(runner, tokenizer, cfg, window=args.batch_window)
+    # A step runs in a one-thread executor so the loop keeps serving frames during it; a synthetic step
+    # with no sleep takes microseconds, and the hand-off to a thread would cost more than the step.
+    threaded = args.engine != "synthetic" or args.synthetic_step_ms > 0
     return WorkerService(engine, tokenizer, served_name=served, identity=args.identity,
-                         stats_interval=args.stats_interval)  # fmt: skip
+                         stats_interval=args.stats_interval, threaded=threaded)  # fmt: skip
 
 
 async def _serve(args: argparse.Namespace, service: WorkerService) -> int:
@@ -204,7 +207,10 @@ def main(argv: list[str]) -> int:
     except (ValueError, OSError) as exc:
         log.error("cannot load %r: %s", args.model, exc)
         return 2
-    return asyncio.run(_serve(args, service))
+    import uvloop
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(_serve(args, service))
 
 
 if __name__ == "__main__":

@@ -84,3 +84,20 @@ def test_bad_model_names_and_dirs(tmp_path: Path) -> None:
     (tmp_path / "tokenizer.json").write_text("{not json")
     with pytest.raises(TokenizerError):
         load_tokenizer(str(tmp_path))
+
+
+def test_chat_template_compiled_once_and_errors_stay_clear() -> None:
+    from inference.tokenizer import _compiled
+
+    tok = ByteTokenizer("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}")
+    _compiled.cache_clear()
+    for i in range(5):
+        assert tok.apply_chat_template([{"role": "user", "content": str(i)}]) == f"<user>{i}"
+    info = _compiled.cache_info()
+    assert (info.misses, info.hits) == (1, 4)
+    with pytest.raises(TokenizerError, match="chat template"):
+        ByteTokenizer("{% for m in messages %}").apply_chat_template([{"role": "user", "content": "x"}])
+    raising = ByteTokenizer("{{ raise_exception('only user turns') }}")
+    for _ in range(2):  # the cached template still raises through its hook
+        with pytest.raises(TokenizerError, match="only user turns"):
+            raising.apply_chat_template([{"role": "system", "content": "x"}])
