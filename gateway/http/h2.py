@@ -458,6 +458,26 @@ class _H2Sink:
         if data and not self._head:
             await self._conn._send(self._st, data, False)
 
+    def send_nowait(self, data: bytes) -> bool:
+        """Optional fast path of :meth:`send` for push-style producers (see the h1 sink): frame
+        ``data`` now and return True when it fits the peer's flow-control windows and one frame;
+        return False, framing nothing, when it does not, while the transport is paused, or when
+        the stream is gone -- the caller then awaits :meth:`send` with the same data, which
+        waits for windows (or raises :class:`ClientDisconnected`)."""
+        if not self.started or self.ended:
+            raise RuntimeError("send_nowait() outside start()..end()")
+        conn, st = self._conn, self._st
+        if st.closed or conn._transport is None or conn._write_paused:
+            return False
+        if not data or self._head:
+            return True
+        h2c = conn._h2
+        if len(data) > min(h2c.local_flow_control_window(st.id), h2c.max_outbound_frame_size):
+            return False
+        h2c.send_data(st.id, data, end_stream=False)
+        conn._schedule_flush()
+        return True
+
     async def end(self) -> None:
         if not self.started:
             raise RuntimeError("end() before start()")

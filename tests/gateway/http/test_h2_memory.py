@@ -332,3 +332,33 @@ def test_any_split_of_client_bytes(cuts: list[int]) -> None:
     assert (s1, s3, s5) == (200, 200, 200)
     assert orjson.loads(b1)["query"] == "a=1" and orjson.loads(b3)["body_len"] == 5
     assert b5 == b"line 0\nline 1\n"
+
+
+async def test_send_nowait_frames_within_windows_and_refuses_beyond() -> None:
+    """Push-mode writes: a chunk that fits the windows is framed at once; one that does not is
+    refused whole (nothing framed) and then goes out through ``send``, in order."""
+    seen: list[object] = []
+
+    async def handler(req: Any, sink: Any) -> None:
+        with pytest.raises(RuntimeError):
+            sink.send_nowait(b"early")
+        await sink.start(200, [(b"content-type", b"text/plain")])
+        seen.append(sink.send_nowait(b"a" * 600))
+        seen.append(sink.send_nowait(b"b" * 600))  # 1024-byte stream window: does not fit
+        await sink.send(b"b" * 600)  # waits for the client to open the window
+        seen.append(sink.send_nowait(b""))
+        c.proto.pause_writing()
+        seen.append(sink.send_nowait(b"c"))
+        c.proto.resume_writing()
+        await sink.end()
+        with pytest.raises(RuntimeError):
+            sink.send_nowait(b"late")
+
+    c = Client(window=1024)
+    c.state.handler = handler
+    c.state.fast = None
+    sid = c.request("/s")
+    await c.wait(lambda: c.done(sid))
+    assert seen == [True, False, True, False]
+    assert c.status(sid) == 200 and bytes(c.responses[sid]["body"]) == b"a" * 600 + b"b" * 600
+    c.close()
