@@ -110,7 +110,7 @@ class Engine:
         if not prompt:
             raise EngineError(ErrorCode.INVALID_REQUEST, "the prompt is empty")
         vocab = self.tokenizer.vocab_size
-        if any(not (0 <= t < vocab) for t in prompt):
+        if min(prompt) < 0 or max(prompt) >= vocab:
             raise EngineError(ErrorCode.INVALID_REQUEST, f"prompt token ids must be in [0, {vocab})")
         if len(prompt) + params.max_tokens > self.max_model_len:
             raise EngineError(

@@ -27,7 +27,10 @@ from transport.messages import SamplingParams
 __all__ = ["SeqWork", "StepPlan", "SeqOutput", "ModelRunner"]
 
 
-@dataclass(frozen=True, slots=True)
+# SeqWork, SeqOutput (and the engine's Delta) are built once per sequence per step: plain slotted
+# dataclasses, not frozen ones, whose __init__ costs ~4x (object.__setattr__ per field). Treat them
+# as values all the same: nothing mutates one after it is built.
+@dataclass(slots=True)
 class SeqWork:
     """One sequence's work in a step.
 
@@ -60,7 +63,7 @@ class StepPlan:
         return len(self.prefills) + len(self.decodes)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class SeqOutput:
     seq_id: int
     token_id: int

@@ -24,7 +24,7 @@ from .tokenizer import IncrementalDecoder
 __all__ = ["Delta", "Finished", "Failed", "EngineEvent", "Sequence", "SeqStatus"]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen, like SeqWork: one per sequence per step (see inference.runner)
 class Delta:
     """What one step produced for one request (``token_ids`` holds 0 or 1 id)."""
 
@@ -128,7 +128,8 @@ class Sequence:
             text, hit = self._stop.push(self._decoder.push(tok))
             if hit:
                 reason = FinishReason.STOP
-        if reason is None and (self.num_generated >= p.max_tokens or len(self.tokens) >= max_model_len):
+        n_tokens = len(self.tokens)
+        if reason is None and (n_tokens - self.prompt_len >= p.max_tokens or n_tokens >= max_model_len):
             reason = FinishReason.LENGTH
         if reason is not None and not self._stop.stopped and self._want_text:
             tail, _ = self._stop.push(self._decoder.flush())
