@@ -242,6 +242,8 @@ def _common(d: dict[str, Any], allowed: frozenset[str], max_tokens_limit: int, d
         stream, include_usage, user, logprobs, top_n
 
 
+_TOKEN_ID_END = 1 << 32  # token ids travel as uint32 (transport.wire_control)
+
 _CHAT_RARE = frozenset({"tools", "tool_choice", "response_format"})
 
 _PARAMS_CACHE: dict[tuple[Any, ...], SamplingParams] = {}
@@ -333,13 +335,16 @@ def parse_completion(body: bytes, *, default_max_tokens: int, max_tokens_limit: 
         prompt = prompt[0]  # a batch of one
     if type(prompt) is str:
         text = prompt
-    elif type(prompt) is list and prompt and all(type(t) is int and t >= 0 for t in prompt):
+    elif type(prompt) is list and prompt and all(type(t) is int and 0 <= t < _TOKEN_ID_END for t in prompt):
         ids = tuple(prompt)
     elif prompt is None:
         raise _bad("Missing required parameter: 'prompt'.", "prompt", "missing_required_parameter")
     elif type(prompt) is list and len(prompt) > 1 and all(type(p) in (str, list) for p in prompt):
         raise _bad("Batched prompts are not supported: send one prompt per request.", "prompt",
                    "unsupported_parameter")
+    elif type(prompt) is list and prompt and all(type(t) is int for t in prompt):
+        raise _bad(f"Invalid value for 'prompt': token ids must be between 0 and {_TOKEN_ID_END - 1}.", "prompt",
+                   "invalid_value")
     else:
         raise _type_error("prompt", "a string or an array of token ids", prompt)
     if _bool(d, "echo"):

@@ -1,0 +1,503 @@
+"""Adversarial input at the front door, over real sockets on 127.0.0.1: the app behind the
+real HTTP/1.1 and h2c listeners with the ScriptedWorkerConnection double for a worker.
+
+What a user would notice: every bad request gets the OpenAI error JSON with the right
+status and the connection (or the server) keeps serving; pipelined responses come back
+in order and whole; a client that goes away has its worker request cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import h2.config
+import h2.connection
+import h2.events
+import h2.settings
+import httpx
+import orjson
+import pytest
+
+from gateway.app import App
+from gateway.http.server import HttpLimits, HttpServer, start_server
+from gateway.routing.pool import ModelPool
+from tests.gateway.doubles import ScriptedWorkerConnection
+from tests.gateway.http.conftest import error_of
+from tests.gateway.http.test_h1_bytes import parse_responses
+from tests.transport.doubles import EchoWorker
+from transport.client import connect
+from transport.server import serve
+
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6}
+LIMITS = HttpLimits(max_body_bytes=1 << 16, max_header_bytes=4096, linger_timeout=0.3)
+
+
+@dataclass
+class Gw:
+    app: App
+    conn: ScriptedWorkerConnection
+    server: HttpServer
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.port}"
+
+
+@pytest.fixture
+async def gw() -> AsyncIterator[Gw]:
+    conn = ScriptedWorkerConnection(tokens_per_batch=1)
+    pool = ModelPool()
+    pool.add(conn)
+    app = App(pool)
+    server = await start_server(app, host="127.0.0.1", port=0, limits=LIMITS, on_event=app.on_http_event)
+    yield Gw(app, conn, server)
+    await server.close()
+
+
+def post(path: str, body: bytes, extra: bytes = b"") -> bytes:
+    return (b"POST %s HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\ncontent-length: %d\r\n%s\r\n%s"
+            % (path.encode(), len(body), extra, body))
+
+
+def chat(**patch: Any) -> bytes:
+    return post("/v1/chat/completions", orjson.dumps({**CHAT, **patch}))
+
+
+GET_MODELS = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
+
+
+async def exchange(gw: Gw, pieces: list[bytes], until: int, methods: list[str],
+                   timeout: float = 3.0) -> list[tuple[int, dict[bytes, bytes], bytes]]:
+    """Send ``pieces`` (each its own write), read until ``until`` responses are complete."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", gw.server.port)
+    try:
+        for p in pieces:
+            writer.write(p)
+            if len(pieces) > 1:
+                await writer.drain()
+        buf = b""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout
+        while len(res := parse_responses(buf, methods) if buf else []) < until:
+            chunk = await asyncio.wait_for(reader.read(65536), end - loop.time())
+            if not chunk:
+                break
+            buf += chunk
+        return res
+    finally:
+        writer.close()
+
+
+async def wait_for(cond: Any, timeout: float = 2.0) -> None:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while not cond():
+        assert loop.time() < end, "condition not reached in time"
+        await asyncio.sleep(0.005)
+
+
+async def still_serves(gw: Gw) -> None:
+    async with httpx.AsyncClient(base_url=gw.url) as c:
+        r = await c.post("/v1/chat/completions", json=CHAT)
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "abcdef"
+
+
+# -- HTTP/1.1 pipelining ---------------------------------------------------------------------
+
+MIXED = [
+    chat(),
+    chat(stream=True, max_tokens=3),
+    post("/v1/chat/completions", b"{not json"),
+    GET_MODELS,
+    post("/v1/completions", orjson.dumps({"model": "tiny", "prompt": "x", "max_tokens": 2})),
+]
+
+
+@pytest.mark.parametrize("mode", ["one-write", "bytewise"])
+async def test_pipelined_mixed_requests_in_order(gw: Gw, mode: str) -> None:
+    data = b"".join(MIXED)
+    pieces = [data] if mode == "one-write" else [data[i:i + 1] for i in range(len(data))]
+    res = await exchange(gw, [*pieces, GET_MODELS], 6, ["POST", "POST", "POST", "GET", "POST", "GET"])
+    assert [r[0] for r in res] == [200, 200, 400, 200, 200, 200]
+    assert orjson.loads(res[0][2])["choices"][0]["message"]["content"] == "abcdef"
+    assert res[1][1][b"transfer-encoding"] == b"chunked" and res[1][2].endswith(b"data: [DONE]\n\n")
+    assert res[1][2].count(b"chat.completion.chunk") == 5  # role, 3 tokens, finish
+    assert error_of(res[2][2])["code"] == "invalid_json"
+    assert orjson.loads(res[3][2])["data"][0]["id"] == "tiny"
+    assert orjson.loads(res[4][2])["choices"][0]["text"] == "ab"
+    assert orjson.loads(res[5][2])["object"] == "list"  # the connection is still usable
+    assert gw.conn.cancels == [] and gw.conn.in_flight == 0
+
+
+# -- client going away ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_client_closing_after_a_request_cancels_it_on_the_worker(gw: Gw, stream: bool) -> None:
+    gw.conn.hang_after = 1
+    reader, writer = await asyncio.open_connection("127.0.0.1", gw.server.port)
+    writer.write(chat(stream=stream))
+    await wait_for(lambda: gw.conn.submits)
+    writer.close()
+    await wait_for(lambda: gw.conn.cancels == [1])
+    await wait_for(lambda: gw.server.in_flight == 0 and gw.app.metrics.in_flight == 0)
+    gw.conn.hang_after = None
+    await still_serves(gw)
+
+
+async def test_client_closing_with_pipelined_requests_cancels_only_the_running_one(gw: Gw) -> None:
+    gw.conn.hang_after = 1
+    reader, writer = await asyncio.open_connection("127.0.0.1", gw.server.port)
+    writer.write(chat() + chat() + chat(stream=True))
+    await wait_for(lambda: gw.conn.submits)
+    writer.close()
+    await wait_for(lambda: gw.conn.cancels == [1])
+    await wait_for(lambda: gw.server.in_flight == 0)
+    assert len(gw.conn.submits) == 1  # the queued ones never reached a worker
+
+
+async def test_half_close_after_a_request_counts_as_gone(gw: Gw) -> None:
+    """A client that shuts its write side is treated as gone (as Go's net/http and nginx do):
+    its request is cancelled on the worker."""
+    gw.conn.hang_after = 1
+    reader, writer = await asyncio.open_connection("127.0.0.1", gw.server.port)
+    writer.write(chat())
+    await wait_for(lambda: gw.conn.submits)
+    writer.write_eof()
+    await wait_for(lambda: gw.conn.cancels == [1])
+    assert await asyncio.wait_for(reader.read(), 2) == b""
+    writer.close()
+
+
+# -- HTTP/1.1 framing ----------------------------------------------------------------------------
+
+BODY = orjson.dumps(CHAT)
+
+
+async def test_chunked_body_with_extensions_and_trailers(gw: Gw) -> None:
+    a, b = BODY[:10], BODY[10:]
+    raw = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+           b"transfer-encoding: chunked\r\n\r\n"
+           b"%x;name=value\r\n%s\r\n%x\r\n%s\r\n0\r\nx-trailer: t\r\n\r\n" % (len(a), a, len(b), b))
+    res = await exchange(gw, [raw, GET_MODELS], 2, ["POST", "GET"])
+    assert [r[0] for r in res] == [200, 200]
+    assert orjson.loads(res[0][2])["choices"][0]["message"]["content"] == "abcdef"
+
+
+async def test_expect_100_continue_on_chat(gw: Gw) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", gw.server.port)
+    try:
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nexpect: 100-continue\r\n"
+                     b"content-length: %d\r\n\r\n" % len(BODY))
+        assert await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 2) == b"HTTP/1.1 100 Continue\r\n\r\n"
+        writer.write(BODY)
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 2)
+        assert head.startswith(b"HTTP/1.1 200 ")
+    finally:
+        writer.close()
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-length: 5\r\ncontent-length: 6\r\n\r\nhello!",
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-length: 5\r\ncontent-length: 5\r\n\r\nhello",
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\ntransfer-encoding: chunked\r\ncontent-length: 3\r\n"
+        b"\r\n3\r\nabc\r\n0\r\n\r\n",
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\ntransfer-encoding: gzip\r\n\r\nabc",
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-length: -1\r\n\r\n",
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-length: +5\r\n\r\nhello",
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-length: 99999999999999999999999\r\n\r\n",
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost : x\r\n\r\n",
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n folded\r\n\r\n",
+        b"POST /v1/chat/completions HTTP/1.1\nHost: x\n\n",
+        b"POST /v1/chat/completions HTTP/2.0\r\nHost: x\r\n\r\n",
+        b"POST /v1/chat/completions\r\n\r\n",
+    ],
+    ids=["two-cl", "dup-cl", "te-and-cl", "te-not-chunked", "negative-cl", "plus-cl", "huge-cl", "space-before-colon",
+         "obs-fold", "bare-lf", "http2-version", "http09"],
+)
+async def test_smuggling_shapes_get_an_error_and_the_server_lives(gw: Gw, raw: bytes) -> None:
+    res = await exchange(gw, [raw + chat()], 1, ["POST", "POST"])
+    assert res, "no response"
+    status, headers, body = res[0]
+    assert status in (400, 413) and headers[b"connection"] == b"close", (status, body)
+    error_of(body)
+    assert len(res) == 1 and not gw.conn.submits  # nothing after the bad message was run
+    await still_serves(gw)
+
+
+async def test_many_small_headers(gw: Gw) -> None:
+    few = b"".join(b"x-%d: v\r\n" % i for i in range(100))
+    many = b"".join(b"x-%d: v\r\n" % i for i in range(2000))
+    res = await exchange(gw, [chat().replace(b"Host: x\r\n", b"Host: x\r\n" + few)], 1, ["POST"])
+    assert res[0][0] == 200
+    res = await exchange(gw, [chat().replace(b"Host: x\r\n", b"Host: x\r\n" + many)], 1, ["POST"])
+    assert res[0][0] == 431 and error_of(res[0][2])["type"] == "invalid_request_error"
+    await still_serves(gw)
+
+
+@pytest.mark.parametrize(
+    "target, status",
+    [
+        (b"http://example.com/v1/chat/completions", 200),
+        (b"/v1/chat/%63ompletions", 200),
+        (b"/v1/chat/completions?x=1", 200),
+        (b"/v1/chat/completions/", 404),
+        (b"//v1/chat/completions", 404),
+        (b"/v1/chat/completions%00", 404),
+        (b"/v1/chat/completions%2", 404),
+        (b"*", 404),
+    ],
+)
+async def test_request_targets(gw: Gw, target: bytes, status: int) -> None:
+    raw = chat().replace(b"/v1/chat/completions", target, 1)
+    res = await exchange(gw, [raw, GET_MODELS], 2, ["POST", "GET"])
+    assert [r[0] for r in res] == [status, 200], res
+    if status != 200:
+        assert error_of(res[0][2])["code"] == "unknown_url"
+
+
+@pytest.mark.parametrize("method, status", [(b"HEAD", 405), (b"OPTIONS", 405), (b"GET", 405), (b"PATCH", 405)])
+async def test_other_methods_on_the_chat_route(gw: Gw, method: bytes, status: int) -> None:
+    raw = chat().replace(b"POST", method, 1)
+    res = await exchange(gw, [raw, GET_MODELS], 2, [method.decode(), "GET"])
+    assert [r[0] for r in res] == [status, 200], res
+    assert res[0][1][b"allow"] == b"POST"
+    if method != b"HEAD":
+        assert error_of(res[0][2])["code"] == "method_not_allowed"
+    else:
+        assert res[0][2] == b"" and int(res[0][1][b"content-length"]) > 0
+
+
+# -- JSON bodies --------------------------------------------------------------------------------
+
+BIG = b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], %s}'
+BAD_BODIES = [
+    (b"[" * 5000 + b"]" * 5000, "invalid_json"),
+    (b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', "invalid_json"),
+    (b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": Infinity}', "invalid_json"),
+    (b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1e400}', "invalid_json"),
+    (b'{"model": "tiny", "messages": [{"role": "user", "content": "\\ud800"}]}', "invalid_json"),
+    (b'{"model": "tiny", "messages": [{"role": "user", "content": "\\udc00\\ud800"}]}', "invalid_json"),
+    (b'[{"model": "tiny"}]', "invalid_json"),
+    (b'"hello"', "invalid_json"),
+    (b"null", "invalid_json"),
+    (b"", "invalid_json"),
+    (b"\xef\xbb\xbf" + orjson.dumps(CHAT), "invalid_json"),
+    (orjson.dumps({**CHAT, "max_tokens": True}), "invalid_type"),
+    (BIG % b'"max_tokens": 1000000000000000000000000000000', "invalid_type"),  # a float to JSON parsers
+    (BIG % b'"max_tokens": 18446744073709551615', "invalid_value"),
+    (BIG % b'"max_tokens": -9223372036854775808', "invalid_value"),
+    (orjson.dumps({**CHAT, "temperature": 1e300}), "invalid_value"),
+    (orjson.dumps({**CHAT, "n": 1.0}), "invalid_type"),
+    (BIG % b'"seed": 100000000000000000000000', "invalid_type"),
+    (orjson.dumps({**CHAT, "stop": ["a", "b", "c", "d", "e"]}), "invalid_value"),
+    (orjson.dumps({**CHAT, "stop": [1]}), "invalid_type"),
+    (orjson.dumps({**CHAT, "stream_options": {"include_usage": True}}), "invalid_value"),
+    (orjson.dumps({**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}),
+     "invalid_value"),
+    (orjson.dumps({**CHAT, "messages": [{"role": "user", "content": None}]}), "invalid_type"),
+    (orjson.dumps({**CHAT, "messages": [{"role": "user"}]}), "invalid_type"),
+    (orjson.dumps({**CHAT, "messages": [{"content": "x"}]}), "invalid_value"),
+    (orjson.dumps({**CHAT, "model": ["tiny"]}), "invalid_type"),
+    (orjson.dumps({**CHAT, "model": ""}), "model_not_found"),
+]
+
+
+@pytest.mark.parametrize("body, code", BAD_BODIES, ids=[f"b{i}" for i in range(len(BAD_BODIES))])
+async def test_bad_json_bodies_get_a_400_and_the_connection_lives(gw: Gw, body: bytes, code: str) -> None:
+    res = await exchange(gw, [post("/v1/chat/completions", body), GET_MODELS], 2, ["POST", "GET"])
+    assert [r[0] for r in res] == [404 if code == "model_not_found" else 400, 200], res
+    err = error_of(res[0][2])
+    assert err["code"] == code, err
+    assert not gw.conn.submits
+
+
+GOOD_BODIES = [
+    ({**CHAT, "messages": [{"role": "user", "content": [{"type": "text", "text": "h"}, {"type": "text", "text": "i"}]}]},
+     "hi"),
+    ({**CHAT, "messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "\u00e9\U0001f600\u0000"}]},
+     "s|\u00e9\U0001f600\u0000"),
+    ({**CHAT, "messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": None},
+                           {"role": "user", "content": "y", "name": "bob"}]}, "x||y"),
+    ({**CHAT, "stop": ["", "", ""]}, "hi"),
+    ({**CHAT, "max_tokens": None}, "hi"),
+    ({**CHAT, "n": 1, "temperature": 0, "top_p": 1e-9}, "hi"),
+]
+
+
+@pytest.mark.parametrize("body, text", GOOD_BODIES, ids=[f"g{i}" for i in range(len(GOOD_BODIES))])
+async def test_unusual_but_valid_bodies_are_served(gw: Gw, body: dict[str, Any], text: str) -> None:
+    async with httpx.AsyncClient(base_url=gw.url) as c:
+        r = await c.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert "|".join(m["content"] for m in gw.conn.submits[0].messages) == text
+
+
+async def test_duplicate_keys_last_wins_and_escaped_surrogate_pairs_decode(gw: Gw) -> None:
+    raw = (b'{"model": "tiny", "messages": [{"role": "user", "content": "\\ud83d\\ude00"}], "max_tokens": 100, '
+           b'"max_tokens": 2}')
+    res = await exchange(gw, [post("/v1/chat/completions", raw)], 1, ["POST"])
+    assert res[0][0] == 200 and orjson.loads(res[0][2])["choices"][0]["message"]["content"] == "ab"
+    assert gw.conn.submits[0].messages[0]["content"] == "\U0001f600"
+
+
+# -- HTTP/2 --------------------------------------------------------------------------------------
+
+
+class H2Client:
+    """A raw h2 client over a real socket (so a test can reset streams and size windows)."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, window: int | None) -> None:
+        self.r, self.w = reader, writer
+        self.h2 = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+        self.h2.initiate_connection()
+        if window is not None:
+            self.h2.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: window})
+        self.events: dict[int, list[Any]] = {}
+        self.flush()
+
+    @classmethod
+    async def open(cls, gw: Gw, window: int | None = None) -> H2Client:
+        reader, writer = await asyncio.open_connection("127.0.0.1", gw.server.port)
+        return cls(reader, writer, window)
+
+    def flush(self) -> None:
+        self.w.write(self.h2.data_to_send())
+
+    def request(self, body: bytes, path: str = "/v1/chat/completions") -> int:
+        sid = self.h2.get_next_available_stream_id()
+        self.h2.send_headers(sid, [(":method", "POST"), (":path", path), (":scheme", "http"),
+                                   (":authority", "x"), ("content-type", "application/json")])
+        self.events[sid] = []
+        self.flush()
+        return sid
+
+    async def send_body(self, sid: int, body: bytes) -> None:
+        view = memoryview(body)
+        while view:
+            n = min(self.h2.local_flow_control_window(sid), self.h2.max_outbound_frame_size, len(view))
+            if n == 0:
+                await self.pump()
+                continue
+            self.h2.send_data(sid, view[:n].tobytes(), end_stream=n == len(view))
+            view = view[n:]
+            self.flush()
+
+    async def pump(self) -> None:
+        data = await asyncio.wait_for(self.r.read(65536), 3)
+        assert data, "connection closed"
+        for ev in self.h2.receive_data(data):
+            sid = getattr(ev, "stream_id", 0)
+            if isinstance(ev, h2.events.DataReceived):
+                self.h2.acknowledge_received_data(ev.flow_controlled_length, sid)
+            if sid:
+                self.events.setdefault(sid, []).append(ev)
+        self.flush()
+
+    def ended(self, sid: int) -> bool:
+        return any(isinstance(e, (h2.events.StreamEnded, h2.events.StreamReset)) for e in self.events[sid])
+
+    def status(self, sid: int) -> int:
+        ev = next(e for e in self.events[sid] if isinstance(e, h2.events.ResponseReceived))
+        return int(dict(ev.headers)[b":status"])
+
+    def body_of(self, sid: int) -> bytes:
+        return b"".join(e.data for e in self.events[sid] if isinstance(e, h2.events.DataReceived))
+
+    async def close(self) -> None:
+        self.w.close()
+        with contextlib.suppress(Exception):
+            await self.w.wait_closed()
+
+
+async def test_h2_rst_stream_mid_stream_cancels_on_the_worker(gw: Gw) -> None:
+    gw.conn.hang_after = 2
+    c = await H2Client.open(gw)
+    try:
+        sid = c.request(b"")
+        await c.send_body(sid, orjson.dumps({**CHAT, "stream": True}))
+        while b'"content":"b"' not in c.body_of(sid):
+            await c.pump()
+        c.h2.reset_stream(sid)
+        c.flush()
+        await wait_for(lambda: gw.conn.cancels == [1])
+        await wait_for(lambda: gw.server.in_flight == 0)
+        gw.conn.hang_after = None
+        sid2 = c.request(b"")
+        await c.send_body(sid2, orjson.dumps(CHAT))  # the connection still serves
+        while not c.ended(sid2):
+            await c.pump()
+        assert c.status(sid2) == 200
+    finally:
+        await c.close()
+
+
+async def test_h2_many_streams_one_bad(gw: Gw) -> None:
+    c = await H2Client.open(gw)
+    try:
+        sids = []
+        for i in range(20):
+            sid = c.request(b"")
+            await c.send_body(sid, b"{oops" if i == 7 else orjson.dumps({**CHAT, "stream": i % 2 == 0}))
+            sids.append(sid)
+        while not all(c.ended(s) for s in sids):
+            await c.pump()
+        statuses = [c.status(s) for s in sids]
+        assert statuses == [400 if i == 7 else 200 for i in range(20)]
+        assert error_of(c.body_of(sids[7]))["code"] == "invalid_json"
+        assert all(c.body_of(s).endswith(b"data: [DONE]\n\n") for i, s in enumerate(sids) if i % 2 == 0 and i != 7)
+    finally:
+        await c.close()
+
+
+async def test_h2_request_body_larger_than_the_window(gw: Gw) -> None:
+    """A 60 KiB body over a stream whose window the server must reopen as it reads."""
+    body = orjson.dumps({**CHAT, "messages": [{"role": "user", "content": "x" * 60000}]})
+    c = await H2Client.open(gw)
+    try:
+        sid = c.request(b"")
+        await c.send_body(sid, body)
+        while not c.ended(sid):
+            await c.pump()
+        assert c.status(sid) == 200
+        assert gw.conn.submits[0].messages[0]["content"] == "x" * 60000
+    finally:
+        await c.close()
+
+
+# -- over the real transport (EchoWorker double, loopback) -------------------------------------
+
+
+@pytest.fixture
+async def real() -> AsyncIterator[Gw]:
+    """The app over a real transport connection to an EchoWorker: Submits are encoded on the wire."""
+    worker = EchoWorker(step_delay=0.001)
+    srv = await serve("tcp://127.0.0.1:0", worker)
+    conn = await connect(srv.address)
+    pool = ModelPool()
+    pool.add(conn)
+    app = App(pool)
+    server = await start_server(app, host="127.0.0.1", port=0, limits=LIMITS, on_event=app.on_http_event)
+    yield Gw(app, conn, server)  # type: ignore[arg-type]
+    await server.close()
+    await conn.close()
+    await srv.close()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("prompt", [[2**32], [1, 2**40], [[2**32]]])
+async def test_token_ids_past_32_bits_are_a_400_not_a_503(real: Gw, prompt: list[Any], stream: bool) -> None:
+    async with httpx.AsyncClient(base_url=real.url) as c:
+        r = await c.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 2,
+                                                  "stream": stream})
+        assert r.status_code == 400, r.text
+        err = error_of(r.content)
+        assert err["param"] == "prompt" and err["type"] == "invalid_request_error"
+        r = await c.post("/v1/completions", json={"model": "tiny", "prompt": [2**32 - 1], "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == "t0t1"
