@@ -306,21 +306,35 @@ class H2Protocol(asyncio.Protocol):
     def _reject(self, st: _Stream, status: int, message: str, client_done: bool) -> None:
         """Answer a request ourselves (it never reaches the handler)."""
         self._srv.report(status, "h2", message)
-        st.closed = True
         body = error_body(status, message)
         sid = st.id
+        hdrs = _response_headers(status, ERROR_HEADERS)
+        hdrs.append((b"content-length", b"%d" % len(body)))
         try:
             fits = self._h2.local_flow_control_window(sid) >= len(body)
-            hdrs = _response_headers(status, ERROR_HEADERS)
-            hdrs.append((b"content-length", b"%d" % len(body)))
-            self._h2.send_headers(sid, hdrs, end_stream=not fits)
-            if fits:
-                self._h2.send_data(sid, body, end_stream=True)
-            if not client_done:  # RFC 9113 8.1: stop the upload without an error
-                self._h2.reset_stream(sid, ErrorCodes.NO_ERROR)
+            self._h2.send_headers(sid, hdrs)
+            if not fits:  # the body waits for the client's window, as a handler's would
+                st.task = spawn(self._loop, self._finish_reject(st, body, client_done))
+                return
+            self._h2.send_data(sid, body, end_stream=True)
         except h2.exceptions.StreamClosedError:
-            pass
+            client_done = True
+        st.closed = True
+        if not client_done:  # RFC 9113 8.1: stop the upload without an error
+            self._reset(sid, ErrorCodes.NO_ERROR)
         self._forget(st)
+
+    async def _finish_reject(self, st: _Stream, body: bytes, client_done: bool) -> None:
+        try:
+            await self._send(st, body, True)
+            if not client_done:
+                self._reset(st.id, ErrorCodes.NO_ERROR)
+        except ClientDisconnected:
+            pass
+        finally:
+            st.closed = True
+            self._forget(st)
+            self._schedule_flush()
 
     def _forget(self, st: _Stream) -> None:
         self._streams.pop(st.id, None)

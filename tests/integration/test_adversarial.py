@@ -471,6 +471,36 @@ async def test_h2_request_body_larger_than_the_window(gw: Gw) -> None:
         await c.close()
 
 
+@pytest.mark.parametrize("window", [0, 16])
+@pytest.mark.parametrize("kind", ["app-400", "adapter-413"])
+async def test_h2_error_response_larger_than_the_peer_window(gw: Gw, window: int, kind: str) -> None:
+    """An error body that does not fit the client's stream window still arrives whole once the
+    client opens the window (not cut to headers that promise a body that never comes)."""
+    c = await H2Client.open(gw, window=window)
+    try:
+        for _ in range(3):  # let the SETTINGS exchange finish
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(c.pump(), 0.05)
+        sid = c.h2.get_next_available_stream_id()
+        c.events[sid] = []
+        big = kind == "adapter-413"
+        c.h2.send_headers(sid, [(":method", "POST"), (":path", "/v1/chat/completions"), (":scheme", "http"),
+                                (":authority", "x"), ("content-length", str(LIMITS.max_body_bytes + 1 if big else 5))])
+        c.h2.send_data(sid, b"{oops", end_stream=not big)
+        c.flush()
+        for _ in range(3):
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(c.pump(), 0.05)
+        c.h2.increment_flow_control_window(4096, sid)
+        c.flush()
+        while not c.ended(sid):
+            await c.pump()
+        assert c.status(sid) == (413 if big else 400)
+        assert error_of(c.body_of(sid))["type"] == "invalid_request_error"
+    finally:
+        await c.close()
+
+
 # -- over the real transport (EchoWorker double, loopback) -------------------------------------
 
 
