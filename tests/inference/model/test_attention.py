@@ -22,7 +22,7 @@ def randn(rng, *shape):
 
 def test_prefill_matches_dense_with_offsets_gqa_and_padding():
     rng = np.random.default_rng(0)
-    b, t, s, h, kv, d = 3, 20, 600, 8, 2, 16  # s spans three key chunks
+    b, t, s, h, kv, d = 3, 20, 600, 8, 2, 16  # s spans ten key chunks (64 keys each for 20 queries)
     q, k, v = randn(rng, b, t, h, d), randn(rng, b, s, kv, d), randn(rng, b, s, kv, d)
     q_off = jnp.asarray([0, 290, 570], jnp.int32)
     kv_len = jnp.asarray([13, 310, 590], jnp.int32)  # row 0 has only 13 real queries
