@@ -1,0 +1,164 @@
+"""The deployment files (``Dockerfile``, ``config/quicserve.service``) against the code.
+
+There is no Docker engine on the machines the suite runs on (and no base image
+to pull), so the image itself is never built here. What can break it without
+Docker noticing until a user builds it is checked instead:
+
+* every ``COPY`` source exists; every ``ENV QUICSERVE_*`` setting is a real one;
+  ``ENTRYPOINT`` + ``CMD`` parse with the CLI; the ``HEALTHCHECK`` probes a route
+  the gateway serves; ``EXPOSE`` matches the default ports;
+* the image's install step, replayed: the package is built and installed from
+  *only* the files the Dockerfile copies, into a directory of its own, and its
+  ``quicserve`` console script (the image's entry point) serves a request
+  through a synthetic worker from there, with the source tree off ``sys.path``;
+* the systemd unit's ``ExecStart`` parses with the CLI and its ``Environment``
+  settings are real ones.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from gateway.cli import build_parser
+from gateway.settings import Settings, load_settings
+
+REPO = Path(__file__).resolve().parents[2]
+DOCKERFILE = REPO / "Dockerfile"
+UNIT = REPO / "config" / "quicserve.service"
+
+
+def dockerfile_instructions() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
+    text = re.sub(r"\\\n", " ", DOCKERFILE.read_text())
+    out = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            word, _, rest = line.partition(" ")
+            out.append((word.upper(), rest.strip()))
+    return out
+
+
+def env_settings(pairs: dict[str, str]) -> Settings:
+    return load_settings(environ={k: v for k, v in pairs.items() if k.startswith("QUICSERVE_")})
+
+
+def docker_env() -> dict[str, str]:
+    env: dict[str, str] = {}
+    for word, rest in dockerfile_instructions():
+        if word == "ENV":
+            for item in shlex.split(rest):
+                k, _, v = item.partition("=")
+                env[k] = v
+    return env
+
+
+def docker_copies() -> list[tuple[str, str]]:
+    copies = []
+    for word, rest in dockerfile_instructions():
+        if word == "COPY":
+            *srcs, dest = shlex.split(rest)
+            copies += [(s, dest) for s in srcs if not s.startswith("--")]
+    return copies
+
+
+def test_dockerfile_matches_the_code() -> None:
+    ins = dockerfile_instructions()
+    for src, _ in docker_copies():
+        assert (REPO / src).exists(), f"COPY {src}: no such file in the repo"
+    settings = env_settings(docker_env())  # raises SettingsError on an unknown key or bad value
+    assert settings.server.host == "0.0.0.0"
+    entry = json.loads(next(rest for word, rest in ins if word == "ENTRYPOINT"))
+    cmd = json.loads(next(rest for word, rest in ins if word == "CMD"))
+    assert entry == ["quicserve"]
+    args = build_parser().parse_args(cmd)  # exits (SystemExit) on an unknown flag
+    assert args.command == "serve"
+    exposed = {int(p) for word, rest in ins if word == "EXPOSE" for p in rest.split()}
+    assert exposed == {settings.server.port, settings.server.tls_port}
+    health = next(rest for word, rest in ins if word == "HEALTHCHECK")
+    assert f"127.0.0.1:{settings.server.port}/readyz" in health
+
+
+def test_systemd_unit_matches_the_code() -> None:
+    lines = [ln.strip() for ln in UNIT.read_text().splitlines() if ln.strip() and not ln.startswith("#")]
+    exec_start = next(ln.split("=", 1)[1] for ln in lines if ln.startswith("ExecStart="))
+    argv = shlex.split(exec_start)
+    assert argv[0].endswith("/quicserve")
+    assert build_parser().parse_args(argv[1:]).command == "serve"
+    env = dict(
+        item.partition("=")[::2]
+        for ln in lines
+        if ln.startswith("Environment=")
+        for item in shlex.split(ln.split("=", 1)[1])
+    )
+    assert env, "the unit sets no environment"
+    state = env_settings(env).server.state_dir
+    assert f"ReadWritePaths={state}" in lines  # the one writable path is where the state goes
+
+
+def _get(url: str, body: dict | None = None) -> tuple[int, dict]:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, headers={"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return r.status, json.loads(r.read())
+
+
+@pytest.mark.slow
+def test_image_install_step_replayed(tmp_path: Path) -> None:
+    """``pip install '.[worker]'`` from the copied files only, then the entry point serves."""
+    ctx = tmp_path / "ctx"
+    ctx.mkdir()
+    for src, _ in docker_copies():
+        p = REPO / src
+        if p.is_dir():
+            shutil.copytree(p, ctx / src, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        else:
+            shutil.copy2(p, ctx / src)
+    target = tmp_path / "site"
+    # Dependencies come from this venv (no index needed); the package itself only from ctx.
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                    "--target", str(target), str(ctx)], check=True, capture_output=True, timeout=300)
+    script = target / "bin" / "quicserve"
+    assert script.exists(), "the console script the image's ENTRYPOINT runs was not installed"
+    env = {**os.environ, "PYTHONPATH": str(target), "QUICSERVE_SERVER__STATE_DIR": str(tmp_path / "state")}
+    run_dir = tmp_path / "elsewhere"  # not the repo: only the installed copy is importable by path
+    run_dir.mkdir()
+    where = subprocess.run([sys.executable, "-c", "import gateway, inference, transport; "
+                            "print(gateway.__file__, inference.__file__, transport.__file__)"],
+                           cwd=run_dir, env=env, capture_output=True, text=True, check=True).stdout
+    assert all(p.startswith(str(target)) for p in where.split()), where
+    proc = subprocess.Popen([str(script), "serve", "--engine", "synthetic", "--port", "0", "--no-tls",
+                             "--progress", "lines", "--log-level", "warning"],
+                            cwd=run_dir, env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        url, lines = "", []
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                raise AssertionError(f"the installed gateway exited ({proc.wait()}): {lines}")
+            lines.append(line)
+            if m := re.search(r"listening on (http://\S+)", line):
+                url = m.group(1)
+            if line.startswith("quicserve: ready"):
+                break
+        assert url, lines
+        assert _get(url + "/readyz")[0] == 200
+        status, body = _get(url + "/v1/chat/completions",
+                            {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+        assert status == 200 and body["usage"]["completion_tokens"] == 4
+    finally:
+        proc.terminate()
+        assert proc.wait(30) == 0
