@@ -24,7 +24,6 @@ import shlex
 import shutil
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
@@ -32,6 +31,7 @@ import pytest
 
 from gateway.cli import build_parser
 from gateway.settings import Settings, load_settings
+from tests.integration.test_gateway_e2e import wait_ready
 
 REPO = Path(__file__).resolve().parents[2]
 DOCKERFILE = REPO / "Dockerfile"
@@ -142,19 +142,7 @@ def test_image_install_step_replayed(tmp_path: Path) -> None:
                              "--progress", "lines", "--log-level", "warning"],
                             cwd=run_dir, env=env, stdout=subprocess.PIPE, text=True)
     try:
-        assert proc.stdout is not None
-        url, lines = "", []
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                raise AssertionError(f"the installed gateway exited ({proc.wait()}): {lines}")
-            lines.append(line)
-            if m := re.search(r"listening on (http://\S+)", line):
-                url = m.group(1)
-            if line.startswith("quicserve: ready"):
-                break
-        assert url, lines
+        url = wait_ready(proc).http
         assert _get(url + "/readyz")[0] == 200
         status, body = _get(url + "/v1/chat/completions",
                             {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})

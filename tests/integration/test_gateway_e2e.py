@@ -63,7 +63,11 @@ class Gateway:
 def start_gateway(tmp: Path, *extra: str) -> Gateway:
     cmd = [sys.executable, "-m", "gateway.cli", "serve", "--engine", "synthetic", "--port", "0", "--tls-port", "0",
            "--state-dir", str(tmp), "--progress", "lines", "--log-level", "warning", *extra]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, text=True)
+    return wait_ready(subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, text=True))
+
+
+def wait_ready(proc: subprocess.Popen[str]) -> Gateway:
+    """Read a starting ``quicserve serve``'s output until it says it is ready."""
     assert proc.stdout is not None
     lines: list[str] = []
     http = https = ""
