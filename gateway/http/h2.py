@@ -32,6 +32,7 @@ from gateway.errors import APIError, render_json
 from gateway.http.common import (
     ERROR_HEADERS,
     ClientDisconnected,
+    HttpLimits,
     ServerState,
     decode_target,
     error_body,
@@ -95,13 +96,7 @@ class H2Protocol(asyncio.Protocol):
             normalize_outbound_headers=False,
         )
         self._h2 = h2.connection.H2Connection(config)
-        self._h2.local_settings = h2.settings.Settings(
-            client=False,
-            initial_values={
-                h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: limits.h2_max_concurrent_streams,
-                h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: limits.h2_initial_window_size,
-            },
-        )
+        self._h2.local_settings = _local_settings(limits, limits.h2_max_concurrent_streams)
         # A header block past the limit gets a 431 on its stream; only one far past
         # it (memory guard) is a connection error inside hpack.
         self._h2.decoder.max_header_list_size = max(4 * limits.max_header_bytes, 65536)
@@ -125,6 +120,11 @@ class H2Protocol(asyncio.Protocol):
             self._client = (str(peer[0]), int(peer[1]))
         self._srv.connections.add(self)
         self._h2.initiate_connection()
+        # h2 treats a stream past the advertised MAX_CONCURRENT_STREAMS as a connection error,
+        # losing every stream of that read (a client may open more before it reads our SETTINGS);
+        # RFC 9113 5.1.2 makes it a stream error. So h2 keeps no limit of its own once the
+        # SETTINGS are framed, and _on_request refuses the extra streams.
+        self._h2.local_settings = _local_settings(self._limits, 2**31 - 1)
         self._h2.increment_flow_control_window(_CONN_WINDOW - 65535)
         self._last_activity = self._loop.time()
         self._timer = self._loop.call_later(self._tick, self._on_tick)
@@ -203,8 +203,8 @@ class H2Protocol(asyncio.Protocol):
     # ---- events -----------------------------------------------------------
     def _on_request(self, ev: h2.events.RequestReceived, now: float) -> None:
         sid = ev.stream_id
-        if self._goaway_sent:
-            self._h2.reset_stream(sid, ErrorCodes.REFUSED_STREAM)
+        if self._goaway_sent or self._at_stream_limit():
+            self._h2.reset_stream(sid, ErrorCodes.REFUSED_STREAM)  # never started: the client may retry it
             return
         st = _Stream(sid, now)
         self._streams[sid] = st
@@ -248,6 +248,13 @@ class H2Protocol(asyncio.Protocol):
             self._reject(st, 400, "invalid UTF-8 in request target", done)
             return
         st.headers = headers
+
+    def _at_stream_limit(self) -> bool:
+        limit = self._limits.h2_max_concurrent_streams
+        if len(self._streams) < limit:
+            return False
+        # a stream the client reset is closed to it even while its handler is still unwinding
+        return sum(not st.closed for st in self._streams.values()) >= limit
 
     def _on_data(self, ev: h2.events.DataReceived, now: float) -> None:
         sid = ev.stream_id
@@ -421,6 +428,16 @@ class H2Protocol(asyncio.Protocol):
             if self._drain_waiter is None:
                 self._drain_waiter = self._loop.create_future()
             await self._drain_waiter
+
+
+def _local_settings(limits: HttpLimits, max_streams: int) -> h2.settings.Settings:
+    return h2.settings.Settings(
+        client=False,
+        initial_values={
+            h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: max_streams,
+            h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: limits.h2_initial_window_size,
+        },
+    )
 
 
 def _response_headers(status: int, headers: Headers) -> Headers:

@@ -471,6 +471,41 @@ async def test_h2_request_body_larger_than_the_window(gw: Gw) -> None:
         await c.close()
 
 
+async def test_h2_streams_past_the_concurrency_limit_are_refused_not_the_connection(gw: Gw) -> None:
+    """A client that opens more streams than MAX_CONCURRENT_STREAMS before it has read our SETTINGS
+    gets REFUSED_STREAM on the extra ones (RFC 9113 5.1.2: a stream error, safe to retry); the
+    streams within the limit run and the connection lives."""
+    gw.conn.hang_after = 0  # nothing finishes: exactly the limit is open at once
+    limit = LIMITS.h2_max_concurrent_streams
+    c = await H2Client.open(gw)
+    try:
+        sids = []
+        for _ in range(limit + 20):
+            sid = c.h2.get_next_available_stream_id()
+            c.events[sid] = []
+            c.h2.send_headers(sid, [(":method", "POST"), (":path", "/v1/chat/completions"), (":scheme", "http"),
+                                    (":authority", "x")])
+            c.h2.send_data(sid, orjson.dumps(CHAT), end_stream=True)
+            sids.append(sid)
+        c.flush()
+        while not all(c.ended(s) for s in sids[limit:]):
+            await c.pump()
+        assert all(isinstance(c.events[s][-1], h2.events.StreamReset) and c.events[s][-1].error_code == 7
+                   for s in sids[limit:])  # REFUSED_STREAM
+        await wait_for(lambda: len(gw.conn.submits) == limit)
+        assert not any(c.events[s] for s in sids[:limit])
+        gw.conn.hang_after = None
+        c.h2.reset_stream(sids[0])
+        sid = c.request(b"")
+        await c.send_body(sid, orjson.dumps(CHAT))
+        while not c.ended(sid):
+            await c.pump()
+        assert c.status(sid) == 200
+    finally:
+        await c.close()
+    await wait_for(lambda: len(gw.conn.cancels) == limit)
+
+
 @pytest.mark.parametrize("window", [0, 16])
 @pytest.mark.parametrize("kind", ["app-400", "adapter-413"])
 async def test_h2_error_response_larger_than_the_peer_window(gw: Gw, window: int, kind: str) -> None:
