@@ -566,3 +566,19 @@ async def test_token_ids_past_32_bits_are_a_400_not_a_503(real: Gw, prompt: list
         assert err["param"] == "prompt" and err["type"] == "invalid_request_error"
         r = await c.post("/v1/completions", json={"model": "tiny", "prompt": [2**32 - 1], "max_tokens": 2})
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == "t0t1"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("field, value", [("seed", 2**64 - 1), ("seed", 2**63), ("top_k", 2**63)])
+async def test_64_bit_values_the_wire_cannot_carry_are_a_400_and_the_worker_stays(
+        real: Gw, field: str, value: int, stream: bool) -> None:
+    """The gateway may accept only what the worker's decoder accepts: a Submit it rejects is a
+    protocol error that closes the worker connection, failing every request on it."""
+    async with httpx.AsyncClient(base_url=real.url) as c:
+        r = await c.post("/v1/chat/completions", json={**CHAT, field: value, "stream": stream})
+        assert r.status_code == 400, r.text
+        assert error_of(r.content)["param"] == field
+        ok = {**CHAT, "seed": -(2**63)} if field == "seed" else {**CHAT, "top_k": 2**63 - 1}
+        r = await c.post("/v1/chat/completions", json=ok)
+        assert r.status_code == 200, r.text
+    assert not real.conn.closed
