@@ -26,7 +26,7 @@ import h2.events
 import h2.exceptions
 import h2.settings
 from h2.errors import ErrorCodes
-from hyperframe.frame import GoAwayFrame
+from hyperframe.frame import DataFrame, Frame, GoAwayFrame, HeadersFrame
 
 from gateway.errors import APIError, render_json
 from gateway.http.common import (
@@ -46,6 +46,41 @@ __all__ = ["H2Protocol"]
 
 _HOP_BY_HOP = frozenset((b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding", b"upgrade"))
 _CONN_WINDOW = 16 << 20
+
+
+class _Connection(h2.connection.H2Connection):
+    """h2's connection, with a malformed request a stream error (RFC 9113 8.1.1) as it should be.
+
+    h2 raises a connection error for a request whose header block breaks its rules (field names
+    or values, connection-specific fields, pseudo-headers, content-length) or whose body does not
+    match its content-length, which takes every other stream of the connection down with it.
+    Here such a request is noted in ``malformed`` as (stream id, why, END_STREAM seen, DATA bytes
+    left to acknowledge) for the adapter to answer with a 400; its stream is open.
+    """
+
+    def __init__(self, config: h2.config.H2Configuration) -> None:
+        super().__init__(config)
+        self.malformed: list[tuple[int, str, bool, int]] = []
+
+    def _receive_headers_frame(self, frame: HeadersFrame) -> tuple[list[Frame], list[h2.events.Event]]:
+        sid = frame.stream_id
+        new = sid not in self.streams
+        try:
+            return super()._receive_headers_frame(frame)
+        except h2.exceptions.ProtocolError as e:
+            # Only a new request whose block decoded and opened its stream: h2 checks the fields
+            # after that. HPACK, framing, state and subclassed errors stay connection errors.
+            if not new or sid not in self.streams or type(e) is not h2.exceptions.ProtocolError:
+                raise
+            self.malformed.append((sid, str(e), "END_STREAM" in frame.flags, 0))
+            return [], []
+
+    def _receive_data_frame(self, frame: DataFrame) -> tuple[list[Frame], list[h2.events.Event]]:
+        try:
+            return super()._receive_data_frame(frame)
+        except h2.exceptions.InvalidBodyLengthError as e:  # raised before END_STREAM is taken
+            self.malformed.append((frame.stream_id, str(e), False, frame.flow_controlled_length))
+            return [], []
 
 
 class _Stream:
@@ -95,7 +130,7 @@ class H2Protocol(asyncio.Protocol):
             validate_outbound_headers=False,
             normalize_outbound_headers=False,
         )
-        self._h2 = h2.connection.H2Connection(config)
+        self._h2 = _Connection(config)
         self._h2.local_settings = _local_settings(limits, limits.h2_max_concurrent_streams)
         # A header block past the limit gets a 431 on its stream; only one far past
         # it (memory guard) is a connection error inside hpack.
@@ -158,6 +193,8 @@ class H2Protocol(asyncio.Protocol):
                 self._goaway_sent = True  # no new streams either way
                 if not self._streams:
                     self._close()
+        if self._h2.malformed:
+            self._answer_malformed(now)
         self._flush()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -248,6 +285,22 @@ class H2Protocol(asyncio.Protocol):
             self._reject(st, 400, "invalid UTF-8 in request target", done)
             return
         st.headers = headers
+
+    def _answer_malformed(self, now: float) -> None:
+        answered: set[int] = set()  # one stream may be noted again by its following DATA frames
+        for sid, why, client_done, unacked in self._h2.malformed:
+            if unacked:
+                self._h2.acknowledge_received_data(unacked, sid)
+            if sid in answered:
+                continue
+            answered.add(sid)
+            st = self._streams.get(sid)
+            if st is None:
+                st = self._streams[sid] = _Stream(sid, now)
+            elif st.closed or st.task is not None:
+                continue
+            self._reject(st, 400, f"malformed request: {why}", client_done)
+        self._h2.malformed.clear()
 
     def _at_stream_limit(self) -> bool:
         limit = self._limits.h2_max_concurrent_streams

@@ -506,6 +506,63 @@ async def test_h2_streams_past_the_concurrency_limit_are_refused_not_the_connect
     await wait_for(lambda: len(gw.conn.cancels) == limit)
 
 
+@pytest.mark.parametrize(
+    "headers, body",
+    [
+        ([("connection", "keep-alive")], None),
+        ([("te", "gzip")], None),
+        ([("X-Upper", "1")], None),
+        ([("x-space", " padded ")], None),
+        ([("content-length", "abc")], None),
+        ([("content-length", "3")], None),  # the body is longer
+        ([("content-length", "500")], None),  # the body is shorter
+        ([(":foo", "b")], None),
+        ([("x", "1"), (":scheme", "http")], None),  # a pseudo-header after a regular one
+        ([], b""),  # no body and END_STREAM on HEADERS: :path missing below
+    ],
+    ids=["connection", "te", "uppercase", "whitespace", "cl-not-a-number", "cl-short", "cl-long", "unknown-pseudo",
+         "pseudo-after-regular", "no-path"],
+)
+async def test_h2_malformed_request_is_a_400_on_its_stream_not_the_connection(
+        gw: Gw, headers: list[tuple[str, str]], body: bytes | None) -> None:
+    """RFC 9113 8.1.1: a malformed request is a stream error. Its neighbours on the connection
+    keep running (h2 itself would tear the connection down, cancelling them)."""
+    gw.conn.hang_after = 1
+    c = await H2Client.open(gw)
+    c.h2.config.validate_outbound_headers = c.h2.config.normalize_outbound_headers = False
+    try:
+        running = c.request(b"")
+        await c.send_body(running, orjson.dumps({**CHAT, "stream": True}))
+        while not c.body_of(running):
+            await c.pump()
+        sid = c.h2.get_next_available_stream_id()
+        c.events[sid] = []
+        base = [(":method", "POST"), (":path", "/v1/chat/completions"), (":scheme", "http"), (":authority", "x")]
+        if body is not None:
+            base = [h for h in base if h[0] != ":path"]
+        base = [h for h in base if h[0] not in {k for k, _ in headers if k.startswith(":")}]
+        c.h2.send_headers(sid, base + headers, end_stream=body is not None)
+        if body is None:  # in two DATA frames: a length error may show on each
+            c.h2.send_data(sid, orjson.dumps(CHAT))
+            c.h2.send_data(sid, b" ", end_stream=True)
+        c.flush()
+        while not c.ended(sid):
+            await c.pump()
+        assert c.status(sid) == 400
+        assert gw.app.metrics.protocol_errors.labels("400", "h2")._value.get() == 1  # answered once
+        assert "malformed request" in error_of(c.body_of(sid))["message"]
+        assert not c.ended(running) and gw.conn.cancels == []
+        gw.conn.hang_after = None
+        sid = c.request(b"")
+        await c.send_body(sid, orjson.dumps(CHAT))
+        while not c.ended(sid):
+            await c.pump()
+        assert c.status(sid) == 200  # the connection still serves
+    finally:
+        await c.close()
+    await wait_for(lambda: gw.conn.cancels == [1])  # the running stream ended with the connection
+
+
 @pytest.mark.parametrize("window", [0, 16])
 @pytest.mark.parametrize("kind", ["app-400", "adapter-413"])
 async def test_h2_error_response_larger_than_the_peer_window(gw: Gw, window: int, kind: str) -> None:
