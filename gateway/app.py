@@ -54,6 +54,9 @@ class App:
             "/readyz": {"GET": self.readyz},
             "/metrics": {"GET": self.metrics_page},
         }
+        for methods in self.routes.values():
+            if "GET" in methods:  # RFC 9110 9.1; the adapters send a HEAD response without its body
+                methods.setdefault("HEAD", methods["GET"])
         self._allow = {path: ", ".join(sorted(m)).encode() for path, m in self.routes.items()}
         if pool.on_retry is None:
             pool.on_retry = self.metrics.retries.inc
@@ -67,7 +70,7 @@ class App:
         if methods is not None:
             handler = methods.get(req.method) or self._not_allowed
         elif path.startswith("/v1/models/") and len(path) > 11:
-            handler = self.openai.model if req.method == "GET" else self._not_allowed
+            handler = self.openai.model if req.method in ("GET", "HEAD") else self._not_allowed
             route = "/v1/models/{id}"
         else:
             handler, route = self._not_found, "other"
@@ -78,7 +81,7 @@ class App:
                        "invalid_request_error", None, "unknown_url")
 
     async def _not_allowed(self, req: Request, sink: ResponseSink, t0: float) -> int:
-        allow = self._allow.get(req.path, b"GET")
+        allow = self._allow.get(req.path, b"GET, HEAD")
         await sink.respond(405, [*JSON_HEADERS, (b"allow", allow)], render_json(APIError(
             405, f"Method {req.method} is not allowed for {req.path}; allowed: {allow.decode()}.",
             "invalid_request_error", None, "method_not_allowed")))

@@ -173,6 +173,42 @@ async def test_half_close_after_a_request_counts_as_gone(gw: Gw) -> None:
     writer.close()
 
 
+async def test_http10_requests(gw: Gw) -> None:
+    """HTTP/1.0: a whole response has its length; a stream's body ends at close (no chunked)."""
+    raw = chat().replace(b"HTTP/1.1", b"HTTP/1.0")
+    res = await exchange(gw, [raw], 1, ["POST"])
+    assert res[0][0] == 200 and orjson.loads(res[0][2])["choices"][0]["message"]["content"] == "abcdef"
+    reader, writer = await asyncio.open_connection("127.0.0.1", gw.server.port)
+    writer.write(chat(stream=True, max_tokens=3).replace(b"HTTP/1.1", b"HTTP/1.0"))
+    data = await asyncio.wait_for(reader.read(), 2)  # until the server closes
+    writer.close()
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 ") and b"transfer-encoding" not in head.lower()
+    assert body.endswith(b"data: [DONE]\n\n") and body.count(b"chat.completion.chunk") == 5
+
+
+async def test_connection_close_ends_the_pipeline(gw: Gw) -> None:
+    raw = chat().replace(b"Host: x\r\n", b"Host: x\r\nconnection: close\r\n") + chat()
+    reader, writer = await asyncio.open_connection("127.0.0.1", gw.server.port)
+    writer.write(raw)
+    data = await asyncio.wait_for(reader.read(), 2)
+    writer.close()
+    res = parse_responses(data, ["POST", "POST"])
+    assert [r[0] for r in res] == [200] and res[0][1][b"connection"] == b"close"
+    assert len(gw.conn.submits) == 1  # what came after "close" was not run
+
+
+@pytest.mark.parametrize("extra, status", [(0, 200), (1, 413)])
+async def test_body_at_the_limit(gw: Gw, extra: int, status: int) -> None:
+    body = orjson.dumps(CHAT)
+    body = body[:-1] + b" " * (LIMITS.max_body_bytes - len(body) + extra) + b"}"
+    res = await exchange(gw, [post("/v1/chat/completions", body)], 1, ["POST"])
+    assert res[0][0] == status
+    if status != 200:
+        error_of(res[0][2])
+    await still_serves(gw)
+
+
 # -- HTTP/1.1 framing ----------------------------------------------------------------------------
 
 BODY = orjson.dumps(CHAT)
@@ -272,6 +308,19 @@ async def test_other_methods_on_the_chat_route(gw: Gw, method: bytes, status: in
         assert error_of(res[0][2])["code"] == "method_not_allowed"
     else:
         assert res[0][2] == b"" and int(res[0][1][b"content-length"]) > 0
+
+
+@pytest.mark.parametrize("path", ["/healthz", "/readyz", "/v1/models", "/v1/models/tiny", "/metrics"])
+@pytest.mark.parametrize("h2", [False, True])
+async def test_head_on_get_routes(gw: Gw, path: str, h2: bool) -> None:
+    """RFC 9110 9.1: a server supports HEAD wherever it supports GET (load balancers probe with it)."""
+    async with httpx.AsyncClient(base_url=gw.url, http1=not h2, http2=h2) as c:
+        get = await c.get(path)
+        head = await c.head(path)
+    assert get.status_code == head.status_code == 200 and head.content == b""
+    assert head.headers["content-type"] == get.headers["content-type"]
+    if path != "/metrics":  # the metrics page changes between the two requests
+        assert head.headers["content-length"] == str(len(get.content))
 
 
 # -- JSON bodies --------------------------------------------------------------------------------
@@ -416,14 +465,18 @@ class H2Client:
             await self.w.wait_closed()
 
 
-async def test_h2_rst_stream_mid_stream_cancels_on_the_worker(gw: Gw) -> None:
+@pytest.mark.parametrize("stream", [False, True])
+async def test_h2_rst_stream_mid_request_cancels_on_the_worker(gw: Gw, stream: bool) -> None:
     gw.conn.hang_after = 2
     c = await H2Client.open(gw)
     try:
         sid = c.request(b"")
-        await c.send_body(sid, orjson.dumps({**CHAT, "stream": True}))
-        while b'"content":"b"' not in c.body_of(sid):
-            await c.pump()
+        await c.send_body(sid, orjson.dumps({**CHAT, "stream": stream}))
+        if stream:
+            while b'"content":"b"' not in c.body_of(sid):
+                await c.pump()
+        else:
+            await wait_for(lambda: gw.conn.submits)
         c.h2.reset_stream(sid)
         c.flush()
         await wait_for(lambda: gw.conn.cancels == [1])
