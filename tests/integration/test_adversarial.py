@@ -427,14 +427,14 @@ class H2Client:
         self.flush()
         return sid
 
-    async def send_body(self, sid: int, body: bytes) -> None:
+    async def send_body(self, sid: int, body: bytes, end: bool = True) -> None:
         view = memoryview(body)
         while view:
             n = min(self.h2.local_flow_control_window(sid), self.h2.max_outbound_frame_size, len(view))
             if n == 0:
                 await self.pump()
                 continue
-            self.h2.send_data(sid, view[:n].tobytes(), end_stream=n == len(view))
+            self.h2.send_data(sid, view[:n].tobytes(), end_stream=end and n == len(view))
             view = view[n:]
             self.flush()
 
@@ -510,18 +510,24 @@ async def test_h2_many_streams_one_bad(gw: Gw) -> None:
 
 
 async def test_h2_request_body_larger_than_the_window(gw: Gw) -> None:
-    """A 60 KiB body over a stream whose window the server must reopen as it reads."""
-    body = orjson.dumps({**CHAT, "messages": [{"role": "user", "content": "x" * 60000}]})
-    c = await H2Client.open(gw)
+    """A 300 KB body over a stream (and connection) whose 64 KiB receive window the server must
+    reopen as it reads; a second stream's whole request comes in the middle of it."""
+    limits = HttpLimits(max_body_bytes=1 << 20, h2_initial_window_size=65535)
+    server = await start_server(gw.app, host="127.0.0.1", port=0, limits=limits)
+    big = orjson.dumps({**CHAT, "messages": [{"role": "user", "content": "x" * 300_000}]})
+    c = await H2Client.open(Gw(gw.app, gw.conn, server))
     try:
-        sid = c.request(b"")
-        await c.send_body(sid, body)
-        while not c.ended(sid):
+        a, b = c.request(b""), c.request(b"")
+        await c.send_body(a, big[:70_000], end=False)  # past the 64 KiB windows: waits for WINDOW_UPDATE
+        await c.send_body(b, orjson.dumps(CHAT))
+        await c.send_body(a, big[70_000:])
+        while not (c.ended(a) and c.ended(b)):
             await c.pump()
-        assert c.status(sid) == 200
-        assert gw.conn.submits[0].messages[0]["content"] == "x" * 60000
+        assert c.status(a) == c.status(b) == 200
+        assert sorted(len(s.messages[0]["content"]) for s in gw.conn.submits) == [2, 300_000]
     finally:
         await c.close()
+        await server.close()
 
 
 async def test_h2_streams_past_the_concurrency_limit_are_refused_not_the_connection(gw: Gw) -> None:
