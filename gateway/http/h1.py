@@ -10,10 +10,11 @@ shut and input is drained for ``linger_timeout`` so the client reads the error
 instead of a reset.
 
 Reading is never paused while a handler runs (so a client that goes away is
-noticed and its handler cancelled); it is paused only when ``max_pipelined``
-requests are waiting. One lazy timer per connection enforces header, body-stall
-and keep-alive deadlines: moving a deadline later costs nothing, the timer
-re-arms itself when it fires early.
+noticed and its handler cancelled). Once ``max_pipelined`` requests are waiting,
+later input is held unparsed while reading goes on (a close is still seen), and
+reading pauses only when that held input passes 64 KiB. One lazy timer per
+connection enforces header, body-stall and keep-alive deadlines: moving a
+deadline later costs nothing, the timer re-arms itself when it fires early.
 
 Output is coalesced: writes go to a list that is flushed once per loop
 iteration (or early past 64 KiB, so backpressure is seen).
@@ -47,6 +48,7 @@ __all__ = ["H1Protocol", "H2_PREFACE"]
 H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 _IDLE, _HEADERS, _BODY = 0, 1, 2
 _FLUSH_EARLY = 64 << 10
+_HOLD_MAX = 64 << 10  # unparsed input held while the pipeline is full, before reading pauses
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
 _STATUS_LINES: dict[int, bytes] = {}
@@ -112,6 +114,7 @@ class H1Protocol(asyncio.Protocol):
         self._task: Call | None = None  # the running handler: an asyncio.Task, or a fast-path Call
         self._input_closed = False
         self._closing = False
+        self._held: bytearray | None = None  # input not parsed while max_pipelined requests wait
         self._reading_paused = False
         # output
         self._out: list[bytes] = []
@@ -157,6 +160,9 @@ class H1Protocol(asyncio.Protocol):
             self._upgrade_body(data)
             return
         if self._input_closed:
+            return
+        if self._held is not None:
+            self._hold(data)
             return
         self._now = self._loop.time()
         seq = self._msg_seq
@@ -324,9 +330,8 @@ class H1Protocol(asyncio.Protocol):
             self._start(request, keep_alive, http10)
         else:
             self._queue.append(_Queued(request, keep_alive, http10, None))
-            if len(self._queue) >= self._limits.max_pipelined and self._transport is not None:
-                self._transport.pause_reading()
-                self._reading_paused = True
+            if len(self._queue) >= self._limits.max_pipelined and self._held is None:
+                self._held = bytearray()
 
     def _upgrade_body(self, data: bytes) -> None:
         take = data[: self._upgrade_left]
@@ -373,14 +378,13 @@ class H1Protocol(asyncio.Protocol):
     def _next(self) -> None:
         if self._queue:
             item = self._queue.popleft()
-            if self._reading_paused and len(self._queue) < self._limits.max_pipelined and self._transport:
-                self._reading_paused = False
-                self._transport.resume_reading()
             if item.error is not None:
                 self._write_error(item.error)
             else:
                 assert item.request is not None
                 self._start(item.request, item.keep_alive, item.http10)
+            if self._held is not None and len(self._queue) < self._limits.max_pipelined:
+                self._release_held()  # after the start: what it parses queues behind this request
             return
         if self._input_closed:
             self._close_after_flush()
@@ -389,6 +393,22 @@ class H1Protocol(asyncio.Protocol):
         elif self._continue_pending:
             self._continue_pending = False
             self._write(_CONTINUE)
+
+    def _hold(self, data: bytes) -> None:
+        held = self._held
+        assert held is not None
+        held += data
+        if len(held) > _HOLD_MAX and not self._reading_paused and self._transport is not None:
+            self._transport.pause_reading()
+            self._reading_paused = True
+
+    def _release_held(self) -> None:
+        held, self._held = self._held, None
+        if self._reading_paused and self._transport is not None:
+            self._reading_paused = False
+            self._transport.resume_reading()
+        if held and self._transport is not None:
+            self.data_received(bytes(held))
 
     def _protocol_error(self, status: int, message: str) -> None:
         self._srv.report(status, "http/1.1", message)

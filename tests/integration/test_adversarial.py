@@ -160,6 +160,18 @@ async def test_client_closing_with_pipelined_requests_cancels_only_the_running_o
     assert len(gw.conn.submits) == 1  # the queued ones never reached a worker
 
 
+async def test_client_leaving_a_full_pipeline_cancels_the_running_request(gw: Gw) -> None:
+    """More pipelined requests than ``max_pipelined`` at once: the server still notices the close."""
+    gw.conn.hang_after = 1
+    reader, writer = await asyncio.open_connection("127.0.0.1", gw.server.port)
+    writer.write(chat() * (LIMITS.max_pipelined + 24))
+    await wait_for(lambda: gw.conn.submits)
+    writer.close()
+    await wait_for(lambda: gw.conn.cancels == [1])
+    await wait_for(lambda: gw.server.in_flight == 0)
+    assert len(gw.conn.submits) == 1
+
+
 async def test_half_close_after_a_request_counts_as_gone(gw: Gw) -> None:
     """A client that shuts its write side is treated as gone (as Go's net/http and nginx do):
     its request is cancelled on the worker."""

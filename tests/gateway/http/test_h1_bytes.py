@@ -310,14 +310,23 @@ async def test_disconnect_cancels_handler() -> None:
     assert rec.cancelled == ["/hold"]
 
 
-async def test_pipelining_depth_pauses_reading() -> None:
+async def test_pipelining_depth_holds_input_then_pauses_reading() -> None:
+    """Past ``max_pipelined`` waiting requests, input is held unparsed while reading goes on (so a
+    client that leaves is still noticed); reading pauses once the held input passes 64 KiB."""
     proto, t, rec, state, _ = make_conn()
     proto.data_received(b"GET /hold HTTP/1.1\r\nHost: x\r\n\r\n" + GET * FAST_LIMITS.max_pipelined)
     await rec.started.wait()
-    assert t.paused
+    more = (64 << 10) // len(GET) + 1
+    for _ in range(more):
+        assert not t.paused
+        proto.data_received(GET)
+    assert t.paused and len(rec.seen) == 1
     rec.release.set()
-    await settle(lambda: len(rec.finished) == 1 + FAST_LIMITS.max_pipelined)
+    await settle(lambda: len(rec.finished) == 1 + FAST_LIMITS.max_pipelined + more)
     assert not t.paused
+    assert [r.query for r in rec.seen[1:]] == ["a=1"] * (FAST_LIMITS.max_pipelined + more)
+    res = parse_responses(t.take())
+    assert len(res) == 1 + FAST_LIMITS.max_pipelined + more and res[0][2] == b"first\nsecond\n"
 
 
 async def test_h2c_preface_hands_over() -> None:
