@@ -1,5 +1,6 @@
 """Adversarial input at the front door, over real sockets on 127.0.0.1: the app behind the
-real HTTP/1.1 and h2c listeners with the ScriptedWorkerConnection double for a worker.
+real HTTP/1.1 and h2c listeners with the ScriptedWorkerConnection double for a worker (and,
+where the Submit's encoding matters, a real transport connection to the EchoWorker double).
 
 What a user would notice: every bad request gets the OpenAI error JSON with the right
 status and the connection (or the server) keeps serving; pipelined responses come back
