@@ -329,6 +329,20 @@ async def test_pipelining_depth_holds_input_then_pauses_reading() -> None:
     assert len(res) == 1 + FAST_LIMITS.max_pipelined + more and res[0][2] == b"first\nsecond\n"
 
 
+async def test_held_input_keeps_order_and_errors_last() -> None:
+    """Input held while the pipeline is full is parsed later in order, a bad request in it included."""
+    proto, t, rec, state, _ = make_conn()
+    proto.data_received(b"GET /hold HTTP/1.1\r\nHost: x\r\n\r\n" + GET * FAST_LIMITS.max_pipelined)
+    await rec.started.wait()
+    for piece in (POST[:20], POST[20:] + CHUNKED, b"BROKEN\r\n\r\n" + GET):
+        proto.data_received(piece)
+    rec.release.set()
+    await settle(lambda: t.closed, timeout=FAST_LIMITS.linger_timeout + 1)
+    res = parse_responses(t.take(), [b"GET"] * (1 + FAST_LIMITS.max_pipelined) + [b"POST", b"POST", b"GET"])
+    assert [r[0] for r in res] == [200] * (3 + FAST_LIMITS.max_pipelined) + [400]
+    assert [orjson.loads(r[2])["body_len"] for r in res[-3:-1]] == [5, 5]
+
+
 async def test_h2c_preface_hands_over() -> None:
     proto, t, rec, state, _ = make_conn()
     proto.data_received(b"PRI * HTTP/2.0\r\n")  # partial preface: wait and see
