@@ -97,7 +97,14 @@ def _params_bytes(p: SamplingParams) -> bytes:
     return out
 
 
+_I64_MAX = (1 << 63) - 1
+
+
 def _params_fields(p: SamplingParams) -> list[object]:
+    # The decoder's ranges: a SUBMIT outside them is a protocol error that closes the connection.
+    if not (0 <= p.max_tokens <= _I64_MAX and 0 <= p.top_k <= _I64_MAX) or (
+            p.seed is not None and not -_I64_MAX - 1 <= p.seed <= _I64_MAX):
+        raise ValueError("max_tokens and top_k must be in 0..2**63-1 and seed in -2**63..2**63-1")
     return [
         p.max_tokens,
         float(p.temperature),

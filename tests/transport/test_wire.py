@@ -296,6 +296,18 @@ def test_encoder_rejects_inconsistent_batches() -> None:
         enc.encode(Finish(9, FinishReason.STOP, 0, 0))  # not open
 
 
+def test_encoder_refuses_params_the_decoder_would_reject() -> None:
+    """Such a SUBMIT would close the whole connection at the peer; refused here it fails one request."""
+    enc = FrameEncoder()
+    for params in (SamplingParams(seed=1 << 63), SamplingParams(seed=-(1 << 63) - 1), SamplingParams(top_k=1 << 63),
+                   SamplingParams(max_tokens=-1)):
+        with pytest.raises(ValueError):
+            enc.encode(Submit(1, "m", params, prompt="p"))
+    edge = Submit(1, "m", SamplingParams(seed=-(1 << 63), top_k=(1 << 63) - 1), prompt="p")
+    (out,) = FrameDecoder().feed(enc.encode(edge))
+    assert isinstance(out, Submit) and (out.params.seed, out.params.top_k) == (-(1 << 63), (1 << 63) - 1)
+
+
 # --- garbage / truncation corpus --------------------------------------------------------------
 
 
