@@ -197,6 +197,7 @@ class FlowConnection:
         self.goodbye_received = False
         self.heartbeat_interval = heartbeat_interval
         self.dead_after = dead_after
+        self._max_streams = max_streams
         streams = StreamTable(max_streams)
         self._enc = FrameEncoder(streams)
         self._dec = FrameDecoder(streams, self.local_hello.max_frame)
@@ -299,6 +300,8 @@ class FlowConnection:
             raise ConnectionClosed("connection is draining (Goodbye)")
         if submit.request_id in self._gw:
             raise ValueError(f"request id {submit.request_id} is in use")
+        if len(self._gw) >= self._max_streams:
+            raise ConnectionClosed(f"connection has {self._max_streams} requests open (max_streams)")
         self._send(submit)
         self._gw[submit.request_id] = _GatewayRequest(
             _UNLIMITED if submit.buffered else self.local_hello.initial_credit

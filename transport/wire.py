@@ -214,10 +214,10 @@ class FrameEncoder:
         """Encode one message. Raises ``ValueError`` for messages that break the rules."""
         if type(msg) is Submit:  # the gateway's hot path (the general isinstance chain follows)
             check_rid(msg.request_id)
-            body = submit_body(msg)
+            frame = self._frame(FrameType.SUBMIT, msg.request_id, submit_body(msg))  # may raise: open after
             if not self.streams.open(msg.request_id, stream_options(msg.params)):
                 raise ValueError(f"request {msg.request_id} is already open (or too many streams)")
-            return self._frame(FrameType.SUBMIT, msg.request_id, body)
+            return frame
         if isinstance(msg, TokenBatch):
             flags, body = self._tokens.encode(msg)
             return self._frame(FrameType.TOKENS, 0, body, flags)

@@ -20,6 +20,7 @@ from typing import TypeGuard
 
 from transport.api import RequestStream, StreamEvent, WorkerConnection
 from transport.client import Collected
+from transport.errors import ConnectionClosed
 from transport.messages import Error, ErrorCode, Finish, Submit, TokenEntry
 
 from ..errors import APIError
@@ -144,9 +145,15 @@ class RoutedStream:
             self._tried += (conn,)
             try:
                 self._stream = conn.submit(self._make(conn.next_request_id()))
-            except Exception as e:  # closed under our feet: that worker cannot take it
+            except ConnectionClosed as e:  # closed, draining or full under our feet: try another worker
                 log.info("submit to a worker failed (%s); trying another", e)
                 continue
+            except ValueError as e:  # the request breaks a wire rule (an encoder check): no worker can take it
+                raise APIError(400, f"The request cannot be sent to a worker: {e}", "invalid_request_error",
+                               None, "invalid_value") from None
+            except Exception:  # a bug, not the worker's state: not a retryable 503
+                log.exception("submit to a worker failed")
+                raise APIError(500, "Internal server error.", "server_error", None, "internal_error") from None
             self.conn = conn
             return
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import orjson
 
+from transport.errors import ConnectionClosed
 from transport.messages import (
     Error,
     ErrorCode,
@@ -77,6 +78,7 @@ class ScriptedWorkerConnection:
     fail_after: int | None = None  # Error(INTERNAL) after this many tokens
     logprobs_value: float = -0.5
     prompt_tokens: int = 7
+    submit_raises: Exception | None = None  # what submit() raises instead of opening a stream
     latest_stats: Stats | None = None
     closed: bool = False
     submits: list[Submit] = field(default_factory=list)
@@ -99,7 +101,10 @@ class ScriptedWorkerConnection:
 
     def submit(self, submit: Submit) -> ScriptedStream:
         if self.closed:
-            raise ConnectionError("scripted connection is closed")
+            raise ConnectionClosed("scripted connection is closed")
+        if self.submit_raises is not None:
+            self.submits.append(submit)
+            raise self.submit_raises
         self.submits.append(submit)
         rid = submit.request_id
         s = self.streams[rid] = ScriptedStream(self, rid)

@@ -11,6 +11,7 @@ from gateway.app import App
 from gateway.http.types import Request
 from gateway.routing.pool import ModelPool
 from gateway.settings import ApiSettings
+from transport.errors import ConnectionClosed
 from transport.messages import ErrorCode, Stats
 
 from .doubles import RecordingSink, ScriptedWorkerConnection, sse_events
@@ -257,6 +258,24 @@ async def test_no_retry_left_gives_502() -> None:
     app = make_app(ScriptedWorkerConnection(fail_before_first=ErrorCode.CONNECTION_LOST), retries=1)
     s = await call(app, req("/v1/chat/completions", CHAT))
     assert s.status == 502 and s.json()["error"]["code"] == "worker_connection_lost"
+
+
+@pytest.mark.parametrize(("exc", "status", "code", "second_used"), [
+    (ConnectionClosed("closed under our feet"), 200, None, True),  # that worker cannot take it: the next one
+    (ValueError("seed out of range"), 400, "invalid_value", False),  # no worker could: not a retryable 503
+    (RuntimeError("a bug"), 500, "internal_error", False),
+], ids=["closed", "wire-rule", "bug"])
+async def test_submit_failures_are_told_apart(exc: Exception, status: int, code: str | None,
+                                              second_used: bool) -> None:
+    first, second = ScriptedWorkerConnection(submit_raises=exc), ScriptedWorkerConnection()
+    app = make_app(first, second)
+    first._open.add(0)  # busier than the second one only after it failed: it is chosen first
+    second._open.update((0, 1))
+    s = await call(app, req("/v1/chat/completions", CHAT))
+    # (the task-free path declines a request pool.open refuses; the task path then tries it again)
+    assert s.status == status and first.submits and bool(second.submits) == second_used
+    if code is not None:
+        assert s.json()["error"]["code"] == code and s.header(b"retry-after") is None
 
 
 async def test_all_workers_closed_gives_503() -> None:

@@ -365,3 +365,33 @@ def test_buffered_submit_rules_on_the_wire() -> None:
     head = bytes([1, FrameType.SUBMIT, 0, 0]) + (5).to_bytes(4, "little") + len(body).to_bytes(4, "little")
     with pytest.raises(WireError, match="buffered"):
         FrameDecoder().feed(head + body)
+
+
+def test_a_submit_that_cannot_be_framed_leaves_nothing_open() -> None:
+    """Too big for the peer's max_frame: ValueError, and the request id is free again (the encoder
+    frames before it opens the stream, the core registers after it sends)."""
+    p = Pair()
+    big = Submit(1, "m", prompt="x" * (p.gw.peer_hello.max_frame + 1))  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match="max_frame"):
+        p.gw.submit(big)
+    assert not p.gw.is_open(1) and p.gw.in_flight == 0
+    p.gw.submit(Submit(1, "m", prompt="hi"))
+    p.pump()
+    assert [e.submit.request_id for e in p.wk_events if isinstance(e, SubmitReceived)] == [1]
+
+
+def test_a_connection_with_max_streams_open_refuses_as_closed() -> None:
+    """A full connection is one the pool should pass over (ConnectionClosed), not a bad request."""
+    gw = FlowConnection("gateway", Hello(), 0.0, max_streams=2)
+    wk = FlowConnection("worker", Hello(models=("m",)), 0.0)
+    wk.receive_data(gw.data_to_send(), 0.0)
+    gw.receive_data(wk.data_to_send(), 0.0)
+    gw.submit(Submit(1, "m", prompt="a"))
+    gw.submit(Submit(2, "m", prompt="b"))
+    with pytest.raises(ConnectionClosed, match="max_streams"):
+        gw.submit(Submit(3, "m", prompt="c"))
+    wk.receive_data(gw.data_to_send(), 0.0)
+    wk.send_finish(Finish(1, FinishReason.STOP, 1, 1))
+    gw.receive_data(wk.data_to_send(), 0.0)
+    gw.submit(Submit(3, "m", prompt="c"))  # room again
+    assert gw.in_flight == 2
