@@ -93,8 +93,18 @@ class OpenAIHandlers:
         return self._generate(self._parse(parse_completion, req), sink, t0, COMPLETIONS_ROUTE)
 
     def _parse(self, parse: Callable[..., GenerationRequest], req: Request) -> GenerationRequest:
-        return parse(req.body, default_max_tokens=self.api.default_max_tokens,
-                     max_tokens_limit=self.api.max_tokens_limit, deadline_ms=self._deadline_ms)
+        try:
+            return parse(req.body, default_max_tokens=self.api.default_max_tokens,
+                         max_tokens_limit=self.api.max_tokens_limit, deadline_ms=self._deadline_ms)
+        except APIError:
+            # Only now, off the success path: a compressed body fails to parse, and "not valid JSON"
+            # would send its sender looking in the wrong place.
+            coding = next((v for k, v in req.headers if k == b"content-encoding"), b"identity")
+            if coding.strip().lower() not in (b"", b"identity"):
+                raise APIError(415, f"Content-Encoding {coding.decode('latin-1')!r} is not supported; send the "
+                               "request body uncompressed.", "invalid_request_error", None,
+                               "unsupported_content_encoding") from None
+            raise
 
     def parse(self, req: Request) -> GenerationRequest | None:
         """A generation route's body, parsed; None for another route or a body that does not

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gzip
 
 import orjson
 import pytest
@@ -258,6 +259,20 @@ async def test_no_retry_left_gives_502() -> None:
     app = make_app(ScriptedWorkerConnection(fail_before_first=ErrorCode.CONNECTION_LOST), retries=1)
     s = await call(app, req("/v1/chat/completions", CHAT))
     assert s.status == 502 and s.json()["error"]["code"] == "worker_connection_lost"
+
+
+@pytest.mark.parametrize(("coding", "status"), [(b"gzip", 415), (b" GZIP ", 415), (b"identity", 400)])
+async def test_compressed_body_is_415_not_bad_json(coding: bytes, status: int) -> None:
+    conn = ScriptedWorkerConnection()
+    app = make_app(conn)
+    r = req("/v1/chat/completions", raw=gzip.compress(orjson.dumps(CHAT)))
+    r = Request(r.method, r.path, r.query, [(b"content-encoding", coding)], r.body, r.protocol, r.scheme)
+    s = await call(app, r)
+    assert s.status == status and not conn.submits
+    err = s.json()["error"]
+    assert (err["code"] == "unsupported_content_encoding") == (status == 415)
+    assert "uncompressed" in err["message"] if status == 415 else err["code"] == "invalid_utf8"
+    assert (await call(app, req("/v1/chat/completions", CHAT))).status == 200  # and it still serves
 
 
 @pytest.mark.parametrize(("exc", "status", "code", "second_used"), [
