@@ -41,17 +41,30 @@ sharply when the cores are shared (its batch-32 throughput was seen to drop
 our lead. The load average is printed per row; trust rows taken below ~2.
 
 What bounds the ratio (measured 2026-11-30, one pinned core, process CPU
-time, batch 32, contexts 100-200): our decode step ~49 ms = projections ~30
-ms + paged attention ~18 ms; transformers' ~70 ms = matmuls ~40 ms + SDPA
-and KV-cache ``cat`` ~13 ms + elementwise ops and Python. Prefill is
-matmul-bound on both sides (~0.75 ms per padded 128-token-bucket token).
-So the per-step lead is ~1.4x; the rest of the ratio is what transformers
-spends on padding (to the longest prompt and the longest output). A 3x lead
-at batch 32 would need a decode step below the cost of our projections
-alone. Last figures (``--stream 2``, 2 threads, load 0.6-2.1): ratio 1.88x
-/ 1.87x / 1.73x (batch 1/8/32), stream 1.97x / 2.14x / 1.82x; pinned to one
-core with ``--torch-threads 1``: cpu-ratio 1.63x / 1.67x / 1.65x, stream
-1.56x / 1.74x / 1.71x.
+time, batch 32, contexts 100-200): our decode step ~47 ms = projections ~25
+ms (1.76 GFLOP as fused multiply-reduces at ~70 GFLOP/s; XLA:CPU's best
+matmul on this core reaches ~82 at 128+ rows) + paged attention ~18 ms (8
+layers x ~2.3 ms: block gathers ~1.0 ms, near DRAM bandwidth for the ~13 MB
+of K/V copied per layer; the QK reduce over the head dim ~0.8 ms; PV ~0.4 ms;
+every row runs to the longest context) + ~4 ms norms, RoPE, cache writes and
+sampling. Transformers' step was ~70 ms (matmuls ~40 ms, SDPA and KV-cache
+``cat`` ~13 ms, elementwise ops and Python; not re-profiled). Prefill is
+matmul-bound on both sides: ours ~0.72 ms per padded token (~88 ms per
+128-token bucket call), 2.4 s of our 6.7 s batch-32 run. A 3x lead at batch
+32 needs our run at ~4.1 s against transformers' ~12-13 s on one core;
+prefill of the 2690 real prompt tokens alone costs ~1.5 s at the matmul rate
+above, leaving the decode steps ~60% of their time now: ~27 ms per batch-32
+step, about our projections alone with no attention. So 3x is out of reach
+here; the lead is the per-step ~1.5x plus what transformers spends on
+padding (to the longest prompt and output).
+
+Last figures (``--stream 2 --repeats 3``). Two threads, unpinned, load
+0.3-2.0: ratio 2.03x / 2.00x / 1.89x (batch 1/8/32), stream 2.00x / 2.33x /
+1.97x. Pinned to one core with ``--torch-threads 1``, load 1.1-2.6:
+cpu-ratio 1.72x / 1.82x / 1.95x, stream 1.65x / 1.95x / 2.05x. Batch 32
+alone, pinned, back to back at load ~1.5 against the code before the
+attention/projection work of 2026-11-30: ours 339.6 -> 383.3 tok/s,
+cpu-ratio 1.67x -> 1.85x (transformers 203.6 and 206.8 tok/s).
 
     .venv/bin/python -m tests.bench.bench_decode [--batches 1,8,32] [--layers 8] [--stream 4]
 """
