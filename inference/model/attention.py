@@ -121,13 +121,30 @@ def _rows(cache: Array) -> Array:
     return cache.reshape(cache.shape[0], -1)
 
 
+def _gather_chunk(cache: Array, scales: Array | None, blocks: Array) -> Array:
+    """Blocks ``[B,C]`` of ``cache`` as ``[B,C,bs*KV*D]`` rows (float32 values if ``scales`` is given)."""
+    # Block ids are validated by the runner; skip the bounds handling of plain indexing.
+    rows = _rows(cache).at[blocks].get(mode="promise_in_bounds")
+    if scales is None:
+        return rows
+    b, c = blocks.shape
+    bs, kv, d = cache.shape[1:]
+    s = scales.at[blocks].get(mode="promise_in_bounds")[:, :, None, :, None]  # [B,C,1,KV,1]
+    return (rows.reshape(b, c, bs, kv, d).astype(jnp.float32) * s).reshape(b, c, -1)
+
+
 def paged_decode_attention(q: Array, k_cache: Array, v_cache: Array, block_tables: Array,
-                           context_lens: Array, *, scale: float) -> Array:
+                           context_lens: Array, *, scale: float, k_scale: Array | None = None,
+                           v_scale: Array | None = None) -> Array:
     """One query per sequence over its paged KV cache.
 
     q [B,H,D]; k/v_cache [N,bs,KV,D]; block_tables [B,M]; the sequence's keys
-    are positions ``0 .. context_lens[b]-1``. Returns [B,H,D].
+    are positions ``0 .. context_lens[b]-1``. Returns [B,H,D]. With
+    ``k_scale``/``v_scale`` [N,KV] the caches hold int8/fp8 codes, dequantized
+    (``code * scale[block, head]``) per gathered chunk inside the loop.
     """
+    if (k_scale is None) != (v_scale is None):
+        raise ValueError("pass both k_scale and v_scale, or neither")
     b, h, d = q.shape
     bs, kv = k_cache.shape[1], k_cache.shape[2]
     g = h // kv
@@ -150,9 +167,8 @@ def paged_decode_attention(q: Array, k_cache: Array, v_cache: Array, block_table
     def body(i: Array, carry: tuple[Array, Array, Array]) -> tuple[Array, Array, Array]:
         m, denom, acc = carry
         blocks = jax.lax.dynamic_slice_in_dim(block_tables, i * per_chunk, per_chunk, axis=1)  # [B,C]
-        # Block ids are validated by the runner; skip the bounds handling of plain indexing.
-        kc = _rows(k_cache).at[blocks].get(mode="promise_in_bounds").reshape(b, chunk, kv, 1, d)
-        vc = _rows(v_cache).at[blocks].get(mode="promise_in_bounds").reshape(b, chunk, kv, 1, d)
+        kc = _gather_chunk(k_cache, k_scale, blocks).reshape(b, chunk, kv, 1, d)
+        vc = _gather_chunk(v_cache, v_scale, blocks).reshape(b, chunk, kv, 1, d)
         # Broadcast-multiply-reduce instead of einsum: with G=H/KV query rows per
         # KV head the dots are tiny batched matmuls that XLA:CPU feeds through a
         # transpose copy of the gathered chunk; these fused loops read it in place

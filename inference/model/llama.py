@@ -7,7 +7,12 @@ projections transposed to ``[in, out]`` (or kept ``[out, in]`` under
 projections. The KV cache is one ``[num_blocks, block_size, KV, D]`` array
 per layer for keys and one for values; a token's K/V is written to flat slot
 ``block * block_size + offset``, and a slot index ``>= num_blocks*block_size``
-means "padding, drop the write".
+means "padding, drop the write". A quantized cache (``kv_quant="int8"|"fp8"``)
+holds a ``(codes, scales)`` pair per layer instead (see
+:mod:`inference.kernels.quant`): written through the quantizing write,
+dequantized when prefill gathers its blocks and inside the decode attention.
+Which one a layer holds is known at trace time, so the float path compiles
+to the same program as before.
 
 RoPE follows the HF ``rotate_half`` convention (the layout HF checkpoints are
 already stored in), with Llama-3 frequency scaling when configured.
@@ -22,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from inference.kernels.quant import code_dtype, init_quantized_cache, write_quantized_kv_flat
 from inference.model.attention import AttentionFns
 from inference.model.config import LlamaConfig
 
@@ -31,6 +37,7 @@ __all__ = [
     "param_shapes",
     "rope_inv_freq",
     "init_kv_cache",
+    "kv_bytes_per_token",
     "prefill_forward",
     "decode_forward",
     "transpose_weights",
@@ -38,7 +45,8 @@ __all__ = [
 
 Array = jax.Array
 Params = dict[str, Any]  # {"embed", "layers": [ {...}, ...], "norm", "lm_head"?}
-KVCache = tuple[tuple[Array, ...], tuple[Array, ...]]  # (keys per layer, values per layer)
+LayerKV = Array | tuple[Array, Array]  # float [N,bs,KV,D], or (codes [N,bs,KV,D], scales [N,KV])
+KVCache = tuple[tuple[LayerKV, ...], tuple[LayerKV, ...]]  # (keys per layer, values per layer)
 
 
 def param_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
@@ -80,11 +88,24 @@ def rope_inv_freq(cfg: LlamaConfig) -> np.ndarray:
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def init_kv_cache(cfg: LlamaConfig, num_blocks: int, block_size: int, dtype: Any) -> KVCache:
+def init_kv_cache(cfg: LlamaConfig, num_blocks: int, block_size: int, dtype: Any,
+                  kv_quant: str | None = None) -> KVCache:
+    """Zeroed cache: float ``dtype`` arrays, or ``(codes, scales)`` pairs with ``kv_quant``."""
     shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
-    ks = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_hidden_layers))
-    vs = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_hidden_layers))
-    return ks, vs
+
+    def layer() -> LayerKV:
+        return jnp.zeros(shape, dtype) if kv_quant is None else init_quantized_cache(*shape, kv_quant)
+
+    n = cfg.num_hidden_layers
+    return tuple(layer() for _ in range(n)), tuple(layer() for _ in range(n))
+
+
+def kv_bytes_per_token(cfg: LlamaConfig, block_size: int, dtype: Any, kv_quant: str | None = None) -> float:
+    """Cache bytes one token takes over all layers, K and V (a quantized block's scales shared by its tokens)."""
+    per_head = cfg.head_dim * jnp.dtype(dtype if kv_quant is None else code_dtype(kv_quant)).itemsize
+    if kv_quant is not None:
+        per_head += 4 / block_size  # one float32 scale per (block, KV head)
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * per_head
 
 
 def _rms_norm(x: Array, w: Array, eps: float) -> Array:
@@ -158,8 +179,10 @@ def _linear(x: Array, p: dict[str, Array], name: str) -> Array:
     return _matmul_t(x, p[name + "_t"], x.dtype)
 
 
-def _write_cache(cache: Array, slots: Array, new: Array) -> Array:
+def _write_cache(cache: LayerKV, slots: Array, new: Array) -> LayerKV:
     """Write ``new`` [..., KV, D] at flat ``slots`` (``>= N*block_size``: dropped), in place.
+
+    A quantized ``(codes, scales)`` layer goes through the quantizing write.
 
     Indexed as (block, offset) pairs, not through a flat ``[N*bs, KV, D]``
     view: with one row XLA turns the flat-view scatter into a
@@ -167,20 +190,35 @@ def _write_cache(cache: Array, slots: Array, new: Array) -> Array:
     layer's whole cache on each batch-1 decode step (~600 ms on the bench
     model instead of ~10 ms).
     """
+    if isinstance(cache, tuple):
+        return write_quantized_kv_flat(*cache, new, slots)
     bs, kv, d = cache.shape[1:]
     flat = slots.reshape(-1)
     return cache.at[flat // bs, flat % bs].set(new.reshape(-1, kv, d), mode="drop")
 
 
-def _gather_blocks(cache: Array, block_tables: Array) -> Array:
-    """The blocks of each row's table, as ``[B, M*block_size, KV, D]``.
+def _gather_blocks(cache: LayerKV, block_tables: Array, dtype: Any) -> Array:
+    """The blocks of each row's table, as ``[B, M*block_size, KV, D]`` (dequantized to ``dtype``).
 
     Gathered as flat ``[N, block_size*KV*D]`` rows: XLA:CPU copies each block
     with one vectorised loop, where the 4-D gather indexes element by element.
     """
-    n, _, kv, d = cache.shape
-    rows = cache.reshape(n, -1).at[block_tables].get(mode="promise_in_bounds")  # ids validated by the runner
-    return rows.reshape(block_tables.shape[0], -1, kv, d)
+    codes, scales = cache if isinstance(cache, tuple) else (cache, None)
+    n, bs, kv, d = codes.shape
+    b, m = block_tables.shape
+    rows = codes.reshape(n, -1).at[block_tables].get(mode="promise_in_bounds")  # ids validated by the runner
+    if scales is None:
+        return rows.reshape(b, -1, kv, d)
+    s = scales.at[block_tables].get(mode="promise_in_bounds")[:, :, None, :, None]  # [B,M,1,KV,1]
+    return (rows.reshape(b, m, bs, kv, d).astype(jnp.float32) * s).astype(dtype).reshape(b, -1, kv, d)
+
+
+def _decode_attention(decode_fn: Any, q: Array, kc: LayerKV, vc: LayerKV, block_tables: Array,
+                      context_lens: Array, scale: float) -> Array:
+    """``decode_fn`` over a float cache, or over codes with their scales (dequantized inside the kernel)."""
+    if isinstance(kc, tuple) and isinstance(vc, tuple):
+        return decode_fn(q, kc[0], vc[0], block_tables, context_lens, scale=scale, k_scale=kc[1], v_scale=vc[1])
+    return decode_fn(q, kc, vc, block_tables, context_lens, scale=scale)
 
 
 def _mlp(x: Array, lp: dict[str, Array], cfg: LlamaConfig) -> Array:
@@ -223,7 +261,7 @@ def prefill_forward(params: Params, cache: KVCache, tokens: Array, positions: Ar
         q, k, v = _qkv(x, lp, cfg, positions, inv_freq)
         ks[i] = _write_cache(ks[i], slots, k)
         vs[i] = _write_cache(vs[i], slots, v)
-        kg, vg = _gather_blocks(ks[i], block_tables), _gather_blocks(vs[i], block_tables)
+        kg, vg = _gather_blocks(ks[i], block_tables, q.dtype), _gather_blocks(vs[i], block_tables, q.dtype)
         o = prefill_fn(q, kg, vg, q_offsets, kv_lens, scale=scale)
         x = x + _linear(o.reshape(b, t, -1), lp, "wo")
         x = _mlp(x, lp, cfg)
@@ -245,7 +283,7 @@ def decode_forward(params: Params, cache: KVCache, tokens: Array, positions: Arr
         q, k, v = _qkv(x, lp, cfg, positions, inv_freq)
         ks[i] = _write_cache(ks[i], slots, k)
         vs[i] = _write_cache(vs[i], slots, v)
-        o = decode_fn(q, ks[i], vs[i], block_tables, context_lens, scale=scale)
+        o = _decode_attention(decode_fn, q, ks[i], vs[i], block_tables, context_lens, scale)
         x = x + _linear(o.reshape(b, -1), lp, "wo")
         x = _mlp(x, lp, cfg)
     return _logits(params, x, cfg), (tuple(ks), tuple(vs))

@@ -7,6 +7,11 @@ it is updated in place), computes last-position logits and samples on device.
 All calls of a step are dispatched before the results are fetched, so host
 work overlaps device work. Each new shape compiles once and is logged;
 :meth:`JaxRunner.warmup` compiles them all up front with progress.
+
+``kv_cache_dtype="int8"|"fp8"`` keeps the KV cache quantized (codes plus
+per-block, per-head scales; :mod:`inference.kernels.quant`): a quarter of the
+float32 cache's bytes, so about 4x the tokens in the same memory. ``"auto"``
+is the model dtype.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from inference.model.llama import (
     Params,
     decode_forward,
     init_kv_cache,
+    kv_bytes_per_token,
     prefill_forward,
     transpose_weights,
 )
@@ -39,12 +45,13 @@ from inference.runner import SeqOutput, SeqWork, StepPlan
 from inference.sampling import MAX_TOP_LOGPROBS, SamplingBatch, sample
 from inference.weights import LoadedModel, load_model
 
-__all__ = ["JaxRunner", "DTYPES"]
+__all__ = ["JaxRunner", "DTYPES", "KV_CACHE_DTYPES"]
 
 log = logging.getLogger("inference.model")
 Progress = Callable[[str, int, int, str], None]
 Key = tuple[str, int, int]  # (kind, batch, tokens)
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # "auto": the model dtype
 
 
 def _prefill_step(params: Params, cache: KVCache, tokens: jax.Array, positions: jax.Array, slots: jax.Array,
@@ -73,9 +80,11 @@ class JaxRunner:
 
     def __init__(self, loaded: LoadedModel, *, block_size: int = 16, num_blocks: int = 512,
                  max_batch: int = 32, max_model_len: int | None = None, attention: str = "reference",
-                 max_prefill_batch: int = 1, max_prefill_tokens: int = 2048) -> None:
+                 max_prefill_batch: int = 1, max_prefill_tokens: int = 2048, kv_cache_dtype: str = "auto") -> None:
         if block_size < 1 or num_blocks < 1 or max_batch < 1:
             raise ValueError("block_size, num_blocks and max_batch must be >= 1")
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
         cfg = loaded.config
         self.config: LlamaConfig = cfg
         self.served_name: str = loaded.name
@@ -92,7 +101,11 @@ class JaxRunner:
         self._max_blocks_per_seq = -(-self.max_model_len // block_size)
         self._params = transpose_weights(loaded.params)  # [out, in]: faster decode matmuls on CPU
         dtype = loaded.params["embed"].dtype
-        self._cache: KVCache = init_kv_cache(cfg, num_blocks, block_size, dtype)
+        self.kv_cache_dtype = kv_cache_dtype
+        kv_quant = None if kv_cache_dtype == "auto" else kv_cache_dtype
+        self.kv_bytes_per_token: float = kv_bytes_per_token(cfg, block_size, dtype, kv_quant)
+        self.float_kv_bytes_per_token: float = kv_bytes_per_token(cfg, block_size, dtype)
+        self._cache: KVCache = init_kv_cache(cfg, num_blocks, block_size, dtype, kv_quant)
         self._attn = get_attention_backend(attention)
         spec = partial(jax.tree.map, lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype))
         self._params_spec, self._cache_spec = spec(self._params), spec(self._cache)
@@ -103,13 +116,15 @@ class JaxRunner:
     @classmethod
     def load(cls, model: str = "tiny", *, dtype: str = "float32", block_size: int = 16, num_blocks: int = 512,
              max_batch: int = 32, max_model_len: int | None = None, attention: str = "reference",
-             progress: Progress | None = None, max_prefill_batch: int = 1) -> JaxRunner:
+             progress: Progress | None = None, max_prefill_batch: int = 1,
+             kv_cache_dtype: str = "auto") -> JaxRunner:
         """Load ``"tiny"`` or a local HF checkpoint directory and allocate the KV cache."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         loaded = load_model(model, dtype=DTYPES[dtype], progress=progress)
         return cls(loaded, block_size=block_size, num_blocks=num_blocks, max_batch=max_batch,
-                   max_model_len=max_model_len, attention=attention, max_prefill_batch=max_prefill_batch)
+                   max_model_len=max_model_len, attention=attention, max_prefill_batch=max_prefill_batch,
+                   kv_cache_dtype=kv_cache_dtype)
 
     @property
     def compile_count(self) -> int:
