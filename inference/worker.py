@@ -86,7 +86,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--kv-cache-dtype", choices=("auto", "int8", "fp8"), default="auto",
                    help="KV cache storage: 'auto' = the model dtype; 'int8' or 'fp8' (e4m3) store codes with "
                         "a float32 scale per block and KV head, quantized when written and dequantized in "
-                        "attention (1/4 of a float32 cache's bytes, 1/2 of bfloat16's). Local workers of "
+                        "attention (1/4 of a float32 cache's bytes, 1/2 of bfloat16's). On CPU prefer int8: "
+                        "XLA:CPU has no float8 scatter, so each fp8 write copies the cache. Local workers of "
                         "`quicserve serve` take it through [workers] extra_args = [\"--kv-cache-dtype\", "
                         "\"int8\"] in the config")
     p.add_argument("--stats-interval", type=float, default=0.5)

@@ -113,8 +113,14 @@ def test_quantized_runner_samples_through_execute(quant) -> None:
     assert [o.token_id for o in outs] == list(again.argmax(-1))
 
 
-def test_quantized_steps_write_the_cache_in_place(quant) -> None:
-    """No compiled step copies a whole layer's codes (the cache is donated, written where it lies)."""
+def test_quantized_steps_write_the_cache_in_place(quant, request) -> None:
+    """No compiled step copies or converts a whole layer's codes (the cache is donated, written where it lies).
+
+    fp8 on CPU fails this: XLA:CPU has no float8 scatter, so each write copies
+    the cache (as uint8 bytes, see ``write_quantized_kv``): use int8 on CPU.
+    """
+    if quant.kv_cache_dtype == "fp8":
+        request.applymarker(pytest.mark.xfail(strict=True, reason="XLA:CPU has no float8 scatter"))
     from tests.inference.model.test_runner import _elements
 
     work = SeqWork(0, PROMPTS[0], 0, [39], GREEDY, 0, 0)
@@ -124,7 +130,8 @@ def test_quantized_steps_write_the_cache_in_place(quant) -> None:
     assert {k[0] for k in quant._execs} >= {"prefill", "decode"}
     for key, exe in quant._execs.items():
         copied = [line for line in exe.as_text().split("ENTRY", 1)[1].splitlines()
-                  if " copy(" in line and _elements(line.split("=", 1)[1]) == codes_elems]
+                  if (" copy(" in line or "convert" in line.split("=", 1)[0])
+                  and _elements(line.split("=", 1)[1]) == codes_elems]
         assert not copied, f"{key}: {copied[0].strip()[:160]}"
 
 
