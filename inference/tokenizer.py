@@ -75,7 +75,7 @@ def _raise_exception(message: str) -> None:  # the template's own error hook
 
 @functools.lru_cache(maxsize=32)
 def _compiled(template: str) -> Any:
-    """The template compiled once per text: compiling costs ~1 ms, rendering ~50 µs."""
+    """The template compiled once per text (the tiny template: compiling ~1.2 ms, rendering ~20 µs)."""
     from jinja2 import TemplateError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
