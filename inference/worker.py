@@ -220,8 +220,7 @@ def main(argv: list[str]) -> int:
         return 2
     import uvloop
 
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        return runner.run(_serve(args, service))
+    return uvloop.run(_serve(args, service))
 
 
 if __name__ == "__main__":

@@ -197,7 +197,6 @@ class FlowConnection:
         self.goodbye_received = False
         self.heartbeat_interval = heartbeat_interval
         self.dead_after = dead_after
-        self._max_streams = max_streams
         streams = StreamTable(max_streams)
         self._enc = FrameEncoder(streams)
         self._dec = FrameDecoder(streams, self.local_hello.max_frame)
@@ -300,8 +299,9 @@ class FlowConnection:
             raise ConnectionClosed("connection is draining (Goodbye)")
         if submit.request_id in self._gw:
             raise ValueError(f"request id {submit.request_id} is in use")
-        if len(self._gw) >= self._max_streams:
-            raise ConnectionClosed(f"connection has {self._max_streams} requests open (max_streams)")
+        limit = self._enc.streams.max_streams
+        if len(self._gw) >= limit:
+            raise ConnectionClosed(f"connection has {limit} requests open (max_streams)")
         self._send(submit)
         self._gw[submit.request_id] = _GatewayRequest(
             _UNLIMITED if submit.buffered else self.local_hello.initial_credit
@@ -379,14 +379,13 @@ class FlowConnection:
             ln = tlens[i] if tlens else 0
             h = held.get(rid)
             if h is not None:
-                if h.dropped:
-                    pass
-                elif n == 1:
-                    h.tokens.append(toks[t])
-                else:
-                    h.tokens.extend(toks[t : t + n])
-                if ln and not h.dropped:
-                    h.text.append(bytes(text[s : s + ln]))
+                if not h.dropped:  # a cancelled one keeps nothing
+                    if n == 1:
+                        h.tokens.append(toks[t])
+                    else:
+                        h.tokens.extend(toks[t : t + n])
+                    if ln:
+                        h.text.append(bytes(text[s : s + ln]))
             else:
                 k_idx.append(i)
                 k_rids.append(rid)

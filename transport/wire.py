@@ -139,6 +139,7 @@ from .messages import (
     TokenBatch,
 )
 from .wire_control import (
+    INT64_MAX,
     MAX_TOP_N,
     Fields,
     check_rid,
@@ -178,7 +179,6 @@ DEFAULT_MAX_FRAME = 1 << 24
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
 _FINISH_REASONS = {int(r): r for r in FinishReason}
-_I63 = (1 << 63) - 1
 _unpackb = msgpack.unpackb  # its defaults are our settings: raw=False, strict_map_key, use_list
 assert array("Q").itemsize == 8
 
@@ -375,7 +375,7 @@ class FrameDecoder:
             if type(items) is list and len(items) >= 4:
                 r, p, c, k = items[0], items[1], items[2], items[3]
                 if (type(r) is int and type(p) is int and type(c) is int and type(k) is int
-                        and r in _FINISH_REASONS and 0 <= p <= _I63 and 0 <= c <= _I63 and 0 <= k <= _I63):
+                        and r in _FINISH_REASONS and 0 <= p <= INT64_MAX and 0 <= c <= INT64_MAX and 0 <= k <= INT64_MAX):
                     if not self.streams.close(rid):
                         raise WireError(f"FINISH for request {rid} that is not open")
                     return Finish(rid, _FINISH_REASONS[r], p, c, k)

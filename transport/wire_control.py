@@ -14,6 +14,7 @@ from .messages import SamplingParams, Submit
 
 __all__ = [
     "MAX_TOP_N",
+    "INT64_MAX",
     "check_rid",
     "pack",
     "submit_fields",
@@ -25,6 +26,7 @@ __all__ = [
 ]
 
 MAX_TOP_N = 20
+INT64_MAX = (1 << 63) - 1  # integer fields are signed 64-bit unless a field says otherwise
 _BIG_ENDIAN = sys.byteorder == "big"
 
 
@@ -97,13 +99,10 @@ def _params_bytes(p: SamplingParams) -> bytes:
     return out
 
 
-_I64_MAX = (1 << 63) - 1
-
-
 def _params_fields(p: SamplingParams) -> list[object]:
     # The decoder's ranges: a SUBMIT outside them is a protocol error that closes the connection.
-    if not (0 <= p.max_tokens <= _I64_MAX and 0 <= p.top_k <= _I64_MAX) or (
-            p.seed is not None and not -_I64_MAX - 1 <= p.seed <= _I64_MAX):
+    if not (0 <= p.max_tokens <= INT64_MAX and 0 <= p.top_k <= INT64_MAX) or (
+            p.seed is not None and not -INT64_MAX - 1 <= p.seed <= INT64_MAX):
         raise ValueError("max_tokens and top_k must be in 0..2**63-1 and seed in -2**63..2**63-1")
     return [
         p.max_tokens,
@@ -136,14 +135,14 @@ class Fields:
     def fail(self, i: int, kind: str) -> WireError:
         return WireError(f"{self.what}: field {i} must be {kind}")
 
-    def integer(self, i: int, lo: int = 0, hi: int = (1 << 63) - 1) -> int:
+    def integer(self, i: int, lo: int = 0, hi: int = INT64_MAX) -> int:
         v = self.items[i]
         if type(v) is not int or not lo <= v <= hi:
             raise self.fail(i, f"an integer in {lo}..{hi}")
         return v
 
     def opt_integer(self, i: int) -> int | None:
-        return None if self.items[i] is None else self.integer(i, -(1 << 63))
+        return None if self.items[i] is None else self.integer(i, -INT64_MAX - 1)
 
     def number(self, i: int) -> float:
         v = self.items[i]

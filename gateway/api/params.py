@@ -13,6 +13,7 @@ from typing import Any
 import orjson
 
 from transport.messages import SamplingParams, Submit
+from transport.wire_control import INT64_MAX  # the worker's decoder: top_k and seed are signed 64-bit
 
 from ..errors import APIError
 
@@ -149,10 +150,6 @@ def _unsupported_zero(d: dict[str, Any], key: str) -> None:
         raise _bad(f"'{key}' is not supported by this server; omit it or set it to 0.", key, "unsupported_parameter")
 
 
-# The worker's decoder takes top_k and seed as signed 64-bit integers (transport.wire_control); a
-# Submit it rejects is a protocol error that closes the whole worker connection.
-_INT64_MAX = (1 << 63) - 1
-
 _RARE = frozenset({"n", "max_completion_tokens", "top_k", "seed", "stop", "user", "stream_options",
                    "frequency_penalty", "presence_penalty", "logit_bias", "ignore_eos", "logprobs", "top_logprobs"})
 
@@ -191,11 +188,11 @@ def _common(d: dict[str, Any], allowed: frozenset[str], max_tokens_limit: int, d
                            "max_tokens", "invalid_value")
             if mt is not None:
                 max_tokens, param = mt, "max_completion_tokens"
-        top_k = _int(d, "top_k", 0, _INT64_MAX) or 0
+        top_k = _int(d, "top_k", 0, INT64_MAX) or 0
         seed = d.get("seed")
         if seed is not None and type(seed) is not int:
             raise _type_error("seed", "an integer", seed)
-        if seed is not None and not (-_INT64_MAX - 1 <= seed <= _INT64_MAX):
+        if seed is not None and not (-INT64_MAX - 1 <= seed <= INT64_MAX):
             raise _bad("Invalid value for 'seed': it must fit in a signed 64-bit integer.", "seed", "invalid_value")
         stop = _stop(d)
         user = d.get("user")

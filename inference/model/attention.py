@@ -27,6 +27,7 @@ __all__ = [
     "dense_paged_decode_attention",
     "set_attention_backend",
     "get_attention_backend",
+    "gather_block_rows",
     "AttentionFns",
     "BACKENDS",
 ]
@@ -121,8 +122,12 @@ def _rows(cache: Array) -> Array:
     return cache.reshape(cache.shape[0], -1)
 
 
-def _gather_chunk(cache: Array, scales: Array | None, blocks: Array) -> Array:
-    """Blocks ``[B,C]`` of ``cache`` as ``[B,C,bs*KV*D]`` rows (float32 values if ``scales`` is given)."""
+def gather_block_rows(cache: Array, scales: Array | None, blocks: Array) -> Array:
+    """Blocks ``[B,C]`` of ``cache`` as ``[B,C,bs*KV*D]`` rows (float32 values if ``scales`` is given).
+
+    Gathered as flat ``[N, bs*KV*D]`` rows: XLA:CPU copies each block with one
+    vectorised loop, where the 4-D gather indexes element by element.
+    """
     # Block ids are validated by the runner; skip the bounds handling of plain indexing.
     rows = _rows(cache).at[blocks].get(mode="promise_in_bounds")
     if scales is None:
@@ -167,8 +172,8 @@ def paged_decode_attention(q: Array, k_cache: Array, v_cache: Array, block_table
     def body(i: Array, carry: tuple[Array, Array, Array]) -> tuple[Array, Array, Array]:
         m, denom, acc = carry
         blocks = jax.lax.dynamic_slice_in_dim(block_tables, i * per_chunk, per_chunk, axis=1)  # [B,C]
-        kc = _gather_chunk(k_cache, k_scale, blocks).reshape(b, chunk, kv, 1, d)
-        vc = _gather_chunk(v_cache, v_scale, blocks).reshape(b, chunk, kv, 1, d)
+        kc = gather_block_rows(k_cache, k_scale, blocks).reshape(b, chunk, kv, 1, d)
+        vc = gather_block_rows(v_cache, v_scale, blocks).reshape(b, chunk, kv, 1, d)
         # Broadcast-multiply-reduce instead of einsum: with G=H/KV query rows per
         # KV head the dots are tiny batched matmuls that XLA:CPU feeds through a
         # transpose copy of the gathered chunk; these fused loops read it in place

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from inference.kernels.quant import code_dtype, init_quantized_cache, write_quantized_kv_flat
-from inference.model.attention import AttentionFns
+from inference.model.attention import AttentionFns, gather_block_rows
 from inference.model.config import LlamaConfig
 
 __all__ = [
@@ -198,19 +198,11 @@ def _write_cache(cache: LayerKV, slots: Array, new: Array) -> LayerKV:
 
 
 def _gather_blocks(cache: LayerKV, block_tables: Array, dtype: Any) -> Array:
-    """The blocks of each row's table, as ``[B, M*block_size, KV, D]`` (dequantized to ``dtype``).
-
-    Gathered as flat ``[N, block_size*KV*D]`` rows: XLA:CPU copies each block
-    with one vectorised loop, where the 4-D gather indexes element by element.
-    """
+    """The blocks of each row's table, as ``[B, M*block_size, KV, D]`` (dequantized to ``dtype``)."""
     codes, scales = cache if isinstance(cache, tuple) else (cache, None)
-    n, bs, kv, d = codes.shape
-    b, m = block_tables.shape
-    rows = codes.reshape(n, -1).at[block_tables].get(mode="promise_in_bounds")  # ids validated by the runner
-    if scales is None:
-        return rows.reshape(b, -1, kv, d)
-    s = scales.at[block_tables].get(mode="promise_in_bounds")[:, :, None, :, None]  # [B,M,1,KV,1]
-    return (rows.reshape(b, m, bs, kv, d).astype(jnp.float32) * s).astype(dtype).reshape(b, -1, kv, d)
+    kv, d = codes.shape[2:]
+    rows = gather_block_rows(codes, scales, block_tables)
+    return rows.astype(dtype).reshape(block_tables.shape[0], -1, kv, d)
 
 
 def _decode_attention(decode_fn: Any, q: Array, kc: LayerKV, vc: LayerKV, block_tables: Array,
