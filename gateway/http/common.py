@@ -37,6 +37,7 @@ __all__ = [
     "error_body",
     "decode_target",
     "ERROR_HEADERS",
+    "HOST_CHARS",
     "http_date",
 ]
 
@@ -80,6 +81,11 @@ class ProtocolEvent:
 EventHook = Callable[[ProtocolEvent], None]
 
 ERROR_HEADERS: Headers = [(b"content-type", b"application/json")]
+
+# The bytes of a Host / :authority value (RFC 9110 7.2, RFC 3986 uri-host [":" port]): unreserved,
+# pct-encoded, sub-delims, ":" and the brackets of an IP literal. ``value.translate(None,
+# HOST_CHARS)`` leaves what does not belong (empty is a valid Host).
+HOST_CHARS = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~%!$&'()*+,;=:[]"
 
 
 def error_body(status: int, message: str, code: str | None = None) -> bytes:

@@ -9,6 +9,13 @@ reaches the head it is written with ``connection: close``, the write side is
 shut and input is drained for ``linger_timeout`` so the client reads the error
 instead of a reset.
 
+Header rules llhttp leaves to us are checked as headers arrive, at C speed: exactly one
+Host (none is fine in HTTP/1.0) with a valid value, else 400 (RFC 9112 3.2); a transfer
+coding other than ``chunked`` is a 501 (RFC 9112 6.1) -- ``chunked`` missing, not last or
+twice is llhttp's 400 (6.3). Both end the connection after the error like any other
+protocol error: the message framing may be sound, but a client that disagrees with us
+about the message (a smuggling shape behind a proxy) may disagree about what follows.
+
 Reading is never paused while a handler runs (so a client that goes away is
 noticed and its handler cancelled). Once ``max_pipelined`` requests are waiting,
 later input is held unparsed while reading goes on (a close is still seen), and
@@ -33,6 +40,7 @@ import httptools
 from gateway.errors import APIError, render_json
 from gateway.http.common import (
     ERROR_HEADERS,
+    HOST_CHARS,
     ClientDisconnected,
     ServerState,
     decode_target,
@@ -107,7 +115,8 @@ class H1Protocol(asyncio.Protocol):
         self._method = ""
         self._path = ""
         self._query = ""
-        self._fail_with: tuple[int, str] | None = None
+        self._hosts = 0
+        self._fail_with: tuple[int, str, str | None] | None = None
         # requests
         self._queue: deque[_Queued] = deque()
         self._active: _H1Sink | None = None
@@ -179,7 +188,7 @@ class H1Protocol(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             fail, self._fail_with = self._fail_with, None
             if fail is None:
-                fail = (400, f"malformed HTTP request: {exc}")
+                fail = (400, f"malformed HTTP request: {exc}", None)
             self._protocol_error(*fail)
             return
         if was_headers and self._pstate == _HEADERS and seq == self._msg_seq:
@@ -236,6 +245,7 @@ class H1Protocol(asyncio.Protocol):
         self._chunked = False
         self._upgrade_left = 0
         self._expect = False
+        self._hosts = 0
         self._set_deadline(self._now + self._limits.header_timeout)
 
     def on_url(self, url: bytes) -> None:
@@ -249,6 +259,10 @@ class H1Protocol(asyncio.Protocol):
         if self._hdr_bytes > self._limits.max_header_bytes:
             self._stop(431, "request headers too large")
         name = name.lower()
+        if name == b"host":
+            self._hosts += 1
+            if value.translate(None, HOST_CHARS):  # anything left is not uri-host [":" port]
+                self._stop(400, "invalid Host header")
         if not value.isascii():
             try:
                 value.decode("utf-8")
@@ -268,6 +282,13 @@ class H1Protocol(asyncio.Protocol):
         self._headers.append((name, value))
 
     def on_headers_complete(self) -> None:
+        if self._hosts != 1:
+            if self._hosts:
+                self._stop(400, "more than one Host header")
+            if self._parser.get_http_version() != "1.0":
+                self._stop(400, "HTTP/1.1 request without a Host header")
+        if self._chunked:
+            self._check_codings()
         raw_path, _, raw_query = self._url.partition(b"?")
         if not raw_path.startswith(b"/"):
             if raw_path == b"*":
@@ -291,6 +312,26 @@ class H1Protocol(asyncio.Protocol):
                 self._write(_CONTINUE)
             else:
                 self._continue_pending = True
+
+    def _check_codings(self) -> None:
+        """llhttp accepts any codings before a final ``chunked`` and hands the body over still
+        coded; we decode none of them."""
+        codings = [
+            c.split(b";", 1)[0].strip(b" \t").lower()
+            for k, v in self._headers
+            if k == b"transfer-encoding"
+            for c in v.split(b",")
+        ]
+        codings = [c for c in codings if c]
+        if codings[-1:] != [b"chunked"] or codings.count(b"chunked") > 1:
+            self._stop(400, "transfer-encoding must end in chunked, once")  # RFC 9112 6.3
+        if len(codings) > 1:
+            self._stop(
+                501,
+                f"transfer-coding {codings[0].decode('ascii', 'replace')!r} is not supported; "
+                "send the body with chunked alone or with content-length",
+                "unsupported_transfer_encoding",
+            )
 
     def on_body(self, body: bytes) -> None:
         self._body_len += len(body)
@@ -344,8 +385,8 @@ class H1Protocol(asyncio.Protocol):
             self._complete(False)
 
     # ---- requests ---------------------------------------------------------
-    def _stop(self, status: int, message: str) -> NoReturn:
-        self._fail_with = (status, message)
+    def _stop(self, status: int, message: str, code: str | None = None) -> NoReturn:
+        self._fail_with = (status, message, code)
         raise _Stop(message)
 
     def _start(self, request: Request, keep_alive: bool, http10: bool) -> None:
@@ -410,11 +451,11 @@ class H1Protocol(asyncio.Protocol):
         if held and self._transport is not None:
             self.data_received(bytes(held))
 
-    def _protocol_error(self, status: int, message: str) -> None:
+    def _protocol_error(self, status: int, message: str, code: str | None = None) -> None:
         self._srv.report(status, "http/1.1", message)
         self._input_closed = True
         self._deadline = inf
-        response = _error_response(status, message)
+        response = _error_response(status, message, code)
         if self._active is None and not self._queue:
             self._write_error(response)
         else:
@@ -518,8 +559,8 @@ class H1Protocol(asyncio.Protocol):
             proto.data_received(preface)
 
 
-def _error_response(status: int, message: str) -> bytes:
-    body = error_body(status, message)
+def _error_response(status: int, message: str, code: str | None) -> bytes:
+    body = error_body(status, message, code)
     return b"".join(
         (
             _status_line(status),

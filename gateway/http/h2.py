@@ -31,6 +31,7 @@ from hyperframe.frame import DataFrame, Frame, GoAwayFrame, HeadersFrame
 from gateway.errors import APIError, render_json
 from gateway.http.common import (
     ERROR_HEADERS,
+    HOST_CHARS,
     ClientDisconnected,
     HttpLimits,
     ServerState,
@@ -275,8 +276,15 @@ class H2Protocol(asyncio.Protocol):
         if size > limits.max_header_bytes:
             self._reject(st, 431, "request headers too large", done)
             return
-        if authority and not any(k == b"host" for k, _ in headers):
-            headers.append((b"host", authority))
+        # h2 has checked there is one Host or :authority and that they agree (RFC 9113 8.3.1)
+        if authority:
+            if not any(k == b"host" for k, _ in headers):
+                headers.append((b"host", authority))
+        else:
+            authority = next((v for k, v in headers if k == b"host"), b"")
+        if authority.translate(None, HOST_CHARS):
+            self._reject(st, 400, "malformed request: invalid :authority or Host", done)
+            return
         path, _, query = raw_path.partition(b"?")
         try:
             st.path = decode_target(path)

@@ -280,6 +280,38 @@ async def test_smuggling_shapes_get_an_error_and_the_server_lives(gw: Gw, raw: b
     await still_serves(gw)
 
 
+@pytest.mark.parametrize(
+    "raw, status, code",
+    [
+        (chat().replace(b"Host: x\r\n", b""), 400, None),
+        (chat().replace(b"Host: x\r\n", b"Host: x\r\nHost: y\r\n"), 400, None),
+        (chat().replace(b"Host: x\r\n", b"Host: x y\r\n"), 400, None),
+        (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\ntransfer-encoding: gzip, chunked\r\n\r\n"
+         b"%x\r\n%s\r\n0\r\n\r\n" % (len(BODY), BODY), 501, "unsupported_transfer_encoding"),
+    ],
+    ids=["no-host", "two-hosts", "bad-host", "gzip-chunked"],
+)
+async def test_host_and_transfer_coding_errors_over_a_socket(gw: Gw, raw: bytes, status: int,
+                                                              code: str | None) -> None:
+    """RFC 9112 3.2 and 6.1: the error JSON, the connection closed (nothing after it runs), the
+    server serving the next client."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", gw.server.port)
+    writer.write(raw + chat())
+    data = await asyncio.wait_for(reader.read(), 2)  # until the server closes
+    writer.close()
+    res = parse_responses(data, ["POST", "POST"])
+    assert [(r[0], r[1][b"connection"]) for r in res] == [(status, b"close")]
+    assert error_of(res[0][2])["code"] == code and not gw.conn.submits
+    assert gw.app.metrics.protocol_errors.labels(str(status), "http/1.1")._value.get() == 1
+    await still_serves(gw)
+
+
+async def test_http10_without_host_is_served(gw: Gw) -> None:
+    raw = chat().replace(b"HTTP/1.1", b"HTTP/1.0").replace(b"Host: x\r\n", b"")
+    res = await exchange(gw, [raw], 1, ["POST"])
+    assert res[0][0] == 200 and orjson.loads(res[0][2])["choices"][0]["message"]["content"] == "abcdef"
+
+
 async def test_many_small_headers(gw: Gw) -> None:
     few = b"".join(b"x-%d: v\r\n" % i for i in range(100))
     many = b"".join(b"x-%d: v\r\n" % i for i in range(2000))
@@ -591,12 +623,18 @@ async def test_h2_streams_past_the_concurrency_limit_are_refused_not_the_connect
         ([(":foo", "b")], None),
         ([("x", "1"), (":scheme", "http")], None),  # a pseudo-header after a regular one
         ([], b""),  # no body and END_STREAM on HEADERS: :path missing below
+        ([(":authority", None)], None),  # and no host either (RFC 9113 8.3.1, RFC 9110 7.2)
+        ([("host", "x"), ("host", "x")], None),
+        ([("host", "y")], None),  # differs from :authority
+        ([(":authority", "x y")], None),
+        ([(":authority", None), ("host", "user@x")], None),
     ],
     ids=["connection", "te", "uppercase", "whitespace", "cl-not-a-number", "cl-short", "cl-long", "unknown-pseudo",
-         "pseudo-after-regular", "no-path"],
+         "pseudo-after-regular", "no-path", "no-authority-no-host", "two-hosts", "host-not-authority",
+         "authority-space", "host-userinfo"],
 )
 async def test_h2_malformed_request_is_a_400_on_its_stream_not_the_connection(
-        gw: Gw, headers: list[tuple[str, str]], body: bytes | None) -> None:
+        gw: Gw, headers: list[tuple[str, str | None]], body: bytes | None) -> None:
     """RFC 9113 8.1.1: a malformed request is a stream error. Its neighbours on the connection
     keep running (h2 itself would tear the connection down, cancelling them)."""
     gw.conn.hang_after = 1
@@ -613,7 +651,7 @@ async def test_h2_malformed_request_is_a_400_on_its_stream_not_the_connection(
         if body is not None:
             base = [h for h in base if h[0] != ":path"]
         base = [h for h in base if h[0] not in {k for k, _ in headers if k.startswith(":")}]
-        c.h2.send_headers(sid, base + headers, end_stream=body is not None)
+        c.h2.send_headers(sid, [h for h in base + headers if h[1] is not None], end_stream=body is not None)
         if body is None:  # in two DATA frames: a length error may show on each
             c.h2.send_data(sid, orjson.dumps(CHAT))
             c.h2.send_data(sid, b" ", end_stream=True)

@@ -205,6 +205,72 @@ async def test_bad_input_gets_json_error_and_close(raw: bytes, status: int) -> N
     await settle(lambda: t.closed, timeout=FAST_LIMITS.linger_timeout + 1)
 
 
+def _req(version: bytes, *headers: bytes, body: bytes = b"") -> bytes:
+    return b"POST /echo HTTP/%s\r\n%s\r\n%s" % (version, b"".join(h + b"\r\n" for h in headers), body)
+
+
+CHUNKED_BODY = b"5\r\nhello\r\n0\r\n\r\n"
+CL5 = b"Content-Length: 5"
+
+
+@pytest.mark.parametrize(
+    ("raw", "status", "code"),
+    [
+        (_req(b"1.1", CL5, body=b"hello"), 400, None),
+        (_req(b"1.1", b"Host: a", b"Host: a", CL5, body=b"hello"), 400, None),
+        (_req(b"1.0", b"Host: a", b"host: b", CL5, body=b"hello"), 400, None),
+        (_req(b"1.1", b"Host: a b", CL5, body=b"hello"), 400, None),
+        (_req(b"1.1", b"Host: user@evil", CL5, body=b"hello"), 400, None),
+        (_req(b"1.1", b"Host: x/y", CL5, body=b"hello"), 400, None),
+        (_req(b"1.1", b"Host: x", b"Transfer-Encoding: gzip, chunked", body=CHUNKED_BODY), 501,
+         "unsupported_transfer_encoding"),
+        (_req(b"1.1", b"Host: x", b"Transfer-Encoding: gzip", b"Transfer-Encoding: chunked", body=CHUNKED_BODY),
+         501, "unsupported_transfer_encoding"),
+        (_req(b"1.1", b"Host: x", b"Transfer-Encoding: x-custom;a=1 , Chunked", body=CHUNKED_BODY), 501,
+         "unsupported_transfer_encoding"),
+        (_req(b"1.1", b"Host: x", b"Transfer-Encoding: gzip", body=b"hello"), 400, None),
+        (_req(b"1.1", b"Host: x", b"Transfer-Encoding: chunked, gzip", body=CHUNKED_BODY), 400, None),
+        (_req(b"1.1", b"Host: x", b"Transfer-Encoding: chunked, chunked", body=CHUNKED_BODY), 400, None),
+    ],
+    ids=["1.1-no-host", "two-hosts", "1.0-two-hosts", "host-space", "host-userinfo", "host-slash",
+         "gzip-chunked", "gzip-then-chunked-lines", "custom-chunked", "gzip-alone", "chunked-not-last",
+         "chunked-twice"],
+)
+async def test_host_and_transfer_coding_rules(raw: bytes, status: int, code: str | None) -> None:
+    """RFC 9112 3.2 (one valid Host; none only in 1.0) and 6.1/6.3 (a coding we do not decode is
+    501, chunked missing, not last or twice is 400). The error closes the connection: nothing
+    after it is run."""
+    for pieces in ([raw + GET], [raw[i : i + 1] for i in range(len(raw))] + [GET]):
+        proto, t, rec, state, events = make_conn()
+        for piece in pieces:
+            proto.data_received(piece)
+        await settle()
+        ((got, headers, body),) = parse_responses(t.take(), [b"POST", b"GET"])
+        assert (got, headers[b"connection"]) == (status, b"close")
+        assert error_of(body)["code"] == code
+        assert [e.status for e in events] == [status] and not rec.seen and t.eof
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        _req(b"1.0", CL5, body=b"hello"),
+        _req(b"1.1", b"Host:", CL5, body=b"hello"),
+        _req(b"1.1", b"Host: [::1]:8080", CL5, body=b"hello"),
+        _req(b"1.1", b"host: Example.COM:80", CL5, body=b"hello"),
+        _req(b"1.1", b"Host: xn--bcher-kva.example", b"Transfer-Encoding: Chunked", body=CHUNKED_BODY),
+    ],
+    ids=["1.0-no-host", "empty-host", "ipv6-host", "host-port", "chunked-any-case"],
+)
+async def test_valid_host_and_transfer_coding_are_served(raw: bytes) -> None:
+    proto, t, rec, state, events = make_conn()
+    proto.data_received(raw)
+    await settle(lambda: rec.finished)
+    await settle()
+    ((got, _, body),) = parse_responses(t.take(), [b"POST"])
+    assert got == 200 and orjson.loads(body)["body_len"] == 5 and not events
+
+
 async def test_header_flood_in_many_pieces_is_cut_off() -> None:
     """A header that never ends is refused before it is buffered without bound."""
     proto, t, _, _, _ = make_conn()
