@@ -24,6 +24,9 @@ calls :meth:`handle_timer`. No sockets, no asyncio.
   carries the worker's FINISH/ERROR, or a local ``CANCELLED`` when the gateway
   cancels (the worker's late reply is then swallowed), or ``CONNECTION_LOST``
   / the peer's connection error for everything open when the connection ends.
+* A SUBMIT whose body does not decode (:class:`~transport.wire.SubmitRejected`)
+  fails that request alone: the worker core answers ERROR ``INVALID_REQUEST``
+  for it and reports :class:`SubmitRefused`; its other requests go on.
 * GOODBYE: the sender is draining. A worker that said GOODBYE answers new
   SUBMITs with ``SHUTTING_DOWN``; a gateway that received one refuses to
   submit (``ConnectionClosed``).
@@ -51,12 +54,13 @@ from .messages import (
     Submit,
     TokenBatch,
 )
-from .wire import DEFAULT_MAX_FRAME, FrameDecoder, FrameEncoder, StreamTable
+from .wire import DEFAULT_MAX_FRAME, FrameDecoder, FrameEncoder, StreamTable, SubmitRejected
 
 __all__ = [
     "FlowConnection",
     "PeerHello",
     "SubmitReceived",
+    "SubmitRefused",
     "CancelReceived",
     "CreditResumed",
     "TokensReceived",
@@ -78,6 +82,15 @@ class SubmitReceived:
     """Worker: a new request (its credit is the gateway's initial window)."""
 
     submit: Submit
+
+
+@dataclass(frozen=True, slots=True)
+class SubmitRefused:
+    """Worker: a SUBMIT whose body did not decode; the core has already answered it with an
+    ``INVALID_REQUEST`` error (this event is for the log)."""
+
+    request_id: int
+    reason: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +143,7 @@ class ConnectionEnded:
 Event = (
     PeerHello
     | SubmitReceived
+    | SubmitRefused
     | CancelReceived
     | CreditResumed
     | TokensReceived
@@ -492,7 +506,7 @@ class FlowConnection:
         events.append(ConnectionEnded(error, open_ids))
         return events
 
-    def _handle(self, msg: Message, events: list[Event]) -> None:
+    def _handle(self, msg: Message | SubmitRejected, events: list[Event]) -> None:
         t = type(msg)
         if (t is Finish or t is TokenBatch) and self.role == "gateway" and self.peer_hello is not None:
             self._handle_gateway(msg, events)  # the common case, without the checks below
@@ -525,7 +539,7 @@ class FlowConnection:
         else:
             self._handle_worker(msg, events)
 
-    def _handle_gateway(self, msg: Message, events: list[Event]) -> None:
+    def _handle_gateway(self, msg: Message | SubmitRejected, events: list[Event]) -> None:
         if isinstance(msg, (Finish, Error)):
             req = self._gw.pop(msg.request_id)
             if not req.cancelled:
@@ -543,10 +557,15 @@ class FlowConnection:
         elif isinstance(msg, Stats):
             events.append(StatsReceived(msg))
         else:
-            events.extend(self._fail(f"a worker may not send {type(msg).__name__}"))
+            name = "Submit" if isinstance(msg, SubmitRejected) else type(msg).__name__
+            events.extend(self._fail(f"a worker may not send {name}"))
 
-    def _handle_worker(self, msg: Message, events: list[Event]) -> None:
-        if isinstance(msg, Submit):
+    def _handle_worker(self, msg: Message | SubmitRejected, events: list[Event]) -> None:
+        if isinstance(msg, SubmitRejected):
+            why = f"the worker could not decode the request: {msg.reason}"
+            self._send(Error(msg.request_id, ErrorCode.INVALID_REQUEST, why))  # closes the stream
+            events.append(SubmitRefused(msg.request_id, msg.reason))
+        elif isinstance(msg, Submit):
             assert self.peer_hello is not None
             self._credit[msg.request_id] = _UNLIMITED if msg.buffered else self.peer_hello.initial_credit
             if self.goodbye_sent:

@@ -19,6 +19,7 @@ from .flow import (
     FlowConnection,
     PeerHello,
     SubmitReceived,
+    SubmitRefused,
 )
 from .messages import Error, ErrorCode, Finish, Hello, Stats, TokenBatch
 from .select import choose
@@ -84,6 +85,8 @@ class ServerConnectionImpl:
                     )
             elif isinstance(ev, CancelReceived):
                 h.on_cancel(self, ev.request_id)
+            elif isinstance(ev, SubmitRefused):
+                log.warning("request %d refused, its SUBMIT did not decode: %s", ev.request_id, ev.reason)
             elif isinstance(ev, CreditResumed):
                 h.on_credit(self, ev.request_id, ev.available)
             elif isinstance(ev, PeerHello):

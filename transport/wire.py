@@ -109,6 +109,14 @@ not parse exactly, or a stream-state violation raises :class:`WireError`
 (a ``ProtocolError``), after which the decoder stays failed. A truncated frame
 is simply incomplete until :meth:`FrameDecoder.close` is called, which raises
 ``WireError`` if a partial frame is pending.
+
+One exception, so that one bad request does not take every other request of the
+connection with it: a SUBMIT that is well framed (the header checks above pass,
+its request id is not open and the stream table has room) but whose body does
+not decode or breaks a field rule is a stream error. The decoder opens the
+stream and returns :class:`SubmitRejected` in its place; the worker answers
+ERROR ``INVALID_REQUEST`` with that request id (closing the stream) and the
+connection carries on.
 """
 
 from __future__ import annotations
@@ -116,6 +124,7 @@ from __future__ import annotations
 import enum
 import struct
 from array import array
+from dataclasses import dataclass
 
 import msgpack
 
@@ -169,6 +178,7 @@ __all__ = [
     "StreamTable",
     "FrameEncoder",
     "FrameDecoder",
+    "SubmitRejected",
     "WireError",
 ]
 
@@ -195,6 +205,15 @@ class FrameType(enum.IntEnum):
     PING = 9
     PONG = 10
     GOODBYE = 11
+
+
+@dataclass(frozen=True, slots=True)
+class SubmitRejected:
+    """Decoded in place of a well-framed SUBMIT whose body is bad; its stream is open until the
+    receiver's ERROR for it (see the spec above)."""
+
+    request_id: int
+    reason: str
 
 
 class FrameEncoder:
@@ -292,7 +311,7 @@ class FrameDecoder:
         """Bytes held for an incomplete frame."""
         return len(self._buf)
 
-    def feed(self, data: bytes | bytearray | memoryview) -> list[Message]:
+    def feed(self, data: bytes | bytearray | memoryview) -> list[Message | SubmitRejected]:
         """Add received bytes; return every message now complete."""
         if self._failed is not None:
             raise self._failed
@@ -305,7 +324,7 @@ class FrameDecoder:
             src = pending
         else:
             src = data
-        out: list[Message] = []
+        out: list[Message | SubmitRejected] = []
         pos = 0
         unpack = HEADER.unpack_from
         max_frame = self.max_frame
@@ -344,7 +363,7 @@ class FrameDecoder:
             self._failed = WireError(f"connection ended inside a frame ({len(self._buf)} bytes pending)")
             raise self._failed
 
-    def _message(self, ftype: int, flags: int, rid: int, body: memoryview) -> Message:
+    def _message(self, ftype: int, flags: int, rid: int, body: memoryview) -> Message | SubmitRejected:
         if ftype == FrameType.TOKENS:
             if flags & ~TOKEN_FLAG_MASK:
                 raise WireError(f"TOKENS: reserved flag bits set ({flags:#x})")
@@ -431,43 +450,57 @@ class FrameDecoder:
                 raise WireError("GOODBYE: reason is not UTF-8") from None
         raise WireError(f"unknown frame type {ftype}")
 
-    def _submit(self, rid: int, body: memoryview) -> Submit:
-        f = unpack_fields(body, "SUBMIT", 9)
-        p = Fields(f.items[1], "SUBMIT params", 10)
-        params = SamplingParams(
-            max_tokens=p.integer(0),
-            temperature=p.number(1),
-            top_p=p.number(2),
-            top_k=p.integer(3),
-            seed=p.opt_integer(4),
-            stop=p.strs(5),
-            stop_token_ids=p.uints(6),
-            ignore_eos=p.flag(7),
-            logprobs=p.flag(8),
-            top_logprobs=p.integer(9, 0, MAX_TOP_N),
-        )
-        ids = None if f.items[3] is None else f.uints(3)
-        buffered = f.flag(9) if len(f.items) > 9 else False
-        if buffered and (params.logprobs or params.top_logprobs):
-            raise WireError("SUBMIT: a buffered request cannot ask for logprobs")
-        sub = Submit(
-            request_id=rid,
-            model=f.text(0),
-            params=params,
-            prompt=f.opt_text(2),
-            prompt_token_ids=ids,
-            messages=f.chat(4),
-            deadline_ms=f.integer(5),
-            priority=f.integer(6, -(1 << 31), (1 << 31) - 1),
-            trace=f.str_dict(7),
-            return_text=f.flag(8),
-            buffered=buffered,
-        )
-        if sum(x is not None for x in (sub.prompt, sub.prompt_token_ids, sub.messages)) != 1:
-            raise WireError("SUBMIT: exactly one of prompt, prompt_token_ids, messages must be set")
-        if not self.streams.open(rid, stream_options(params)):
-            raise WireError(f"SUBMIT for request {rid} that is already open (or too many streams)")
+    def _submit(self, rid: int, body: memoryview) -> Submit | SubmitRejected:
+        try:
+            sub = _submit_body(rid, body)
+        except WireError as exc:  # a stream error (see the spec), once its stream can be opened
+            self._open(rid, _NO_OPTIONS)
+            return SubmitRejected(rid, str(exc))
+        self._open(rid, stream_options(sub.params))
         return sub
+
+    def _open(self, rid: int, opts: StreamOptions) -> None:
+        if not self.streams.open(rid, opts):
+            raise WireError(f"SUBMIT for request {rid} that is already open (or too many streams)")
+
+
+def _submit_body(rid: int, body: memoryview) -> Submit:
+    """A SUBMIT body, every field checked (``WireError`` if any is bad); opens nothing."""
+    f = unpack_fields(body, "SUBMIT", 9)
+    p = Fields(f.items[1], "SUBMIT params", 10)
+    params = SamplingParams(
+        max_tokens=p.integer(0),
+        temperature=p.number(1),
+        top_p=p.number(2),
+        top_k=p.integer(3),
+        seed=p.opt_integer(4),
+        stop=p.strs(5),
+        stop_token_ids=p.uints(6),
+        ignore_eos=p.flag(7),
+        logprobs=p.flag(8),
+        top_logprobs=p.integer(9, 0, MAX_TOP_N),
+    )
+    ids = None if f.items[3] is None else f.uints(3)
+    buffered = f.flag(9) if len(f.items) > 9 else False
+    if buffered and (params.logprobs or params.top_logprobs):
+        raise WireError("SUBMIT: a buffered request cannot ask for logprobs")
+    sub = Submit(
+        request_id=rid,
+        model=f.text(0),
+        params=params,
+        prompt=f.opt_text(2),
+        prompt_token_ids=ids,
+        messages=f.chat(4),
+        deadline_ms=f.integer(5),
+        priority=f.integer(6, -(1 << 31), (1 << 31) - 1),
+        trace=f.str_dict(7),
+        return_text=f.flag(8),
+        buffered=buffered,
+    )
+    if sum(x is not None for x in (sub.prompt, sub.prompt_token_ids, sub.messages)) != 1:
+        raise WireError("SUBMIT: exactly one of prompt, prompt_token_ids, messages must be set")
+    return sub
 
 
 _RID_FRAMES = frozenset({FrameType.SUBMIT, FrameType.CANCEL, FrameType.CREDIT, FrameType.FINISH})
+_NO_OPTIONS = StreamOptions(False, 0)

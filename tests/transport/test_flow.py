@@ -21,6 +21,7 @@ from transport.flow import (
     RequestEnded,
     StatsReceived,
     SubmitReceived,
+    SubmitRefused,
     TokensReceived,
 )
 from transport.messages import (
@@ -345,9 +346,8 @@ def test_buffered_tokens_go_out_before_an_error_and_cancel_swallows_them() -> No
 def test_buffered_submit_rules_on_the_wire() -> None:
     import msgpack
 
-    from transport.errors import WireError
     from transport.messages import SamplingParams
-    from transport.wire import FrameDecoder, FrameType
+    from transport.wire import FrameDecoder, FrameType, SubmitRejected
 
     with pytest.raises(ValueError, match="buffered"):
         FrameEncoder().encode(Submit(1, "m", SamplingParams(logprobs=True), prompt="x", buffered=True))
@@ -363,8 +363,8 @@ def test_buffered_submit_rules_on_the_wire() -> None:
     body = msgpack.packb(["m", [1, 1.0, 1.0, 0, None, [], b"", False, True, 0], "x", None, None, 0, 0, None,
                           True, True])
     head = bytes([1, FrameType.SUBMIT, 0, 0]) + (5).to_bytes(4, "little") + len(body).to_bytes(4, "little")
-    with pytest.raises(WireError, match="buffered"):
-        FrameDecoder().feed(head + body)
+    (bad,) = FrameDecoder().feed(head + body)  # one request refused, not the connection
+    assert isinstance(bad, SubmitRejected) and bad.request_id == 5 and "buffered" in bad.reason
 
 
 def test_a_submit_that_cannot_be_framed_leaves_nothing_open() -> None:
@@ -395,3 +395,42 @@ def test_a_connection_with_max_streams_open_refuses_as_closed() -> None:
     gw.receive_data(wk.data_to_send(), 0.0)
     gw.submit(Submit(3, "m", prompt="c"))  # room again
     assert gw.in_flight == 2
+
+
+def corrupt_submit(frame_bytes: bytes) -> bytes:
+    """One encoded SUBMIT frame with its body swapped for a list that is not a SUBMIT body."""
+    import msgpack
+
+    body = msgpack.packb(["m", "not params"])
+    return frame_bytes[:8] + len(body).to_bytes(4, "little") + body
+
+
+def test_a_bad_submit_fails_its_request_alone() -> None:
+    """The worker core answers INVALID_REQUEST for the bad one; the request beside it runs on,
+    and the connection takes new requests."""
+    p = Pair()
+    p.gw.submit(Submit(1, "m", prompt="a"))
+    p.pump()
+    p.gw.submit(Submit(2, "m", prompt="b"))
+    p.wk_events += p.wk.receive_data(corrupt_submit(p.gw.data_to_send()), p.now)
+    (refused,) = [e for e in p.wk_events if isinstance(e, SubmitRefused)]
+    assert refused.request_id == 2 and "SUBMIT" in refused.reason
+    assert not p.wk.closed and p.wk.open_requests == (1,)
+    p.pump()
+    (ended,) = [e.result for e in p.gw_events if isinstance(e, RequestEnded)]
+    assert isinstance(ended, Error) and (ended.request_id, ended.code) == (2, ErrorCode.INVALID_REQUEST)
+    assert "could not decode" in ended.message
+    p.wk.send_tokens(batch([1]))
+    p.wk.send_finish(Finish(1, FinishReason.STOP, 1, 1))
+    p.gw.submit(Submit(2, "m", prompt="c"))  # its id is free again
+    p.pump()
+    assert [t[0] for t in _tokens(p.gw_events)] == [1]
+    assert [e.submit.request_id for e in p.wk_events if isinstance(e, SubmitReceived)] == [1, 2]
+    assert p.ends() == Counter({1: 1, 2: 1}) and not p.gw.closed and p.gw.open_requests == (2,)
+
+
+def test_a_bad_submit_from_a_worker_still_ends_the_connection() -> None:
+    p = Pair()
+    evs = p.gw.receive_data(corrupt_submit(FrameEncoder().encode(Submit(3, "m", prompt="x"))), 0.0)
+    assert p.gw.closed and isinstance(evs[-1], ConnectionEnded) and evs[-1].error.code == ErrorCode.PROTOCOL
+    assert "may not send Submit" in evs[-1].error.message

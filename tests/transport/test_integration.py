@@ -115,6 +115,40 @@ def test_cancel_reaches_worker_and_ends_once(loop_kind: str) -> None:
     run(loop_kind, body)
 
 
+@pytest.mark.parametrize("loop_kind", LOOPS)
+def test_a_submit_the_worker_cannot_decode_fails_alone(loop_kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A gateway whose SUBMIT encoding the worker does not accept (version skew, an encoder bug): that
+    request ends with INVALID_REQUEST; the one streaming beside it and the connection carry on."""
+    import msgpack
+
+    import transport.wire
+
+    real_body = transport.wire.submit_body
+
+    def skewed_body(s: Submit) -> bytes:
+        return msgpack.packb(["tiny", "params from another version"]) if s.prompt == "skewed" else real_body(s)
+
+    monkeypatch.setattr(transport.wire, "submit_body", skewed_body)
+
+    async def body() -> None:
+        worker = EchoWorker(step_delay=0.001)
+        srv = await serve("tcp://127.0.0.1:0", worker)
+        conn = await connect(srv.address)
+        running = submit(conn, 50)
+        await running.next_events()
+        bad = conn.submit(Submit(conn.next_request_id(), "tiny", SamplingParams(max_tokens=5), prompt="skewed"))
+        (err,) = await collect(bad)
+        assert isinstance(err, Error) and err.code == ErrorCode.INVALID_REQUEST and "SUBMIT" in err.message
+        assert tokens_of(await collect(running))[-1] == 49
+        assert tokens_of(await collect(submit(conn, 3))) == [0, 1, 2]
+        assert not conn.closed and conn.in_flight == 0 and len(srv.connections) == 1
+        assert worker.disconnected == [] and bad.request_id not in worker.ended
+        await conn.close()
+        await srv.close()
+
+    run(loop_kind, body)
+
+
 def test_unknown_model_and_worker_going_away() -> None:
     async def body() -> None:
         worker = EchoWorker(step_delay=0.002)

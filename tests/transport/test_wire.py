@@ -29,7 +29,7 @@ from transport.messages import (
     Submit,
     TokenBatch,
 )
-from transport.wire import HEADER_SIZE, FrameDecoder, FrameEncoder, FrameType
+from transport.wire import HEADER_SIZE, FrameDecoder, FrameEncoder, FrameType, SubmitRejected
 
 u32 = st.integers(1, 2**32 - 1)
 u63 = st.integers(0, 2**63 - 1)
@@ -379,18 +379,6 @@ CORPUS: dict[str, bytes] = {
     "hello models not strs": frame(FrameType.HELLO, mp([1, "w", "", [1], [], 1, 4096])),
     "hello trailing bytes": frame(FrameType.HELLO, mp([1, "w", "", [], [], 1, 4096]) + b"\x00"),
     "hello ext type": frame(FrameType.HELLO, mp(msgpack.ExtType(1, b"x"))),
-    "submit no prompt": sub(_2=None),
-    "submit two prompts": sub(_3=b"\x01\x00\x00\x00"),
-    "submit ids not multiple of 4": sub(_2=None, _3=b"\x01\x00"),
-    "submit model int": sub(_0=5),
-    "submit params short": sub(_1=[1, 2]),
-    "submit top_logprobs 21": params(9, 21),
-    "submit negative max_tokens": params(0, -1),
-    "submit temperature str": params(1, "hot"),
-    "submit bool as int": params(8, 1),
-    "submit messages not maps": sub(_2=None, _4=["hi"]),
-    "submit trace not strs": sub(_7={"a": 1}),
-    "submit int keys": sub(_2=None, _4=[{1: "x"}]),
     "duplicate submit": SUBMIT1 + SUBMIT1,
     "finish unknown rid": frame(FrameType.FINISH, mp([1, 0, 0, 0]), rid=9),
     "finish unknown reason": SUBMIT1 + frame(FrameType.FINISH, mp([9, 0, 0, 0]), rid=1),
@@ -416,6 +404,31 @@ CORPUS: dict[str, bytes] = {
     "tokens huge n": tokens(struct.pack("<I", 2**32 - 1), flags=4),
     "tokens counts exceed": tokens(struct.pack("<I", 1) + b"\x01" + b"\xff" + b"\x00", flags=4),
     "tokens text beyond body": tokens(struct.pack("<I", 1) + b"\x01" + b"\x05" + b"\x09" + b"ab", flags=2),
+}
+
+
+# Well-framed SUBMITs (rid 1) whose bodies are bad: each fails its request alone (transport.wire spec).
+BAD_SUBMITS: dict[str, bytes] = {
+    "submit no prompt": sub(_2=None),
+    "submit two prompts": sub(_3=b"\x01\x00\x00\x00"),
+    "submit ids not multiple of 4": sub(_2=None, _3=b"\x01\x00"),
+    "submit model int": sub(_0=5),
+    "submit params short": sub(_1=[1, 2]),
+    "submit top_logprobs 21": params(9, 21),
+    "submit negative max_tokens": params(0, -1),
+    "submit temperature str": params(1, "hot"),
+    "submit bool as int": params(8, 1),
+    "submit messages not maps": sub(_2=None, _4=["hi"]),
+    "submit trace not strs": sub(_7={"a": 1}),
+    "submit int keys": sub(_2=None, _4=[{1: "x"}]),
+    "submit not msgpack": frame(FrameType.SUBMIT, b"\xc1", rid=1),
+    "submit not a list": frame(FrameType.SUBMIT, mp({"model": "m"}), rid=1),
+    "submit short": frame(FrameType.SUBMIT, mp(GOOD_SUBMIT[:8]), rid=1),
+    "submit max_tokens over i63": params(0, 2**63),
+    "submit seed over i63": params(4, 2**63),
+    "submit buffered with logprobs": frame(
+        FrameType.SUBMIT, mp(["m", [16, 1.0, 1.0, 0, None, [], b"", False, True, 0], *GOOD_SUBMIT[2:], True]), rid=1
+    ),
 }
 
 
@@ -455,6 +468,39 @@ def test_garbage_ends_in_one_clean_error(name: str) -> None:
         assert isinstance(info.value, ProtocolError)
         with pytest.raises(WireError):  # stays failed
             dec.feed(HELLO)
+
+
+@pytest.mark.parametrize("name", sorted(BAD_SUBMITS))
+def test_a_bad_submit_body_fails_its_request_alone(name: str) -> None:
+    """The decoder hands back SubmitRejected for that request id, keeps its stream open for the
+    ERROR that answers it, and goes on decoding the frames after it."""
+    data = BAD_SUBMITS[name] + frame(FrameType.SUBMIT, mp(GOOD_SUBMIT), rid=2) + frame(FrameType.CANCEL, rid=1)
+    for chunk in (len(data), 1, 5):
+        dec = FrameDecoder()
+        out = [m for i in range(0, len(data), chunk) for m in dec.feed(data[i : i + chunk])]
+        dec.close()
+        rejected, good, cancel = out
+        assert isinstance(rejected, SubmitRejected) and rejected.request_id == 1
+        assert rejected.reason.startswith("SUBMIT")
+        assert isinstance(good, Submit) and good.request_id == 2 and cancel == Cancel(1)
+        assert 1 in dec.streams and 2 in dec.streams
+        with pytest.raises(WireError, match="already open"):  # a second SUBMIT for it still ends all
+            dec.feed(SUBMIT1)
+
+
+def test_the_error_for_a_rejected_submit_closes_its_stream_both_ways() -> None:
+    """Gateway encoder -> (corrupted) -> worker decoder; worker encoder ERROR -> gateway decoder."""
+    gw_enc, wk_dec = FrameEncoder(), FrameDecoder()
+    gw_dec = FrameDecoder(gw_enc.streams)
+    wk_enc = FrameEncoder(wk_dec.streams)
+    gw_enc.encode(Submit(1, "m", prompt="p"))  # what the gateway sent; what arrives is bad
+    (rejected,) = wk_dec.feed(BAD_SUBMITS["submit not msgpack"])
+    assert isinstance(rejected, SubmitRejected)
+    (err,) = gw_dec.feed(wk_enc.encode(Error(1, ErrorCode.INVALID_REQUEST, rejected.reason)))
+    assert err == Error(1, ErrorCode.INVALID_REQUEST, rejected.reason)
+    assert 1 not in gw_enc.streams and 1 not in wk_dec.streams
+    (again,) = wk_dec.feed(SUBMIT1)  # the request id may be used again
+    assert isinstance(again, Submit)
 
 
 @settings(
