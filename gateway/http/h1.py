@@ -19,7 +19,9 @@ about the message (a smuggling shape behind a proxy) may disagree about what fol
 Reading is never paused while a handler runs (so a client that goes away is
 noticed and its handler cancelled). Once ``max_pipelined`` requests are waiting,
 later input is held unparsed while reading goes on (a close is still seen), and
-reading pauses only when that held input passes 64 KiB. One lazy timer per
+reading pauses only when that held input passes 64 KiB. While it is paused the
+socket is polled for the client's FIN or RST every quarter second (what nginx
+learns from EPOLLRDHUP): unread pipelined bytes must not hide a client that left. One lazy timer per
 connection enforces header, body-stall and keep-alive deadlines: moving a
 deadline later costs nothing, the timer re-arms itself when it fires early.
 
@@ -30,6 +32,7 @@ iteration (or early past 64 KiB, so backpressure is seen).
 from __future__ import annotations
 
 import asyncio
+import select
 from collections import deque
 from http import HTTPStatus
 from math import inf
@@ -57,6 +60,8 @@ H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 _IDLE, _HEADERS, _BODY = 0, 1, 2
 _FLUSH_EARLY = 64 << 10
 _HOLD_MAX = 64 << 10  # unparsed input held while the pipeline is full, before reading pauses
+_WATCH_EVERY = 0.25  # while reading is paused: how often to look for the client's FIN or RST
+_PEER_GONE = select.POLLHUP | select.POLLERR | getattr(select, "POLLRDHUP", 0)  # RDHUP: Linux
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
 _STATUS_LINES: dict[int, bytes] = {}
@@ -125,6 +130,7 @@ class H1Protocol(asyncio.Protocol):
         self._closing = False
         self._held: bytearray | None = None  # input not parsed while max_pipelined requests wait
         self._reading_paused = False
+        self._watch: asyncio.TimerHandle | None = None  # while reading is paused: _watch_peer
         # output
         self._out: list[bytes] = []
         self._out_size = 0
@@ -205,6 +211,9 @@ class H1Protocol(asyncio.Protocol):
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        if self._watch is not None:
+            self._watch.cancel()
+            self._watch = None
         if self._task is not None:
             self._task.cancel()
         if self._drain_waiter is not None and not self._drain_waiter.done():
@@ -442,12 +451,32 @@ class H1Protocol(asyncio.Protocol):
         if len(held) > _HOLD_MAX and not self._reading_paused and self._transport is not None:
             self._transport.pause_reading()
             self._reading_paused = True
+            self._watch = self._loop.call_later(_WATCH_EVERY, self._watch_peer)
+
+    def _watch_peer(self) -> None:
+        """Reading is paused: close (as on EOF, cancelling the running request) once the kernel
+        says the client shut its side or reset, though its unread bytes are still queued."""
+        self._watch = None
+        t = self._transport
+        if t is None or not self._reading_paused:
+            return
+        sock = t.get_extra_info("socket")
+        if sock is not None:
+            poller = select.poll()
+            poller.register(sock.fileno(), _PEER_GONE)
+            if poller.poll(0):
+                t.close()
+                return
+        self._watch = self._loop.call_later(_WATCH_EVERY, self._watch_peer)
 
     def _release_held(self) -> None:
         held, self._held = self._held, None
         if self._reading_paused and self._transport is not None:
             self._reading_paused = False
             self._transport.resume_reading()
+            if self._watch is not None:
+                self._watch.cancel()
+                self._watch = None
         if held and self._transport is not None:
             self.data_received(bytes(held))
 

@@ -31,6 +31,7 @@ from tests.gateway.http.conftest import error_of
 from tests.gateway.http.test_h1_bytes import parse_responses
 from tests.transport.doubles import EchoWorker
 from transport.client import connect
+from transport.messages import Finish, FinishReason
 from transport.server import serve
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6}
@@ -171,6 +172,50 @@ async def test_client_leaving_a_full_pipeline_cancels_the_running_request(gw: Gw
     await wait_for(lambda: gw.conn.cancels == [1])
     await wait_for(lambda: gw.server.in_flight == 0)
     assert len(gw.conn.submits) == 1
+
+
+async def test_client_leaving_past_the_held_input_limit_cancels_the_running_request(gw: Gw) -> None:
+    """Pipelined input past ``max_pipelined`` waiting requests and then past 64 KiB held: reading
+    pauses, yet the close is still seen and the running request cancelled; nothing queued runs."""
+    gw.conn.hang_after = 1
+    reader, writer = await asyncio.open_connection("127.0.0.1", gw.server.port)
+    writer.write(chat() * (LIMITS.max_pipelined + 1))
+    await wait_for(lambda: gw.conn.submits)
+    for _ in range((80 << 10) // (8 * len(chat()))):  # reads the server holds, one after another
+        writer.write(chat() * 8)
+        await writer.drain()
+        await asyncio.sleep(0.001)
+    writer.close()
+    await wait_for(lambda: gw.conn.cancels == [1], timeout=3.0)
+    await wait_for(lambda: gw.server.in_flight == 0)
+    assert len(gw.conn.submits) == 1
+    gw.conn.hang_after = None
+    await still_serves(gw)
+
+
+async def test_pipelining_past_the_held_input_limit_loses_nothing(gw: Gw) -> None:
+    """The client that stays: every request held behind the paused read is answered, in order."""
+    gw.conn.hang_after = 1
+    n = (80 << 10) // len(GET_MODELS) + LIMITS.max_pipelined
+    reader, writer = await asyncio.open_connection("127.0.0.1", gw.server.port)
+    try:
+        writer.write(chat())
+        await wait_for(lambda: gw.conn.submits)
+        for i in range(0, n, 64):  # separate reads, so the server holds them and then pauses
+            writer.write(GET_MODELS * min(64, n - i))
+            await writer.drain()
+            await asyncio.sleep(0.001)
+        gw.conn.streams[1].put([Finish(1, FinishReason.LENGTH, 7, 1)])
+        buf = bytearray()
+        while buf.count(b"HTTP/1.1 ") < 1 + n:  # (parsing once, at the end: h11 per read is quadratic)
+            chunk = await asyncio.wait_for(reader.read(1 << 20), 5)
+            assert chunk, f"closed after {buf.count(b'HTTP/1.1 ')} responses"
+            buf += chunk
+    finally:
+        writer.close()
+    res = parse_responses(bytes(buf), ["POST"] + ["GET"] * n)
+    assert [r[0] for r in res] == [200] * (1 + n) and orjson.loads(res[0][2])["choices"][0]["message"]["content"] == "a"
+    assert all(orjson.loads(r[2])["object"] == "list" for r in res[1:])
 
 
 async def test_half_close_after_a_request_counts_as_gone(gw: Gw) -> None:

@@ -4,6 +4,7 @@ whole, one byte at a time, and in random splits; limits and bad input."""
 from __future__ import annotations
 
 import asyncio
+import socket
 from typing import Any
 
 import h11
@@ -393,6 +394,32 @@ async def test_pipelining_depth_holds_input_then_pauses_reading() -> None:
     assert [r.query for r in rec.seen[1:]] == ["a=1"] * (FAST_LIMITS.max_pipelined + more)
     res = parse_responses(t.take())
     assert len(res) == 1 + FAST_LIMITS.max_pipelined + more and res[0][2] == b"first\nsecond\n"
+
+
+async def test_paused_reading_still_sees_the_client_leave() -> None:
+    """With reading paused behind held input, a client that closes (its unread bytes still queued
+    in our socket) is noticed by polling the socket: the running request is cancelled."""
+    ours, theirs = socket.socketpair()
+    try:
+        rec = Recorder()
+        state = ServerState(make_handler(rec), FAST_LIMITS, None)
+        proto = H1Protocol(state)
+        t = FakeTransport({"peername": ("127.0.0.1", 5555), "socket": ours})
+        t.protocol = proto
+        proto.connection_made(t)  # type: ignore[arg-type]
+        proto.data_received(b"GET /hold HTTP/1.1\r\nHost: x\r\n\r\n" + GET * FAST_LIMITS.max_pipelined)
+        await rec.started.wait()
+        while not t.paused:
+            proto.data_received(GET * 64)
+        theirs.sendall(GET)  # what a paused read leaves unread
+        await asyncio.sleep(0.6)
+        assert not t.closed and not rec.cancelled  # a client that is there is left alone
+        theirs.close()
+        await settle(lambda: rec.cancelled == ["/hold"], timeout=1.0)
+        assert t.closed and state.in_flight == 0 and len(rec.seen) == 1
+    finally:
+        ours.close()
+        theirs.close()
 
 
 async def test_held_input_keeps_order_and_errors_last() -> None:
