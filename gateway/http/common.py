@@ -73,7 +73,7 @@ class HttpLimits:
 class ProtocolEvent:
     """A request that ended at the protocol layer and never reached the handler."""
 
-    status: int  # 400, 408, 413, 431
+    status: int  # 400, 408, 413, 431, 501
     protocol: str  # "http/1.1" | "h2"
     reason: str
 

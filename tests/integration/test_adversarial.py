@@ -581,6 +581,28 @@ async def test_h2_rst_stream_mid_request_cancels_on_the_worker(gw: Gw, stream: b
         await c.close()
 
 
+async def test_httpx_h2_leaving_cancels_every_stream_on_the_worker(gw: Gw) -> None:
+    """httpx over h2 sends no RST_STREAM when a response is abandoned; when the client goes, its
+    connection's close is what ends the streams: each one's worker request is cancelled."""
+    gw.conn.hang_after = 1
+    client = httpx.AsyncClient(base_url=gw.url, http1=False, http2=True)
+    def chat_request(stream: bool) -> httpx.Request:
+        return client.build_request("POST", "/v1/chat/completions", json={**CHAT, "stream": stream})
+
+    streams = [await client.send(chat_request(True), stream=True) for _ in range(2)]
+    whole = asyncio.ensure_future(client.send(chat_request(False)))  # waits for its whole body
+    for r in streams:
+        assert r.http_version == "HTTP/2" and r.status_code == 200
+        assert b"chat.completion.chunk" in await r.aiter_bytes().__anext__()
+    await wait_for(lambda: len(gw.conn.submits) == 3)
+    assert gw.conn.cancels == []
+    await client.aclose()
+    with contextlib.suppress(httpx.HTTPError, asyncio.CancelledError):
+        await asyncio.wait_for(whole, 2)
+    await wait_for(lambda: sorted(gw.conn.cancels) == [1, 2, 3])
+    await wait_for(lambda: gw.server.in_flight == 0 and gw.conn.in_flight == 0)
+
+
 async def test_h2_many_streams_one_bad(gw: Gw) -> None:
     c = await H2Client.open(gw)
     try:
