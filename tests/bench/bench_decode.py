@@ -82,6 +82,7 @@ import numpy as np
 from inference.model.runner import JaxRunner
 from inference.runner import SeqWork, StepPlan
 from inference.weights import write_hf_checkpoint
+from tests.bench.roofline import ModelShape, Recorder, floor_seconds, measure_machine
 from transport.messages import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)
@@ -195,19 +196,26 @@ def main(argv: list[str] | None = None) -> int:
           f"{torch.get_num_threads()}, hf attention {hf.config._attn_implementation}")
     print(f"load average at start: {_load()} (machine has {os.cpu_count()} cores)")
     runner.warmup()  # every shape bucket, so no row pays for a compile
+    shape = ModelShape.from_config(cfg)
+    machine = measure_machine(shape, torch)
+    print(f"roofline: best float32 matmul {machine.peak_flops / 1e9:.1f} GFLOP/s, best copy "
+          f"{machine.peak_bandwidth / 1e9:.1f} GB/s (read+write); floor = no padding, no overhead, every "
+          f"step at max(FLOPs/peak, bytes/bandwidth)")
     print(f"{'mode':>6} {'batch':>5} {'reqs':>4} {'tokens':>7} {'ours tok/s':>11} {'hf tok/s':>9} {'ratio':>6} {'cpu-ratio':>9}  "
-          f"greedy-match  load1")
+          f"greedy-match  load1  {'floor s':>7} {'ceiling':>7} {'of roof':>7}")
     rows = [("batch", b, 1) for b in batches] + [("stream", b, args.stream) for b in batches if args.stream]
     for mode, batch, factor in rows:
         reqs = workload(batch * factor, seed=batch)
+        rec = Recorder(runner)
         if mode == "batch":
-            ours_fn, hf_fn = partial(run_ours, runner, reqs), partial(run_hf, hf, torch, reqs)
+            ours_fn, hf_fn = partial(run_ours, rec, reqs), partial(run_hf, hf, torch, reqs)
         else:
-            ours_fn = partial(run_ours_stream, runner, reqs, batch)
+            ours_fn = partial(run_ours_stream, rec, reqs, batch)
             hf_fn = partial(run_hf_stream, hf, torch, reqs, batch)
         run_hf(hf, torch, reqs[:1])  # warm
         t_ours = t_hf = c_ours = c_hf = float("inf")
         for _ in range(args.repeats):
+            rec.steps.clear()
             t0, c0 = time.perf_counter(), time.process_time()
             ours = ours_fn()
             t_ours, c_ours = min(t_ours, time.perf_counter() - t0), min(c_ours, time.process_time() - c0)
@@ -216,9 +224,10 @@ def main(argv: list[str] | None = None) -> int:
             t_hf, c_hf = min(t_hf, time.perf_counter() - t0), min(c_hf, time.process_time() - c0)
         tokens = sum(n for _, n in reqs)
         match = sum(a == b for a, b in zip(ours, theirs, strict=True))
+        floor = floor_seconds(shape, machine, rec.steps)
         print(f"{mode:>6} {batch:>5} {len(reqs):>4} {tokens:>7} {tokens / t_ours:>11.1f} {tokens / t_hf:>9.1f} "
               f"{t_hf / t_ours:>5.2f}x {c_hf / c_ours:>8.2f}x  {f'{match}/{len(reqs)}':>12}  "
-              f"{os.getloadavg()[0]:.2f}", flush=True)
+              f"{os.getloadavg()[0]:.2f}  {floor:>7.2f} {t_hf / floor:>6.2f}x {floor / t_ours:>7.0%}", flush=True)
     print(f"compiled shapes: {runner.compile_count}, compile time {runner.compile_seconds:.1f}s")
     print(f"load average at end: {_load()}")
     return 0
