@@ -90,6 +90,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "XLA:CPU has no float8 scatter, so each fp8 write copies the cache. Local workers of "
                         "`quicserve serve` take it through [workers] extra_args = [\"--kv-cache-dtype\", "
                         "\"int8\"] in the config")
+    p.add_argument("--weight-dtype", choices=("auto", "int8", "fp8"), default="auto",
+                   help="projection weights: 'auto' = the model dtype; 'int8' or 'fp8' (e4m3) store every "
+                        "projection (attention, MLP, head) as 1-byte codes with a float32 scale per output "
+                        "channel, dequantized inside the matmul (the embedding table stays float). On CPU "
+                        "prefer int8: XLA:CPU converts fp8 in software, several times slower than float. "
+                        "Local workers of `quicserve serve` take it through [workers] extra_args = "
+                        "[\"--weight-dtype\", \"int8\"] in the config")
     p.add_argument("--stats-interval", type=float, default=0.5)
     p.add_argument("--synthetic-step-ms", type=float, default=0.0)
     p.add_argument("--cpus", type=parse_cpus, default=None, help="pin to these CPUs, e.g. 0-3")
@@ -143,10 +150,12 @@ def build_service(args: argparse.Namespace) -> WorkerService:
                                 num_blocks=args.num_blocks or 512, max_batch=args.max_batch,
                                 max_model_len=args.max_model_len, attention=args.attention,
                                 max_prefill_batch=args.max_prefill_batch, kv_cache_dtype=args.kv_cache_dtype,
-                                progress=_progress)  # fmt: skip
+                                weight_dtype=args.weight_dtype, progress=_progress)  # fmt: skip
         log.info("KV cache %s: %.1f bytes per token (%.1f in the model dtype), %d blocks of %d tokens",
                  args.kv_cache_dtype, runner.kv_bytes_per_token, runner.float_kv_bytes_per_token,
                  runner.num_blocks, runner.block_size)
+        log.info("weights %s: %d bytes (%d in the model dtype)", args.weight_dtype, runner.weight_bytes,
+                 runner.float_weight_bytes)
         runner.warmup(progress=_progress)
         served = args.served_name or (args.model if args.model == "tiny" else Path(args.model).name)
     cfg = EngineConfig(max_batch=args.max_batch, max_prefill_tokens=2048, prefill_batch=args.max_prefill_batch,

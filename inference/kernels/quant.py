@@ -63,6 +63,8 @@ __all__ = [
     "QuantizedWeight",
     "quantize_weight",
     "quantized_matmul",
+    "QuantizedWeightT",
+    "quantize_weight_t",
 ]
 
 QuantKind = Literal["int8", "fp8"]
@@ -292,3 +294,41 @@ def quantized_matmul(x: Array, w: QuantizedWeight | Array) -> Array:
     cg = w.codes.reshape(groups, k // groups, n).astype(x.dtype)
     y = jnp.einsum("...gi,gio->...go", xg, cg, preferred_element_type=jnp.float32)  # [..., groups, out]
     return jnp.sum(y * w.scale, axis=-2).astype(x.dtype)
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class QuantizedWeightT:
+    """A projection quantized in the serving layout: ``codes[out, in]`` and one ``scale[out]`` per row.
+
+    The model runner stores projections ``[out, in]`` (see
+    ``inference.model.llama.transpose_weights``) and multiplies them with
+    ``llama._matmul_t``, which converts the codes inside the multiply and
+    scales the float32 output rows: ``x @ (codes * s[:, None]).T == (x @
+    codes.T) * s``. ``codes`` is the 1-byte array (int8 or float8_e4m3fn) that
+    the compiled step reads.
+    """
+
+    codes: Array
+    scale: Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.codes.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.codes.size * self.codes.dtype.itemsize + self.scale.size * self.scale.dtype.itemsize)
+
+
+def quantize_weight_t(w_t: Array | np.ndarray, kind: str) -> QuantizedWeightT:
+    """Symmetric round-to-nearest codes of ``w_t[out, in]``, one scale per output row (amax -> qmax).
+
+    The same codes as :func:`quantize_weight` of ``w_t.T``, transposed.
+    """
+    if w_t.ndim != 2:
+        raise ValueError(f"expected a 2-D weight [out, in], got shape {w_t.shape}")
+    x = jnp.asarray(w_t, jnp.float32)
+    scale = jnp.max(jnp.abs(x), axis=1) / QMAX[kind]
+    safe = jnp.where(scale > 0, scale, 1.0)
+    return QuantizedWeightT(_encode(x / safe[:, None], kind), scale)

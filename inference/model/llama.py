@@ -27,7 +27,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from inference.kernels.quant import code_dtype, init_quantized_cache, write_quantized_kv_flat
+from inference.kernels.quant import (
+    QuantizedWeightT,
+    code_dtype,
+    init_quantized_cache,
+    quantize_weight_t,
+    write_quantized_kv_flat,
+)
 from inference.model.attention import AttentionFns, gather_block_rows
 from inference.model.config import LlamaConfig
 
@@ -41,6 +47,8 @@ __all__ = [
     "prefill_forward",
     "decode_forward",
     "transpose_weights",
+    "quantize_projections",
+    "weight_bytes",
 ]
 
 Array = jax.Array
@@ -145,11 +153,35 @@ def transpose_weights(params: Params) -> Params:
 _MATRICES = frozenset({"wqkv", "wo", "w_gate_up", "w_down", "lm_head"})
 
 
+def quantize_projections(params: Params, kind: str) -> Params:
+    """Transposed parameters (see :func:`transpose_weights`) with every projection quantized.
+
+    Each ``<name>_t`` matrix becomes a :class:`~inference.kernels.quant.QuantizedWeightT`
+    (``kind`` codes ``[out, in]``, one float32 scale per output channel). A
+    tied head (no ``lm_head_t``: the embedding table is the head) gets its own
+    quantized ``lm_head_t``, while the embedding lookup table stays float.
+    """
+    def quant(group: dict[str, Any]) -> dict[str, Any]:
+        return {k: quantize_weight_t(v, kind) if k.endswith("_t") and k[:-2] in _MATRICES else v
+                for k, v in group.items()}
+
+    out = quant({k: v for k, v in params.items() if k != "layers"})
+    if "lm_head_t" not in out and "lm_head" not in out:
+        out["lm_head_t"] = quantize_weight_t(params["embed"], kind)
+    out["layers"] = [quant(lp) for lp in params["layers"]]
+    return out
+
+
+def weight_bytes(params: Params) -> int:
+    """Bytes of every array in ``params`` (codes and scales of quantized projections included)."""
+    return sum(int(a.size) * a.dtype.itemsize for a in jax.tree_util.tree_leaves(params))
+
+
 # Row counts for which x @ W.T runs as a fused multiply-reduce instead of a dot (see _matmul_t).
 MULREDUCE_ROWS = (2, 64)
 
 
-def _matmul_t(x: Array, w_t: Array, out_dtype: Any) -> Array:
+def _matmul_t(x: Array, w_t: Array | QuantizedWeightT, out_dtype: Any) -> Array:
     """``x @ w_t.T`` for ``w_t`` stored ``[out, in]``, accumulated in float32.
 
     For a few rows (decode batches, short prefills) XLA:CPU's dot packs the
@@ -162,13 +194,46 @@ def _matmul_t(x: Array, w_t: Array, out_dtype: Any) -> Array:
     32 rows 35.1 / 30.3 / 25.0; 64 rows 49.0 / 49.3 / 43.1; at 128 rows the
     dot catches up and past that it wins; one row stays a dot (a
     matrix-vector product XLA does well).
+
+    A quantized ``w_t`` goes to :func:`_quantized_matmul_t`; a float one
+    compiles exactly as it did before weights could be quantized.
     """
+    if isinstance(w_t, QuantizedWeightT):
+        return _quantized_matmul_t(x, w_t, out_dtype)
     rows = math.prod(x.shape[:-1])
     if not MULREDUCE_ROWS[0] <= rows <= MULREDUCE_ROWS[1]:
         return jax.lax.dot_general(x, w_t, (((x.ndim - 1,), (1,)), ((), ())), preferred_element_type=out_dtype)
     x2 = x.reshape(rows, x.shape[-1]).astype(jnp.float32)
     y = (w_t.astype(jnp.float32)[None, :, :] * x2[:, None, :]).sum(-1)  # [rows, out]
     return y.reshape(*x.shape[:-1], w_t.shape[0]).astype(out_dtype)
+
+
+def _quantized_matmul_t(x: Array, w: QuantizedWeightT, out_dtype: Any) -> Array:
+    """``x @ (codes * scale[:, None]).T`` as ``(x @ codes.T) * scale``: the codes are converted in the matmul.
+
+    Up to 64 rows: the fused multiply-reduce of :func:`_matmul_t` with the
+    code-to-float32 convert inside the fusion, so a step reads the 1-byte
+    codes and no float copy of the weight exists (checked on the compiled
+    HLO: no ``f32[out, in]`` array outside a fusion); the scale multiplies
+    the ``[rows, out]`` result. One row runs as two (the row repeated):
+    XLA:CPU emits a one-row reduce of a converted operand as scalar code,
+    ~13x slower, and a dot would convert the whole weight to a float copy
+    first (bench-model projections, one row, at load ~8: dot on converted
+    codes 123 ms, one-row reduce 100-150 ms, two-row reduce 7.7 ms, float
+    dot 10 ms). Past 64 rows: a dot against the converted codes (a float
+    copy of the weight per call, small next to a prefill's multiply), then
+    the scale.
+    """
+    rows = math.prod(x.shape[:-1])
+    if rows > MULREDUCE_ROWS[1]:
+        dims = (((x.ndim - 1,), (1,)), ((), ()))
+        y = jax.lax.dot_general(x, w.codes.astype(x.dtype), dims, preferred_element_type=jnp.float32)
+        return (y * w.scale).astype(out_dtype)
+    x2 = x.reshape(rows, x.shape[-1]).astype(jnp.float32)
+    if rows == 1:
+        x2 = jnp.concatenate([x2, x2])
+    y = (w.codes.astype(jnp.float32)[None, :, :] * x2[:, None, :]).sum(-1)[:rows] * w.scale  # [rows, out]
+    return y.reshape(*x.shape[:-1], w.codes.shape[0]).astype(out_dtype)
 
 
 def _linear(x: Array, p: dict[str, Array], name: str) -> Array:

@@ -12,6 +12,12 @@ work overlaps device work. Each new shape compiles once and is logged;
 per-block, per-head scales; :mod:`inference.kernels.quant`): a quarter of the
 float32 cache's bytes, so about 4x the tokens in the same memory. ``"auto"``
 is the model dtype.
+
+``weight_dtype="int8"|"fp8"`` stores every projection (attention, MLP and the
+head, a tied one included; not the embedding lookup table) as 1-byte codes
+``[out, in]`` with a float32 scale per output channel, dequantized inside the
+matmul (:func:`inference.model.llama.quantize_projections`). ``"auto"`` keeps
+the model dtype and compiles the same program as before.
 """
 
 from __future__ import annotations
@@ -39,19 +45,22 @@ from inference.model.llama import (
     init_kv_cache,
     kv_bytes_per_token,
     prefill_forward,
+    quantize_projections,
     transpose_weights,
+    weight_bytes,
 )
 from inference.runner import SeqOutput, SeqWork, StepPlan
 from inference.sampling import MAX_TOP_LOGPROBS, SamplingBatch, sample
 from inference.weights import LoadedModel, load_model
 
-__all__ = ["JaxRunner", "DTYPES", "KV_CACHE_DTYPES"]
+__all__ = ["JaxRunner", "DTYPES", "KV_CACHE_DTYPES", "WEIGHT_DTYPES"]
 
 log = logging.getLogger("inference.model")
 Progress = Callable[[str, int, int, str], None]
 Key = tuple[str, int, int]  # (kind, batch, tokens)
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # "auto": the model dtype
+WEIGHT_DTYPES = ("auto", "int8", "fp8")  # "auto": the model dtype
 
 
 def _prefill_step(params: Params, cache: KVCache, tokens: jax.Array, positions: jax.Array, slots: jax.Array,
@@ -80,11 +89,14 @@ class JaxRunner:
 
     def __init__(self, loaded: LoadedModel, *, block_size: int = 16, num_blocks: int = 512,
                  max_batch: int = 32, max_model_len: int | None = None, attention: str = "reference",
-                 max_prefill_batch: int = 1, max_prefill_tokens: int = 2048, kv_cache_dtype: str = "auto") -> None:
+                 max_prefill_batch: int = 1, max_prefill_tokens: int = 2048, kv_cache_dtype: str = "auto",
+                 weight_dtype: str = "auto") -> None:
         if block_size < 1 or num_blocks < 1 or max_batch < 1:
             raise ValueError("block_size, num_blocks and max_batch must be >= 1")
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+        if weight_dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"weight_dtype must be one of {WEIGHT_DTYPES}, got {weight_dtype!r}")
         cfg = loaded.config
         self.config: LlamaConfig = cfg
         self.served_name: str = loaded.name
@@ -100,6 +112,11 @@ class JaxRunner:
                                max_prefill_tokens=max(max_prefill_tokens, self.max_model_len))
         self._max_blocks_per_seq = -(-self.max_model_len // block_size)
         self._params = transpose_weights(loaded.params)  # [out, in]: faster decode matmuls on CPU
+        self.weight_dtype = weight_dtype
+        self.float_weight_bytes: int = weight_bytes(loaded.params)
+        if weight_dtype != "auto":
+            self._params = quantize_projections(self._params, weight_dtype)
+        self.weight_bytes: int = weight_bytes(self._params)
         dtype = loaded.params["embed"].dtype
         self.kv_cache_dtype = kv_cache_dtype
         kv_quant = None if kv_cache_dtype == "auto" else kv_cache_dtype
@@ -117,14 +134,14 @@ class JaxRunner:
     def load(cls, model: str = "tiny", *, dtype: str = "float32", block_size: int = 16, num_blocks: int = 512,
              max_batch: int = 32, max_model_len: int | None = None, attention: str = "reference",
              progress: Progress | None = None, max_prefill_batch: int = 1,
-             kv_cache_dtype: str = "auto") -> JaxRunner:
+             kv_cache_dtype: str = "auto", weight_dtype: str = "auto") -> JaxRunner:
         """Load ``"tiny"`` or a local HF checkpoint directory and allocate the KV cache."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         loaded = load_model(model, dtype=DTYPES[dtype], progress=progress)
         return cls(loaded, block_size=block_size, num_blocks=num_blocks, max_batch=max_batch,
                    max_model_len=max_model_len, attention=attention, max_prefill_batch=max_prefill_batch,
-                   kv_cache_dtype=kv_cache_dtype)
+                   kv_cache_dtype=kv_cache_dtype, weight_dtype=weight_dtype)
 
     @property
     def compile_count(self) -> int:

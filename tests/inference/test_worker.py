@@ -256,44 +256,54 @@ async def test_jax_worker_tiny_model_answers_within_a_minute() -> None:
             await proc.wait()
 
 
+SYSTEM = "You are a helpful assistant. " * 2  # 3 full blocks of 16 with the bos
+
+
+async def _serve_two(flags: list[str], caplog: pytest.LogCaptureFixture) -> list[list[int]]:
+    """A JAX worker (tiny model, ``flags`` added) over TCP: two greedy requests, the second reusing
+    the first's cached prefix; their tokens."""
+    args = parse_args(["--engine", "jax", "--max-batch", "2", "--num-blocks", "64", "--max-prefill-batch", "1",
+                       "--max-model-len", "128", *flags])  # fmt: skip
+    with caplog.at_level("INFO", logger="inference.worker"):
+        svc = build_service(args)
+    server = await serve("tcp://127.0.0.1:0", svc)
+    loop_task = asyncio.create_task(svc.run())
+    conn = await connect(server.address)
+    try:
+        p = SamplingParams(max_tokens=8, temperature=0.0)
+        out = []
+        for i, q in enumerate(("Q1", "Q2")):
+            _, toks, end = await asyncio.wait_for(
+                collect(conn.submit(Submit(i + 1, "tiny", p, prompt=SYSTEM + q))), 60)
+            assert isinstance(end, Finish) and end.cached_tokens == 48 * i
+            out.append(toks)
+        return out
+    finally:
+        await conn.close()
+        svc.abort()
+        await loop_task
+        await server.close()
+
+
 @pytest.mark.slow
-async def test_jax_worker_with_int8_kv_cache_serves_what_the_float_cache_does(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize("flag,logged", [
+    ("--kv-cache-dtype", "KV cache int8: 130.0 bytes per token (512.0 in the model dtype)"),
+    ("--weight-dtype", "weights int8: 162696 bytes (362240 in the model dtype)"),
+])  # fmt: skip
+async def test_jax_worker_with_int8_serves_what_the_float_worker_does(
+    flag: str, logged: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """``--kv-cache-dtype int8`` end to end over TCP: the start-up log gives the KV bytes per token
-    (tiny model: 512 in float32, 128 of codes + 2 of scales), and greedy requests, the second reusing
-    the first's cached prefix, get the float worker's tokens (the tiny model's greedy choices survive
-    int8 K/V: tests/inference/model/test_kv_quant.py)."""
+    """``--kv-cache-dtype int8`` / ``--weight-dtype int8`` end to end over TCP: the start-up log gives
+    the bytes (tiny model: KV 512 per token in float32, 128 of codes + 2 of scales; weights 362,240 in
+    float32, 162,696 with 1-byte projection codes and per-channel scales, worked out in
+    tests/inference/model/test_weight_quant.py), and greedy requests, the second reusing the first's
+    cached prefix, get the float worker's 8 tokens (the tiny model's greedy choices here are not
+    near-ties: tests/inference/model/test_kv_quant.py, test_weight_quant.py)."""
     pytest.importorskip("jax")
     from inference.model.runner import JaxRunner
 
     monkeypatch.setattr(JaxRunner, "warmup", lambda self, progress=None, threads=None: None)  # compile lazily
-    system = "You are a helpful assistant. " * 2  # 3 full blocks of 16 with the bos
-
-    async def serve_two(kind: str) -> list[list[int]]:
-        args = parse_args(["--engine", "jax", "--kv-cache-dtype", kind, "--max-batch", "2", "--num-blocks", "64",
-                           "--max-prefill-batch", "1", "--max-model-len", "128"])  # fmt: skip
-        with caplog.at_level("INFO", logger="inference.worker"):
-            svc = build_service(args)
-        server = await serve("tcp://127.0.0.1:0", svc)
-        loop_task = asyncio.create_task(svc.run())
-        conn = await connect(server.address)
-        try:
-            p = SamplingParams(max_tokens=8, temperature=0.0)
-            out = []
-            for i, q in enumerate(("Q1", "Q2")):
-                _, toks, end = await asyncio.wait_for(
-                    collect(conn.submit(Submit(i + 1, "tiny", p, prompt=system + q))), 60)
-                assert isinstance(end, Finish) and end.cached_tokens == 48 * i
-                out.append(toks)
-            return out
-        finally:
-            await conn.close()
-            svc.abort()
-            await loop_task
-            await server.close()
-
-    quantized = await serve_two("int8")
-    assert "KV cache int8: 130.0 bytes per token (512.0 in the model dtype)" in caplog.text
+    quantized = await _serve_two([flag, "int8"], caplog)
+    assert logged in caplog.text
     assert all(len(t) == 8 for t in quantized)
-    assert quantized == await serve_two("auto")
+    assert quantized == await _serve_two([flag, "auto"], caplog)

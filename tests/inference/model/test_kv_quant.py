@@ -13,10 +13,9 @@ import pytest
 
 from inference.model.runner import JaxRunner
 from inference.runner import SeqWork, StepPlan
-from transport.messages import SamplingParams
+from tests.inference.model.forced import GREEDY, teacher_forced
 
 pytestmark = pytest.mark.slow
-GREEDY = SamplingParams(temperature=0.0)
 PROMPTS = [list(b"Hi!"), list(b"The quick brown fox jumps"), list(b"A longer prompt: it spans three blocks of sixteen.")]
 STEPS = 64
 BLOCKS_PER_SEQ = 8  # 128 tokens: the longest prompt (50) + 64 steps fit
@@ -26,23 +25,9 @@ def _runner(kind: str) -> JaxRunner:
     return JaxRunner.load("tiny", kv_cache_dtype=kind, max_batch=4, num_blocks=40, max_model_len=128)
 
 
-def _tables() -> list[list[int]]:
-    return [list(range(i * BLOCKS_PER_SEQ, (i + 1) * BLOCKS_PER_SEQ)) for i in range(len(PROMPTS))]
-
-
 def _run(runner: JaxRunner, forced: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
     """Logits [3, 1 + STEPS, V] (after the prompt, then per decode step) and the tokens fed."""
-    tables = _tables()
-    pre = runner.logits(StepPlan(prefills=tuple(SeqWork(i, p, 0, tables[i], GREEDY, 0, 0)
-                                                for i, p in enumerate(PROMPTS)), decodes=()))
-    logits, tokens = [pre], []
-    for step in range(STEPS):
-        tok = logits[-1].argmax(-1) if forced is None else forced[:, step]
-        tokens.append(tok)
-        decodes = tuple(SeqWork(i, [int(tok[i])], len(p) + step, tables[i], GREEDY, 0, step + 1)
-                        for i, p in enumerate(PROMPTS))
-        logits.append(runner.logits(StepPlan(prefills=(), decodes=decodes)))
-    return np.stack(logits, 1), np.stack(tokens, 1)
+    return teacher_forced(runner, PROMPTS, STEPS, BLOCKS_PER_SEQ, forced)
 
 
 @pytest.fixture(scope="module")
