@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from inference.kernels.quant import quantize_blocks
+from inference.model import attention
 from inference.model.attention import (
     dense_paged_decode_attention,
     dense_prefill_attention,
@@ -50,6 +53,84 @@ def test_paged_decode_matches_dense_and_padding_rows_are_zero():
     ref = np.asarray(dense_paged_decode_attention(q, kc, vc, tables, ctx, scale=0.3))
     np.testing.assert_allclose(got[:3], ref[:3], atol=1e-5)
     assert np.all(got[3] == 0) and np.all(np.isfinite(got))
+
+
+def _paged_inputs(seed: int, b: int, h: int, kv: int, d: int = 16, bs: int = 16, m: int = 12, n: int = 512):
+    rng = np.random.default_rng(seed)
+    kc, vc = randn(rng, n, bs, kv, d), randn(rng, n, bs, kv, d)
+    tables = jnp.asarray(rng.permutation(n)[: b * m].reshape(b, m), jnp.int32)  # scattered blocks
+    return randn(rng, b, h, d), kc, vc, tables
+
+
+# Context lengths at the edges of the decode loop's steps: one token, one block, exactly one step,
+# one past a step, the whole table. At batch 1 and 8 a step is 64 tokens (4 blocks), at 32 it is 16.
+EDGE_LENS = [1, 16, 63, 64, 65, 128, 129, 192]
+
+
+@pytest.mark.parametrize("b", [1, 8, 32])
+@pytest.mark.parametrize("h,kv", [(8, 4), (8, 2), (16, 8)])  # 16/8: more KV heads than the GEMM path takes
+def test_paged_decode_chunk_edges_match_dense(b: int, h: int, kv: int):
+    q, kc, vc, tables = _paged_inputs(3, b, h, kv)
+    ctx = jnp.asarray([EDGE_LENS[i % len(EDGE_LENS)] for i in range(b)], jnp.int32)
+    got = np.asarray(paged_decode_attention(q, kc, vc, tables, ctx, scale=0.25))
+    ref = np.asarray(dense_paged_decode_attention(q, kc, vc, tables, ctx, scale=0.25))
+    np.testing.assert_allclose(got, ref, atol=2e-5, rtol=0)
+
+
+def test_paged_decode_chunk_size_follows_batch():
+    assert attention._decode_chunk_tokens(1, 16, 32) == 4  # blocks per loop step
+    assert attention._decode_chunk_tokens(8, 16, 32) == 4
+    assert attention._decode_chunk_tokens(32, 16, 32) == 1
+    assert attention._decode_chunk_tokens(1, 16, 3) == 3  # never wider than the table
+    assert attention._decode_chunk_tokens(256, 16, 32) == 1
+
+
+def test_paged_decode_ignores_keys_past_the_context():
+    """Poisoned blocks past each row's context (and the tail of its last block) change nothing."""
+    b, h, kv, bs = 8, 8, 4, 16
+    q, kc, vc, tables = _paged_inputs(4, b, h, kv)
+    ctx = jnp.asarray([1, 16, 63, 64, 65, 100, 129, 5], jnp.int32)
+    clean = np.asarray(paged_decode_attention(q, kc, vc, tables, ctx, scale=0.25))
+    for row, n in enumerate(np.asarray(ctx)):
+        last = tables[row, (n - 1) // bs]
+        kc = kc.at[last, (n - 1) % bs + 1:].set(1e4)
+        vc = vc.at[last, (n - 1) % bs + 1:].set(-1e4)
+        for j in range(-(-int(n) // bs), tables.shape[1]):
+            kc, vc = kc.at[tables[row, j]].set(1e4), vc.at[tables[row, j]].set(-1e4)
+    poisoned = np.asarray(paged_decode_attention(q, kc, vc, tables, ctx, scale=0.25))
+    np.testing.assert_allclose(poisoned, clean, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+@pytest.mark.parametrize("b,kv", [(1, 4), (32, 4), (8, 8)])
+def test_paged_decode_quantized_cache_matches_dequantized_dense(kind: str, b: int, kv: int):
+    q, kc, vc, tables = _paged_inputs(5, b, 2 * kv, kv)
+    kq, ks = quantize_blocks(kc, kind)
+    vq, vs = quantize_blocks(vc, kind)
+    k_deq = kq.astype(jnp.float32) * ks[:, None, :, None]
+    v_deq = vq.astype(jnp.float32) * vs[:, None, :, None]
+    ctx = jnp.asarray([EDGE_LENS[(i + 3) % len(EDGE_LENS)] for i in range(b)], jnp.int32)
+    got = np.asarray(paged_decode_attention(q, kq, vq, tables, ctx, scale=0.25, k_scale=ks, v_scale=vs))
+    ref = np.asarray(dense_paged_decode_attention(q, k_deq, v_deq, tables, ctx, scale=0.25))
+    np.testing.assert_allclose(got, ref, atol=2e-5, rtol=0)
+
+
+def test_paged_decode_compiles_once_for_any_context():
+    """Context length is data, not shape: one trace serves short and long batches."""
+    q, kc, vc, tables = _paged_inputs(6, 8, 8, 4)
+    traces = []
+
+    def f(*args):
+        traces.append(1)
+        return paged_decode_attention(*args, scale=0.25)
+
+    fn = jax.jit(f)
+    for ctx in ([1] * 8, [192] * 8, [17, 64, 65, 3, 100, 150, 2, 191]):
+        lens = jnp.asarray(ctx, jnp.int32)
+        np.testing.assert_allclose(np.asarray(fn(q, kc, vc, tables, lens)),
+                                   np.asarray(dense_paged_decode_attention(q, kc, vc, tables, lens, scale=0.25)),
+                                   atol=2e-5, rtol=0)
+    assert len(traces) == 1
 
 
 def test_backend_switch_validates_names():
