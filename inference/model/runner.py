@@ -18,6 +18,8 @@ head, a tied one included; not the embedding lookup table) as 1-byte codes
 ``[out, in]`` with a float32 scale per output channel, dequantized inside the
 matmul (:func:`inference.model.llama.quantize_projections`). ``"auto"`` keeps
 the model dtype and compiles the same program as before.
+``weight_quant_method="gptq"`` picks the codes with GPTQ instead of rounding
+to nearest (same storage; :mod:`inference.model.calibrate`).
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ from inference.runner import SeqOutput, SeqWork, StepPlan
 from inference.sampling import MAX_TOP_LOGPROBS, SamplingBatch, sample
 from inference.weights import LoadedModel, load_model
 
-__all__ = ["JaxRunner", "DTYPES", "KV_CACHE_DTYPES", "WEIGHT_DTYPES"]
+__all__ = ["JaxRunner", "DTYPES", "KV_CACHE_DTYPES", "WEIGHT_DTYPES", "WEIGHT_QUANT_METHODS"]
 
 log = logging.getLogger("inference.model")
 Progress = Callable[[str, int, int, str], None]
@@ -61,6 +63,7 @@ Key = tuple[str, int, int]  # (kind, batch, tokens)
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # "auto": the model dtype
 WEIGHT_DTYPES = ("auto", "int8", "fp8")  # "auto": the model dtype
+WEIGHT_QUANT_METHODS = ("rtn", "gptq")  # round to nearest; GPTQ calibrated on random tokens (model/calibrate.py)
 
 
 def _prefill_step(params: Params, cache: KVCache, tokens: jax.Array, positions: jax.Array, slots: jax.Array,
@@ -90,13 +93,15 @@ class JaxRunner:
     def __init__(self, loaded: LoadedModel, *, block_size: int = 16, num_blocks: int = 512,
                  max_batch: int = 32, max_model_len: int | None = None, attention: str = "reference",
                  max_prefill_batch: int = 1, max_prefill_tokens: int = 2048, kv_cache_dtype: str = "auto",
-                 weight_dtype: str = "auto") -> None:
+                 weight_dtype: str = "auto", weight_quant_method: str = "rtn") -> None:
         if block_size < 1 or num_blocks < 1 or max_batch < 1:
             raise ValueError("block_size, num_blocks and max_batch must be >= 1")
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
         if weight_dtype not in WEIGHT_DTYPES:
             raise ValueError(f"weight_dtype must be one of {WEIGHT_DTYPES}, got {weight_dtype!r}")
+        if weight_quant_method not in WEIGHT_QUANT_METHODS:
+            raise ValueError(f"weight_quant_method must be one of {WEIGHT_QUANT_METHODS}, got {weight_quant_method!r}")
         cfg = loaded.config
         self.config: LlamaConfig = cfg
         self.served_name: str = loaded.name
@@ -114,7 +119,11 @@ class JaxRunner:
         self._params = transpose_weights(loaded.params)  # [out, in]: faster decode matmuls on CPU
         self.weight_dtype = weight_dtype
         self.float_weight_bytes: int = weight_bytes(loaded.params)
-        if weight_dtype != "auto":
+        if weight_dtype != "auto" and weight_quant_method == "gptq":
+            from inference.model.calibrate import quantize_projections_gptq
+
+            self._params = quantize_projections_gptq(self._params, cfg, weight_dtype)
+        elif weight_dtype != "auto":
             self._params = quantize_projections(self._params, weight_dtype)
         self.weight_bytes: int = weight_bytes(self._params)
         dtype = loaded.params["embed"].dtype
@@ -134,14 +143,16 @@ class JaxRunner:
     def load(cls, model: str = "tiny", *, dtype: str = "float32", block_size: int = 16, num_blocks: int = 512,
              max_batch: int = 32, max_model_len: int | None = None, attention: str = "reference",
              progress: Progress | None = None, max_prefill_batch: int = 1,
-             kv_cache_dtype: str = "auto", weight_dtype: str = "auto") -> JaxRunner:
+             kv_cache_dtype: str = "auto", weight_dtype: str = "auto",
+             weight_quant_method: str = "rtn") -> JaxRunner:
         """Load ``"tiny"`` or a local HF checkpoint directory and allocate the KV cache."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         loaded = load_model(model, dtype=DTYPES[dtype], progress=progress)
         return cls(loaded, block_size=block_size, num_blocks=num_blocks, max_batch=max_batch,
                    max_model_len=max_model_len, attention=attention, max_prefill_batch=max_prefill_batch,
-                   kv_cache_dtype=kv_cache_dtype, weight_dtype=weight_dtype)
+                   kv_cache_dtype=kv_cache_dtype, weight_dtype=weight_dtype,
+                   weight_quant_method=weight_quant_method)
 
     @property
     def compile_count(self) -> int:

@@ -74,6 +74,7 @@ def run_model(name: str, model: Any, vocab: int, prompts_n: int, seed: int) -> N
         ("weights int8", quantize_params(params, "int8"), None),
         ("weights int8 g64", quantize_params(params, "int8", 64) if cfg.hidden_size % 64 == 0 else None, None),
         ("weights fp8", quantize_params(params, "fp8"), None),
+        ("weights int8 gptq", quantize_params(params, "int8", method="gptq", cfg=cfg), None),
         ("bf16, no quantization", jax.tree_util.tree_map(lambda a: a.astype(jnp.bfloat16), params), None),
     ]
     for label, p, kv in variants:

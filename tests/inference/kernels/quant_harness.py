@@ -100,8 +100,26 @@ class DecodeRun:
     logits: np.ndarray  # [B, steps, V] float32
 
 
-def quantize_params(params: dict[str, Any], kind: str, group_size: int | None = None) -> dict[str, Any]:
-    """Weight-only quantization of every layer's linear maps (embeddings/lm_head stay float)."""
+def quantize_params(params: dict[str, Any], kind: str, group_size: int | None = None, *,
+                    method: str = "rtn", cfg: LlamaConfig | None = None) -> dict[str, Any]:
+    """Weight-only quantization of every layer's linear maps (embeddings/lm_head stay float).
+
+    ``method="rtn"``: round to nearest (optionally group-wise). ``"gptq"``: the
+    runner's GPTQ (``inference.model.calibrate``, calibrated on the model's own
+    activations for its fixed random calibration tokens; needs ``cfg``), the
+    same codes and per-channel scales the runner would serve, as ``[in, out]``.
+    """
+    if method == "gptq":
+        if cfg is None or group_size is not None:
+            raise ValueError("gptq needs cfg and has one scale per output channel")
+        from inference.model.calibrate import quantize_projections_gptq
+
+        q = quantize_projections_gptq(llama.transpose_weights(params), cfg, kind, head=False)
+        layers = [{k: QuantizedWeight(lq[k + "_t"].codes.T, lq[k + "_t"].scale) if k in _MATRICES else v
+                   for k, v in lp.items()} for lp, lq in zip(params["layers"], q["layers"], strict=True)]
+        return {**params, "layers": layers}
+    if method != "rtn":
+        raise ValueError(f"unknown method {method!r}")
     layers = [
         {k: quantize_weight(v, kind, group_size=group_size) if k in _MATRICES else v for k, v in lp.items()}
         for lp in params["layers"]
