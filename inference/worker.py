@@ -97,6 +97,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "prefer int8: XLA:CPU converts fp8 in software, several times slower than float. "
                         "Local workers of `quicserve serve` take it through [workers] extra_args = "
                         "[\"--weight-dtype\", \"int8\"] in the config")
+    p.add_argument("--weight-quant-method", choices=("rtn", "gptq"), default="rtn",
+                   help="how --weight-dtype picks the codes: 'rtn' rounds each weight to nearest; 'gptq' "
+                        "calibrates on the model's own activations (random tokens, fixed seed) and feeds each "
+                        "column's rounding error into the columns not yet quantized (same storage, slower start)")
     p.add_argument("--stats-interval", type=float, default=0.5)
     p.add_argument("--synthetic-step-ms", type=float, default=0.0)
     p.add_argument("--cpus", type=parse_cpus, default=None, help="pin to these CPUs, e.g. 0-3")
@@ -150,12 +154,13 @@ def build_service(args: argparse.Namespace) -> WorkerService:
                                 num_blocks=args.num_blocks or 512, max_batch=args.max_batch,
                                 max_model_len=args.max_model_len, attention=args.attention,
                                 max_prefill_batch=args.max_prefill_batch, kv_cache_dtype=args.kv_cache_dtype,
-                                weight_dtype=args.weight_dtype, progress=_progress)  # fmt: skip
+                                weight_dtype=args.weight_dtype, weight_quant_method=args.weight_quant_method,
+                                progress=_progress)  # fmt: skip
         log.info("KV cache %s: %.1f bytes per token (%.1f in the model dtype), %d blocks of %d tokens",
                  args.kv_cache_dtype, runner.kv_bytes_per_token, runner.float_kv_bytes_per_token,
                  runner.num_blocks, runner.block_size)
-        log.info("weights %s: %d bytes (%d in the model dtype)", args.weight_dtype, runner.weight_bytes,
-                 runner.float_weight_bytes)
+        log.info("weights %s (%s): %d bytes (%d in the model dtype)", args.weight_dtype,
+                 args.weight_quant_method, runner.weight_bytes, runner.float_weight_bytes)
         runner.warmup(progress=_progress)
         served = args.served_name or (args.model if args.model == "tiny" else Path(args.model).name)
     cfg = EngineConfig(max_batch=args.max_batch, max_prefill_tokens=2048, prefill_batch=args.max_prefill_batch,

@@ -286,14 +286,16 @@ async def _serve_two(flags: list[str], caplog: pytest.LogCaptureFixture) -> list
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("flag,logged", [
-    ("--kv-cache-dtype", "KV cache int8: 130.0 bytes per token (512.0 in the model dtype)"),
-    ("--weight-dtype", "weights int8: 162696 bytes (362240 in the model dtype)"),
+@pytest.mark.parametrize("flags,logged", [
+    (["--kv-cache-dtype", "int8"], "KV cache int8: 130.0 bytes per token (512.0 in the model dtype)"),
+    (["--weight-dtype", "int8"], "weights int8 (rtn): 162696 bytes (362240 in the model dtype)"),
+    (["--weight-dtype", "int8", "--weight-quant-method", "gptq"],
+     "weights int8 (gptq): 162696 bytes (362240 in the model dtype)"),
 ])  # fmt: skip
 async def test_jax_worker_with_int8_serves_what_the_float_worker_does(
-    flag: str, logged: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    flags: list[str], logged: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """``--kv-cache-dtype int8`` / ``--weight-dtype int8`` end to end over TCP: the start-up log gives
+    """``--kv-cache-dtype int8`` / ``--weight-dtype int8`` (rounded, or GPTQ) end to end over TCP: the start-up log gives
     the bytes (tiny model: KV 512 per token in float32, 128 of codes + 2 of scales; weights 362,240 in
     float32, 162,696 with 1-byte projection codes and per-channel scales, worked out in
     tests/inference/model/test_weight_quant.py), and greedy requests, the second reusing the first's
@@ -303,7 +305,7 @@ async def test_jax_worker_with_int8_serves_what_the_float_worker_does(
     from inference.model.runner import JaxRunner
 
     monkeypatch.setattr(JaxRunner, "warmup", lambda self, progress=None, threads=None: None)  # compile lazily
-    quantized = await _serve_two([flag, "int8"], caplog)
+    quantized = await _serve_two(flags, caplog)
     assert logged in caplog.text
     assert all(len(t) == 8 for t in quantized)
-    assert quantized == await _serve_two([flag, "auto"], caplog)
+    assert quantized == await _serve_two([flags[0], "auto"], caplog)
