@@ -40,31 +40,37 @@ sharply when the cores are shared (its batch-32 throughput was seen to drop
 ~10x at load average 4-6, ours ~2x), so ratios from a busy machine overstate
 our lead. The load average is printed per row; trust rows taken below ~2.
 
-What bounds the ratio (measured 2026-11-30, one pinned core, process CPU
-time, batch 32, contexts 100-200): our decode step ~47 ms = projections ~25
-ms (1.76 GFLOP as fused multiply-reduces at ~70 GFLOP/s; XLA:CPU's best
-matmul on this core reaches ~82 at 128+ rows) + paged attention ~18 ms (8
-layers x ~2.3 ms: block gathers ~1.0 ms, near DRAM bandwidth for the ~13 MB
-of K/V copied per layer; the QK reduce over the head dim ~0.8 ms; PV ~0.4 ms;
-every row runs to the longest context) + ~4 ms norms, RoPE, cache writes and
-sampling. Transformers' step was ~70 ms (matmuls ~40 ms, SDPA and KV-cache
-``cat`` ~13 ms, elementwise ops and Python; not re-profiled). Prefill is
-matmul-bound on both sides: ours ~0.72 ms per padded token (~88 ms per
-128-token bucket call), 2.4 s of our 6.7 s batch-32 run. A 3x lead at batch
-32 needs our run at ~4.1 s against transformers' ~12-13 s on one core;
-prefill of the 2690 real prompt tokens alone costs ~1.5 s at the matmul rate
-above, leaving the decode steps ~60% of their time now: ~27 ms per batch-32
-step, about our projections alone with no attention. So 3x is out of reach
-here; the lead is the per-step ~1.5x plus what transformers spends on
-padding (to the longest prompt and output).
+The roofline columns (``tests/bench/roofline.py``) say how far any engine
+could go here: ``floor`` is the least time for the same steps at this
+machine's best measured matmul rate and copy bandwidth (no padding, no
+overhead), ``ceiling`` = transformers' time / floor, ``of roof`` = floor /
+our time. Quiet run of 2026-11-30 (two threads, load ~2 = the bench
+itself): best matmul 183 GFLOP/s, copy 29.5 GB/s; batch 32 floor 1.56 s,
+ceiling 5.68x, we reach 35% of the roof. So 3x at batch 32 is not ruled
+out by the machine: it needs ~53% of the roof.
 
-Last figures (``--stream 2 --repeats 3``). Two threads, unpinned, load
-0.3-2.0: ratio 2.03x / 2.00x / 1.89x (batch 1/8/32), stream 2.00x / 2.33x /
-1.97x. Pinned to one core with ``--torch-threads 1``, load 1.1-2.6:
-cpu-ratio 1.72x / 1.82x / 1.95x, stream 1.65x / 1.95x / 2.05x. Batch 32
-alone, pinned, back to back at load ~1.5 against the code before the
-attention/projection work of 2026-11-30: ours 339.6 -> 383.3 tok/s,
-cpu-ratio 1.67x -> 1.85x (transformers 203.6 and 206.8 tok/s).
+Where our time goes (same day; the box has neighbours, so single figures
+move by up to ~30% between runs minutes apart; these are repeated minima).
+Batch-32 run: prefill ~1.9 s (32 calls, each prompt padded to a power of
+two) + decode ~4.1 s over 121 steps. Decode step at batch 32, contexts
+100-200: one pinned core 47 ms = attention ~18 ms + the rest ~29 ms
+(projections ~23 ms at ~78 GFLOP/s, XLA:CPU's multiply-reduce near this
+core's peak); two threads ~32-44 ms, of which the rest ~18 ms (it scales
+1.6x) and attention ~15-26 ms: **paged attention does not use the second
+core** (small ops in a run-time loop; splitting the batch into independent
+loops, bigger or smaller chunks, XLA flags and a block-diagonal GEMM for
+the scores did not change that). The next lever is a multi-threaded CPU
+attention kernel that reads the blocks in place (XLA FFI; estimated ~3-4
+ms per step from the bytes), then prefill packing (no power-of-two padding;
+~0.3-0.5 s of the 1.9 s). Transformers' step at two threads scales better
+than ours (its batch-32 run: ~12.1 s on one core, ~8.4-8.8 s on two).
+
+Last figures (``--stream 2 --repeats 2``, 2026-11-30 session 4, two
+threads, unpinned, load ~2.0): ratio 1.99x / 2.04x / 1.98x (batch 1/8/32),
+stream 1.98x / 2.18x / 2.02x; cpu-ratio 2.45x / 2.32x / 2.19x; ours 550.6
+tok/s at batch 32 against 278.1. One pinned core, ``--torch-threads 1``
+(session 3, load 1.1-2.6): cpu-ratio 1.72x / 1.82x / 1.95x, stream 1.65x /
+1.95x / 2.05x. Every request's greedy output matches transformers'.
 
     .venv/bin/python -m tests.bench.bench_decode [--batches 1,8,32] [--layers 8] [--stream 4]
 """
