@@ -8,6 +8,9 @@ ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 \
     QUICSERVE_SERVER__HOST=0.0.0.0 \
     QUICSERVE_SERVER__STATE_DIR=/var/lib/quicserve
 
+# g++: the worker builds its native CPU decode kernel on first use (without it, the jnp version runs)
+RUN apt-get update -qq && apt-get install -y -qq --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
+
 RUN useradd --system --create-home --home-dir /opt/quicserve quicserve \
  && mkdir -p /var/lib/quicserve && chown quicserve /var/lib/quicserve
 

@@ -23,11 +23,12 @@ $(STAMP_TEST): $(STAMP_RUN)
 	$(PIP) install -q -e '.[worker,test]'
 	touch $@
 
-# System packages the tests use: curl (with HTTP/2) for the curl tests, and
-# Debian's python3-pyverbs so the RDMA probe/fallback path runs against the real
-# bindings (tests that need an RDMA device skip where none exists).
-APT_PKGS := curl python3-pyverbs
-$(SYSDEPS_STAMP): $(VENV)/bin/python
+# System packages: curl (with HTTP/2) for the curl tests; Debian's python3-pyverbs
+# so the RDMA probe/fallback path runs against the real bindings (tests that need
+# an RDMA device skip where none exists); g++ to build the native CPU decode
+# kernel (inference/kernels/cpu_ffi.py) the worker compiles on first use.
+APT_PKGS := curl python3-pyverbs g++
+$(SYSDEPS_STAMP): $(VENV)/bin/python Makefile
 	@missing=""; for p in $(APT_PKGS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing system packages:$$missing"; \
@@ -39,7 +40,7 @@ venv: $(STAMP_RUN)
 
 sysdeps: $(SYSDEPS_STAMP)
 
-run: $(STAMP_RUN)
+run: $(STAMP_RUN) $(SYSDEPS_STAMP)
 	$(VENV)/bin/quicserve serve $(ARGS)
 
 test: $(STAMP_TEST) $(SYSDEPS_STAMP)

@@ -161,6 +161,21 @@ def _block_diag_queries(qg: Array) -> Array:
     return (qg.transpose(0, 1, 3, 2)[:, :, :, None, :] * eye[None, :, None, :, None]).reshape(b, kv * d, kv * g)
 
 
+# Float32 caches on CPU go to the native kernel (inference.kernels.cpu_ffi) when it builds; False
+# forces the jnp loop below everywhere (tests run both).
+native_cpu_decode = True
+
+
+def _use_native(q: Array, k_cache: Array, k_scale: Array | None) -> bool:
+    if not native_cpu_decode or k_scale is not None or jax.default_backend() != "cpu":
+        return False
+    if k_cache.dtype != jnp.float32 or q.dtype != jnp.float32:
+        return False
+    from inference.kernels import cpu_ffi  # lazy: builds (once) only when a CPU float32 decode is traced
+
+    return cpu_ffi.available()
+
+
 def paged_decode_attention(q: Array, k_cache: Array, v_cache: Array, block_tables: Array,
                            context_lens: Array, *, scale: float, k_scale: Array | None = None,
                            v_scale: Array | None = None) -> Array:
@@ -170,9 +185,21 @@ def paged_decode_attention(q: Array, k_cache: Array, v_cache: Array, block_table
     are positions ``0 .. context_lens[b]-1``. Returns [B,H,D]. With
     ``k_scale``/``v_scale`` [N,KV] the caches hold int8/fp8 codes, dequantized
     (``code * scale[block, head]``) per gathered chunk inside the loop.
+
+    On CPU a float32 cache is read by a native kernel instead
+    (:mod:`inference.kernels.cpu_ffi`: each sequence's K/V rows in place
+    through its block table, sequences split over threads). Bench model,
+    batch 32, contexts 100-200, two threads, whole decode step: 31.9 -> 24.7
+    ms; batch 8 12.8 -> 11.3; batch 1 7.1 -> 6.7 (one layer alone at batch
+    32: 1.67 -> 0.54 ms). Elsewhere, and when the kernel cannot be built,
+    the jnp loop below runs.
     """
     if (k_scale is None) != (v_scale is None):
         raise ValueError("pass both k_scale and v_scale, or neither")
+    if _use_native(q, k_cache, k_scale):
+        from inference.kernels.cpu_ffi import paged_decode_cpu
+
+        return paged_decode_cpu(q, k_cache, v_cache, block_tables, context_lens, scale=scale)
     b, h, d = q.shape
     bs, kv = k_cache.shape[1], k_cache.shape[2]
     g = h // kv
