@@ -10,7 +10,7 @@ only; quantized caches and other dtypes keep the reference.
 
 How: the C++ source is compiled with the system ``g++`` against jaxlib's
 FFI headers (``jax.ffi.include_dir()``) into a cache directory keyed by a
-hash of the source, the flags and the jaxlib version
+hash of the source, the flags, the jaxlib version and the CPU (``-march=native``)
 (``$QUICSERVE_CACHE_DIR`` or ``~/.cache/quicserve``), loaded with ctypes and
 registered as an FFI target for the CPU platform. Anything missing (no
 compiler, a failed build) logs once and :func:`available` returns False, so
@@ -24,6 +24,7 @@ import functools
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -49,9 +50,18 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("QUICSERVE_CACHE_DIR") or Path.home() / ".cache" / "quicserve")
 
 
+def _cpu_id() -> bytes:
+    """The CPU's model and feature flags: ``-march=native`` code must not be reused on another CPU."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor().encode()
+    return "".join(x for x in lines if x.startswith(("model name", "flags")))[:4096].encode()
+
+
 def _build() -> Path:
     src = _SOURCE.read_bytes()
-    key = hashlib.sha256(src + " ".join(_FLAGS).encode() + jaxlib.__version__.encode()).hexdigest()[:16]
+    key = hashlib.sha256(src + " ".join(_FLAGS).encode() + jaxlib.__version__.encode() + _cpu_id()).hexdigest()[:16]
     lib = _cache_dir() / f"cpu_decode-{key}.so"
     if lib.exists():
         return lib
@@ -71,13 +81,20 @@ def _build() -> Path:
 
 
 @functools.cache
+def _load_and_register() -> None:
+    """Build (or find) the library and register its handler, once per process: XLA refuses a second
+    registration of the same target from another address, and then fails to start its CPU backend."""
+    lib = ctypes.cdll.LoadLibrary(str(_build()))
+    jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.QuicservePagedDecodeF32), platform="cpu")
+
+
+@functools.cache
 def available() -> bool:
     """Whether the kernel is built and registered (False, logged once, if it cannot be)."""
     if os.environ.get("QUICSERVE_CPU_KERNELS", "1") == "0":
         return False
     try:
-        lib = ctypes.cdll.LoadLibrary(str(_build()))
-        jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.QuicservePagedDecodeF32), platform="cpu")
+        _load_and_register()
     except Exception as exc:  # noqa: BLE001 -- any failure means "use the reference"
         log.warning("CPU paged-decode kernel unavailable, using the jnp reference: %s", exc)
         return False

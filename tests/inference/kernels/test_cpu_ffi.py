@@ -1,0 +1,51 @@
+"""The native CPU decode kernel's build: cached per source/CPU, and a clean fallback when it cannot build."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+import pytest
+
+pytest.importorskip("jax")
+
+from inference.kernels import cpu_ffi  # noqa: E402
+
+
+@pytest.fixture
+def fresh(monkeypatch: pytest.MonkeyPatch, tmp_path) -> Iterator[None]:
+    monkeypatch.setenv("QUICSERVE_CACHE_DIR", str(tmp_path))
+    cpu_ffi.available.cache_clear()
+    yield
+    cpu_ffi.available.cache_clear()  # the next caller asks again (registration itself happens once)
+
+
+def test_builds_into_the_cache_dir_once(fresh: None, tmp_path) -> None:
+    lib = cpu_ffi._build()
+    assert lib.parent == tmp_path and lib.name.startswith("cpu_decode-") and lib.stat().st_size > 0
+    mtime = lib.stat().st_mtime_ns
+    assert cpu_ffi._build() == lib and lib.stat().st_mtime_ns == mtime  # reused, not rebuilt
+    assert list(tmp_path.iterdir()) == [lib]  # no build leftovers
+
+
+def test_no_compiler_is_a_clear_error(fresh: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CXX", "/nonexistent/g++")
+    with pytest.raises(RuntimeError, match="no C.. compiler"):
+        cpu_ffi._build()
+
+
+def test_a_failed_build_means_the_reference_with_a_warning(
+    fresh: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def fail() -> None:
+        raise RuntimeError("building cpu_decode.cc failed: boom")
+
+    monkeypatch.setattr(cpu_ffi, "_load_and_register", fail)
+    with caplog.at_level(logging.WARNING, logger=cpu_ffi.__name__):
+        assert not cpu_ffi.available()
+    assert "using the jnp reference" in caplog.text and "boom" in caplog.text
+
+
+def test_switched_off_by_environment(fresh: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("QUICSERVE_CPU_KERNELS", "0")
+    assert not cpu_ffi.available()
