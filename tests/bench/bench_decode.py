@@ -46,31 +46,35 @@ machine's best measured matmul rate and copy bandwidth (no padding, no
 overhead), ``ceiling`` = transformers' time / floor, ``of roof`` = floor /
 our time. Quiet run of 2026-11-30 (two threads, load ~2 = the bench
 itself): best matmul 183 GFLOP/s, copy 29.5 GB/s; batch 32 floor 1.56 s,
-ceiling 5.68x, we reach 35% of the roof. So 3x at batch 32 is not ruled
-out by the machine: it needs ~53% of the roof.
+ceiling 5.68x, we reached 35% of the roof (38% with the native decode
+kernel below). So 3x at batch 32 is not ruled out by the machine: it needs
+~53% of the roof.
 
 Where our time goes (same day; the box has neighbours, so single figures
 move by up to ~30% between runs minutes apart; these are repeated minima).
-Batch-32 run: prefill ~1.9 s (32 calls, each prompt padded to a power of
-two) + decode ~4.1 s over 121 steps. Decode step at batch 32, contexts
-100-200: one pinned core 47 ms = attention ~18 ms + the rest ~29 ms
+Decode step at batch 32, contexts 100-200, before the native CPU decode
+kernel: one pinned core 47 ms = attention ~18 ms + the rest ~29 ms
 (projections ~23 ms at ~78 GFLOP/s, XLA:CPU's multiply-reduce near this
-core's peak); two threads ~32-44 ms, of which the rest ~18 ms (it scales
-1.6x) and attention ~15-26 ms: **paged attention does not use the second
-core** (small ops in a run-time loop; splitting the batch into independent
-loops, bigger or smaller chunks, XLA flags and a block-diagonal GEMM for
-the scores did not change that). The next lever is a multi-threaded CPU
-attention kernel that reads the blocks in place (XLA FFI; estimated ~3-4
-ms per step from the bytes), then prefill packing (no power-of-two padding;
-~0.3-0.5 s of the 1.9 s). Transformers' step at two threads scales better
-than ours (its batch-32 run: ~12.1 s on one core, ~8.4-8.8 s on two).
+core's peak); two threads ~32 ms, of which the rest ~18 ms (it scales 1.6x)
+and attention ~14 ms: the jnp attention did not use the second core
+(splitting the batch into independent loops, chunk sizes, XLA flags and a
+block-diagonal GEMM for the scores did not change that). The native kernel
+(``inference/kernels/cpu_decode.cc``: K/V rows read in place, sequences
+over threads) brought the step to ~25 ms. Now, batch-32 run (~4.1 s):
+prefill ~1.3-1.4 s (32 calls, each prompt padded to a power of two; its
+floor at the best matmul rate is ~0.7 s) + decode ~2.7 s. A 3x lead needs
+~3.0 s: prefill packing (no padding, one large GEMM) is the next lever,
+then the decode step's remaining ~7 ms outside projections and attention.
+Transformers' batch-32 run: ~12.1 s on one core, ~8.4-8.9 s on two.
 
 Last figures (``--stream 2 --repeats 2``, 2026-11-30 session 4, two
-threads, unpinned, load ~2.0): ratio 1.99x / 2.04x / 1.98x (batch 1/8/32),
-stream 1.98x / 2.18x / 2.02x; cpu-ratio 2.45x / 2.32x / 2.19x; ours 550.6
-tok/s at batch 32 against 278.1. One pinned core, ``--torch-threads 1``
-(session 3, load 1.1-2.6): cpu-ratio 1.72x / 1.82x / 1.95x, stream 1.65x /
-1.95x / 2.05x. Every request's greedy output matches transformers'.
+threads, unpinned, load ~2.1 = the bench itself), with the native kernel:
+ratio 2.20x / 2.24x / 2.18x (batch 1/8/32), stream 2.15x / 2.30x / 2.31x;
+cpu-ratio 2.84x / 2.67x / 2.52x; batch 32: ours 603.3 tok/s against 277.2,
+38% of the roof (ceiling 5.72x). The same run before the kernel: 1.99x /
+2.04x / 1.98x, stream 1.98x / 2.18x / 2.02x, 35% of the roof. One pinned
+core, ``--torch-threads 1`` (session 3, load 1.1-2.6): cpu-ratio 1.72x /
+1.82x / 1.95x. Every request's greedy output matches transformers'.
 
     .venv/bin/python -m tests.bench.bench_decode [--batches 1,8,32] [--layers 8] [--stream 4]
 """
