@@ -63,8 +63,17 @@ block-diagonal GEMM for the scores did not change that). The native kernel
 over threads) brought the step to ~25 ms. Now, batch-32 run (~4.1 s):
 prefill ~1.3-1.4 s (32 calls, each prompt padded to a power of two; its
 floor at the best matmul rate is ~0.7 s) + decode ~2.7 s. A 3x lead needs
-~3.0 s: prefill packing (no padding, one large GEMM) is the next lever,
-then the decode step's remaining ~7 ms outside projections and attention.
+~3.0 s. What the prefill calls spend: a 128-token bucket call (120 real
+tokens) 53.4 ms, of which attention 7.4 ms; a 512 one 225 ms, attention 67
+ms; projections run at ~130 GFLOP/s in the call, the same dots alone at
+140-185 (layout [out, in] or [in, out] makes no difference). Packing fresh
+prompts side by side into 512-token rows with a dense segment-masked
+attention was tried and dropped: 4 x 125 tokens took 313 ms in one row
+against 214 ms as four bucketed calls (the dense attention costs ~11 ms a
+layer at 512, and a 512-row GEMM is no faster per token than a 128-row
+one here). So the prefill levers left are padding (each prompt padded to a
+power of two, ~30% of the tokens) and attention; then the decode step's
+~7 ms outside projections and attention.
 Transformers' batch-32 run: ~12.1 s on one core, ~8.4-8.9 s on two.
 
 Last figures (``--stream 2 --repeats 2``, 2026-11-30 session 4, two
