@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -87,6 +88,19 @@ ffi::Error PagedDecodeImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cach
   Shapes s{qd[0], qd[1], qd[2], kd[0], kd[1], kd[2], td[1]};
   if (kd[3] != s.d || s.kv == 0 || s.h % s.kv != 0 || td[0] != s.b) {
     return ffi::Error::InvalidArgument("paged decode: inconsistent shapes");
+  }
+  // Every block a row will read must exist: a bad table is an error, never a read out of bounds.
+  const int32_t* tables = block_tables.typed_data();
+  const int32_t* lens = context_lens.typed_data();
+  for (int64_t row = 0; row < s.b; ++row) {
+    const int64_t ctx = std::min<int64_t>(std::max<int32_t>(lens[row], 0), s.m * s.bs);
+    for (int64_t j = 0; j < (ctx + s.bs - 1) / s.bs; ++j) {
+      const int32_t blk = tables[row * s.m + j];
+      if (blk < 0 || blk >= s.n) {
+        return ffi::Error::InvalidArgument("paged decode: block id " + std::to_string(blk) + " of row " +
+                                           std::to_string(row) + " outside the cache");
+      }
+    }
   }
   const float* qp = q.typed_data();
   const float* kp = k_cache.typed_data();

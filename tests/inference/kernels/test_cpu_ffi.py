@@ -49,3 +49,21 @@ def test_a_failed_build_means_the_reference_with_a_warning(
 def test_switched_off_by_environment(fresh: None, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("QUICSERVE_CPU_KERNELS", "0")
     assert not cpu_ffi.available()
+
+
+def test_a_block_id_outside_the_cache_is_an_error_not_a_wild_read() -> None:
+    import jax.numpy as jnp
+    import numpy as np
+
+    assert cpu_ffi.available()
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.standard_normal((2, 4, 8), dtype=np.float32))
+    kc = jnp.asarray(rng.standard_normal((3, 4, 2, 8), dtype=np.float32))
+    ctx = jnp.asarray([5, 2], jnp.int32)
+    ok = cpu_ffi.paged_decode_cpu(q, kc, kc, jnp.asarray([[0, 1], [2, 0]], jnp.int32), ctx, scale=0.3)
+    assert np.isfinite(np.asarray(ok)).all()
+    for bad in ([[0, 3], [2, 0]], [[0, 1], [-1, 0]]):
+        with pytest.raises(Exception, match="outside the cache"):
+            np.asarray(cpu_ffi.paged_decode_cpu(q, kc, kc, jnp.asarray(bad, jnp.int32), ctx, scale=0.3))
+    # a block past a row's context is never read, so it is not checked
+    np.asarray(cpu_ffi.paged_decode_cpu(q, kc, kc, jnp.asarray([[0, 1], [2, 99]], jnp.int32), ctx, scale=0.3))
