@@ -63,6 +63,10 @@ def _window(spec: str) -> str:
     return spec
 
 
+def _via_serve(flag: str) -> str:
+    return f"Local workers of `quicserve serve` take it through [workers] extra_args = [\"{flag}\", \"int8\"] in the config"
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="quicserve worker", description="Run an inference worker.")
     p.add_argument("--listen", default="tcp://127.0.0.1:0", help="tcp://host:port, unix:///path or rdma://")
@@ -87,16 +91,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="KV cache storage: 'auto' = the model dtype; 'int8' or 'fp8' (e4m3) store codes with "
                         "a float32 scale per block and KV head, quantized when written and dequantized in "
                         "attention (1/4 of a float32 cache's bytes, 1/2 of bfloat16's). On CPU prefer int8: "
-                        "XLA:CPU has no float8 scatter, so each fp8 write copies the cache. Local workers of "
-                        "`quicserve serve` take it through [workers] extra_args = [\"--kv-cache-dtype\", "
-                        "\"int8\"] in the config")
+                        "XLA:CPU has no float8 scatter, so each fp8 write copies the cache. " + _via_serve("--kv-cache-dtype"))
     p.add_argument("--weight-dtype", choices=("auto", "int8", "fp8"), default="auto",
                    help="projection weights: 'auto' = the model dtype; 'int8' or 'fp8' (e4m3) store every "
                         "projection (attention, MLP, head) as 1-byte codes with a float32 scale per output "
                         "channel, dequantized inside the matmul (the embedding table stays float). On CPU "
                         "prefer int8: XLA:CPU converts fp8 in software, several times slower than float. "
-                        "Local workers of `quicserve serve` take it through [workers] extra_args = "
-                        "[\"--weight-dtype\", \"int8\"] in the config")
+                        + _via_serve("--weight-dtype"))
     p.add_argument("--weight-quant-method", choices=("rtn", "gptq"), default="rtn",
                    help="how --weight-dtype picks the codes: 'rtn' rounds each weight to nearest; 'gptq' "
                         "calibrates on the model's own activations (random tokens, fixed seed) and feeds each "

@@ -30,10 +30,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from inference.kernels.quant import QMAX
+
 __all__ = ["GPTQ_DAMP", "hessian", "gptq_quantize"]
 
 GPTQ_DAMP = 0.01
-_QMAX = {"int8": 127.0, "fp8": 448.0}
 
 
 def hessian(x: np.ndarray) -> np.ndarray:
@@ -44,7 +45,7 @@ def hessian(x: np.ndarray) -> np.ndarray:
 
 def _round(w: np.ndarray, scale: np.ndarray, kind: str) -> np.ndarray:
     """Codes of ``w / scale`` (float64 values of the code grid), clipped to the kind's range."""
-    q = np.clip(w / scale, -_QMAX[kind], _QMAX[kind])
+    q = np.clip(w / scale, -QMAX[kind], QMAX[kind])
     if kind == "int8":
         return np.round(q)
     import ml_dtypes
@@ -63,13 +64,13 @@ def gptq_quantize(w_t: np.ndarray, h: np.ndarray, kind: str = "int8", *, damp: f
                   block: int = 128) -> tuple[np.ndarray, np.ndarray]:
     """Quantize ``w_t[out, in]`` against the Hessian ``h[in, in]``: (codes ``[out, in]`` as float64
     values on the code grid, scale ``[out]`` float32). Dequantized weight: ``codes * scale[:, None]``."""
-    if kind not in _QMAX:
+    if kind not in QMAX:
         raise ValueError(f"unknown quantization kind {kind!r}; expected 'int8' or 'fp8'")
     w = np.array(w_t, np.float64)
     h = np.array(h, np.float64)
     if w.ndim != 2 or h.shape != (w.shape[1], w.shape[1]):
         raise ValueError(f"weight {w.shape} [out, in] and Hessian {h.shape} [in, in] do not match")
-    scale = (np.abs(w).max(axis=1) / _QMAX[kind]).astype(np.float32)
+    scale = (np.abs(w).max(axis=1) / QMAX[kind]).astype(np.float32)
     safe = np.where(scale > 0, scale, 1.0).astype(np.float64)[:, None]
     dead = np.diag(h) == 0
     h[dead, dead] = 1.0

@@ -328,7 +328,5 @@ def quantize_weight_t(w_t: Array | np.ndarray, kind: str) -> QuantizedWeightT:
     """
     if w_t.ndim != 2:
         raise ValueError(f"expected a 2-D weight [out, in], got shape {w_t.shape}")
-    x = jnp.asarray(w_t, jnp.float32)
-    scale = jnp.max(jnp.abs(x), axis=1) / QMAX[kind]
-    safe = jnp.where(scale > 0, scale, 1.0)
-    return QuantizedWeightT(_encode(x / safe[:, None], kind), scale)
+    q = quantize_weight(jnp.asarray(w_t).T, kind)
+    return QuantizedWeightT(q.codes.T, q.scale)

@@ -121,11 +121,6 @@ def _clamp_to_context(block_tables: Array, context_lens: Array, block_size: int)
     return jnp.where(live, block_tables, last)
 
 
-def _rows(cache: Array) -> Array:
-    """``[N, bs, KV, D]`` pages as ``[N, bs*KV*D]`` rows."""
-    return cache.reshape(cache.shape[0], -1)
-
-
 def gather_block_rows(cache: Array, scales: Array | None, blocks: Array) -> Array:
     """Blocks ``[B,C]`` of ``cache`` as ``[B,C,bs*KV*D]`` rows (float32 values if ``scales`` is given).
 
@@ -133,7 +128,7 @@ def gather_block_rows(cache: Array, scales: Array | None, blocks: Array) -> Arra
     vectorised loop, where the 4-D gather indexes element by element.
     """
     # Block ids are validated by the runner; skip the bounds handling of plain indexing.
-    rows = _rows(cache).at[blocks].get(mode="promise_in_bounds")
+    rows = cache.reshape(cache.shape[0], -1).at[blocks].get(mode="promise_in_bounds")
     if scales is None:
         return rows
     b, c = blocks.shape

@@ -154,13 +154,13 @@ def measure_machine(shape: ModelShape, torch: Any = None, repeats: int = 5) -> M
 
     rng = np.random.default_rng(0)
     best_flops = 0.0
+    dot = jax.jit(lambda a, b: a @ b)
     for rows in (256, 1024):
         for k, n in ((shape.hidden, shape.intermediate * 2), (shape.intermediate, shape.hidden),
                      (shape.hidden, shape.vocab)):
             x = rng.standard_normal((rows, k), dtype=np.float32)
             w = rng.standard_normal((k, n), dtype=np.float32)
             xj, wj = jnp.asarray(x), jnp.asarray(w)
-            dot = jax.jit(lambda a, b: a @ b)
             t = _best(lambda: dot(xj, wj).block_until_ready(), repeats)  # noqa: B023
             best_flops = max(best_flops, 2 * rows * k * n / t)
             if torch is not None:
