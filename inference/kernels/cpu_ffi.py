@@ -1,20 +1,29 @@
-"""A native CPU paged-decode kernel (``cpu_decode.cc``), built on first use and called through the XLA FFI.
+"""Native CPU kernels, built on first use and called through the XLA FFI.
 
-Why: the plain ``jnp`` decode attention runs on CPU as small XLA ops in a
-run-time loop that copy every gathered block before reading it and never use
-a second core; at batch 32 on the bench model it was ~15-26 ms of a ~32-44
-ms step on two threads (``tests/bench/bench_decode.py`` docstring). The
-kernel reads each K/V row in place through the block table, once, and
-splits the sequences over threads. It serves the float32 cache
-only; quantized caches and other dtypes keep the reference.
+``cpu_decode.cc``: paged decode attention over a float32 cache. The plain
+``jnp`` version runs on CPU as small XLA ops in a run-time loop that copy
+every gathered block before reading it and never use a second core (at
+batch 32 on the bench model ~15-26 ms of a ~32-44 ms step on two threads,
+``tests/bench/bench_decode.py`` docstring); the kernel reads each K/V row in
+place through the block table, once, and shares the sequences out over
+XLA's own intra-op threads (``cpu_parallel.h``). Float32 only; other dtypes
+keep the ``jnp`` path.
 
-How: the C++ source is compiled with the system ``g++`` against jaxlib's
-FFI headers (``jax.ffi.include_dir()``) into a cache directory keyed by a
-hash of the source, the flags, the jaxlib version and the CPU (``-march=native``)
-(``$QUICSERVE_CACHE_DIR`` or ``~/.cache/quicserve``), loaded with ctypes and
-registered as an FFI target for the CPU platform. Anything missing (no
-compiler, a failed build) logs once and :func:`available` returns False, so
-callers fall back. ``QUICSERVE_CPU_KERNELS=0`` turns it off.
+Tried and dropped: a native ``x @ w.T`` for the decode projections (6x2
+register tiles of 8-wide FMAs, weight blocks kept in L2, the same thread
+pool). Alone it reached 110-137 GFLOP/s on two threads at 8-64 rows, below
+XLA's broadcast multiply-reduce (140-180, ``inference.model.llama._matmul_t``),
+and inside the bench model's decode step it was slower at 8, 16 and 32 rows
+(10.2 -> 10.5, 13.3 -> 16.4, 22.0 -> 26.3 ms); only one row gained (6.0 -> 5.4 ms).
+
+How: the sources are compiled with the system ``g++`` against jaxlib's FFI
+headers (``jax.ffi.include_dir()``) into one library in a cache directory
+keyed by a hash of the sources, the flags, the jaxlib version and the CPU
+(``-march=native``) (``$QUICSERVE_CACHE_DIR`` or ``~/.cache/quicserve``),
+loaded with ctypes and registered as FFI targets for the CPU platform.
+Anything missing (no compiler, a failed build) logs once and
+:func:`available` returns False, so callers fall back.
+``QUICSERVE_CPU_KERNELS=0`` turns them off.
 """
 
 from __future__ import annotations
@@ -39,8 +48,10 @@ __all__ = ["available", "paged_decode_cpu", "THREADS"]
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("cpu_decode.cc")
-_TARGET = "quicserve_paged_decode_f32"
+_DIR = Path(__file__).parent
+_SOURCES = (_DIR / "cpu_decode.cc",)
+_HEADERS = (_DIR / "cpu_parallel.h",)
+_TARGETS = {"quicserve_paged_decode_f32": "QuicservePagedDecodeF32"}
 _FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
           "-fno-trapping-math", "-shared", "-fPIC", "-std=c++17", "-w")
 THREADS = max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
@@ -60,9 +71,9 @@ def _cpu_id() -> bytes:
 
 
 def _build() -> Path:
-    src = _SOURCE.read_bytes()
+    src = b"".join(p.read_bytes() for p in (*_SOURCES, *_HEADERS))
     key = hashlib.sha256(src + " ".join(_FLAGS).encode() + jaxlib.__version__.encode() + _cpu_id()).hexdigest()[:16]
-    lib = _cache_dir() / f"cpu_decode-{key}.so"
+    lib = _cache_dir() / f"cpu_kernels-{key}.so"
     if lib.exists():
         return lib
     cxx = shutil.which(os.environ.get("CXX", "g++"))
@@ -71,32 +82,34 @@ def _build() -> Path:
     lib.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:  # build aside, then rename: safe with concurrent builds
         out = Path(tmp) / lib.name
-        cmd = [cxx, *_FLAGS, "-I", jax.ffi.include_dir(), str(_SOURCE), "-o", str(out), "-lpthread"]
+        cmd = [cxx, *_FLAGS, "-I", jax.ffi.include_dir(), "-I", str(_DIR), *map(str, _SOURCES), "-o", str(out),
+               "-lpthread"]
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if res.returncode:
-            raise RuntimeError(f"building {_SOURCE.name} failed: {res.stderr[-2000:]}")
+            raise RuntimeError(f"building the CPU kernels failed: {res.stderr[-2000:]}")
         os.replace(out, lib)
-    log.info("built the CPU paged-decode kernel: %s", lib)
+    log.info("built the native CPU kernels: %s", lib)
     return lib
 
 
 @functools.cache
 def _load_and_register() -> None:
-    """Build (or find) the library and register its handler, once per process: XLA refuses a second
+    """Build (or find) the library and register its handlers, once per process: XLA refuses a second
     registration of the same target from another address, and then fails to start its CPU backend."""
     lib = ctypes.cdll.LoadLibrary(str(_build()))
-    jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.QuicservePagedDecodeF32), platform="cpu")
+    for target, symbol in _TARGETS.items():
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
 
 
 @functools.cache
 def available() -> bool:
-    """Whether the kernel is built and registered (False, logged once, if it cannot be)."""
+    """Whether the kernels are built and registered (False, logged once, if they cannot be)."""
     if os.environ.get("QUICSERVE_CPU_KERNELS", "1") == "0":
         return False
     try:
         _load_and_register()
     except Exception as exc:  # noqa: BLE001 -- any failure means "use the reference"
-        log.warning("CPU paged-decode kernel unavailable, using the jnp reference: %s", exc)
+        log.warning("native CPU kernels unavailable, using the jnp reference: %s", exc)
         return False
     return True
 
@@ -107,6 +120,6 @@ def paged_decode_cpu(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, block
 
     Call only when :func:`available` is True. Context lengths past the block table are clamped to it.
     """
-    call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    call = jax.ffi.ffi_call("quicserve_paged_decode_f32", jax.ShapeDtypeStruct(q.shape, jnp.float32))
     return call(q.astype(jnp.float32), k_cache, v_cache, block_tables.astype(jnp.int32),
                 context_lens.astype(jnp.int32), scale=np.float32(scale), threads=np.int64(threads))
