@@ -5,12 +5,14 @@
 // ~32-44 ms batch-32 step on two threads). This kernel reads each K/V row in place through the
 // block table, once, and shares the sequences out over XLA's intra-op threads (cpu_parallel.h).
 //
-// Figures (bench model, 8 layers' caches, batch 32, contexts 100-200, scattered blocks): 8 calls
-// 5.4 ms on two threads = 14.4 GB/s of K/V; with every row reading the same few blocks (no
-// memory traffic) 2.6 ms before the 8-wide score and weighted-sum loops below, 1.5 ms after.
-// So the arithmetic is now small next to the memory: one core streams ~12-14 GB/s of 16 KB
-// blocks in random order here (a standalone read loop; 2 MB pages add ~15%, software prefetch
-// of the next block did not help and is not done).
+// Figures (bench model, 8 layers' caches, batch 32, contexts 100-200, scattered blocks, two
+// threads): 8 calls took 5.4 ms (14.4 GB/s of K/V); with every row reading the same few blocks
+// (no memory traffic) 2.6 ms before the 8-wide score and weighted-sum loops below, 1.5 ms
+// after. The memory is the rest: a standalone loop reading 16 KB blocks in random order gets
+// ~12 GB/s on one core and ~20.5 GB/s on two here (3.8 ms for these bytes; 2 MB pages add
+// ~15%), and arithmetic and loads did not overlap (1.5 + 3.8 ~ 5.4). Prefetching the next
+// block of the row, spread over the per-head weighted sums, brings it to 4.8-4.9 ms (16 GB/s);
+// the whole next block at once, or two blocks ahead, did not help (5.0-5.3 ms).
 //
 // Contract (float32 only; the caller falls back to the reference otherwise):
 //   q [B, H, D], k_cache / v_cache [N, BS, KV, D], block_tables [B, M] int32,
@@ -27,6 +29,7 @@
 #include <vector>
 
 #include "cpu_parallel.h"
+#include "cpu_simd.h"
 #include "xla/ffi/api/ffi.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -34,35 +37,13 @@
 #endif
 
 namespace ffi = xla::ffi;
+using quicserve::exp_nonpositive;
 
 namespace {
 
 struct Shapes {
   int64_t b, h, d, n, bs, kv, m;
 };
-
-// exp(x) for x <= 0 (softmax terms after the max is subtracted), in place, written so the
-// compiler vectorizes it (std::exp stays a scalar call per element): x = k*ln2 + r with |r| <=
-// ln2/2, exp(r) by a degree-6 polynomial (Cephes' expf coefficients, ~1 ulp), times 2^k built
-// in the exponent bits. Inputs below -87 give 0 (exp underflows there anyway).
-inline void exp_nonpositive(float* x, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    const float v = std::max(x[i], -87.0f);
-    const float k = std::floor(v * 1.44269504088896341f + 0.5f);
-    const float r = v - k * 0.693359375f + k * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
-    float scale;
-    std::memcpy(&scale, &bits, sizeof scale);
-    x[i] = x[i] < -87.0f ? 0.0f : p * scale;
-  }
-}
 
 // out[t] = q . k[t] for n rows k[t] = k + t * stride (D floats each).
 // out_row[i] += sum over t < n of p[t] * v[t][i] for n rows v[t] = v + t * stride (D floats each).
@@ -130,7 +111,7 @@ inline void weighted_sum(const float* p, const float* v, int64_t stride, int64_t
 // the scores of its tokens for every head, the running max and denominator are updated, and its
 // V rows are added into the output, weighted. A token's K (or V) for all KV heads is one
 // contiguous row of KV*D floats and a block's rows are contiguous, so each block is two
-// sequential streams.
+// sequential streams, and the next block is prefetched a slice per head while this one is summed.
 void one_row(const Shapes& s, const float* q, const float* kc, const float* vc, const int32_t* tables,
              const int32_t* lens, float scale, float* out, int64_t row, std::vector<float>& work) {
   const int64_t g = s.h / s.kv;
@@ -157,6 +138,9 @@ void one_row(const Shapes& s, const float* q, const float* kc, const float* vc, 
   for (int64_t j = 0; j < blocks; ++j) {
     const float* kb = kc + static_cast<int64_t>(table[j]) * block_floats;
     const float* vb = vc + static_cast<int64_t>(table[j]) * block_floats;
+    const float* kn = j + 1 < blocks ? kc + static_cast<int64_t>(table[j + 1]) * block_floats : nullptr;
+    const float* vn = j + 1 < blocks ? vc + static_cast<int64_t>(table[j + 1]) * block_floats : nullptr;
+    const int64_t pf_step = (block_floats + h - 1) / h;
     const int64_t n = std::min(bs, ctx - j * bs);
     for (int64_t hi = 0; hi < h; ++hi) scores(qs + hi * d, kb + (hi / g) * d, width, d, n, sc + hi * bs);
     for (int64_t hi = 0; hi < h; ++hi) {
@@ -175,7 +159,15 @@ void one_row(const Shapes& s, const float* q, const float* kc, const float* vc, 
         for (int64_t i = 0; i < d; ++i) oo[i] *= corr;
       }
     }
-    for (int64_t hi = 0; hi < h; ++hi) weighted_sum(sc + hi * bs, vb + (hi / g) * d, width, d, n, o + hi * d);
+    for (int64_t hi = 0; hi < h; ++hi) {
+      weighted_sum(sc + hi * bs, vb + (hi / g) * d, width, d, n, o + hi * d);
+      if (kn != nullptr) {
+        for (int64_t f = hi * pf_step; f < std::min(block_floats, (hi + 1) * pf_step); f += 16) {  // a line
+          __builtin_prefetch(kn + f);
+          __builtin_prefetch(vn + f);
+        }
+      }
+    }
   }
   for (int64_t hi = 0; hi < h; ++hi) {
     const float inv = 1.0f / denom[hi];
