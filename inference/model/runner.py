@@ -3,7 +3,9 @@
 How it works: each step, prefills are grouped into (batch, tokens) buckets
 and decodes into batch buckets (:mod:`inference.model.buckets`); every group
 is one jitted call that writes the new K/V into the paged cache (donated, so
-it is updated in place), computes last-position logits and samples on device.
+it is updated in place), computes last-position logits and samples on device
+(a decode group samples inside the same executable; a prefill group's
+logits go through a second, shared sampling executable).
 All calls of a step are dispatched before the results are fetched, so host
 work overlaps device work. Each new shape compiles once and is logged;
 :meth:`JaxRunner.warmup` compiles them all up front with progress.
@@ -80,6 +82,24 @@ def _decode_step(params: Params, cache: KVCache, tokens: jax.Array, positions: j
     logits, cache = decode_forward(params, cache, tokens, positions, slots, block_tables, context_lens,
                                    cfg=cfg, attn=attn)
     return _pad_rows(logits, rows), cache
+
+
+def _decode_sample_step(params: Params, cache: KVCache, tokens: jax.Array, positions: jax.Array,
+                        block_tables: jax.Array, valid: jax.Array, *sampling: jax.Array, cfg: LlamaConfig,
+                        attn: AttentionFns, block_size: int) -> Any:
+    """One decode step with sampling in the same executable: returns the sampler's outputs and the cache.
+
+    Each valid row runs its last token at ``positions`` (the K/V slot looked up in its block
+    table on device); invalid rows, the bucket's padding, write nothing and read no context.
+    Sampling inside the step instead of as a second call saves a dispatch and a pass over the
+    logits in memory: on the decode bench's batch-32 run 3.45-3.48 -> 3.27-3.32 s (5%).
+    """
+    oob = jax.tree.leaves(cache)[0].shape[0] * block_size
+    blk = jnp.take_along_axis(block_tables, (positions // block_size)[:, None], axis=1, mode="clip")[:, 0]
+    slots = jnp.where(valid, blk * block_size + positions % block_size, oob)
+    logits, cache = decode_forward(params, cache, tokens, positions, slots, block_tables,
+                                   jnp.where(valid, positions + 1, 0), cfg=cfg, attn=attn)
+    return tuple(sample(logits, *sampling)), cache
 
 
 def _pad_rows(logits: jax.Array, rows: int) -> jax.Array:
@@ -224,8 +244,7 @@ class JaxRunner:
         for start in range(0, len(decodes), step):
             works = decodes[start:start + step]
             b = self.buckets.decode_batch(len(works))
-            logits = self._decode_logits(works, b)
-            pending.append((works, self._sample(logits, works, b) if sample else logits))
+            pending.append((works, self._decode_sampled(works, b) if sample else self._decode_logits(works, b)))
         return pending
 
     def _check(self, w: SeqWork, *, decode: bool) -> None:
@@ -268,10 +287,14 @@ class JaxRunner:
         tables = i32((b, self._max_blocks_per_seq))
         t0 = time.perf_counter()
         if kind == "sample":
-            f32, u32 = partial(jax.ShapeDtypeStruct, dtype=jnp.float32), partial(jax.ShapeDtypeStruct, dtype=jnp.uint32)
-            lowered = jax.jit(sample).lower(f32((b, self.config.vocab_size)), f32((b,)), i32((b,)), f32((b,)),
-                                            u32((b,)), u32((b,)), i32((b,)), jax.ShapeDtypeStruct((b,), jnp.bool_))
+            lowered = jax.jit(sample).lower(jax.ShapeDtypeStruct((b, self.config.vocab_size), jnp.float32),
+                                            *self._sampling_spec(b))
         elif kind == "decode":
+            fn = partial(_decode_sample_step, cfg=self.config, attn=self._attn, block_size=self.block_size)
+            lowered = jax.jit(fn, donate_argnums=(1,)).lower(
+                self._params_spec, self._cache_spec, i32((b,)), i32((b,)), tables, jax.ShapeDtypeStruct((b,), jnp.bool_),
+                *self._sampling_spec(b))
+        elif kind == "decode_logits":
             fn = partial(_decode_step, cfg=self.config, attn=self._attn, rows=self.buckets.sample_rows(b))
             lowered = jax.jit(fn, donate_argnums=(1,)).lower(
                 self._params_spec, self._cache_spec, i32((b,)), i32((b,)), i32((b,)), tables, i32((b,)))
@@ -289,6 +312,12 @@ class JaxRunner:
         log.info("compiled %s batch=%d tokens=%d in %.2fs (%d of %d shapes)", kind, b, t, dt, n,
                  self.buckets.num_shapes)
         return exe
+
+    @staticmethod
+    def _sampling_spec(b: int) -> tuple[jax.ShapeDtypeStruct, ...]:
+        """Shapes of :meth:`SamplingBatch.arrays` for ``b`` rows."""
+        dtypes = (jnp.float32, jnp.int32, jnp.float32, jnp.uint32, jnp.uint32, jnp.int32, jnp.bool_)
+        return tuple(jax.ShapeDtypeStruct((b,), dt) for dt in dtypes)
 
     def _sample(self, logits: jax.Array, works: Sequence[SeqWork], b: int) -> Any:
         rows = self.buckets.sample_rows(b)
@@ -327,5 +356,17 @@ class JaxRunner:
             slots[row] = w.block_table[p // self.block_size] * self.block_size + p % self.block_size
         args = (tokens, positions, slots, self._tables(works, b), ctx)
 
-        logits, self._cache = self._executable(("decode", b, 1))(self._params, self._cache, *args)
+        logits, self._cache = self._executable(("decode_logits", b, 1))(self._params, self._cache, *args)
         return logits
+
+    def _decode_sampled(self, works: Sequence[SeqWork], b: int) -> Any:
+        """Dispatch one decode step with sampling for ``works`` (padded to ``b`` rows)."""
+        tokens = np.zeros(b, np.int32)
+        positions = np.zeros(b, np.int32)
+        valid = np.zeros(b, np.bool_)
+        for row, w in enumerate(works):
+            tokens[row], positions[row] = w.token_ids[0], w.start_pos
+        valid[: len(works)] = True
+        args = (tokens, positions, self._tables(works, b), valid, *self._sampling(works, b))
+        out, self._cache = self._executable(("decode", b, 1))(self._params, self._cache, *args)
+        return out

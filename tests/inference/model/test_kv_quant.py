@@ -111,8 +111,9 @@ def test_quantized_steps_write_the_cache_in_place(quant, request) -> None:
     work = SeqWork(0, PROMPTS[0], 0, [39], GREEDY, 0, 0)
     quant.logits(StepPlan(prefills=(work,), decodes=()))
     quant.logits(StepPlan(prefills=(), decodes=(SeqWork(0, [1], len(PROMPTS[0]), [39], GREEDY, 0, 1),)))
+    quant.execute(StepPlan(prefills=(), decodes=(SeqWork(0, [1], len(PROMPTS[0]) + 1, [39], GREEDY, 0, 2),)))
     codes_elems = quant._cache[0][0][0].size
-    assert {k[0] for k in quant._execs} >= {"prefill", "decode"}
+    assert {k[0] for k in quant._execs} >= {"prefill", "decode", "decode_logits"}
     for key, exe in quant._execs.items():
         copied = [line for line in exe.as_text().split("ENTRY", 1)[1].splitlines()
                   if (" copy(" in line or "convert" in line.split("=", 1)[0])

@@ -82,6 +82,23 @@ def test_same_seed_same_tokens_alone_or_batched(tiny):
     assert generate(False, 60) == generate(True, 70)
 
 
+def test_decode_padding_rows_write_nothing(tiny):
+    """Three decodes run in a batch bucket of four: the padding row reads and writes no block (its
+    block table is all zeros, so a stray write would land in block 0)."""
+    import numpy as np
+
+    runner, *_ = tiny
+    assert runner.buckets.decode_batch(3) == 4
+    before = [np.asarray(layer[0]).copy() for layer in runner._cache[0]]
+    works = tuple(SeqWork(i, [65 + i], 4, [100 + i], HOT, i, 1) for i in range(3))
+    first = runner.execute(StepPlan(prefills=(), decodes=works))
+    assert [o.seq_id for o in first] == [0, 1, 2]
+    for layer, old in zip(runner._cache[0], before, strict=True):
+        np.testing.assert_array_equal(np.asarray(layer[0]), old)
+    written = np.asarray(runner._cache[0][0][100:103, 4])
+    assert np.abs(written).sum(axis=(1, 2)).min() > 0  # each real row wrote its slot
+
+
 def test_bad_work_is_rejected_with_clear_errors(tiny):
     runner, *_ = tiny
     p = SamplingParams()
