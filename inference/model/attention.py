@@ -76,7 +76,17 @@ def prefill_attention(q: Array, k: Array, v: Array, q_offsets: Array, kv_lens: A
     q [B,T,H,D], k/v [B,S,KV,D]; query t of row b sits at absolute position
     ``q_offsets[b] + t`` and sees keys at positions ``<= `` that and ``< kv_lens[b]``.
     Returns [B,T,H,D]; rows past a sequence's length are don't-care.
+
+    On CPU, float32 runs a native kernel instead (:mod:`inference.kernels.cpu_ffi`:
+    only the key tiles each query tile sees, over XLA's threads; it writes zeros
+    past a sequence's length). Bench model, 8 layers' attention, two threads:
+    128 tokens 6.3 -> 1.4 ms, 512 tokens 50 -> 18 ms; whole prefill call 49.1
+    -> 44.6 and 202 -> 164 ms.
     """
+    if _native_cpu(native_cpu_prefill, q, k, v):
+        from inference.kernels.cpu_ffi import prefill_attention_cpu
+
+        return prefill_attention_cpu(q, k, v, q_offsets, kv_lens, scale=scale)
     b, t, h, d = q.shape
     s_len, kv = k.shape[1], k.shape[2]
     g = h // kv
@@ -156,19 +166,22 @@ def _block_diag_queries(qg: Array) -> Array:
     return (qg.transpose(0, 1, 3, 2)[:, :, :, None, :] * eye[None, :, None, :, None]).reshape(b, kv * d, kv * g)
 
 
-# Float32 caches on CPU go to the native kernel (inference.kernels.cpu_ffi) when it builds; False
-# forces the jnp loop below everywhere (tests run both).
+# Float32 attention on CPU goes to the native kernels (inference.kernels.cpu_ffi) when they build;
+# False forces the jnp loops in this module everywhere (tests run both).
 native_cpu_decode = True
+native_cpu_prefill = True
+
+
+def _native_cpu(enabled: bool, *arrays: Array) -> bool:
+    if not enabled or jax.default_backend() != "cpu" or any(a.dtype != jnp.float32 for a in arrays):
+        return False
+    from inference.kernels import cpu_ffi  # lazy: builds (once) only when a CPU float32 call is traced
+
+    return cpu_ffi.available()
 
 
 def _use_native(q: Array, k_cache: Array, k_scale: Array | None) -> bool:
-    if not native_cpu_decode or k_scale is not None or jax.default_backend() != "cpu":
-        return False
-    if k_cache.dtype != jnp.float32 or q.dtype != jnp.float32:
-        return False
-    from inference.kernels import cpu_ffi  # lazy: builds (once) only when a CPU float32 decode is traced
-
-    return cpu_ffi.available()
+    return k_scale is None and _native_cpu(native_cpu_decode, q, k_cache)
 
 
 def paged_decode_attention(q: Array, k_cache: Array, v_cache: Array, block_tables: Array,

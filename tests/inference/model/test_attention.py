@@ -20,27 +20,40 @@ from inference.model.attention import (
 
 
 @pytest.fixture(autouse=True, params=["native", "jnp"])
-def decode_impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Every test runs with float32 CPU decodes on the native kernel (cpu_ffi) and on the jnp loop."""
+def attention_impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test runs with float32 CPU attention (prefill and decode) on the native kernels (cpu_ffi)
+    and on the jnp loops."""
     native = request.param == "native"
     if native:
         from inference.kernels import cpu_ffi
 
-        assert cpu_ffi.available(), "the native CPU decode kernel did not build (is g++ installed?)"
+        assert cpu_ffi.available(), "the native CPU kernels did not build (is g++ installed?)"
     monkeypatch.setattr(attention, "native_cpu_decode", native)
+    monkeypatch.setattr(attention, "native_cpu_prefill", native)
     return request.param
 
 
-def test_the_native_kernel_is_what_runs_on_cpu(decode_impl: str) -> None:
+def test_the_native_kernel_is_what_runs_on_cpu(attention_impl: str) -> None:
     rng = np.random.default_rng(7)
     q, kc, vc = randn(rng, 2, 4, 8), randn(rng, 6, 4, 2, 8), randn(rng, 6, 4, 2, 8)
     tables, ctx = jnp.asarray([[0, 1, 2], [3, 4, 5]], jnp.int32), jnp.asarray([9, 3], jnp.int32)
     hlo = jax.jit(lambda *a: paged_decode_attention(*a, scale=0.3)).lower(q, kc, vc, tables, ctx).as_text()
-    assert ("quicserve_paged_decode_f32" in hlo) == (decode_impl == "native")
+    assert ("quicserve_paged_decode_f32" in hlo) == (attention_impl == "native")
     # bfloat16 caches and quantized ones keep the jnp loop
     bf = [x.astype(jnp.bfloat16) for x in (q, kc, vc)]
     hlo = jax.jit(lambda *a: paged_decode_attention(*a, scale=0.3)).lower(*bf, tables, ctx).as_text()
     assert "quicserve_paged_decode_f32" not in hlo
+
+
+def test_the_native_prefill_kernel_is_what_runs_on_cpu(attention_impl: str) -> None:
+    rng = np.random.default_rng(8)
+    q, k, v = randn(rng, 2, 5, 4, 8), randn(rng, 2, 9, 2, 8), randn(rng, 2, 9, 2, 8)
+    q_off, kv_len = jnp.asarray([0, 4], jnp.int32), jnp.asarray([5, 9], jnp.int32)
+    hlo = jax.jit(lambda *a: prefill_attention(*a, scale=0.3)).lower(q, k, v, q_off, kv_len).as_text()
+    assert ("quicserve_prefill_f32" in hlo) == (attention_impl == "native")
+    bf = [x.astype(jnp.bfloat16) for x in (q, k, v)]  # bfloat16 keeps the jnp loop
+    hlo = jax.jit(lambda *a: prefill_attention(*a, scale=0.3)).lower(*bf, q_off, kv_len).as_text()
+    assert "quicserve_prefill_f32" not in hlo
 
 
 def randn(rng, *shape):
