@@ -157,6 +157,13 @@ def overlaps(table: Table) -> dict[tuple[int, int], float]:
     return {(b, t): dec[MAX_BATCH] + pre[(b, t)] - v for (d, b, t), v in mixed.items() if d == MAX_BATCH}
 
 
+def _between(table: dict[int, float], x: int) -> float:
+    """The table at ``x``, linear between the measured sizes either side (the table holds the powers
+    of two; the runner's buckets between them, e.g. 24 and 48, were not measured)."""
+    lo, hi = max(k for k in table if k <= x), min(k for k in table if k >= x)
+    return table[lo] if lo == hi else table[lo] + (table[hi] - table[lo]) * (x - lo) / (hi - lo)
+
+
 class MeasuredCostRunner:
     """Bench double for the model runner: a constant token (requests end at
     ``max_tokens``), step time from the measured table for the calls the real
@@ -176,12 +183,13 @@ class MeasuredCostRunner:
         lengths = [len(w.token_ids) for w in plan.prefills]
         cost = 0.0
         for i in range(0, len(plan.decodes), MAX_BATCH):
-            cost += self.dec[pow2_ceil(len(plan.decodes[i : i + MAX_BATCH]))]
+            cost += _between(self.dec, self.buckets.decode_batch(len(plan.decodes[i : i + MAX_BATCH])))
         for group in self.buckets.group_prefills(lengths) if lengths else []:
             b, t = self.buckets.prefill_shape(len(group), max(lengths[i] for i in group))
             tt = min(t, PREFILL_T[-1])  # longer (recomputed) prompts: scale the longest measured
-            call = self.pre[(b, tt)] * t / tt
-            cost += call - (self.overlap.get((b, tt), 0.0) if cost > 0 else 0.0)
+            call = _between({x: self.pre[(b, x)] for x in PREFILL_T}, tt) * t / tt
+            hidden = _between({x: self.overlap.get((b, x), 0.0) for x in PREFILL_T}, tt)
+            cost += call - (hidden if cost > 0 else 0.0)
         return cost
 
     def execute(self, plan: StepPlan) -> list[SeqOutput]:
