@@ -118,12 +118,14 @@ class Buckets:
 
     @property
     def sample_batches(self) -> tuple[int, ...]:
-        """Sampling shapes: logits are padded to 8 rows or to the largest batch (two compiles)."""
-        top = self.decode_batches[-1]
-        return tuple(sorted({min(8, top), top}))
+        """The sampler's one shape: a prefill group's logits padded to the largest prefill batch.
+
+        (A decode group samples inside its own step, so it needs no sampler shape of its own.)
+        """
+        return self.prefill_batches[-1:]
 
     def sample_rows(self, n: int) -> int:
-        """Rows the sampler runs for a batch bucket of ``n``."""
+        """Rows the sampler runs for a prefill group of ``n``."""
         return _bucket(self.sample_batches, n)
 
     @property

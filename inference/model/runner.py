@@ -295,7 +295,7 @@ class JaxRunner:
                 self._params_spec, self._cache_spec, i32((b,)), i32((b,)), tables, jax.ShapeDtypeStruct((b,), jnp.bool_),
                 *self._sampling_spec(b))
         elif kind == "decode_logits":
-            fn = partial(_decode_step, cfg=self.config, attn=self._attn, rows=self.buckets.sample_rows(b))
+            fn = partial(_decode_step, cfg=self.config, attn=self._attn, rows=b)
             lowered = jax.jit(fn, donate_argnums=(1,)).lower(
                 self._params_spec, self._cache_spec, i32((b,)), i32((b,)), i32((b,)), tables, i32((b,)))
         else:

@@ -64,17 +64,17 @@ def test_sizes_per_octave(hi, steps, count):
 def test_shape_sets_for_the_tiny_defaults():
     b = Buckets(max_batch=32, max_model_len=1024)
     assert b.decode_batches == (1, 2, 4, 8, 16, 24, 32)
-    assert b.sample_batches == (8, 32) and b.sample_rows(1) == 8 and b.sample_rows(16) == 32
+    assert b.sample_batches == (1,) and b.sample_rows(1) == 1
     lengths = (16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
     assert b.prefill_lengths == lengths and b.prefill_shapes == tuple((1, t) for t in lengths)
-    assert b.num_shapes == 7 + 13 + 2
+    assert b.num_shapes == 7 + 13 + 1
 
 
 def test_worker_default_shape_count():
     """``quicserve worker --max-batch 8`` (prompts in pairs per prefill call): 4 decode, 2 x 13 prefill,
     1 sample shape."""
     b = Buckets(max_batch=8, max_model_len=1024, max_prefill_batch=2)
-    assert b.decode_batches == (1, 2, 4, 8) and b.sample_batches == (8,)
+    assert b.decode_batches == (1, 2, 4, 8) and b.sample_batches == (2,) and b.sample_rows(1) == 2
     assert len(b.prefill_shapes) == 26 and b.num_shapes == 31
 
 
@@ -103,7 +103,6 @@ def test_every_size_up_to_the_maximum_gets_the_smallest_bucket_that_holds_it(max
         _, got = b.prefill_shape(1, n)
         assert got in b.prefill_lengths and got >= n and not any(n <= x < got for x in b.prefill_lengths)
     assert b.decode_batches[-1] == max_batch and b.prefill_lengths[-1] == max_model_len
-    assert b.sample_rows(b.decode_batch(max_batch)) == max_batch
 
 
 def test_padding_of_the_defaults():
@@ -120,7 +119,7 @@ def test_edge_cases():
     assert one.decode_batches == (1,) and one.sample_batches == (1,) and one.prefill_lengths == (10,)
     assert one.prefill_shape(1, 3) == (1, 10) and one.num_shapes == 3
     off = Buckets(max_batch=20, max_model_len=1000)
-    assert off.decode_batches[-2:] == (16, 20) and off.sample_batches == (8, 20)
+    assert off.decode_batches[-2:] == (16, 20) and off.sample_batches == (1,)
     assert off.prefill_shape(1, 769) == (1, 1000) and off.prefill_shape(1, 768) == (1, 768)
     with pytest.raises(ValueError, match="max_model_len"):
         off.prefill_shape(1, 1001)
