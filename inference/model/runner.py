@@ -202,16 +202,18 @@ class JaxRunner:
     def execute(self, plan: StepPlan) -> list[SeqOutput]:
         """Run prefills then decodes; one output per SeqWork, prefills first."""
         pending = self._dispatch(plan, sample=True)
+        # The top-n arrays come back only for groups where some row asked for them.
+        fetched = jax.device_get([res if any(w.params.top_logprobs for w in works) else res[:2]
+                                  for works, res in pending])
         by_seq: dict[int, SeqOutput] = {}
-        fetched = jax.device_get([res for _, res in pending])
-        for (works, _), (tokens, lps, top_ids, top_lps) in zip(pending, fetched, strict=True):
+        for (works, _), got in zip(pending, fetched, strict=True):
+            tokens, lps = got[0].tolist(), got[1].tolist()
             for row, w in enumerate(works):
                 n = w.params.top_logprobs
-                by_seq[id(w)] = SeqOutput(
-                    seq_id=w.seq_id, token_id=int(tokens[row]), logprob=float(lps[row]),
-                    top_ids=tuple(int(x) for x in top_ids[row, :n]),
-                    top_logprobs=tuple(float(x) for x in top_lps[row, :n]),
-                )
+                out = SeqOutput(w.seq_id, tokens[row], lps[row])
+                if n:
+                    out.top_ids, out.top_logprobs = tuple(got[2][row, :n].tolist()), tuple(got[3][row, :n].tolist())
+                by_seq[id(w)] = out
         return [by_seq[id(w)] for w in (*plan.prefills, *plan.decodes)]
 
     def logits(self, plan: StepPlan) -> np.ndarray:
@@ -258,9 +260,9 @@ class JaxRunner:
                              f"{self.max_model_len}")
         if len(w.block_table) < -(-end // self.block_size):
             raise ValueError(f"seq {w.seq_id}: block table of {len(w.block_table)} blocks cannot hold {end} tokens")
-        if any(not 0 <= blk < self.num_blocks for blk in w.block_table):
+        if min(w.block_table) < 0 or max(w.block_table) >= self.num_blocks:
             raise ValueError(f"seq {w.seq_id}: block id outside 0..{self.num_blocks - 1}")
-        if any(not 0 <= tok < self.config.vocab_size for tok in w.token_ids):
+        if min(w.token_ids) < 0 or max(w.token_ids) >= self.config.vocab_size:
             raise ValueError(f"seq {w.seq_id}: token id outside 0..{self.config.vocab_size - 1}")
         if not 0 <= w.params.top_logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"seq {w.seq_id}: top_logprobs must be in 0..{MAX_TOP_LOGPROBS}")
