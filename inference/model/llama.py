@@ -21,6 +21,7 @@ already stored in), with Llama-3 frequency scaling when configured.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -48,6 +49,9 @@ __all__ = [
     "decode_forward",
     "transpose_weights",
     "quantize_projections",
+    "PackedWeightT",
+    "pack_weight",
+    "pack_projections",
     "weight_bytes",
 ]
 
@@ -172,6 +176,48 @@ def quantize_projections(params: Params, kind: str) -> Params:
     return out
 
 
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class PackedWeightT:
+    """A float32 projection ``W [n, in]`` in the native CPU matmul's layout (``cpu_matmul.cc``):
+    ``panels [ceil(n/16), in, 16]``, 16 output columns per contiguous panel, zero-padded."""
+
+    panels: Array
+    n: int = field(metadata=dict(static=True))
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.n, int(self.panels.shape[1])
+
+
+def pack_weight(w_t: Array | np.ndarray) -> PackedWeightT:
+    """``w_t [out, in]`` (float32) as :class:`PackedWeightT`."""
+    w = np.asarray(w_t, np.float32)
+    n, k = w.shape
+    p = -(-n // 16)
+    padded = np.zeros((p * 16, k), np.float32)
+    padded[:n] = w
+    return PackedWeightT(jnp.asarray(padded.reshape(p, 16, k).transpose(0, 2, 1)), n)
+
+
+def pack_projections(params: Params) -> Params:
+    """Transposed float32 parameters (:func:`transpose_weights`) with every projection packed for the
+    native CPU matmul; a tied head gets its own packed ``lm_head_t`` (the lookup table stays as is).
+
+    Why: the projections are most of a step, and the native kernel streams each packed panel once
+    while it prefetches the next (``inference/kernels/cpu_matmul.cc``): bench model, 8-layer chain,
+    two threads, 32 rows 13.7 -> ~11.8 ms, 64-256 rows ~150 -> 179-190 GFLOP/s.
+    """
+    def pack(group: dict[str, Any]) -> dict[str, Any]:
+        return {k: pack_weight(v) if k.endswith("_t") and k[:-2] in _MATRICES else v for k, v in group.items()}
+
+    out = pack({k: v for k, v in params.items() if k != "layers"})
+    if "lm_head_t" not in out and "lm_head" not in out:
+        out["lm_head_t"] = pack_weight(params["embed"])
+    out["layers"] = [pack(lp) for lp in params["layers"]]
+    return out
+
+
 def weight_bytes(params: Params) -> int:
     """Bytes of every array in ``params`` (codes and scales of quantized projections included)."""
     return sum(int(a.size) * a.dtype.itemsize for a in jax.tree_util.tree_leaves(params))
@@ -201,6 +247,11 @@ def _matmul_t(x: Array, w_t: Array | QuantizedWeightT, out_dtype: Any) -> Array:
     if isinstance(w_t, QuantizedWeightT):
         return _quantized_matmul_t(x, w_t, out_dtype)
     rows = math.prod(x.shape[:-1])
+    if isinstance(w_t, PackedWeightT):
+        from inference.kernels.cpu_ffi import matmul_packed_cpu
+
+        y = matmul_packed_cpu(x.reshape(rows, x.shape[-1]), w_t.panels, w_t.n)
+        return y.reshape(*x.shape[:-1], w_t.n).astype(out_dtype)
     if not MULREDUCE_ROWS[0] <= rows <= MULREDUCE_ROWS[1]:
         return jax.lax.dot_general(x, w_t, (((x.ndim - 1,), (1,)), ((), ())), preferred_element_type=out_dtype)
     x2 = x.reshape(rows, x.shape[-1]).astype(jnp.float32)

@@ -48,6 +48,7 @@ from inference.model.llama import (
     decode_forward,
     init_kv_cache,
     kv_bytes_per_token,
+    pack_projections,
     prefill_forward,
     quantize_projections,
     transpose_weights,
@@ -102,6 +103,19 @@ def _decode_sample_step(params: Params, cache: KVCache, tokens: jax.Array, posit
     return tuple(sample(logits, *sampling)), cache
 
 
+# Float32 projections on CPU run the native packed matmul (inference/kernels/cpu_matmul.cc) when the
+# kernels build; False keeps XLA's dot / multiply-reduce (tests compare the two).
+native_cpu_matmul = True
+
+
+def _native_matmul(dtype: Any) -> bool:
+    if not native_cpu_matmul or dtype != jnp.float32 or jax.default_backend() != "cpu":
+        return False
+    from inference.kernels import cpu_ffi  # lazy: builds (once) only for a CPU float32 model
+
+    return cpu_ffi.available()
+
+
 def _pad_rows(logits: jax.Array, rows: int) -> jax.Array:
     """Pad logits to the sampler's row count (so sampling compiles for two shapes, not one per batch)."""
     return jnp.pad(logits, ((0, rows - logits.shape[0]), (0, 0)))
@@ -145,6 +159,8 @@ class JaxRunner:
             self._params = quantize_projections_gptq(self._params, cfg, weight_dtype)
         elif weight_dtype != "auto":
             self._params = quantize_projections(self._params, weight_dtype)
+        elif _native_matmul(loaded.params["embed"].dtype):
+            self._params = pack_projections(self._params)
         self.weight_bytes: int = weight_bytes(self._params)
         dtype = loaded.params["embed"].dtype
         self.kv_cache_dtype = kv_cache_dtype

@@ -160,3 +160,35 @@ def test_native_prefill_rejects_inconsistent_shapes(shapes) -> None:
     args = [jnp.zeros(x, jnp.float32) for x in (qs, ks, vs)] + [jnp.zeros(n, jnp.int32)] * 2
     with pytest.raises(Exception, match="inconsistent shapes"):
         cpu_ffi.prefill_attention_cpu(*args, scale=0.25).block_until_ready()
+
+
+@pytest.mark.parametrize("m", [1, 2, 5, 6, 7, 13, 64, 65])
+@pytest.mark.parametrize("n,k", [(1, 7), (16, 1), (17, 512), (100, 33), (48, 1030)])
+def test_packed_matmul_matches_numpy(m: int, n: int, k: int) -> None:
+    """Every row-tile height (1-6, a short last tile), panels with padding columns, K of any size."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from inference.model.llama import pack_weight
+
+    assert cpu_ffi.available()
+    rng = np.random.default_rng(m * 1000 + n + k)
+    x = rng.standard_normal((m, k), dtype=np.float32)
+    w = rng.standard_normal((n, k), dtype=np.float32)
+    packed = pack_weight(w)
+    assert packed.panels.shape == (-(-n // 16), k, 16) and packed.shape == (n, k)
+    got = np.asarray(cpu_ffi.matmul_packed_cpu(jnp.asarray(x), packed.panels, n))
+    want = x.astype(np.float64) @ w.T.astype(np.float64)
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.sqrt(k) * 4)
+
+
+def test_packed_matmul_rejects_inconsistent_shapes() -> None:
+    import jax.numpy as jnp
+
+    assert cpu_ffi.available()
+    x = jnp.ones((3, 8), jnp.float32)
+    for panels, n in ((jnp.ones((1, 9, 16), jnp.float32), 16), (jnp.ones((1, 8, 8), jnp.float32), 8),
+                      (jnp.ones((1, 8, 16), jnp.float32), 17)):
+        with pytest.raises(Exception, match="matmul_packed"):
+            np_result = cpu_ffi.matmul_packed_cpu(x, panels, n)
+            np_result.block_until_ready()

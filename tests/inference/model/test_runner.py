@@ -154,3 +154,30 @@ def _elements(hlo_rhs: str) -> int:
     """Element count of the array type that starts an HLO instruction's right-hand side."""
     dims = hlo_rhs.split("[", 1)[1].split("]", 1)[0]
     return math.prod(int(x) for x in dims.split(",") if x)
+
+
+def test_packed_projections_give_the_unpacked_logits(monkeypatch):
+    """On CPU float32 projections are packed for the native matmul; the logits agree with XLA's own
+    matmuls (native_cpu_matmul off) for a prefill and a decode, and the native call is what compiles."""
+    import jax
+    import numpy as np
+
+    from inference.model import runner as runner_mod
+    from inference.model.llama import PackedWeightT
+    from inference.weights import load_model
+
+    if jax.default_backend() != "cpu":
+        pytest.skip("the packed layout is for CPU")
+    loaded = load_model("tiny")
+    got = {}
+    for native in (True, False):
+        monkeypatch.setattr(runner_mod, "native_cpu_matmul", native)
+        r = JaxRunner(loaded, max_batch=4, num_blocks=16, max_model_len=64)
+        assert isinstance(r._params["layers"][0]["w_down_t"], PackedWeightT) == native
+        prompt = list(b"packed or not")
+        pre = r.logits(StepPlan(prefills=(SeqWork(0, prompt, 0, [1], HOT, 0, 0),), decodes=()))
+        dec = r.logits(StepPlan(prefills=(), decodes=(SeqWork(0, [66], len(prompt), [1], HOT, 0, 1),)))
+        hlo = r._executable(("decode", 1, 1)).as_text()
+        assert ("quicserve_matmul_packed_f32" in hlo) == native
+        got[native] = np.concatenate([pre, dec])
+    np.testing.assert_allclose(got[True], got[False], atol=2e-4, rtol=1e-4)

@@ -34,7 +34,7 @@ import pytest
 
 jax = pytest.importorskip("jax")
 
-from inference.model.llama import MULREDUCE_ROWS  # noqa: E402
+from inference.model.llama import MULREDUCE_ROWS, PackedWeightT  # noqa: E402
 from inference.model.runner import JaxRunner  # noqa: E402
 from inference.weights import LoadedModel, load_hf_dir, load_model  # noqa: E402
 from tests.inference.kernels.quant_harness import write_random_llama  # noqa: E402
@@ -135,7 +135,12 @@ def test_weight_bytes_and_layout() -> None:
     output channel (2 x 512 + 258: 5,128 B): 162,696 B."""
     loaded = load_model("tiny")
     f32, i8, f8 = (_runner(loaded, k) for k in ("auto", "int8", "fp8"))
-    assert f32.weight_bytes == f32.float_weight_bytes == i8.float_weight_bytes == 362_240
+    assert f32.float_weight_bytes == i8.float_weight_bytes == 362_240
+    # Float32 on CPU: projections packed for the native matmul, the tied head as its own packed copy
+    # (258 rows padded to 272, x 64 x 4 B = 69,632 B) beside the lookup table.
+    packed = isinstance(f32._params["layers"][0]["wqkv_t"], PackedWeightT)
+    assert packed == (jax.default_backend() == "cpu")
+    assert f32.weight_bytes == 362_240 + (69_632 if packed else 0)
     assert i8.weight_bytes == f8.weight_bytes == 67_328 + 90_240 + 5_128 == 162_696
     layer = i8._params["layers"][0]
     assert layer["wqkv_t"].codes.dtype == np.int8 and layer["wqkv_t"].codes.shape == (128, 64)
