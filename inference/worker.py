@@ -28,6 +28,12 @@ from .tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
 __all__ = ["main", "parse_args", "parse_cpus", "numa_cpus", "build_service"]
 
+# 2: each batch size adds prefill buckets to compile at start-up (tiny model, --max-batch 8: 31
+# shapes, ~14.5 s of warmup, against 18 at 1; 4 would add 11 more), and at saturation ~1 prompt
+# joins per step, so pairs are what a short wait gathers (calls of 4 shorten a saturated step by
+# 1.12x at best, pairs by 1.08x: tests/bench/bench_batch_window.py; on the decode bench's
+# batch-32 run, prefill 1.13 s at 1, 1.00-1.02 at 2, 0.98-1.00 at 4).
+DEFAULT_MAX_PREFILL_BATCH = 2
 log = logging.getLogger("inference.worker")
 DRAIN_TIMEOUT = 30.0
 
@@ -76,12 +82,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=None)
     p.add_argument("--max-batch", type=int, default=32)
-    # 2: each batch size adds prefill buckets to compile at start-up (tiny
-    # model, --max-batch 8, measured at load 4: 17 s of compiling at 1, 35 s
-    # at 2, 62 s at 4), and at saturation ~1 prompt joins per step, so pairs
-    # are what a short wait gathers (calls of 4 shorten a saturated step by
-    # 1.12x at best, pairs by 1.08x: tests/bench/bench_batch_window.py).
-    p.add_argument("--max-prefill-batch", type=int, default=2,
+    p.add_argument("--max-prefill-batch", type=int, default=DEFAULT_MAX_PREFILL_BATCH,
                    help="prompts one prefill call may carry (the batch window gathers up to this many)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--batch-window", type=_window, default="adaptive", help="adaptive | fixed:<ms>")

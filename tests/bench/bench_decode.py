@@ -101,6 +101,7 @@ import numpy as np
 from inference.model.runner import JaxRunner
 from inference.runner import SeqWork, StepPlan
 from inference.weights import write_hf_checkpoint
+from inference.worker import DEFAULT_MAX_PREFILL_BATCH
 from tests.bench.roofline import ModelShape, Recorder, floor_seconds, measure_machine
 from transport.messages import SamplingParams
 
@@ -209,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
                                                            attn_implementation="sdpa").eval()
         hf.generation_config.eos_token_id = None
         runner = JaxRunner.load(tmp, block_size=BLOCK, num_blocks=2048, max_batch=max(batches),
-                                max_model_len=512)
+                                max_model_len=512, max_prefill_batch=DEFAULT_MAX_PREFILL_BATCH)
     params = sum(p.numel() for p in hf.parameters())
     print(f"model: {params / 1e6:.1f}M params, {args.layers} layers, float32; torch threads "
           f"{torch.get_num_threads()}, hf attention {hf.config._attn_implementation}")
