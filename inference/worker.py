@@ -28,11 +28,11 @@ from .tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
 __all__ = ["main", "parse_args", "parse_cpus", "numa_cpus", "build_service"]
 
-# 2: each batch size adds prefill buckets to compile at start-up (tiny model, --max-batch 8: 31
-# shapes, ~14.5 s of warmup, against 18 at 1; 4 would add 11 more), and at saturation ~1 prompt
+# 2: each batch size adds prefill buckets to compile at start-up (tiny model, --max-batch 8: 51
+# shapes against 28 at 1, first answer ~24 s after start; 4 would add 21 more), and at saturation ~1 prompt
 # joins per step, so pairs are what a short wait gathers (calls of 4 shorten a saturated step by
 # 1.12x at best, pairs by 1.08x: tests/bench/bench_batch_window.py; on the decode bench's
-# batch-32 run, prefill 1.13 s at 1, 1.00-1.02 at 2, 0.98-1.00 at 4).
+# batch-32 run, with the native matmul: prefill 0.95-0.96 s at 2, 1.01 at 4, 1.09 at 8).
 DEFAULT_MAX_PREFILL_BATCH = 2
 log = logging.getLogger("inference.worker")
 DRAIN_TIMEOUT = 30.0

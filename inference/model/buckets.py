@@ -29,10 +29,15 @@ is always allowed, so any prompt up to ``max_model_len`` fits).
 
 The defaults, on the decode bench's batch-32 run (prompts of 16-128 tokens,
 the batch shrinking from 32 as requests finish; best of 3): powers of two
-3.24 s, these defaults 3.17 s (prompt tokens padded 24% -> 15%; steps of
-17-24 rows run at 24) for 20 shapes instead of 14, warmup 11.6 -> 15.9 s.
-Four prefill sizes per octave: 3.11 s for 28 shapes. Decode at 10, 12, 14,
-20 and 28 as well (no alignment): 3.25 s for 25.
+3.24 s, 2 prefill sizes per octave 3.17 s (prompt tokens padded 24% -> 15%;
+steps of 17-24 rows run at 24) for 20 shapes instead of 14, warmup 11.6 ->
+15.9 s. Decode at 10, 12, 14, 20 and 28 as well (no alignment): 3.25 s for
+25. Since the projections run the native packed matmul (prefill is ~35% of
+that run and compute-bound), 4 prefill sizes per octave: prefill 0.96 ->
+0.91 s, the run 2.75-2.76 -> 2.65-2.69 s, for 46 shapes instead of 30 with
+the worker's prefill pairs; the worker's tiny model at --max-batch 8
+compiles 51 (31 at 2 per octave) and still answers its first request in
+~24 s (tests/inference/test_worker.py).
 """
 
 from __future__ import annotations
@@ -85,7 +90,7 @@ class Buckets:
     max_prefill_batch: int = 1
     max_prefill_tokens: int = 2048
     # the defaults' measurements: the module docstring
-    prefill_steps_per_octave: int = 2
+    prefill_steps_per_octave: int = 4
     decode_steps_per_octave: int = 4
 
     def __post_init__(self) -> None:

@@ -65,17 +65,18 @@ def test_shape_sets_for_the_tiny_defaults():
     b = Buckets(max_batch=32, max_model_len=1024)
     assert b.decode_batches == (1, 2, 4, 8, 16, 24, 32)
     assert b.sample_batches == (1,) and b.sample_rows(1) == 1
-    lengths = (16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
+    lengths = (16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512, 640, 768,
+               896, 1024)
     assert b.prefill_lengths == lengths and b.prefill_shapes == tuple((1, t) for t in lengths)
-    assert b.num_shapes == 7 + 13 + 1
+    assert b.num_shapes == 7 + 23 + 1
 
 
 def test_worker_default_shape_count():
-    """``quicserve worker --max-batch 8`` (prompts in pairs per prefill call): 4 decode, 2 x 13 prefill,
+    """``quicserve worker --max-batch 8`` (prompts in pairs per prefill call): 4 decode, 2 x 23 prefill,
     1 sample shape."""
     b = Buckets(max_batch=8, max_model_len=1024, max_prefill_batch=2)
     assert b.decode_batches == (1, 2, 4, 8) and b.sample_batches == (2,) and b.sample_rows(1) == 2
-    assert len(b.prefill_shapes) == 26 and b.num_shapes == 31
+    assert len(b.prefill_shapes) == 46 and b.num_shapes == 51
 
 
 @pytest.mark.parametrize("max_batch, max_model_len, prefill, decode",
@@ -106,12 +107,13 @@ def test_every_size_up_to_the_maximum_gets_the_smallest_bucket_that_holds_it(max
 
 
 def test_padding_of_the_defaults():
-    """Above 16, a prompt pads by less than half (2 per octave) and a decode batch by less than a third
-    (16, 24, 32, 40, ...); under powers of two both could nearly double."""
+    """Above 32, a prompt pads by at most a quarter (4 per octave: 32, 40, 48, ...) and a decode batch above
+    16 by less than half (16, 24, 32, 40, ...); under powers of two both could nearly double."""
     b = Buckets(max_batch=128, max_model_len=2048)
     assert all(b.prefill_shape(1, n)[1] < 1.5 * n for n in range(17, 2049))
+    assert all(b.prefill_shape(1, n)[1] <= 1.25 * n for n in range(33, 2049))
     assert all(b.decode_batch(n) < 1.5 * n for n in range(17, 129))
-    assert b.decode_batch(17) == 24 and b.decode_batch(25) == 32 and b.prefill_shape(1, 65) == (1, 96)
+    assert b.decode_batch(17) == 24 and b.decode_batch(25) == 32 and b.prefill_shape(1, 65) == (1, 80)
 
 
 def test_edge_cases():
@@ -120,7 +122,7 @@ def test_edge_cases():
     assert one.prefill_shape(1, 3) == (1, 10) and one.num_shapes == 3
     off = Buckets(max_batch=20, max_model_len=1000)
     assert off.decode_batches[-2:] == (16, 20) and off.sample_batches == (1,)
-    assert off.prefill_shape(1, 769) == (1, 1000) and off.prefill_shape(1, 768) == (1, 768)
+    assert off.prefill_shape(1, 897) == (1, 1000) and off.prefill_shape(1, 896) == (1, 896)
     with pytest.raises(ValueError, match="max_model_len"):
         off.prefill_shape(1, 1001)
     with pytest.raises(ValueError, match="power of two"):
