@@ -44,46 +44,48 @@ The roofline columns (``tests/bench/roofline.py``) say how far any engine
 could go here: ``floor`` is the least time for the same steps at this
 machine's best measured matmul rate and copy bandwidth (no padding, no
 overhead), ``ceiling`` = transformers' time / floor, ``of roof`` = floor /
-our time. Quiet run of 2026-11-30 (two threads, load ~2 = the bench
-itself): best matmul 183 GFLOP/s, copy 29.5 GB/s; batch 32 floor 1.56 s,
-ceiling 5.68x, we reached 35% of the roof (38% with the native decode
-kernel below). So 3x at batch 32 is not ruled out by the machine: it needs
-~53% of the roof.
+our time. It assumes weights, K/V and arithmetic overlap perfectly, which
+no step here does; a batch-32 decode step streams ~110 MB of weights and
+~80 MB of K/V while it does ~1.75 GFLOP.
 
-Where our time goes (same day; the box has neighbours, so single figures
-move by up to ~30% between runs minutes apart; these are repeated minima).
-Decode step at batch 32, contexts 100-200, before the native CPU decode
-kernel: one pinned core 47 ms = attention ~18 ms + the rest ~29 ms
-(projections ~23 ms at ~78 GFLOP/s, XLA:CPU's multiply-reduce near this
-core's peak); two threads ~32 ms, of which the rest ~18 ms (it scales 1.6x)
-and attention ~14 ms: the jnp attention did not use the second core
-(splitting the batch into independent loops, chunk sizes, XLA flags and a
-block-diagonal GEMM for the scores did not change that). The native kernel
-(``inference/kernels/cpu_decode.cc``: K/V rows read in place, sequences
-over threads) brought the step to ~25 ms. Now, batch-32 run (~4.1 s):
-prefill ~1.3-1.4 s (32 calls, each prompt padded to a power of two; its
-floor at the best matmul rate is ~0.7 s) + decode ~2.7 s. A 3x lead needs
-~3.0 s. What the prefill calls spend: a 128-token bucket call (120 real
-tokens) 53.4 ms, of which attention 7.4 ms; a 512 one 225 ms, attention 67
-ms; projections run at ~130 GFLOP/s in the call, the same dots alone at
-140-185 (layout [out, in] or [in, out] makes no difference). Packing fresh
-prompts side by side into 512-token rows with a dense segment-masked
-attention was tried and dropped: 4 x 125 tokens took 313 ms in one row
-against 214 ms as four bucketed calls (the dense attention costs ~11 ms a
-layer at 512, and a 512-row GEMM is no faster per token than a 128-row
-one here). So the prefill levers left are padding (each prompt padded to a
-power of two, ~30% of the tokens) and attention; then the decode step's
-~7 ms outside projections and attention.
-Transformers' batch-32 run: ~12.1 s on one core, ~8.4-8.9 s on two.
+Our side runs the runner as the worker configures it: prompts in prefill
+calls of up to ``inference.worker.DEFAULT_MAX_PREFILL_BATCH`` (2).
 
-Last figures (``--stream 2 --repeats 2``, 2026-11-30 session 4, two
-threads, unpinned, load ~2.1 = the bench itself), with the native kernel:
-ratio 2.20x / 2.24x / 2.18x (batch 1/8/32), stream 2.15x / 2.30x / 2.31x;
-cpu-ratio 2.84x / 2.67x / 2.52x; batch 32: ours 603.3 tok/s against 277.2,
-38% of the roof (ceiling 5.72x). The same run before the kernel: 1.99x /
-2.04x / 1.98x, stream 1.98x / 2.18x / 2.02x, 35% of the roof. One pinned
-core, ``--torch-threads 1`` (session 3, load 1.1-2.6): cpu-ratio 1.72x /
-1.82x / 1.95x. Every request's greedy output matches transformers'.
+Where our time goes (2026-11-30, session 5, quiet, two threads; the box has
+neighbours, so single figures move by up to ~10-30% between runs minutes
+apart; these are repeated minima). Batch-32 run ~2.65-2.75 s = prefill
+~0.91 s (16 calls of prompt pairs; at the best matmul rate the real tokens
+need ~0.65 s) + decode ~1.75 s (121 steps). A batch-32 decode step is
+~18-19 ms: projections ~11.3 ms (the native packed GEMM,
+``inference/kernels/cpu_matmul.cc``), attention ~5 ms (``cpu_decode.cc``,
+bound by reading random 16 KB K/V blocks at ~16 GB/s), the rest ~1.5 ms,
+host work ~0.5 ms. How the run got there from ~4.1 s (session 4), each step
+measured on it: finer shape buckets 3.24 -> 3.17 s; decode sampling inside
+its own executable 3.45-3.48 -> 3.27-3.32 s; the native prefill attention
+(``cpu_prefill.cc``) 3.18 -> 3.08 s; lighter host work per step (batch-32
+step 23.0 -> 22.3 ms); the native packed GEMM for every float32
+projection ~3.0 -> 2.74-2.77 s; 4 prompt-length buckets per octave 2.75 ->
+2.65-2.69 s. Tried and dropped: multi-step decode (4 steps per call, each
+sampled on device and fed back) saved only 1-2% more on top of the fused
+step, not worth the scheduler changes; a native matmul over unpacked [out,
+in] rows (dot-product tiles with horizontal sums) was slower than XLA's
+multiply-reduce; RoPE tables computed once per step (no change); prefill
+calls of 4 or 8 prompts (prefill 1.01 / 1.09 s against 0.95 s in pairs);
+prefetching two K/V blocks ahead. Session 4's packed-prefill experiment (4 x
+125 prompts in one 512-token row with a dense segment-masked attention:
+313 ms against 214 ms as four calls) predates the native kernels.
+Transformers' batch-32 run: ~12.1 s on one core, ~7.9-8.6 s on two.
+
+Last figures (``--stream 2 --repeats 2``, final code of 2026-11-30 session
+5, two threads, unpinned, load ~2.0 = the bench itself), two runs:
+ratio 2.13x / 3.31x / 3.04x and 2.52x / 3.37x / 3.06x (batch 1/8/32),
+stream 2.37x / 3.59x / 3.01x and 2.46x / 3.57x / 2.92x; cpu-ratio at batch
+32 3.32x both; batch 32: ours 874.3 and 883.2 tok/s against 287.5 and
+288.4, 52-53% of the roof (ceiling 5.78-5.80x). The run just before the 4
+buckets per octave: 2.91x at batch 32 (ours 910.4 tok/s against 312.7 on a
+faster moment of the machine), 3.09x stream. Session 4 (before today's
+kernels): 2.20x / 2.24x / 2.18x. Every request's greedy output matches
+transformers'.
 
     .venv/bin/python -m tests.bench.bench_decode [--batches 1,8,32] [--layers 8] [--stream 4]
 """
