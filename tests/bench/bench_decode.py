@@ -77,11 +77,13 @@ prefetching two K/V blocks ahead. Session 4's packed-prefill experiment (4 x
 Transformers' batch-32 run: ~12.1 s on one core, ~7.9-8.6 s on two.
 
 Last figures (``--stream 2 --repeats 2``, final code of 2026-11-30 session
-5, two threads, unpinned, load ~2.0 = the bench itself), two runs:
-ratio 2.13x / 3.31x / 3.04x and 2.52x / 3.37x / 3.06x (batch 1/8/32),
-stream 2.37x / 3.59x / 3.01x and 2.46x / 3.57x / 2.92x; cpu-ratio at batch
-32 3.32x both; batch 32: ours 874.3 and 883.2 tok/s against 287.5 and
-288.4, 52-53% of the roof (ceiling 5.78-5.80x). The run just before the 4
+5, two threads, unpinned, load ~2.0 = the bench itself), three runs:
+ratio 2.13x / 3.31x / 3.04x, 2.52x / 3.37x / 3.06x and 2.42x / 3.26x /
+2.71x (batch 1/8/32), stream 2.37x / 3.59x / 3.01x, 2.46x / 3.57x / 2.92x
+and 2.31x / 3.41x / 2.86x; cpu-ratio at batch 32 3.32x, 3.32x, 2.94x;
+batch 32: ours 874.3, 883.2 and 832.5 tok/s against 287.5, 288.4 and
+307.2, 50-53% of the roof (ceiling 5.41-5.80x). So batch 32 sits at the
+3x line, not clear of it: the two sides move by ~5-10% between runs. The run just before the 4
 buckets per octave: 2.91x at batch 32 (ours 910.4 tok/s against 312.7 on a
 faster moment of the machine), 3.09x stream. Session 4 (before today's
 kernels): 2.20x / 2.24x / 2.18x. Every request's greedy output matches
