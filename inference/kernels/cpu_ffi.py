@@ -51,7 +51,7 @@ import jax.numpy as jnp
 import jaxlib
 import numpy as np
 
-__all__ = ["available", "paged_decode_cpu", "prefill_attention_cpu", "matmul_packed_cpu", "THREADS"]
+__all__ = ["available", "serves", "paged_decode_cpu", "prefill_attention_cpu", "matmul_packed_cpu", "THREADS"]
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +121,12 @@ def available() -> bool:
         log.warning("native CPU kernels unavailable, using the jnp reference: %s", exc)
         return False
     return True
+
+
+def serves(*dtypes: object) -> bool:
+    """Whether the kernels can take arrays of these dtypes here: CPU backend, all float32, built."""
+    return (jax.default_backend() == "cpu" and all(jnp.dtype(dt) == jnp.float32 for dt in dtypes)
+            and available())
 
 
 def paged_decode_cpu(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, block_tables: jax.Array,

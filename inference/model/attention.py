@@ -173,11 +173,9 @@ native_cpu_prefill = True
 
 
 def _native_cpu(enabled: bool, *arrays: Array) -> bool:
-    if not enabled or jax.default_backend() != "cpu" or any(a.dtype != jnp.float32 for a in arrays):
-        return False
     from inference.kernels import cpu_ffi  # lazy: builds (once) only when a CPU float32 call is traced
 
-    return cpu_ffi.available()
+    return enabled and cpu_ffi.serves(*(a.dtype for a in arrays))
 
 
 def _use_native(q: Array, k_cache: Array, k_scale: Array | None) -> bool:

@@ -165,14 +165,19 @@ def quantize_projections(params: Params, kind: str) -> Params:
     tied head (no ``lm_head_t``: the embedding table is the head) gets its own
     quantized ``lm_head_t``, while the embedding lookup table stays float.
     """
-    def quant(group: dict[str, Any]) -> dict[str, Any]:
-        return {k: quantize_weight_t(v, kind) if k.endswith("_t") and k[:-2] in _MATRICES else v
-                for k, v in group.items()}
+    return _map_projections(params, lambda w: quantize_weight_t(w, kind))
 
-    out = quant({k: v for k, v in params.items() if k != "layers"})
+
+def _map_projections(params: Params, fn: Any) -> Params:
+    """Transposed parameters with ``fn`` applied to every ``<name>_t`` projection; a tied head (no
+    ``lm_head_t``) gets ``fn`` of the embedding table as its own ``lm_head_t``, the table itself kept."""
+    def each(group: dict[str, Any]) -> dict[str, Any]:
+        return {k: fn(v) if k.endswith("_t") and k[:-2] in _MATRICES else v for k, v in group.items()}
+
+    out = each({k: v for k, v in params.items() if k != "layers"})
     if "lm_head_t" not in out and "lm_head" not in out:
-        out["lm_head_t"] = quantize_weight_t(params["embed"], kind)
-    out["layers"] = [quant(lp) for lp in params["layers"]]
+        out["lm_head_t"] = fn(params["embed"])
+    out["layers"] = [each(lp) for lp in params["layers"]]
     return out
 
 
@@ -208,14 +213,7 @@ def pack_projections(params: Params) -> Params:
     while it prefetches the next (``inference/kernels/cpu_matmul.cc``): bench model, 8-layer chain,
     two threads, 32 rows 13.7 -> ~11.8 ms, 64-256 rows ~150 -> 179-190 GFLOP/s.
     """
-    def pack(group: dict[str, Any]) -> dict[str, Any]:
-        return {k: pack_weight(v) if k.endswith("_t") and k[:-2] in _MATRICES else v for k, v in group.items()}
-
-    out = pack({k: v for k, v in params.items() if k != "layers"})
-    if "lm_head_t" not in out and "lm_head" not in out:
-        out["lm_head_t"] = pack_weight(params["embed"])
-    out["layers"] = [pack(lp) for lp in params["layers"]]
-    return out
+    return _map_projections(params, pack_weight)
 
 
 def weight_bytes(params: Params) -> int:

@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from inference.kernels import cpu_ffi
 from inference.model.attention import AttentionFns, get_attention_backend
 from inference.model.buckets import Buckets
 from inference.model.config import LlamaConfig
@@ -77,29 +78,31 @@ def _prefill_step(params: Params, cache: KVCache, tokens: jax.Array, positions: 
     return _pad_rows(logits, rows), cache
 
 
-def _decode_step(params: Params, cache: KVCache, tokens: jax.Array, positions: jax.Array, slots: jax.Array,
-                 block_tables: jax.Array, context_lens: jax.Array, *,
-                 cfg: LlamaConfig, attn: AttentionFns, rows: int) -> Any:
-    logits, cache = decode_forward(params, cache, tokens, positions, slots, block_tables, context_lens,
-                                   cfg=cfg, attn=attn)
-    return _pad_rows(logits, rows), cache
+def _decode_step(params: Params, cache: KVCache, tokens: jax.Array, positions: jax.Array,
+                 block_tables: jax.Array, valid: jax.Array, *, cfg: LlamaConfig, attn: AttentionFns,
+                 block_size: int) -> Any:
+    """One decode step's logits [B, V] and cache.
+
+    Each valid row runs its last token at ``positions`` (the K/V slot looked up in its block
+    table on device); invalid rows, the bucket's padding, write nothing and read no context.
+    """
+    oob = jax.tree.leaves(cache)[0].shape[0] * block_size
+    blk = jnp.take_along_axis(block_tables, (positions // block_size)[:, None], axis=1, mode="clip")[:, 0]
+    slots = jnp.where(valid, blk * block_size + positions % block_size, oob)
+    return decode_forward(params, cache, tokens, positions, slots, block_tables, jnp.where(valid, positions + 1, 0),
+                          cfg=cfg, attn=attn)
 
 
 def _decode_sample_step(params: Params, cache: KVCache, tokens: jax.Array, positions: jax.Array,
                         block_tables: jax.Array, valid: jax.Array, *sampling: jax.Array, cfg: LlamaConfig,
                         attn: AttentionFns, block_size: int) -> Any:
-    """One decode step with sampling in the same executable: returns the sampler's outputs and the cache.
+    """:func:`_decode_step` with sampling in the same executable: the sampler's outputs and the cache.
 
-    Each valid row runs its last token at ``positions`` (the K/V slot looked up in its block
-    table on device); invalid rows, the bucket's padding, write nothing and read no context.
     Sampling inside the step instead of as a second call saves a dispatch and a pass over the
     logits in memory: on the decode bench's batch-32 run 3.45-3.48 -> 3.27-3.32 s (5%).
     """
-    oob = jax.tree.leaves(cache)[0].shape[0] * block_size
-    blk = jnp.take_along_axis(block_tables, (positions // block_size)[:, None], axis=1, mode="clip")[:, 0]
-    slots = jnp.where(valid, blk * block_size + positions % block_size, oob)
-    logits, cache = decode_forward(params, cache, tokens, positions, slots, block_tables,
-                                   jnp.where(valid, positions + 1, 0), cfg=cfg, attn=attn)
+    logits, cache = _decode_step(params, cache, tokens, positions, block_tables, valid, cfg=cfg, attn=attn,
+                                 block_size=block_size)
     return tuple(sample(logits, *sampling)), cache
 
 
@@ -108,16 +111,8 @@ def _decode_sample_step(params: Params, cache: KVCache, tokens: jax.Array, posit
 native_cpu_matmul = True
 
 
-def _native_matmul(dtype: Any) -> bool:
-    if not native_cpu_matmul or dtype != jnp.float32 or jax.default_backend() != "cpu":
-        return False
-    from inference.kernels import cpu_ffi  # lazy: builds (once) only for a CPU float32 model
-
-    return cpu_ffi.available()
-
-
 def _pad_rows(logits: jax.Array, rows: int) -> jax.Array:
-    """Pad logits to the sampler's row count (so sampling compiles for two shapes, not one per batch)."""
+    """Pad a prefill group's logits to the sampler's row count (one sampling shape for every group)."""
     return jnp.pad(logits, ((0, rows - logits.shape[0]), (0, 0)))
 
 
@@ -159,7 +154,7 @@ class JaxRunner:
             self._params = quantize_projections_gptq(self._params, cfg, weight_dtype)
         elif weight_dtype != "auto":
             self._params = quantize_projections(self._params, weight_dtype)
-        elif _native_matmul(loaded.params["embed"].dtype):
+        elif native_cpu_matmul and cpu_ffi.serves(loaded.params["embed"].dtype):
             self._params = pack_projections(self._params)
         self.weight_bytes: int = weight_bytes(self._params)
         dtype = loaded.params["embed"].dtype
@@ -262,7 +257,7 @@ class JaxRunner:
         for start in range(0, len(decodes), step):
             works = decodes[start:start + step]
             b = self.buckets.decode_batch(len(works))
-            pending.append((works, self._decode_sampled(works, b) if sample else self._decode_logits(works, b)))
+            pending.append((works, self._decode(works, b, sample=sample)))
         return pending
 
     def _check(self, w: SeqWork, *, decode: bool) -> None:
@@ -307,15 +302,13 @@ class JaxRunner:
         if kind == "sample":
             lowered = jax.jit(sample).lower(jax.ShapeDtypeStruct((b, self.config.vocab_size), jnp.float32),
                                             *self._sampling_spec(b))
-        elif kind == "decode":
-            fn = partial(_decode_sample_step, cfg=self.config, attn=self._attn, block_size=self.block_size)
+        elif kind in ("decode", "decode_logits"):  # with sampling in the executable, or logits out
+            sampled = kind == "decode"
+            fn = partial(_decode_sample_step if sampled else _decode_step, cfg=self.config, attn=self._attn,
+                         block_size=self.block_size)
             lowered = jax.jit(fn, donate_argnums=(1,)).lower(
                 self._params_spec, self._cache_spec, i32((b,)), i32((b,)), tables, jax.ShapeDtypeStruct((b,), jnp.bool_),
-                *self._sampling_spec(b))
-        elif kind == "decode_logits":
-            fn = partial(_decode_step, cfg=self.config, attn=self._attn, rows=b)
-            lowered = jax.jit(fn, donate_argnums=(1,)).lower(
-                self._params_spec, self._cache_spec, i32((b,)), i32((b,)), i32((b,)), tables, i32((b,)))
+                *(self._sampling_spec(b) if sampled else ()))
         else:
             fn = partial(_prefill_step, cfg=self.config, attn=self._attn, rows=self.buckets.sample_rows(b))
             lowered = jax.jit(fn, donate_argnums=(1,)).lower(
@@ -362,29 +355,15 @@ class JaxRunner:
         logits, self._cache = self._executable(("prefill", b, t))(self._params, self._cache, *args)
         return logits
 
-    def _decode_logits(self, works: Sequence[SeqWork], b: int) -> Any:
-        oob = self.num_blocks * self.block_size
-        tokens = np.zeros(b, np.int32)
-        positions = np.zeros(b, np.int32)
-        slots = np.full(b, oob, np.int32)
-        ctx = np.zeros(b, np.int32)
-        for row, w in enumerate(works):
-            p = w.start_pos
-            tokens[row], positions[row], ctx[row] = w.token_ids[0], p, p + 1
-            slots[row] = w.block_table[p // self.block_size] * self.block_size + p % self.block_size
-        args = (tokens, positions, slots, self._tables(works, b), ctx)
-
-        logits, self._cache = self._executable(("decode_logits", b, 1))(self._params, self._cache, *args)
-        return logits
-
-    def _decode_sampled(self, works: Sequence[SeqWork], b: int) -> Any:
-        """Dispatch one decode step with sampling for ``works`` (padded to ``b`` rows)."""
+    def _decode(self, works: Sequence[SeqWork], b: int, *, sample: bool) -> Any:
+        """Dispatch one decode step for ``works`` (padded to ``b`` rows): sampled outputs, or logits."""
         tokens = np.zeros(b, np.int32)
         positions = np.zeros(b, np.int32)
         valid = np.zeros(b, np.bool_)
         for row, w in enumerate(works):
             tokens[row], positions[row] = w.token_ids[0], w.start_pos
         valid[: len(works)] = True
-        args = (tokens, positions, self._tables(works, b), valid, *self._sampling(works, b))
-        out, self._cache = self._executable(("decode", b, 1))(self._params, self._cache, *args)
+        args = (tokens, positions, self._tables(works, b), valid, *(self._sampling(works, b) if sample else ()))
+        key = ("decode" if sample else "decode_logits", b, 1)
+        out, self._cache = self._executable(key)(self._params, self._cache, *args)
         return out
