@@ -37,8 +37,10 @@ window delays first tokens and makes the steps that carry the prefill longer.
   prefill (:meth:`AdaptiveWindow.prefill_fits`, which the engine asks before
   adding each request to a step): it fits ``latency ~ base + c * calls +
   k * padded_area`` over recent steps (exponentially weighted least squares;
-  prefills run in calls of up to ``prefill_group``, each padded to powers of
-  two like the JAX runner's shape buckets) and admits while the predicted
+  ``calls`` says which calls the runner makes for a step's prefills and the
+  shape each is padded to: the JAX runner's own shape buckets
+  (:func:`bucket_calls`), or by default calls of up to ``prefill_group``
+  padded to powers of two (:func:`pow2_calls`)) and admits while the predicted
   step stays within ``target - m`` (the first request always runs, alone if
   need be). The margin ``m`` takes the same quantile step as ``w``, 100x
   smaller and with the opposite sign, so misses the fit did not foresee
@@ -55,10 +57,39 @@ bound). Pure logic; times in seconds, passed in.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
-__all__ = ["BatchWindow", "FixedWindow", "AdaptiveWindow", "parse_batch_window"]
+__all__ = ["BatchWindow", "FixedWindow", "AdaptiveWindow", "PrefillCalls", "bucket_calls", "pow2_calls",
+           "parse_batch_window"]  # fmt: skip
+
+# The runner's prefill calls for a step's prefills (new-token counts): one (batch, tokens) shape per call.
+PrefillCalls = Callable[[Sequence[int]], Sequence[tuple[int, int]]]
+
+
+def pow2_calls(group: int) -> PrefillCalls:
+    """Calls of up to ``group`` prefills, shortest first, each padded to powers
+    of two in batch and length (16 tokens at least)."""
+
+    def calls(lengths: Sequence[int]) -> list[tuple[int, int]]:
+        ls = sorted(lengths)
+        return [(_pow2(len(chunk)), max(16, _pow2(chunk[-1])))
+                for chunk in (ls[i : i + group] for i in range(0, len(ls), group))]  # fmt: skip
+
+    return calls
+
+
+def bucket_calls(buckets: Any) -> PrefillCalls:
+    """The calls the JAX runner makes: ``buckets`` (its
+    :class:`~inference.model.buckets.Buckets`) groups the prefills and pads
+    each group to its shape bucket. Lengths past ``max_model_len`` count as
+    that (the engine refuses such prompts)."""
+
+    def calls(lengths: Sequence[int]) -> list[tuple[int, int]]:
+        ls = [min(n, buckets.max_model_len) for n in lengths]
+        return [buckets.prefill_shape(len(g), max(ls[i] for i in g)) for g in buckets.group_prefills(ls)]
+
+    return calls
 
 
 class BatchWindow(Protocol):
@@ -117,6 +148,7 @@ class AdaptiveWindow(FixedWindow):
         quantile: float = 0.99,
         prefill_group: int = 8,
         cost_halflife: float = 256.0,
+        calls: PrefillCalls | None = None,
     ) -> None:
         if not (0 <= w_min <= w_max) or target_latency <= 0 or lr <= 0 or not (0 < quantile < 1):
             raise ValueError("need 0 <= w_min <= w_max, target_latency > 0, lr > 0, 0 < quantile < 1")
@@ -130,6 +162,7 @@ class AdaptiveWindow(FixedWindow):
         self.clip = clip if clip is not None else target_latency / 10
         self.miss_weight = quantile / (1 - quantile)
         self.prefill_group = prefill_group
+        self.calls: PrefillCalls = calls or pow2_calls(prefill_group)  # the runner's calls (cost features)
         self.margin = 0.0  # seconds the prefill bound keeps below the target
         self._mean_len = 0.0  # recent new tokens per prefill (moving average)
         self._decay = 0.5 ** (1.0 / cost_halflife)
@@ -168,16 +201,11 @@ class AdaptiveWindow(FixedWindow):
         self._fit_step(self._features(prefill_lengths), latency)
 
     def _features(self, lengths: Sequence[int]) -> tuple[float, float, float]:
-        """(1, prefill calls, padded prefill area): prefills run in calls of up
-        to ``prefill_group`` sequences, shortest first, each call padded to
-        powers of two in batch and length (16 tokens at least)."""
-        ls = sorted(lengths)
-        calls, area = 0, 0
-        for i in range(0, len(ls), self.prefill_group):
-            chunk = ls[i : i + self.prefill_group]
-            calls += 1
-            area += _pow2(len(chunk)) * max(16, _pow2(chunk[-1]))
-        return 1.0, float(calls), float(area)
+        """(1, prefill calls, padded prefill area) of the calls the runner makes (``self.calls``)."""
+        if not lengths:
+            return 1.0, 0.0, 0.0
+        shapes = self.calls(lengths)
+        return 1.0, float(len(shapes)), float(sum(b * t for b, t in shapes))
 
     def _fit_step(self, x: tuple[float, float, float], y: float) -> None:
         d = self._decay
@@ -232,11 +260,13 @@ def _solve(a: list[list[float]], b: list[float], *, ridge: float) -> list[float]
     return [m[i][n] / m[i][i] for i in range(n)]
 
 
-def parse_batch_window(spec: str, *, target_latency: float = 0.05, prefill_group: int = 8) -> FixedWindow:
+def parse_batch_window(spec: str, *, target_latency: float = 0.05, prefill_group: int = 8,
+                       calls: PrefillCalls | None = None) -> FixedWindow:  # fmt: skip
     """``"adaptive"`` or ``"fixed:<ms>"`` (the worker's ``--batch-window``);
-    ``prefill_group``: prefills the runner runs per call (its ``max_prefill_batch``)."""
+    ``prefill_group``: prefills the runner runs per call (its ``max_prefill_batch``);
+    ``calls``: the runner's prefill calls, when known (:func:`bucket_calls`)."""
     if spec == "adaptive":
-        return AdaptiveWindow(target_latency, prefill_group=prefill_group)
+        return AdaptiveWindow(target_latency, prefill_group=prefill_group, calls=calls)
     if spec.startswith("fixed:"):
         try:
             ms = float(spec[6:])

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .batch_window import parse_batch_window
+from .batch_window import AdaptiveWindow, bucket_calls, parse_batch_window
 from .engine import Engine, EngineConfig
 from .service import WorkerService
 from .tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
@@ -164,6 +164,8 @@ def build_service(args: argparse.Namespace) -> WorkerService:
         log.info("weights %s (%s): %d bytes (%d in the model dtype)", args.weight_dtype,
                  args.weight_quant_method, runner.weight_bytes, runner.float_weight_bytes)
         runner.warmup(progress=_progress)
+        if isinstance(args.batch_window, AdaptiveWindow):  # its step-cost model sees the runner's real shapes
+            args.batch_window.calls = bucket_calls(runner.buckets)
         served = args.served_name or (args.model if args.model == "tiny" else Path(args.model).name)
     cfg = EngineConfig(max_batch=args.max_batch, max_prefill_tokens=2048, prefill_batch=args.max_prefill_batch,
                        enable_prefix_cache=not args.no_prefix_cache)  # fmt: skip

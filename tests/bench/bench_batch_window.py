@@ -99,7 +99,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from inference.batch_window import AdaptiveWindow, FixedWindow  # noqa: E402
+from inference.batch_window import AdaptiveWindow, FixedWindow, bucket_calls, pow2_calls  # noqa: E402
 from inference.engine import Engine, EngineConfig, Finished  # noqa: E402
 from inference.model.buckets import Buckets, pow2_ceil  # noqa: E402  (no JAX import)
 from inference.runner import SeqOutput, SeqWork, StepPlan  # noqa: E402
@@ -111,7 +111,7 @@ PREFILL_BATCH = 2  # the worker's --max-prefill-batch default
 DEFAULT_CAP = 4096  # EngineConfig.max_prefill_tokens
 DECODE_B = (1, 2, 4, 8, 16, 32)
 PREFILL_B = (1, 2, 4, 8)
-PREFILL_T = (16, 32, 64)
+MAX_PREFILL_TOKENS = 2048  # the runner's max_prefill_tokens: a call of b > 1 prompts holds b x t <= this
 CHECK_DECODE = 16  # held-out check: decode 16 + k prefills (the replay is fitted on decode 32 + k)
 
 # decode cost per batch bucket; prefill call cost per (batch, tokens) bucket;
@@ -119,16 +119,26 @@ CHECK_DECODE = 16  # held-out check: decode 16 + k prefills (the replay is fitte
 Table = tuple[dict[int, float], dict[tuple[int, int], float], dict[tuple[int, int, int], float]]
 
 
-def measure(model: str, rounds: int = 30) -> Table:
+def prefill_lengths(longest_prompt: int) -> tuple[int, ...]:
+    """The prompt lengths the table measures: powers of two from 16 up to the workload's longest prompt's."""
+    return tuple(1 << i for i in range(4, pow2_ceil(max(16, longest_prompt)).bit_length()))
+
+
+def measured_shapes(lengths: tuple[int, ...]) -> list[tuple[int, int]]:
+    return [(b, t) for b in PREFILL_B for t in lengths if b == 1 or b * t <= MAX_PREFILL_TOKENS]
+
+
+def measure(model: str, lengths: tuple[int, ...], rounds: int = 30) -> Table:
     from inference.model.runner import JaxRunner
 
-    r = JaxRunner.load(
-        model, block_size=16, num_blocks=512, max_batch=MAX_BATCH, max_prefill_batch=max(PREFILL_B)
-    )
+    stride = -(-max(lengths) // 16) + 4  # blocks per sequence: the longest prompt, or a 64-token context
+    r = JaxRunner.load(model, block_size=16, num_blocks=48 * stride, max_batch=MAX_BATCH,
+                       max_prefill_batch=max(PREFILL_B))  # max_prefill_tokens: the default 2048  # fmt: skip
     sp = SamplingParams(max_tokens=8, temperature=1.0, seed=1)
+    shapes = measured_shapes(lengths)
 
     def table(i: int, n: int) -> tuple[int, ...]:
-        return tuple(range(i * 8, i * 8 + -(-n // 16)))
+        return tuple(range(i * stride, i * stride + -(-n // 16)))
 
     def dec_work(b: int) -> tuple[SeqWork, ...]:
         return tuple(SeqWork(i, (65,), 63, table(i, 64), sp, 1, 1) for i in range(b))
@@ -137,10 +147,9 @@ def measure(model: str, rounds: int = 30) -> Table:
         return tuple(SeqWork(base + i, (66,) * t, 0, table(base + i, t), sp, 1, 0) for i in range(b))
 
     plans: dict[tuple, StepPlan] = {("d", b): StepPlan((), dec_work(b)) for b in DECODE_B}
-    plans.update({("p", b, t): StepPlan(pre_work(b, t), ()) for b in PREFILL_B for t in PREFILL_T})
+    plans.update({("p", b, t): StepPlan(pre_work(b, t), ()) for b, t in shapes})
     for d in (MAX_BATCH, CHECK_DECODE):
-        plans.update({("m", d, b, t): StepPlan(pre_work(b, t, base=40), dec_work(d))
-                      for b in PREFILL_B for t in PREFILL_T})  # fmt: skip
+        plans.update({("m", d, b, t): StepPlan(pre_work(b, t, base=40), dec_work(d)) for b, t in shapes})
     for plan in plans.values():
         r.execute(plan)  # compile
     times: dict[tuple, list[float]] = {k: [] for k in plans}
@@ -157,7 +166,7 @@ def measure(model: str, rounds: int = 30) -> Table:
     low = {k: statistics.quantiles(v, n=4)[0] for k, v in times.items()}
     return (
         {b: low[("d", b)] for b in DECODE_B},
-        {(b, t): low[("p", b, t)] for b in PREFILL_B for t in PREFILL_T},
+        {(b, t): low[("p", b, t)] for b, t in shapes},
         {k[1:]: v for k, v in low.items() if k[0] == "m"},
     )
 
@@ -184,12 +193,12 @@ class MeasuredCostRunner:
     less what each prefill call of that bucket was measured to overlap."""
 
     def __init__(self, table: Table, prefill_batch: int, overlap: bool = True) -> None:
-        self.block_size, self.num_blocks, self.max_model_len = 16, 1024, 512
+        self.block_size, self.num_blocks, self.max_model_len = 16, 4096, 1024
         self.eos_token_ids: tuple[int, ...] = (257,)
         self.dec, self.pre, _ = table
         self.overlap = overlaps(table) if overlap else {}
         self.buckets = Buckets(max_batch=MAX_BATCH, max_model_len=self.max_model_len,
-                               max_prefill_batch=prefill_batch, max_prefill_tokens=2048)  # fmt: skip
+                               max_prefill_batch=prefill_batch, max_prefill_tokens=MAX_PREFILL_TOKENS)  # fmt: skip
         self.last_cost = 0.0
 
     def cost(self, plan: StepPlan) -> float:
@@ -199,9 +208,10 @@ class MeasuredCostRunner:
             cost += _between(self.dec, self.buckets.decode_batch(len(plan.decodes[i : i + MAX_BATCH])))
         for group in self.buckets.group_prefills(lengths) if lengths else []:
             b, t = self.buckets.prefill_shape(len(group), max(lengths[i] for i in group))
-            tt = min(t, PREFILL_T[-1])  # longer (recomputed) prompts: scale the longest measured
-            call = _between({x: self.pre[(b, x)] for x in PREFILL_T}, tt) * t / tt
-            hidden = _between({x: self.overlap.get((b, x), 0.0) for x in PREFILL_T}, tt)
+            ts = [x for bb, x in self.pre if bb == b]
+            tt = min(t, max(ts))  # longer (recomputed) prompts: scale the longest measured
+            call = _between({x: self.pre[(b, x)] for x in ts}, tt) * t / tt
+            hidden = _between({x: self.overlap.get((b, x), 0.0) for x in ts}, tt)
             cost += call - (hidden if cost > 0 else 0.0)
         return cost
 
@@ -211,19 +221,25 @@ class MeasuredCostRunner:
 
 
 class Arrivals:
-    """Open-loop Poisson arrivals; the same seed gives every configuration the
-    same requests at the same times (common random numbers)."""
+    """Open-loop arrivals at ``rate``: Poisson, or burstier with gamma
+    inter-arrival times of shape ``args.burst`` < 1 (coefficient of variation
+    ``1 / sqrt(shape)``). The same seed gives every configuration the same
+    requests at the same times (common random numbers)."""
 
     def __init__(self, args: argparse.Namespace, rate: float, seed: int) -> None:
         self.rng = random.Random(seed)
         self.args, self.rate = args, rate
-        self.next = self.rng.expovariate(rate)
+        self.next = self._gap()
+
+    def _gap(self) -> float:
+        k = self.args.burst
+        return self.rng.expovariate(self.rate) if k == 1 else self.rng.gammavariate(k, 1 / (k * self.rate))
 
     def due(self, now: float, submit: Callable[[list[int], int], None]) -> None:
         while self.next <= now:
             plen, out = self.rng.randint(*self.args.prompt), self.rng.randint(*self.args.output)
             submit([self.rng.randrange(32, 127) for _ in range(plen)], out)
-            self.next += self.rng.expovariate(self.rate)
+            self.next += self._gap()
 
 
 @dataclass(frozen=True, slots=True)
@@ -356,7 +372,7 @@ def load_table(args: argparse.Namespace) -> Table:
             pre = {(int(k.split("x")[0]), int(k.split("x")[1])): v for k, v in raw["prefill"].items()}
             mixed = {tuple(int(x) for x in k.split("x")): v for k, v in raw["mixed3"].items()}
             return dec, pre, mixed  # type: ignore[return-value]
-    dec, pre, mixed = measure(resolve_model(args))
+    dec, pre, mixed = measure(resolve_model(args), prefill_lengths(args.prompt[1]))
     if args.table:
         Path(args.table).write_text(json.dumps({
             "decode": dec, "prefill": {f"{b}x{t}": v for (b, t), v in pre.items()},
@@ -371,7 +387,7 @@ def check_replay(model: str, steps: list[tuple[StepPlan, float]], prefill_batch:
     decode-only steps and steps that carry prefills apart."""
     from inference.model.runner import JaxRunner
 
-    r = JaxRunner.load(model, block_size=16, num_blocks=1024, max_batch=MAX_BATCH, max_prefill_batch=prefill_batch)
+    r = JaxRunner.load(model, block_size=16, num_blocks=4096, max_batch=MAX_BATCH, max_prefill_batch=prefill_batch)
     for plan, _ in steps:  # compile every shape the steps use
         r.execute(plan)
     real = [float("inf")] * len(steps)
@@ -411,10 +427,10 @@ def report_table(table: Table, runner: MeasuredCostRunner) -> None:
             print(f"    d{d} + {b}x{t}: measured {v * 1e3:.2f}, replay {model * 1e3:.2f} ({model / v - 1:+.0%})")
     print(f"  replay error: fitted on decode {MAX_BATCH} (exact there by construction); held-out decode "
           f"{CHECK_DECODE}: {min(errs[CHECK_DECODE]):+.0%} .. {max(errs[CHECK_DECODE]):+.0%}")  # fmt: skip
-    for t in PREFILL_T:
-        adds = {b: mixed[(MAX_BATCH, b, t)] - dec[MAX_BATCH] for b in PREFILL_B}
+    for t in sorted({t for _, t in pre}):
+        adds = {b: mixed[(MAX_BATCH, b, t)] - dec[MAX_BATCH] for b in PREFILL_B if (MAX_BATCH, b, t) in mixed}
         print(f"  in a decode-{MAX_BATCH} step a {t}-token-bucket prefill adds " + ", ".join(
-            f"{adds[b] / b * 1e3:.2f} ms each in a call of {b}" for b in PREFILL_B))  # fmt: skip
+            f"{adds[b] / b * 1e3:.2f} ms each in a call of {b}" for b in adds))  # fmt: skip
 
 
 def main() -> None:
@@ -431,16 +447,22 @@ def main() -> None:
     ap.add_argument("--prompt", type=_range, default=(8, 40), help="prompt tokens lo:hi")
     ap.add_argument("--output", type=_range, default=(8, 48), help="generated tokens lo:hi")
     ap.add_argument("--seed", type=int, default=0, help="workload seed")
+    ap.add_argument("--burst", type=float, default=1.0,
+                    help="gamma shape of inter-arrival times: 1 is Poisson, < 1 burstier (CV 1/sqrt(shape))")
     ap.add_argument("--no-overlap", action="store_true", help="a step costs the plain sum of its calls")
     # A quantile tracker oscillates about its miss rate, so to hold a p99 SLO
     # DBS-Adapt aims at p99.5.
     ap.add_argument("--quantile", type=float, default=0.995, help="the latency quantile DBS-Adapt tracks")
+    ap.add_argument("--pow2-cost-model", action="store_true",
+                    help="DBS-Adapt's cost model pads to powers of two (as before session 6), not the runner's buckets")
     ap.add_argument("--no-check", action="store_true", help="skip running replayed steps on the real runner")
     ap.add_argument("--table", default=None, help="JSON file: reuse a measured cost table, or save one there")
     args = ap.parse_args()
     table = load_table(args)
     dec, pre, _ = table
     runner = MeasuredCostRunner(table, args.prefill_batch, overlap=not args.no_overlap)
+    # DBS-Adapt's step-cost model sees the runner's prefill calls, as the worker wires it
+    calls = pow2_calls(args.prefill_batch) if args.pow2_cost_model else bucket_calls(runner.buckets)
     print(f"load average {os.getloadavg()[0]:.2f}")
     report_table(table, runner)
     # At saturation every step admits r = max_batch / mean output requests.
@@ -468,8 +490,8 @@ def main() -> None:
           + f" ms if 2, 4, 8 gather (in calls of up to {args.prefill_batch}) = "
           + ", ".join(f"{single / v:.2f}x" for v in steps.values()) + " (before slots idle while they gather)")
     cap_rps = r / single  # window-0 capacity, requests/s (the unit of the rate sweep)
-    tight = dec[MAX_BATCH] + pre[(1, min(pow2_ceil(max(16, args.prompt[1])), PREFILL_T[-1]))] - runner.overlap.get(
-        (1, min(pow2_ceil(max(16, args.prompt[1])), PREFILL_T[-1])), 0.0)  # fmt: skip
+    lone = (1, min(pow2_ceil(max(16, args.prompt[1])), max(t for _, t in pre)))  # the longest prompt, alone
+    tight = dec[MAX_BATCH] + pre[lone] - runner.overlap.get(lone, 0.0)
     slos = args.slo_ms or tuple(round(tight * m * 1e3, 2) for m in (1.05, 1.15, 1.3, 1.5, 2.0))
     print(f"prompts {args.prompt}, outputs {args.output}; open-loop Poisson at {args.rates[0]:.2f}..{args.rates[-1]:.2f}"
           f" x the window-0 capacity ({cap_rps:.0f} req/s); {args.duration:.0f} virtual s per replay; seed {args.seed}")
@@ -478,7 +500,8 @@ def main() -> None:
     if not args.no_check:
         steps: list[tuple[StepPlan, float]] = []
         short = argparse.Namespace(**{**vars(args), "duration": 1.0})
-        simulate(AdaptiveWindow(slos[2] / 1e3, w_max=0.032, quantile=args.quantile, prefill_group=args.prefill_batch),
+        simulate(AdaptiveWindow(slos[2] / 1e3, w_max=0.032, quantile=args.quantile, prefill_group=args.prefill_batch,
+                                calls=calls),
                  runner, DEFAULT_CAP, cap_rps, short, steps)  # fmt: skip
         simulate(FixedWindow(0.032), runner, DEFAULT_CAP, cap_rps, short, steps)
         print(f"check: a replay's own steps (DBS-Adapt at {slos[2]} ms and a fixed 32 ms window, both at 1.0x) on "
@@ -492,7 +515,7 @@ def main() -> None:
     for slo in slos:
         s = slo / 1e3
         ada = Sweep(lambda s=s: AdaptiveWindow(s, w_min=0.0, w_max=0.032, lr=0.5, quantile=args.quantile,
-                                               prefill_group=args.prefill_batch),
+                                               prefill_group=args.prefill_batch, calls=calls),
                     runner, DEFAULT_CAP, cap_rps, args)  # fmt: skip
         a_f = ada.max_rate(s)
         a_tps = ada.run(a_f).tps if a_f else 0.0

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from inference.batch_window import AdaptiveWindow, FixedWindow, parse_batch_window
+from inference.batch_window import AdaptiveWindow, FixedWindow, bucket_calls, parse_batch_window, pow2_calls
 from inference.engine import Engine, EngineConfig
 from inference.synthetic import SyntheticRunner
 from inference.tokenizer import ByteTokenizer
@@ -116,6 +116,33 @@ def test_adaptive_window_fits_the_step_cost_and_bounds_prefills() -> None:
         w2.observe(_cost(lengths), load=1.0, prefill_lengths=lengths)
     assert w2.cost_model is not None and w2.margin == 0.0
     assert w2.window == pytest.approx(0.001, rel=1e-3)
+
+
+def test_cost_model_fits_the_runners_own_shape_buckets() -> None:
+    """With the runner's buckets (4 lengths per octave, prefills in pairs) the
+    fitted step cost is exact; the power-of-two default misreads the padding
+    (a 40-token pair pads to 2 x 64 there, 2 x 40 in the runner)."""
+    import random
+
+    from inference.model.buckets import Buckets
+
+    calls = bucket_calls(Buckets(max_batch=32, max_model_len=512, max_prefill_batch=2))
+    assert list(calls([40, 20, 100])) == [(2, 40), (1, 112)]
+    assert list(calls([600])) == [(1, 512)]  # past max_model_len: counted as the longest bucket
+    assert list(pow2_calls(2)([40, 20, 100])) == [(2, 64), (1, 128)]
+
+    def cost(lengths: list[int]) -> float:
+        return 0.003 + sum(0.001 + 1e-5 * b * t for b, t in calls(lengths)) if lengths else 0.003
+
+    rng = random.Random(4)
+    fitted, pow2 = AdaptiveWindow(0.01, prefill_group=2, calls=calls), AdaptiveWindow(0.01, prefill_group=2)
+    for _ in range(400):
+        lengths = [rng.randint(1, 200) for _ in range(rng.choice((0, 1, 2, 3, 4)))]
+        for w in (fitted, pow2):
+            w.observe(cost(lengths), load=1.0, prefill_lengths=lengths)
+    probe = [33, 70, 150]
+    assert fitted.predict(probe) == pytest.approx(cost(probe), rel=1e-4)
+    assert abs(pow2.predict(probe) / cost(probe) - 1) > 0.02  # type: ignore[operator]
 
 
 class _TokenBound(FixedWindow):
