@@ -162,10 +162,11 @@ def test_native_prefill_rejects_inconsistent_shapes(shapes) -> None:
         cpu_ffi.prefill_attention_cpu(*args, scale=0.25).block_until_ready()
 
 
-@pytest.mark.parametrize("m", [1, 2, 5, 6, 7, 13, 64, 65])
+@pytest.mark.parametrize("m", [1, 2, 5, 6, 7, 8, 13, 32, 64, 65])
 @pytest.mark.parametrize("n,k", [(1, 7), (16, 1), (17, 512), (100, 33), (48, 1030)])
 def test_packed_matmul_matches_numpy(m: int, n: int, k: int) -> None:
-    """Every row-tile height (1-6, a short last tile), panels with padding columns, K of any size."""
+    """Every row-tile height (1-6; rows spread evenly over the tiles), panels with padding columns, K of any
+    size."""
     import jax.numpy as jnp
     import numpy as np
 
