@@ -64,6 +64,29 @@ prompts no longer pushes its p99 past the looser SLOs, so the median
 advantage that made the issue's >= 1.25x is gone; only the tightest SLOs
 keep it.
 
+2026-11-30 (session 6), DBS-Adapt's cost model now on the runner's own
+buckets (``bucket_calls``; no measurable change against the powers of two:
+1.31 / 1.29 vs 1.31 / 1.31 at the two tightest SLOs), tiny model, table
+measured at load ~1.7 (decode-32 2.07 ms, a prompt adds 0.43-0.71 ms alone),
+SLOs 2.88-5.49 ms, vs the best fixed window, min / median / max over the 5
+SLOs:
+
+  Poisson arrivals, seeds 0 / 1 / 2: 1.00 / 1.12 / 1.31, 1.00 / 1.12 / 1.31,
+    1.00 / 1.11 / 1.29 (vs window x cap: medians 1.01, maxima 1.10-1.11);
+  bursty arrivals (--burst 0.25, CV 2), seed 0: 1.00 / 1.30 / 1.54
+    (1.50x, 1.54x, 1.30x at the three tightest SLOs; vs window x cap 1.00).
+
+Per SLO (Poisson, seed 0): 1.31x at 2.88 ms, 1.29x at 3.16, 1.12x at 3.57,
+1.00x at 4.12 and 5.49 ms. The last two lie above the p99 every fixed window
+reaches at its own capacity (3.61-3.87 ms): no configuration is held back by
+them, all run at capacity (1.08x of window 0), and no window policy can gain
+there; between, DBS-Adapt runs at capacity from 3.16 ms on. So on this runner
+the >= 1.25x holds where the target binds hard (within ~1.1x of the tightest
+SLO with Poisson arrivals, ~1.25x with bursty ones), not over the grid. Longer
+prompts do not change that (--prompt 32:768 --output 16:160, powers-of-two
+cost model: 1.10x at the two tightest SLOs, 0.98x above): prefill there is
+compute-bound and batching it buys nothing.
+
 Replay vs whole measured steps: -3%..+6% on the held-out decode-16 steps; a
 replay's own steps on the real runner: median real/replay 0.86-1.20 across
 runs (load 2-7), the p99 step -15% to +93% (the real tail is the neighbours'
