@@ -23,6 +23,12 @@ whole decode step at batch 32 22.3 -> 19.2 ms. A first version that
 multiplied unpacked ``[out, in]`` rows as dot products (6x2 tiles, horizontal
 sums) was slower than XLA's multiply-reduce and was dropped.
 
+``cpu_rope.cc``: one layer's RoPE on q and k and its new K/V written into the paged
+cache, as one call. XLA fused RoPE's cos and sin into every layer's rotation and
+evaluated them per head element; as this call's operands they are computed once per
+call, and the rotated k and v go straight to their slots (no reshape copies, no
+scatters). bench_decode's batch-32 run 2.59 -> 2.48 s, decode step 17.9 -> 17.0 ms.
+
 How: the sources are compiled with the system ``g++`` against jaxlib's FFI
 headers (``jax.ffi.include_dir()``) into one library in a cache directory
 keyed by a hash of the sources, the flags, the jaxlib version and the CPU
@@ -51,16 +57,18 @@ import jax.numpy as jnp
 import jaxlib
 import numpy as np
 
-__all__ = ["available", "serves", "paged_decode_cpu", "prefill_attention_cpu", "matmul_packed_cpu", "THREADS"]
+__all__ = ["available", "serves", "paged_decode_cpu", "prefill_attention_cpu", "matmul_packed_cpu",
+           "rope_write_kv_cpu", "THREADS"]
 
 log = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent
-_SOURCES = (_DIR / "cpu_decode.cc", _DIR / "cpu_prefill.cc", _DIR / "cpu_matmul.cc")
+_SOURCES = (_DIR / "cpu_decode.cc", _DIR / "cpu_prefill.cc", _DIR / "cpu_matmul.cc", _DIR / "cpu_rope.cc")
 _HEADERS = (_DIR / "cpu_parallel.h", _DIR / "cpu_simd.h")
 _TARGETS = {"quicserve_paged_decode_f32": "QuicservePagedDecodeF32",
             "quicserve_prefill_f32": "QuicservePrefillF32",
-            "quicserve_matmul_packed_f32": "QuicserveMatmulPackedF32"}
+            "quicserve_matmul_packed_f32": "QuicserveMatmulPackedF32",
+            "quicserve_rope_write_kv_f32": "QuicserveRopeWriteKvF32"}
 _FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
           "-fno-trapping-math", "-shared", "-fPIC", "-std=c++17", "-w")
 THREADS = max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
@@ -156,3 +164,17 @@ def matmul_packed_cpu(x: jax.Array, panels: jax.Array, n: int, *, threads: int =
     (``inference.model.llama.pack_weight``), as one native call. Call only when :func:`available` is True."""
     call = jax.ffi.ffi_call("quicserve_matmul_packed_f32", jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))
     return call(x.astype(jnp.float32), panels, threads=np.int64(threads))
+
+
+def rope_write_kv_cpu(qkv: jax.Array, cos: jax.Array, sin: jax.Array, slots: jax.Array, k_cache: jax.Array,
+                      v_cache: jax.Array, *, heads: int,
+                      threads: int = THREADS) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One layer's RoPE and K/V cache write (``cpu_rope.cc``): ``qkv [R, (heads + 2 KV) D]`` (q | k | v),
+    ``cos``/``sin [R, D/2]``, ``slots [R]`` (outside the cache: dropped) -> rotated ``q [R, heads, D]`` and
+    the caches with rotated k and v written, in place (aliased). Call only when :func:`available` is True."""
+    r, d = qkv.shape[0], k_cache.shape[-1]
+    f32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.float32)
+    results = (f32((r, heads, d)), f32(k_cache.shape), f32(v_cache.shape))
+    call = jax.ffi.ffi_call("quicserve_rope_write_kv_f32", results, input_output_aliases={4: 1, 5: 2})
+    return call(qkv.astype(jnp.float32), cos, sin, slots.astype(jnp.int32), k_cache, v_cache,
+                threads=np.int64(threads))

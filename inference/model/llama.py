@@ -333,16 +333,66 @@ def _mlp(x: Array, lp: dict[str, Array], cfg: LlamaConfig) -> Array:
     return x + _linear(jax.nn.silu(gate) * up, lp, "w_down")
 
 
+def _qkv_projection(x: Array, lp: dict[str, Array], cfg: LlamaConfig) -> Array:
+    """A layer's fused q | k | v projection of its normed input."""
+    return _linear(_rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps), lp, "wqkv")
+
+
 def _qkv(x: Array, lp: dict[str, Array], cfg: LlamaConfig, positions: Array,
          inv_freq: Array) -> tuple[Array, Array, Array]:
     hq, kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    h = _rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-    qkv = _linear(h, lp, "wqkv")
+    qkv = _qkv_projection(x, lp, cfg)
     lead = qkv.shape[:-1]
     q = qkv[..., : hq * d].reshape(*lead, hq, d)
     k = qkv[..., hq * d: (hq + kv) * d].reshape(*lead, kv, d)
     v = qkv[..., (hq + kv) * d:].reshape(*lead, kv, d)
     return _rope(q, positions, inv_freq), _rope(k, positions, inv_freq), v
+
+
+# RoPE and the K/V cache write of a float32 layer on CPU run as one native call
+# (inference/kernels/cpu_rope.cc) when the kernels build; False keeps the jnp rotation and scatters.
+native_cpu_rope = True
+
+
+def _native_rope(x: Array, cache: KVCache) -> bool:
+    """Whether this call's layers go through :func:`_rope_write_native`: float32 activations and caches
+    (not quantized) on CPU, kernels built."""
+    if not native_cpu_rope or isinstance(cache[0][0], tuple):
+        return False
+    from inference.kernels import cpu_ffi  # lazy: builds (once) only when a CPU float32 call is traced
+
+    return cpu_ffi.serves(x.dtype, cache[0][0].dtype)
+
+
+def _rope_half_tables(positions: Array, inv_freq: Array) -> tuple[Array, Array]:
+    """cos and sin ``[rows, D/2]`` of every position (flattened) times the inverse frequencies."""
+    freqs = positions.reshape(-1).astype(jnp.float32)[:, None] * inv_freq
+    return jnp.cos(freqs), jnp.sin(freqs)
+
+
+def _rope_write_native(x: Array, lp: dict[str, Array], cfg: LlamaConfig, tables: tuple[Array, Array],
+                       slots: Array, kc: Array, vc: Array) -> tuple[Array, Array, Array]:
+    """:func:`_qkv` then :func:`_write_cache` of k and v, with the rotation and the writes in one native
+    call. ``tables`` come from :func:`_rope_half_tables`, once per call: as a native call's operands XLA
+    computes them once instead of per head element inside every layer's fused rotation."""
+    from inference.kernels.cpu_ffi import rope_write_kv_cpu
+
+    qkv = _qkv_projection(x, lp, cfg)
+    lead = qkv.shape[:-1]
+    q, kc, vc = rope_write_kv_cpu(qkv.reshape(-1, qkv.shape[-1]), *tables, slots.reshape(-1), kc, vc,
+                                  heads=cfg.num_attention_heads)
+    return q.reshape(*lead, cfg.num_attention_heads, cfg.head_dim).astype(x.dtype), kc, vc
+
+
+def _attention_inputs(x: Array, lp: dict[str, Array], cfg: LlamaConfig, positions: Array, inv_freq: Array,
+                      tables: tuple[Array, Array] | None, slots: Array, kc: LayerKV,
+                      vc: LayerKV) -> tuple[Array, LayerKV, LayerKV]:
+    """One layer's rotated queries, and its caches with the new tokens' K/V written at ``slots``."""
+    if tables is not None:
+        assert not isinstance(kc, tuple) and not isinstance(vc, tuple)
+        return _rope_write_native(x, lp, cfg, tables, slots, kc, vc)
+    q, k, v = _qkv(x, lp, cfg, positions, inv_freq)
+    return q, _write_cache(kc, slots, k), _write_cache(vc, slots, v)
 
 
 def _logits(params: Params, x: Array, cfg: LlamaConfig) -> Array:
@@ -362,11 +412,10 @@ def prefill_forward(params: Params, cache: KVCache, tokens: Array, positions: Ar
     b, t = tokens.shape
     scale = cfg.head_dim ** -0.5
     x = params["embed"][tokens]
+    tables = _rope_half_tables(positions, inv_freq) if _native_rope(x, cache) else None
     ks, vs = list(cache[0]), list(cache[1])
     for i, lp in enumerate(params["layers"]):
-        q, k, v = _qkv(x, lp, cfg, positions, inv_freq)
-        ks[i] = _write_cache(ks[i], slots, k)
-        vs[i] = _write_cache(vs[i], slots, v)
+        q, ks[i], vs[i] = _attention_inputs(x, lp, cfg, positions, inv_freq, tables, slots, ks[i], vs[i])
         kg, vg = _gather_blocks(ks[i], block_tables, q.dtype), _gather_blocks(vs[i], block_tables, q.dtype)
         o = prefill_fn(q, kg, vg, q_offsets, kv_lens, scale=scale)
         x = x + _linear(o.reshape(b, t, -1), lp, "wo")
@@ -384,11 +433,10 @@ def decode_forward(params: Params, cache: KVCache, tokens: Array, positions: Arr
     b = tokens.shape[0]
     scale = cfg.head_dim ** -0.5
     x = params["embed"][tokens]
+    tables = _rope_half_tables(positions, inv_freq) if _native_rope(x, cache) else None
     ks, vs = list(cache[0]), list(cache[1])
     for i, lp in enumerate(params["layers"]):
-        q, k, v = _qkv(x, lp, cfg, positions, inv_freq)
-        ks[i] = _write_cache(ks[i], slots, k)
-        vs[i] = _write_cache(vs[i], slots, v)
+        q, ks[i], vs[i] = _attention_inputs(x, lp, cfg, positions, inv_freq, tables, slots, ks[i], vs[i])
         o = _decode_attention(decode_fn, q, ks[i], vs[i], block_tables, context_lens, scale)
         x = x + _linear(o.reshape(b, -1), lp, "wo")
         x = _mlp(x, lp, cfg)

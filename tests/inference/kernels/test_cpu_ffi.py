@@ -193,3 +193,54 @@ def test_packed_matmul_rejects_inconsistent_shapes() -> None:
         with pytest.raises(Exception, match="matmul_packed"):
             np_result = cpu_ffi.matmul_packed_cpu(x, panels, n)
             np_result.block_until_ready()
+
+
+@pytest.mark.parametrize("r,h,kv,d", [(1, 8, 4, 64), (33, 8, 4, 64), (70, 6, 2, 8), (5, 2, 1, 128),
+                                     (40, 4, 4, 12)])
+def test_native_rope_write_matches_the_jnp_rotation_and_scatter(r: int, h: int, kv: int, d: int) -> None:
+    """Rotated queries and the cache after the write match llama's jnp path (``_rope`` then
+    ``_write_cache``) over GQA 1/2/3/4, head dims 8-128, row counts across the 32-row tasks, positions
+    up to 4096, and padding rows (slots past the cache or negative) that write nothing; every slot
+    not written keeps its old value."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from inference.model import llama
+
+    assert cpu_ffi.available()
+    rng = np.random.default_rng(r * 100 + h + kv + d)
+    n, bs = 20, 4
+    qkv = jnp.asarray(rng.standard_normal((r, (h + 2 * kv) * d), dtype=np.float32))
+    pos = jnp.asarray(rng.integers(0, 4096, r).astype(np.int32))
+    slots = rng.permutation(n * bs)[:r].astype(np.int32)
+    slots[::7] = n * bs + 3  # padding rows
+    slots[3::11] = -1
+    kc, vc = (jnp.asarray(rng.standard_normal((n, bs, kv, d), dtype=np.float32)) for _ in range(2))
+    inv_freq = jnp.asarray(1.0 / (10000.0 ** (np.arange(0, d, 2, dtype=np.float32) / d)))
+    cos, sin = llama._rope_half_tables(pos, inv_freq)
+    q, k2, v2 = cpu_ffi.rope_write_kv_cpu(qkv, cos, sin, jnp.asarray(slots), kc, vc, heads=h)
+    want_q = llama._rope(qkv[:, : h * d].reshape(r, h, d), pos, inv_freq)
+    want_k = llama._rope(qkv[:, h * d: (h + kv) * d].reshape(r, kv, d), pos, inv_freq)
+    keep = jnp.asarray(np.where(slots < 0, n * bs, slots))  # the jnp scatter drops past the end only
+    np.testing.assert_allclose(np.asarray(q), np.asarray(want_q), rtol=1e-5, atol=1e-5)
+    want_kc = llama._write_cache(kc, keep, want_k)
+    want_vc = llama._write_cache(vc, keep, qkv[:, (h + kv) * d:].reshape(r, kv, d))
+    np.testing.assert_allclose(np.asarray(k2), np.asarray(want_kc), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(v2), np.asarray(want_vc))
+
+
+def test_native_rope_write_rejects_inconsistent_shapes() -> None:
+    import jax.numpy as jnp
+
+    assert cpu_ffi.available()
+    cache = jnp.zeros((4, 2, 2, 8), jnp.float32)
+    ok = (jnp.zeros((3, 64), jnp.float32), jnp.zeros((3, 4), jnp.float32), jnp.zeros((3, 4), jnp.float32),
+          jnp.zeros(3, jnp.int32))
+    cpu_ffi.rope_write_kv_cpu(*ok, cache, cache, heads=4)[0].block_until_ready()
+    for bad, heads in ((ok[:1] + (jnp.zeros((3, 3), jnp.float32),) * 2 + ok[3:], 4),  # cos of D/2 - 1
+                       ((jnp.zeros((3, 60), jnp.float32),) + ok[1:], 4),  # qkv narrower than (H + 2 KV) D
+                       (ok[:3] + (jnp.zeros(2, jnp.int32),), 4),  # two slots for three rows
+                       (ok, 3)):  # heads disagree with the qkv width
+        with pytest.raises(Exception, match="rope_write_kv"):
+            cpu_ffi.rope_write_kv_cpu(*bad, cache, cache, heads=heads)[0].block_until_ready()
+

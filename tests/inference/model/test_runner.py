@@ -156,28 +156,36 @@ def _elements(hlo_rhs: str) -> int:
     return math.prod(int(x) for x in dims.split(",") if x)
 
 
-def test_packed_projections_give_the_unpacked_logits(monkeypatch):
-    """On CPU float32 projections are packed for the native matmul; the logits agree with XLA's own
-    matmuls (native_cpu_matmul off) for a prefill and a decode, and the native call is what compiles."""
+@pytest.mark.parametrize("module,switch,target", [
+    ("runner", "native_cpu_matmul", "quicserve_matmul_packed_f32"),
+    ("llama", "native_cpu_rope", "quicserve_rope_write_kv_f32"),
+])
+def test_native_cpu_paths_give_the_xla_logits(monkeypatch, module: str, switch: str, target: str):
+    """On CPU float32 projections are packed for the native matmul, and RoPE with the K/V cache write
+    is one native call per layer; with either switched off XLA's own ops run instead. The logits agree
+    for a prefill and for decodes over the cache it wrote, and the native call is what compiles."""
+    import importlib
+
     import jax
     import numpy as np
 
-    from inference.model import runner as runner_mod
     from inference.model.llama import PackedWeightT
     from inference.weights import load_model
 
     if jax.default_backend() != "cpu":
-        pytest.skip("the packed layout is for CPU")
+        pytest.skip("the native kernels are for CPU")
     loaded = load_model("tiny")
     got = {}
     for native in (True, False):
-        monkeypatch.setattr(runner_mod, "native_cpu_matmul", native)
+        monkeypatch.setattr(importlib.import_module(f"inference.model.{module}"), switch, native)
         r = JaxRunner(loaded, max_batch=4, num_blocks=16, max_model_len=64)
-        assert isinstance(r._params["layers"][0]["w_down_t"], PackedWeightT) == native
+        if switch == "native_cpu_matmul":
+            assert isinstance(r._params["layers"][0]["w_down_t"], PackedWeightT) == native
         prompt = list(b"packed or not")
-        pre = r.logits(StepPlan(prefills=(SeqWork(0, prompt, 0, [1], HOT, 0, 0),), decodes=()))
-        dec = r.logits(StepPlan(prefills=(), decodes=(SeqWork(0, [66], len(prompt), [1], HOT, 0, 1),)))
+        pre = r.logits(StepPlan(prefills=(SeqWork(0, prompt, 0, [1, 2], HOT, 0, 0),), decodes=()))
+        dec = r.logits(StepPlan(prefills=(), decodes=(SeqWork(0, [66], len(prompt), [1, 2], HOT, 0, 1),
+                                                      SeqWork(1, [67], 3, [5], HOT, 0, 1))))
         hlo = r._executable(("decode", 1, 1)).as_text()
-        assert ("quicserve_matmul_packed_f32" in hlo) == native
+        assert (target in hlo) == native
         got[native] = np.concatenate([pre, dec])
     np.testing.assert_allclose(got[True], got[False], atol=2e-4, rtol=1e-4)
