@@ -85,7 +85,11 @@ the >= 1.25x holds where the target binds hard (within ~1.1x of the tightest
 SLO with Poisson arrivals, ~1.25x with bursty ones), not over the grid. Longer
 prompts do not change that (--prompt 32:768 --output 16:160, powers-of-two
 cost model: 1.10x at the two tightest SLOs, 0.98x above): prefill there is
-compute-bound and batching it buys nothing.
+compute-bound and batching it buys nothing. ``--model medium`` (hidden 256,
+4 layers; decode-32 4.72 ms, a prompt adds 2.9-4.6 ms alone, near session
+3's proportions), Poisson, seeds 0 / 1: 1.00 / 1.30 / 1.44 and 0.99 / 1.23 /
+1.32 (1.38, 1.44, 1.30, 1.13, 1.00 and 1.32, 1.32, 1.23, 1.10, 0.99 by SLO,
+9.78-18.62 ms); vs window x cap medians 1.01.
 
 Replay vs whole measured steps: -3%..+6% on the held-out decode-16 steps; a
 replay's own steps on the real runner: median real/replay 0.86-1.20 across
