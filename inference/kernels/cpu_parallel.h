@@ -22,25 +22,44 @@
 
 namespace quicserve {
 
-template <typename F>
-void parallel_for(xla::ffi::ThreadPool& pool, int64_t n, int64_t workers, const F& fn) {
-  if (n <= 0) return;
+// parallel_for of `first` over [0, n1), then of `second` over [0, n2), in one hand-off: the helpers
+// are scheduled before the first phase, so one that wakes late still arrives while the first
+// phase runs (a decode step's projections pack x on one thread for ~5-20 us, long enough for
+// an idle pool thread to fall asleep, and waking it again cost more than the pack). A thread
+// starts the second phase once every first-phase item is done; it waits only on items other
+// running threads have claimed. A task that starts after all is done touches neither function.
+template <typename F1, typename F2>
+void parallel_two_phase(xla::ffi::ThreadPool& pool, int64_t n1, int64_t n2, int64_t workers, const F1& first,
+                        const F2& second) {
   struct State {
-    std::atomic<int64_t> next{0};
-    std::atomic<int64_t> done{0};
+    std::atomic<int64_t> next1{0}, done1{0}, next2{0}, done2{0};
   };
   auto state = std::make_shared<State>();
-  const F* body = &fn;
-  auto drain = [state, body, n] {
-    for (int64_t i; (i = state->next.fetch_add(1, std::memory_order_relaxed)) < n;) {
-      (*body)(i);
-      state->done.fetch_add(1, std::memory_order_release);
+  const F1* f1 = &first;
+  const F2* f2 = &second;
+  auto drain = [state, f1, f2, n1, n2] {
+    for (int64_t i; (i = state->next1.fetch_add(1, std::memory_order_relaxed)) < n1;) {
+      (*f1)(i);
+      state->done1.fetch_add(1, std::memory_order_release);
+    }
+    while (state->done1.load(std::memory_order_acquire) < n1) std::this_thread::yield();
+    for (int64_t i; (i = state->next2.fetch_add(1, std::memory_order_relaxed)) < n2;) {
+      (*f2)(i);
+      state->done2.fetch_add(1, std::memory_order_release);
     }
   };
-  const int64_t helpers = std::min<int64_t>({workers, pool.num_threads() + 1, n}) - 1;
-  for (int64_t t = 0; t < helpers; ++t) pool.Schedule(decltype(drain)(drain));  // a copy: Schedule takes F&&
+  if (n1 <= 0 && n2 <= 0) return;
+  const int64_t most = std::max<int64_t>(n1, n2);
+  const int64_t helpers = std::min<int64_t>({workers, pool.num_threads() + 1, most}) - 1;
+  for (int64_t t = 0; t < helpers; ++t) pool.Schedule(decltype(drain)(drain));
   drain();
-  while (state->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
+  while (state->done2.load(std::memory_order_acquire) < n2) std::this_thread::yield();
+}
+
+// `fn` over [0, n) as described at the top.
+template <typename F>
+void parallel_for(xla::ffi::ThreadPool& pool, int64_t n, int64_t workers, const F& fn) {
+  parallel_two_phase(pool, 0, n, workers, [](int64_t) {}, fn);
 }
 
 }  // namespace quicserve

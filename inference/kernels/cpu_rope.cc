@@ -44,14 +44,15 @@ inline void rotate(const float* x, const float* c, const float* s, int64_t half,
 ffi::Error RopeWriteImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> qkv, ffi::Buffer<ffi::F32> cos,
                          ffi::Buffer<ffi::F32> sin, ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::F32>,
                          ffi::Buffer<ffi::F32>, ffi::Result<ffi::Buffer<ffi::F32>> q,
-                         ffi::Result<ffi::Buffer<ffi::F32>> k_cache, ffi::Result<ffi::Buffer<ffi::F32>> v_cache,
-                         int64_t threads) {
+                         ffi::Result<ffi::Buffer<ffi::F32>> k_cache,
+                         ffi::Result<ffi::Buffer<ffi::F32>> v_cache, int64_t threads) {
   auto xd = qkv.dimensions(), cd = cos.dimensions(), sd = sin.dimensions(), qd = q->dimensions();
   auto kd = k_cache->dimensions(), vd = v_cache->dimensions();
-  if (xd.size() != 2 || cd.size() != 2 || sd.size() != 2 || slots.dimensions().size() != 1 || qd.size() != 3 ||
-      kd.size() != 4 || vd.size() != 4) {
+  if (xd.size() != 2 || cd.size() != 2 || sd.size() != 2 || slots.dimensions().size() != 1 ||
+      qd.size() != 3 || kd.size() != 4 || vd.size() != 4) {
     return ffi::Error::InvalidArgument(
-        "rope_write_kv: qkv must be [R, (H+2KV)D], cos and sin [R, D/2], slots [R], q [R, H, D], caches [N, BS, KV, D]");
+        "rope_write_kv: qkv must be [R, (H+2KV)D], cos and sin [R, D/2], slots [R], q [R, H, D], "
+        "caches [N, BS, KV, D]");
   }
   const int64_t r = xd[0], h = qd[1], d = qd[2], n = kd[0], bs = kd[1], kv = kd[2], half = d / 2;
   bool ok = d % 2 == 0 && kd[3] == d && xd[1] == (h + 2 * kv) * d && qd[0] == r && slots.dimensions()[0] == r;

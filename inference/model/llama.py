@@ -293,6 +293,44 @@ def _linear(x: Array, p: dict[str, Array], name: str) -> Array:
     return _matmul_t(x, p[name + "_t"], x.dtype)
 
 
+def _packed(p: dict[str, Any], name: str) -> PackedWeightT | None:
+    w = p.get(name + "_t")
+    return w if isinstance(w, PackedWeightT) else None
+
+
+def _norm_linear(x: Array, norm: Array, eps: float, p: dict[str, Any], name: str,
+                 live: Array | None) -> Array:
+    """``_linear(_rms_norm(x, norm, eps), p, name)``. A packed weight norms each row inside the native
+    matmul as it packs x (``cpu_matmul.cc``), so XLA runs no reduce and no scale of its own, and
+    multiplies only the ``live`` rows (per group of rows, how many lead ones are real: see
+    :func:`inference.kernels.cpu_ffi.matmul_packed_cpu`)."""
+    w = _packed(p, name)
+    if w is None:
+        return _linear(_rms_norm(x, norm, eps), p, name)
+    from inference.kernels.cpu_ffi import matmul_packed_cpu
+
+    y = matmul_packed_cpu(x.reshape(-1, x.shape[-1]), w.panels, w.n, live=live, norm=norm, eps=eps)
+    return y.reshape(*x.shape[:-1], w.n).astype(x.dtype)
+
+
+def _residual_linear(res: Array, x: Array, p: dict[str, Any], name: str, live: Array | None, *,
+                     swiglu: bool = False) -> Array:
+    """``res + _linear(x, p, name)``; with ``swiglu``, ``x`` is gate | up and ``silu(gate) * up`` is
+    multiplied. A packed weight does both inside the native matmul (the SwiGLU as it packs x, the add as
+    it stores y), for the ``live`` rows only."""
+    w = _packed(p, name)
+    if w is None:
+        if swiglu:
+            gate, up = jnp.split(x, 2, axis=-1)
+            x = jax.nn.silu(gate) * up
+        return res + _linear(x, p, name)
+    from inference.kernels.cpu_ffi import matmul_packed_cpu
+
+    y = matmul_packed_cpu(x.reshape(-1, x.shape[-1]), w.panels, w.n, live=live, residual=res.reshape(-1, w.n),
+                          swiglu=swiglu)
+    return y.reshape(res.shape).astype(res.dtype)
+
+
 def _write_cache(cache: LayerKV, slots: Array, new: Array) -> LayerKV:
     """Write ``new`` [..., KV, D] at flat ``slots`` (``>= N*block_size``: dropped), in place.
 
@@ -327,15 +365,14 @@ def _decode_attention(decode_fn: Any, q: Array, kc: LayerKV, vc: LayerKV, block_
     return decode_fn(q, kc, vc, block_tables, context_lens, scale=scale)
 
 
-def _mlp(x: Array, lp: dict[str, Array], cfg: LlamaConfig) -> Array:
-    h = _rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
-    gate, up = jnp.split(_linear(h, lp, "w_gate_up"), 2, axis=-1)
-    return x + _linear(jax.nn.silu(gate) * up, lp, "w_down")
+def _mlp(x: Array, lp: dict[str, Array], cfg: LlamaConfig, live: Array | None = None) -> Array:
+    gate_up = _norm_linear(x, lp["mlp_norm"], cfg.rms_norm_eps, lp, "w_gate_up", live)
+    return _residual_linear(x, gate_up, lp, "w_down", live, swiglu=True)
 
 
-def _qkv_projection(x: Array, lp: dict[str, Array], cfg: LlamaConfig) -> Array:
+def _qkv_projection(x: Array, lp: dict[str, Array], cfg: LlamaConfig, live: Array | None = None) -> Array:
     """A layer's fused q | k | v projection of its normed input."""
-    return _linear(_rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps), lp, "wqkv")
+    return _norm_linear(x, lp["attn_norm"], cfg.rms_norm_eps, lp, "wqkv", live)
 
 
 def _qkv(x: Array, lp: dict[str, Array], cfg: LlamaConfig, positions: Array,
@@ -371,13 +408,13 @@ def _rope_half_tables(positions: Array, inv_freq: Array) -> tuple[Array, Array]:
 
 
 def _rope_write_native(x: Array, lp: dict[str, Array], cfg: LlamaConfig, tables: tuple[Array, Array],
-                       slots: Array, kc: Array, vc: Array) -> tuple[Array, Array, Array]:
+                       slots: Array, kc: Array, vc: Array, live: Array | None) -> tuple[Array, Array, Array]:
     """:func:`_qkv` then :func:`_write_cache` of k and v, with the rotation and the writes in one native
     call. ``tables`` come from :func:`_rope_half_tables`, once per call: as a native call's operands XLA
     computes them once instead of per head element inside every layer's fused rotation."""
     from inference.kernels.cpu_ffi import rope_write_kv_cpu
 
-    qkv = _qkv_projection(x, lp, cfg)
+    qkv = _qkv_projection(x, lp, cfg, live)
     lead = qkv.shape[:-1]
     q, kc, vc = rope_write_kv_cpu(qkv.reshape(-1, qkv.shape[-1]), *tables, slots.reshape(-1), kc, vc,
                                   heads=cfg.num_attention_heads)
@@ -385,17 +422,19 @@ def _rope_write_native(x: Array, lp: dict[str, Array], cfg: LlamaConfig, tables:
 
 
 def _attention_inputs(x: Array, lp: dict[str, Array], cfg: LlamaConfig, positions: Array, inv_freq: Array,
-                      tables: tuple[Array, Array] | None, slots: Array, kc: LayerKV,
-                      vc: LayerKV) -> tuple[Array, LayerKV, LayerKV]:
+                      tables: tuple[Array, Array] | None, slots: Array, kc: LayerKV, vc: LayerKV,
+                      live: Array | None) -> tuple[Array, LayerKV, LayerKV]:
     """One layer's rotated queries, and its caches with the new tokens' K/V written at ``slots``."""
     if tables is not None:
         assert not isinstance(kc, tuple) and not isinstance(vc, tuple)
-        return _rope_write_native(x, lp, cfg, tables, slots, kc, vc)
+        return _rope_write_native(x, lp, cfg, tables, slots, kc, vc, live)
     q, k, v = _qkv(x, lp, cfg, positions, inv_freq)
     return q, _write_cache(kc, slots, k), _write_cache(vc, slots, v)
 
 
-def _logits(params: Params, x: Array, cfg: LlamaConfig) -> Array:
+def _logits(params: Params, x: Array, cfg: LlamaConfig, live: Array | None = None) -> Array:
+    if _packed(params, "lm_head") is not None:
+        return _norm_linear(x, params["norm"], cfg.rms_norm_eps, params, "lm_head", live).astype(jnp.float32)
     x = _rms_norm(x, params["norm"], cfg.rms_norm_eps)
     if "lm_head" in params:
         return jnp.dot(x, params["lm_head"], preferred_element_type=jnp.float32)
@@ -413,13 +452,15 @@ def prefill_forward(params: Params, cache: KVCache, tokens: Array, positions: Ar
     scale = cfg.head_dim ** -0.5
     x = params["embed"][tokens]
     tables = _rope_half_tables(positions, inv_freq) if _native_rope(x, cache) else None
+    live = kv_lens - q_offsets  # new tokens per row: the rest of its T are padding
     ks, vs = list(cache[0]), list(cache[1])
     for i, lp in enumerate(params["layers"]):
-        q, ks[i], vs[i] = _attention_inputs(x, lp, cfg, positions, inv_freq, tables, slots, ks[i], vs[i])
+        q, ks[i], vs[i] = _attention_inputs(x, lp, cfg, positions, inv_freq, tables, slots, ks[i], vs[i],
+                                            live)
         kg, vg = _gather_blocks(ks[i], block_tables, q.dtype), _gather_blocks(vs[i], block_tables, q.dtype)
         o = prefill_fn(q, kg, vg, q_offsets, kv_lens, scale=scale)
-        x = x + _linear(o.reshape(b, t, -1), lp, "wo")
-        x = _mlp(x, lp, cfg)
+        x = _residual_linear(x, o.reshape(b, t, -1), lp, "wo", live)
+        x = _mlp(x, lp, cfg, live)
     last = x[jnp.arange(b), last_idx]
     return _logits(params, last, cfg), (tuple(ks), tuple(vs))
 
@@ -434,10 +475,12 @@ def decode_forward(params: Params, cache: KVCache, tokens: Array, positions: Arr
     scale = cfg.head_dim ** -0.5
     x = params["embed"][tokens]
     tables = _rope_half_tables(positions, inv_freq) if _native_rope(x, cache) else None
+    live = (context_lens > 0).astype(jnp.int32)  # rows with no context are a bucket's padding
     ks, vs = list(cache[0]), list(cache[1])
     for i, lp in enumerate(params["layers"]):
-        q, ks[i], vs[i] = _attention_inputs(x, lp, cfg, positions, inv_freq, tables, slots, ks[i], vs[i])
+        q, ks[i], vs[i] = _attention_inputs(x, lp, cfg, positions, inv_freq, tables, slots, ks[i], vs[i],
+                                            live)
         o = _decode_attention(decode_fn, q, ks[i], vs[i], block_tables, context_lens, scale)
-        x = x + _linear(o.reshape(b, -1), lp, "wo")
-        x = _mlp(x, lp, cfg)
-    return _logits(params, x, cfg), (tuple(ks), tuple(vs))
+        x = _residual_linear(x, o.reshape(b, -1), lp, "wo", live)
+        x = _mlp(x, lp, cfg, live)
+    return _logits(params, x, cfg, live), (tuple(ks), tuple(vs))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Iterator
 
@@ -244,3 +245,73 @@ def test_native_rope_write_rejects_inconsistent_shapes() -> None:
         with pytest.raises(Exception, match="rope_write_kv"):
             cpu_ffi.rope_write_kv_cpu(*bad, cache, cache, heads=heads)[0].block_until_ready()
 
+
+def _silu(g):
+    import numpy as np
+
+    return g / (1.0 + np.exp(-g))
+
+
+# Row counts and live rows: x's rows are len(live) groups; the first live[g] rows of group g are real.
+_LIVE = {1: None, 7: [5], 32: [1, 0] * 16, 200: [100, 37]}  # 200 rows: packed over the threads
+
+
+@pytest.mark.parametrize("m", sorted(_LIVE))
+@pytest.mark.parametrize("n,k", [(17, 33), (100, 512)])
+def test_packed_matmul_fusions_match_numpy(m: int, n: int, k: int) -> None:
+    """The plain product and the fused prologues and epilogue against float64 numpy, on the live rows:
+    ``x @ W.T``, ``rms_norm(x, norm, eps) @ W.T``, ``res + x @ W.T`` and ``res + (silu(gate) * up) @
+    W.T`` with gates out to +-100 (the sigmoid's saturated ends) and a row of zeros (its norm is eps
+    alone). Rows past a group's live count (a bucket's padding) come out zero."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from inference.model.llama import pack_weight
+
+    assert cpu_ffi.available()
+    rng = np.random.default_rng(m + n + k)
+    x = rng.standard_normal((m, 2 * k), dtype=np.float32)
+    x[0, :k] = np.linspace(-100, 100, k, dtype=np.float32)
+    if m > 1:
+        x[-1, :k] = 0.0
+    w = rng.standard_normal((n, k), dtype=np.float32)
+    norm = rng.uniform(0.5, 1.5, k).astype(np.float32)
+    res = rng.standard_normal((m, n), dtype=np.float32)
+    panels = pack_weight(w).panels
+    live = None if _LIVE[m] is None else jnp.asarray(_LIVE[m], jnp.int32)
+    counts = [m] if live is None else _LIVE[m]
+    real = np.concatenate([np.arange(m // len(counts)) < c for c in counts])
+    x64, w64 = x.astype(np.float64), w.astype(np.float64)
+    xk = x64[:, :k]
+    normed = norm * (xk / np.sqrt((xk * xk).mean(-1, keepdims=True) + 1e-5))
+    act = _silu(x64[:, :k]) * x64[:, k:]
+    xs = jnp.asarray(x[:, :k])
+    mm = functools.partial(cpu_ffi.matmul_packed_cpu, panels=panels, n=n, live=live)
+    cases = {
+        "plain": (mm(xs), xk @ w64.T),
+        "norm": (mm(xs, norm=jnp.asarray(norm), eps=1e-5), normed @ w64.T),
+        "residual": (mm(xs, residual=jnp.asarray(res)), res + xk @ w64.T),
+        "swiglu": (mm(jnp.asarray(x), residual=jnp.asarray(res), swiglu=True), res + act @ w64.T),
+    }
+    for name, (got, want) in cases.items():
+        got = np.asarray(got)
+        scale = np.abs(want).max() + 1.0
+        tol = 4e-6 * np.sqrt(k) * scale
+        np.testing.assert_allclose(got[real], want[real], rtol=0, atol=tol, err_msg=name)
+        assert not got[~real].any(), f"{name}: padding rows must be zeros"
+
+
+def test_packed_matmul_fusions_reject_inconsistent_shapes() -> None:
+    import jax.numpy as jnp
+
+    assert cpu_ffi.available()
+    x, panels = jnp.ones((3, 8), jnp.float32), jnp.ones((1, 8, 16), jnp.float32)
+    cases = [dict(norm=jnp.ones(7, jnp.float32)),  # a norm weight of K - 1
+             dict(residual=jnp.ones((3, 15), jnp.float32)),  # a residual narrower than y
+             dict(residual=jnp.ones((3, 16), jnp.float32), swiglu=True),  # SwiGLU of an x K wide, not 2K
+             dict(live=jnp.ones(2, jnp.int32))]  # two groups of 3 rows
+    for kwargs in cases:
+        with pytest.raises(Exception, match="matmul_packed"):
+            cpu_ffi.matmul_packed_cpu(x, panels, 16, **kwargs).block_until_ready()
+    with pytest.raises(ValueError, match="only with a residual"):
+        cpu_ffi.matmul_packed_cpu(jnp.ones((3, 16), jnp.float32), panels, 16, swiglu=True)

@@ -157,7 +157,7 @@ def _elements(hlo_rhs: str) -> int:
 
 
 @pytest.mark.parametrize("module,switch,target", [
-    ("runner", "native_cpu_matmul", "quicserve_matmul_packed_f32"),
+    ("runner", "native_cpu_matmul", "quicserve_matmul_packed"),  # _f32, _norm_f32, _residual_f32
     ("llama", "native_cpu_rope", "quicserve_rope_write_kv_f32"),
 ])
 def test_native_cpu_paths_give_the_xla_logits(monkeypatch, module: str, switch: str, target: str):
