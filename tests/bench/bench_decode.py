@@ -51,16 +51,37 @@ no step here does; a batch-32 decode step streams ~110 MB of weights and
 Our side runs the runner as the worker configures it: prompts in prefill
 calls of up to ``inference.worker.DEFAULT_MAX_PREFILL_BATCH`` (2).
 
-Where our time goes (2026-11-30, session 5, quiet, two threads; the box has
+Where our time goes (2026-11-30, session 6, quiet, two threads; the box has
 neighbours, so single figures move by up to ~10-30% between runs minutes
-apart; these are repeated minima). Batch-32 run ~2.65-2.75 s = prefill
-~0.91 s (16 calls of prompt pairs; at the best matmul rate the real tokens
-need ~0.65 s) + decode ~1.75 s (121 steps). A batch-32 decode step is
-~18-19 ms: projections ~11.3 ms (the native packed GEMM,
-``inference/kernels/cpu_matmul.cc``), attention ~5 ms (``cpu_decode.cc``,
-bound by reading random 16 KB K/V blocks at ~16 GB/s), the rest ~1.5 ms,
-host work ~0.5 ms. How the run got there from ~4.1 s (session 4), each step
-measured on it: finer shape buckets 3.24 -> 3.17 s; decode sampling inside
+apart; these are repeated minima). Batch-32 run ~2.36 s = prefill ~0.78 s
+(16 calls of prompt pairs; at the best matmul rate the real tokens need
+~0.65 s) + decode ~1.57 s (121 steps). A full batch-32 decode step is
+~17.4 ms: projections ~10.7 ms (the native packed GEMM,
+``inference/kernels/cpu_matmul.cc``, with the RMSNorms, the SwiGLU and the
+residual adds inside it), attention ~4.5 ms (``cpu_decode.cc``, bound by
+reading random 16 KB K/V blocks at ~16 GB/s), RoPE with the K/V cache write
+~0.3 ms (``cpu_rope.cc``), sampling ~0.5 ms (XLA ops), host work ~0.6 ms.
+Session 6 took the run from 2.63-2.67 to 2.36-2.37 s (our side alone,
+alternating with the session-5 code, best of 3: prefill 0.91 -> 0.78-0.79 s,
+decode 1.71-1.75 -> 1.57 s, batch-32 step 18.5 -> 17.4 ms), in three steps:
+projection rows spread evenly over the 6-row register tiles (a 2-row tile
+costs nearly a full one: 32 rows of projections 11.2 -> 10.7 ms); RoPE and
+the K/V write as one native call per layer (XLA had fused RoPE's cos/sin
+into every layer's rotation, evaluated per head element: 2.59 -> 2.48 s);
+projections over a bucket's real rows only (prefill padding was 11% of its
+tokens, decode padding 245 of 2672 rows), with the norms, SwiGLU and
+residual adds fused in (2.49-2.51 -> 2.32-2.35 s; prefill -0.06-0.10 s,
+decode -0.10 s, a full bucket's step unchanged). Tried and dropped in
+session 6: RoPE tables once per call behind ``jax.lax.optimization_barrier``
+(XLA:CPU removes the barrier before fusion: the tables fused back in, no
+change); the fused calls with x packed on the calling thread and a second
+hand-off for the panels (decode 1.57-1.60 s, no better than unfused; one
+hand-off for both: 1.50-1.52 s). Left: sampling (~0.5 ms of a batch-32
+step), the prefill K/V gathers (~1.3 ms of a 2 x 128-token call), host
+dispatch (~0.4 ms a step).
+
+Before that, how the run got from ~4.1 s (session 4) to ~2.7 s (session 5),
+each step measured on it: finer shape buckets 3.24 -> 3.17 s; decode sampling inside
 its own executable 3.45-3.48 -> 3.27-3.32 s; the native prefill attention
 (``cpu_prefill.cc``) 3.18 -> 3.08 s; lighter host work per step (batch-32
 step 23.0 -> 22.3 ms); the native packed GEMM for every float32
@@ -77,17 +98,16 @@ prefetching two K/V blocks ahead. Session 4's packed-prefill experiment (4 x
 Transformers' batch-32 run: ~12.1 s on one core, ~7.9-8.6 s on two.
 
 Last figures (``--stream 2 --repeats 2``, final code of 2026-11-30 session
-5, two threads, unpinned, load ~2.0 = the bench itself), three runs:
-ratio 2.13x / 3.31x / 3.04x, 2.52x / 3.37x / 3.06x and 2.42x / 3.26x /
-2.71x (batch 1/8/32), stream 2.37x / 3.59x / 3.01x, 2.46x / 3.57x / 2.92x
-and 2.31x / 3.41x / 2.86x; cpu-ratio at batch 32 3.32x, 3.32x, 2.94x;
-batch 32: ours 874.3, 883.2 and 832.5 tok/s against 287.5, 288.4 and
-307.2, 50-53% of the roof (ceiling 5.41-5.80x). So batch 32 sits at the
-3x line, not clear of it: the two sides move by ~5-10% between runs. The run just before the 4
-buckets per octave: 2.91x at batch 32 (ours 910.4 tok/s against 312.7 on a
-faster moment of the machine), 3.09x stream. Session 4 (before today's
-kernels): 2.20x / 2.24x / 2.18x. Every request's greedy output matches
-transformers'.
+6, two threads, unpinned, other work paused, load ~1.6-2.2 = the bench
+itself), two runs: ratio 2.04x / 3.26x / 3.42x and 2.18x / 3.28x / 3.33x
+(batch 1/8/32), stream 2.16x / 3.74x / 3.61x and 2.24x / 3.63x / 3.54x;
+cpu-ratio at batch 32 3.68x and 3.57x; batch 32: ours 1032.7 and 1042.0
+tok/s (2.38 and 2.36 s) against 301.7 and 313.0, 61-62% of the roof
+(ceiling 5.38-5.64x). Session 5's final code, three runs: 3.04x, 3.06x and
+2.71x at batch 32 (ours 874.3, 883.2 and 832.5 tok/s against 287.5, 288.4
+and 307.2, 50-53% of the roof), stream 2.86-3.01x. Session 4 (before the
+native kernels): 2.20x / 2.24x / 2.18x. Every request's greedy output
+matches transformers'.
 
     .venv/bin/python -m tests.bench.bench_decode [--batches 1,8,32] [--layers 8] [--stream 4]
 """
