@@ -103,7 +103,10 @@ itself), two runs: ratio 2.04x / 3.26x / 3.42x and 2.18x / 3.28x / 3.33x
 (batch 1/8/32), stream 2.16x / 3.74x / 3.61x and 2.24x / 3.63x / 3.54x;
 cpu-ratio at batch 32 3.68x and 3.57x; batch 32: ours 1032.7 and 1042.0
 tok/s (2.38 and 2.36 s) against 301.7 and 313.0, 61-62% of the roof
-(ceiling 5.38-5.64x). Session 5's final code, three runs: 3.04x, 3.06x and
+(ceiling 5.38-5.64x). A third run at the final commit (f530c19), same
+flags and conditions: 2.11x / 3.21x / 3.27x, stream 2.21x / 3.64x / 3.45x,
+cpu-ratio 3.53x at batch 32, ours 1047.8 tok/s against 320.8 (transformers
+on a fast moment), 61% of the roof. Session 5's final code, three runs: 3.04x, 3.06x and
 2.71x at batch 32 (ours 874.3, 883.2 and 832.5 tok/s against 287.5, 288.4
 and 307.2, 50-53% of the roof), stream 2.86-3.01x. Session 4 (before the
 native kernels): 2.20x / 2.24x / 2.18x. Every request's greedy output
