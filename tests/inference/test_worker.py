@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from inference.batch_window import FixedWindow
+from inference.batch_window import AdaptiveWindow, FixedWindow
 from inference.worker import build_service, numa_cpus, parse_args, parse_cpus
 from transport.client import connect
 from transport.messages import Error, ErrorCode, Finish, FinishReason, SamplingParams, Submit, TokenEntry
@@ -268,6 +268,9 @@ async def _serve_two(flags: list[str], caplog: pytest.LogCaptureFixture) -> list
                        "--max-model-len", "128", *flags])  # fmt: skip
     with caplog.at_level("INFO", logger="inference.worker"):
         svc = build_service(args)
+    window, buckets = svc.engine.window, svc.engine.runner.buckets  # type: ignore[attr-defined]
+    assert isinstance(window, AdaptiveWindow)  # the default; its cost model sees the runner's buckets
+    assert list(window.calls([40, 100])) == [buckets.prefill_shape(1, 40), buckets.prefill_shape(1, 100)]
     server = await serve("tcp://127.0.0.1:0", svc)
     loop_task = asyncio.create_task(svc.run())
     conn = await connect(server.address)
