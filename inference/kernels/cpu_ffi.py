@@ -70,6 +70,7 @@ _SOURCES = (_DIR / "cpu_decode.cc", _DIR / "cpu_prefill.cc", _DIR / "cpu_matmul.
 _HEADERS = (_DIR / "cpu_parallel.h", _DIR / "cpu_simd.h")
 _TARGETS = {"quicserve_paged_decode_f32": "QuicservePagedDecodeF32",
             "quicserve_prefill_f32": "QuicservePrefillF32",
+            "quicserve_gather_live_f32": "QuicserveGatherLiveF32",
             "quicserve_matmul_packed_f32": "QuicserveMatmulPackedF32",
             "quicserve_matmul_packed_norm_f32": "QuicserveMatmulPackedNormF32",
             "quicserve_matmul_packed_residual_f32": "QuicserveMatmulPackedResidualF32",
@@ -162,6 +163,18 @@ def prefill_attention_cpu(q: jax.Array, k: jax.Array, v: jax.Array, q_offsets: j
     call = jax.ffi.ffi_call("quicserve_prefill_f32", jax.ShapeDtypeStruct(q.shape, jnp.float32))
     return call(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), q_offsets.astype(jnp.int32),
                 kv_lens.astype(jnp.int32), scale=np.float32(scale), threads=np.int64(threads))
+
+
+def gather_live_cpu(k_cache: jax.Array, v_cache: jax.Array, block_tables: jax.Array, kv_lens: jax.Array, *,
+                    threads: int = THREADS) -> tuple[jax.Array, jax.Array]:
+    """Each row's blocks of the float32 caches ``[NB, BS, KV, D]`` as ``k, v [B, M * BS, KV, D]``, copying
+    only the blocks that hold its first ``kv_lens[b]`` keys: the rest is left unwritten, so only
+    :func:`prefill_attention_cpu` (which reads no key past ``kv_lens``) may consume them."""
+    b, m = block_tables.shape
+    shape = jax.ShapeDtypeStruct((b, m * k_cache.shape[1], *k_cache.shape[2:]), jnp.float32)
+    call = jax.ffi.ffi_call("quicserve_gather_live_f32", (shape, shape))
+    return call(k_cache, v_cache, block_tables.astype(jnp.int32), kv_lens.astype(jnp.int32),
+                threads=np.int64(threads))
 
 
 def matmul_packed_cpu(x: jax.Array, panels: jax.Array, n: int, *, live: jax.Array | None = None,

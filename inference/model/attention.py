@@ -178,6 +178,12 @@ def _native_cpu(enabled: bool, *arrays: Array) -> bool:
     return enabled and cpu_ffi.serves(*(a.dtype for a in arrays))
 
 
+def native_prefill_serves(prefill_fn: Callable[..., Array], q: Array, k_cache: Array) -> bool:
+    """Whether ``prefill_fn`` is :func:`prefill_attention` and runs its native CPU kernel for these
+    arrays, which reads no key past ``kv_lens`` (so the keys past them need not be gathered)."""
+    return prefill_fn is prefill_attention and _native_cpu(native_cpu_prefill, q, k_cache)
+
+
 def _use_native(q: Array, k_cache: Array, k_scale: Array | None) -> bool:
     return k_scale is None and _native_cpu(native_cpu_decode, q, k_cache)
 

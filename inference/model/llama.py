@@ -35,7 +35,7 @@ from inference.kernels.quant import (
     quantize_weight_t,
     write_quantized_kv_flat,
 )
-from inference.model.attention import AttentionFns, gather_block_rows
+from inference.model.attention import AttentionFns, gather_block_rows, native_prefill_serves
 from inference.model.config import LlamaConfig
 
 __all__ = [
@@ -357,6 +357,19 @@ def _gather_blocks(cache: LayerKV, block_tables: Array, dtype: Any) -> Array:
     return rows.astype(dtype).reshape(block_tables.shape[0], -1, kv, d)
 
 
+def _prefill_keys(prefill_fn: Any, q: Array, kc: LayerKV, vc: LayerKV, block_tables: Array,
+                  kv_lens: Array) -> tuple[Array, Array]:
+    """Each row's keys and values ``[B, M*block_size, KV, D]`` for ``prefill_fn``, gathered from the cache
+    (dequantized). Where the native CPU prefill kernel serves a float cache, only the blocks that hold
+    a row's first ``kv_lens`` keys are copied (it reads no further); a whole table is ``max_model_len``
+    keys, whatever the prompt's length."""
+    if not isinstance(kc, tuple) and not isinstance(vc, tuple) and native_prefill_serves(prefill_fn, q, kc):
+        from inference.kernels.cpu_ffi import gather_live_cpu
+
+        return gather_live_cpu(kc, vc, block_tables, kv_lens)
+    return _gather_blocks(kc, block_tables, q.dtype), _gather_blocks(vc, block_tables, q.dtype)
+
+
 def _decode_attention(decode_fn: Any, q: Array, kc: LayerKV, vc: LayerKV, block_tables: Array,
                       context_lens: Array, scale: float) -> Array:
     """``decode_fn`` over a float cache, or over codes with their scales (dequantized inside the kernel)."""
@@ -457,7 +470,7 @@ def prefill_forward(params: Params, cache: KVCache, tokens: Array, positions: Ar
     for i, lp in enumerate(params["layers"]):
         q, ks[i], vs[i] = _attention_inputs(x, lp, cfg, positions, inv_freq, tables, slots, ks[i], vs[i],
                                             live)
-        kg, vg = _gather_blocks(ks[i], block_tables, q.dtype), _gather_blocks(vs[i], block_tables, q.dtype)
+        kg, vg = _prefill_keys(prefill_fn, q, ks[i], vs[i], block_tables, kv_lens)
         o = prefill_fn(q, kg, vg, q_offsets, kv_lens, scale=scale)
         x = _residual_linear(x, o.reshape(b, t, -1), lp, "wo", live)
         x = _mlp(x, lp, cfg, live)

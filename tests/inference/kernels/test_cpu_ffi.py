@@ -146,6 +146,42 @@ def test_native_prefill_never_reads_keys_past_the_sequence() -> None:
         np.asarray(cpu_ffi.prefill_attention_cpu(q, k, v, q_off, kv_len.at[2].set(500), scale=0.125)), clean)
 
 
+@pytest.mark.parametrize("bs,kv,d", [(16, 4, 64), (4, 2, 32), (1, 1, 8)])
+def test_gather_live_copies_each_rows_live_blocks_for_the_prefill_kernel(bs: int, kv: int, d: int) -> None:
+    """The live gather holds XLA's gather's values for every key below a row's kv_len (blocks
+    shuffled, a partly filled last block, an empty row); block ids past a row's keys may point
+    anywhere (even outside the cache) and are not read, and the prefill kernel over it gives what it
+    gives over the full gather."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from inference.model.attention import gather_block_rows
+
+    assert cpu_ffi.available()
+    rng = np.random.default_rng(bs + kv + d)
+    b, m = 4, -(-100 // bs)
+    nb = b * m + 3
+    kc = jnp.asarray(rng.standard_normal((nb, bs, kv, d), dtype=np.float32))
+    vc = jnp.asarray(rng.standard_normal((nb, bs, kv, d), dtype=np.float32))
+    tables = rng.permutation(nb)[: b * m].reshape(b, m).astype(np.int32)
+    kv_len = np.asarray([100, 37, 0, 1], np.int32)
+    full = [np.asarray(gather_block_rows(c, None, jnp.asarray(tables))).reshape(b, m * bs, kv, d) for c in (kc, vc)]
+    for row, n in enumerate(kv_len):
+        tables[row, -(-n // bs) :] = rng.integers(-5, 2 * nb, m - -(-n // bs))  # never read
+    live = [np.asarray(x) for x in cpu_ffi.gather_live_cpu(kc, vc, jnp.asarray(tables), jnp.asarray(kv_len))]
+    for got, want in zip(live, full, strict=True):
+        assert got.shape == want.shape
+        for row, n in enumerate(kv_len):
+            np.testing.assert_array_equal(got[row, :n], want[row, :n])
+    q = jnp.asarray(rng.standard_normal((b, 9, 2 * kv, d), dtype=np.float32))
+    q_off, lens = jnp.asarray(np.maximum(kv_len - 9, 0)), jnp.asarray(kv_len)
+    np.testing.assert_array_equal(
+        np.asarray(cpu_ffi.prefill_attention_cpu(q, *map(jnp.asarray, live), q_off, lens, scale=0.2)),
+        np.asarray(cpu_ffi.prefill_attention_cpu(q, *map(jnp.asarray, full), q_off, lens, scale=0.2)))
+    with pytest.raises(Exception, match="inconsistent shapes"):
+        cpu_ffi.gather_live_cpu(kc, vc[:, :, :, :1], jnp.asarray(tables), jnp.asarray(kv_len))[0].block_until_ready()
+
+
 @pytest.mark.parametrize("shapes", [
     ((2, 5, 8, 16), (2, 9, 4, 16), (2, 9, 4, 8), 2),  # v's head dim differs from k's
     ((2, 5, 8, 16), (3, 9, 4, 16), (3, 9, 4, 16), 2),  # k's batch differs from q's
