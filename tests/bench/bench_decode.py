@@ -106,7 +106,10 @@ tok/s (2.38 and 2.36 s) against 301.7 and 313.0, 61-62% of the roof
 (ceiling 5.38-5.64x). A third run at the final commit (f530c19), same
 flags and conditions: 2.11x / 3.21x / 3.27x, stream 2.21x / 3.64x / 3.45x,
 cpu-ratio 3.53x at batch 32, ours 1047.8 tok/s against 320.8 (transformers
-on a fast moment), 61% of the roof. Session 5's final code, three runs: 3.04x, 3.06x and
+on a fast moment), 61% of the roof. After prefill gathered only each row's
+live blocks (not its 512-key table): 2.09x / 3.16x / 3.36x, stream 2.22x /
+3.58x / 3.56x, cpu-ratio 3.60x, ours 1087.3 tok/s against 323.1, 63% of the
+roof. Session 5's final code, three runs: 3.04x, 3.06x and
 2.71x at batch 32 (ours 874.3, 883.2 and 832.5 tok/s against 287.5, 288.4
 and 307.2, 50-53% of the roof), stream 2.86-3.01x. Session 4 (before the
 native kernels): 2.20x / 2.24x / 2.18x. Every request's greedy output
