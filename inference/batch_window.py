@@ -260,13 +260,12 @@ def _solve(a: list[list[float]], b: list[float], *, ridge: float) -> list[float]
     return [m[i][n] / m[i][i] for i in range(n)]
 
 
-def parse_batch_window(spec: str, *, target_latency: float = 0.05, prefill_group: int = 8,
-                       calls: PrefillCalls | None = None) -> FixedWindow:  # fmt: skip
+def parse_batch_window(spec: str, *, target_latency: float = 0.05, prefill_group: int = 8) -> FixedWindow:
     """``"adaptive"`` or ``"fixed:<ms>"`` (the worker's ``--batch-window``);
-    ``prefill_group``: prefills the runner runs per call (its ``max_prefill_batch``);
-    ``calls``: the runner's prefill calls, when known (:func:`bucket_calls`)."""
+    ``prefill_group``: prefills the runner runs per call (its ``max_prefill_batch``). Once the runner
+    is loaded, an adaptive window's ``calls`` can be set to its shapes (:func:`bucket_calls`)."""
     if spec == "adaptive":
-        return AdaptiveWindow(target_latency, prefill_group=prefill_group, calls=calls)
+        return AdaptiveWindow(target_latency, prefill_group=prefill_group)
     if spec.startswith("fixed:"):
         try:
             ms = float(spec[6:])

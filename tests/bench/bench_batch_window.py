@@ -169,7 +169,7 @@ def measure(model: str, lengths: tuple[int, ...], rounds: int = 30) -> Table:
 
     stride = -(-max(lengths) // 16) + 4  # blocks per sequence: the longest prompt, or a 64-token context
     r = JaxRunner.load(model, block_size=16, num_blocks=48 * stride, max_batch=MAX_BATCH,
-                       max_prefill_batch=max(PREFILL_B))  # max_prefill_tokens: the default 2048  # fmt: skip
+                       max_prefill_batch=max(PREFILL_B))  # its max_prefill_tokens: 2048  # fmt: skip
     sp = SamplingParams(max_tokens=8, temperature=1.0, seed=1)
     shapes = measured_shapes(lengths)
 
@@ -235,6 +235,11 @@ class MeasuredCostRunner:
         self.overlap = overlaps(table) if overlap else {}
         self.buckets = Buckets(max_batch=MAX_BATCH, max_model_len=self.max_model_len,
                                max_prefill_batch=prefill_batch, max_prefill_tokens=MAX_PREFILL_TOKENS)  # fmt: skip
+        # per prefill batch, the measured lengths' call cost and overlap (built once: cost() runs every step)
+        self.calls: dict[int, tuple[dict[int, float], dict[int, float]]] = {}
+        for (b, t), v in self.pre.items():
+            call, hidden = self.calls.setdefault(b, ({}, {}))
+            call[t], hidden[t] = v, self.overlap.get((b, t), 0.0)
         self.last_cost = 0.0
 
     def cost(self, plan: StepPlan) -> float:
@@ -244,11 +249,9 @@ class MeasuredCostRunner:
             cost += _between(self.dec, self.buckets.decode_batch(len(plan.decodes[i : i + MAX_BATCH])))
         for group in self.buckets.group_prefills(lengths) if lengths else []:
             b, t = self.buckets.prefill_shape(len(group), max(lengths[i] for i in group))
-            ts = [x for bb, x in self.pre if bb == b]
-            tt = min(t, max(ts))  # longer (recomputed) prompts: scale the longest measured
-            call = _between({x: self.pre[(b, x)] for x in ts}, tt) * t / tt
-            hidden = _between({x: self.overlap.get((b, x), 0.0) for x in ts}, tt)
-            cost += call - (hidden if cost > 0 else 0.0)
+            call, hidden = self.calls[b]
+            tt = min(t, max(call))  # longer (recomputed) prompts: scale the longest measured
+            cost += _between(call, tt) * t / tt - (_between(hidden, tt) if cost > 0 else 0.0)
         return cost
 
     def execute(self, plan: StepPlan) -> list[SeqOutput]:
