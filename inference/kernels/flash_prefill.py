@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from inference.kernels.reference import MASK_VALUE, Array
+from inference.kernels.reference import MASK_VALUE, Array, check_prefill_args
 
 __all__ = ["PrefillBlocks", "flash_prefill", "compiler_params_for"]
 
@@ -151,14 +151,8 @@ def flash_prefill(
     host); ``interpret`` runs the kernel body as plain JAX (CPU tests).
     """
     b, t, h, d = q.shape
-    _, s, kv, dk = k.shape
-    if k.shape != v.shape or k.shape[0] != b or dk != d:
-        raise ValueError(f"shape mismatch: q{q.shape} k{k.shape} v{v.shape}")
-    if h % kv:
-        raise ValueError(f"query heads ({h}) must be a multiple of KV heads ({kv})")
-    if q_offsets.shape != (b,) or kv_lens.shape != (b,):
-        raise ValueError("q_offsets and kv_lens must have shape [B]")
-    group = h // kv
+    s = k.shape[1]
+    group = check_prefill_args(q, k, v, q_offsets, kv_lens)
     # Triton's dot needs every tile dimension >= 16; interpretation does not.
     floor = 1 if interpret else 16
     block_q = max(floor, min(blocks.block_q, pl.next_power_of_2(t)))

@@ -20,6 +20,7 @@ __all__ = [
     "prefill_attention",
     "paged_decode_attention",
     "gather_pages",
+    "check_prefill_args",
 ]
 
 Array = Any  # a jax.Array (named alias; jax.Array itself is not generic)
@@ -35,6 +36,19 @@ def _group(q: Array, kv_heads: int) -> Array:
     if h % kv_heads:
         raise ValueError(f"query heads ({h}) must be a multiple of KV heads ({kv_heads})")
     return q.reshape(*lead, kv_heads, h // kv_heads, d)
+
+
+def check_prefill_args(q: Array, k: Array, v: Array, q_offsets: Array, kv_lens: Array) -> int:
+    """Validate a prefill call's shapes (the contract of :func:`prefill_attention`); returns ``H // KV``."""
+    b, _, h, d = q.shape
+    kv, dk = k.shape[2], k.shape[3]
+    if k.shape != v.shape or k.shape[0] != b or dk != d:
+        raise ValueError(f"shape mismatch: q{q.shape} k{k.shape} v{v.shape}")
+    if h % kv:
+        raise ValueError(f"query heads ({h}) must be a multiple of KV heads ({kv})")
+    if q_offsets.shape != (b,) or kv_lens.shape != (b,):
+        raise ValueError("q_offsets and kv_lens must have shape [B]")
+    return h // kv
 
 
 def prefill_attention(
