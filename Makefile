@@ -7,6 +7,8 @@ PIP    := $(PY) -m pip
 STAMP_RUN  := $(VENV)/.stamp-run
 STAMP_TEST := $(VENV)/.stamp-test
 SYSDEPS_STAMP := $(VENV)/.stamp-sysdeps
+LIBTPU_DIR := $(VENV)/libtpu
+LIBTPU_STAMP := $(VENV)/.stamp-libtpu
 ARGS ?=
 
 .PHONY: run test venv sysdeps lint bench clean
@@ -21,6 +23,15 @@ $(STAMP_RUN): $(VENV)/bin/python setup.cfg pyproject.toml
 
 $(STAMP_TEST): $(STAMP_RUN)
 	$(PIP) install -q -e '.[worker,test]'
+	touch $@
+
+# The libtpu wheel that matches the installed jax, into its own folder (not the venv's
+# site-packages: no test process but the Mosaic compile check loads it). It lets
+# tests/inference/kernels/mosaic_compile.py compile the TPU kernels for
+# compile-only TPUs on this host; nothing here runs on a TPU.
+$(LIBTPU_STAMP): $(STAMP_TEST)
+	req=$$($(PY) -c "import importlib.metadata as m; print(next(r.split(';')[0].replace(' ', '') for r in m.requires('jax') if r.startswith('libtpu')))"); \
+	$(PIP) install -q --no-deps --upgrade --target $(LIBTPU_DIR) "$$req"
 	touch $@
 
 # System packages: curl (with HTTP/2) for the curl tests; Debian's python3-pyverbs
@@ -43,7 +54,7 @@ sysdeps: $(SYSDEPS_STAMP)
 run: $(STAMP_RUN) $(SYSDEPS_STAMP)
 	$(VENV)/bin/quicserve serve $(ARGS)
 
-test: $(STAMP_TEST) $(SYSDEPS_STAMP)
+test: $(STAMP_TEST) $(SYSDEPS_STAMP) $(LIBTPU_STAMP)
 	$(VENV)/bin/ruff check gateway transport inference tests
 	$(PY) -m pytest -q -p no:cacheprovider tests
 

@@ -9,17 +9,20 @@ of ``inference.model.attention``::
 
 (``k_scale``/``v_scale`` are an additive extension for quantized caches.)
 
-``pallas`` on GPU compiles the kernels through the Triton lowering, with
-block sizes from the autotuner (tuned on first trace of each shape, then read
-from the cache file). On CPU it falls back to the reference for speed, or
-runs the kernels with ``interpret=True`` when asked (``interpret=True`` or
-``QUICSERVE_PALLAS_INTERPRET=1``), which is what the tests do. On TPU these
-kernels (written for the Triton model: scalar blocks, gathered page loads)
-are not lowered; the reference is used, with a log line saying so.
+``pallas`` has two kernel families, each written for its compiler:
+``flash_prefill``/``paged_decode`` for Triton (GPU) and
+``tpu_prefill``/``tpu_decode`` for Mosaic (TPU). On GPU the first compiles,
+on TPU the second, with block sizes from the autotuner (tuned on first trace
+of each shape, then read from the cache file). On CPU ``pallas`` falls back
+to the reference for speed, or runs a family with ``interpret=True`` when
+asked (``interpret=True`` or ``QUICSERVE_PALLAS_INTERPRET=1``; the family is
+``target=`` or ``QUICSERVE_PALLAS_TARGET``, default ``gpu``), which is what
+the tests do.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -35,6 +38,9 @@ from inference.kernels.flash_prefill import PrefillBlocks, flash_prefill
 from inference.kernels.paged_decode import DecodeBlocks, paged_decode, supports
 from inference.kernels.quant_matmul import MatmulBlocks, pallas_quantized_matmul
 from inference.kernels.reference import Array
+from inference.kernels.tpu_decode import LANES, tpu_paged_decode
+from inference.kernels.tpu_prefill import TpuPrefillBlocks, tpu_flash_prefill
+from inference.kernels.tpu_quant_matmul import TpuMatmulBlocks, tpu_quantized_matmul
 
 __all__ = [
     "BACKENDS",
@@ -45,10 +51,17 @@ __all__ = [
     "tuned_decode_blocks",
     "matmul_candidates",
     "tuned_matmul_blocks",
+    "TpuDecodeBlocks",
+    "tpu_prefill_candidates",
+    "tpu_decode_candidates",
+    "tuned_tpu_prefill_blocks",
+    "tuned_tpu_decode_blocks",
+    "tuned_tpu_matmul_blocks",
 ]
 
 log = logging.getLogger(__name__)
 BACKENDS = ("reference", "pallas")
+TARGETS = ("gpu", "tpu")  # the Pallas kernel families
 PrefillFn = Callable[..., Array]
 DecodeFn = Callable[..., Array]
 
@@ -190,26 +203,130 @@ def _pallas_fns(interpret: bool, tuner: Autotuner) -> tuple[PrefillFn, DecodeFn]
     return prefill_fn, decode_fn
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class TpuDecodeBlocks:
+    """Pages the TPU decode kernel fetches and folds per grid step."""
+
+    pages_per_step: int = 1
+
+
+def tpu_prefill_candidates() -> list[TpuPrefillBlocks]:
+    """TPU prefill tiles tried; the first is the default (a 128x128 MXU pass per group head)."""
+    return [TpuPrefillBlocks(128, 128), TpuPrefillBlocks(128, 256), TpuPrefillBlocks(256, 256),
+            TpuPrefillBlocks(256, 512), TpuPrefillBlocks(512, 512)]  # fmt: skip
+
+
+def tpu_decode_candidates(page_size: int) -> list[TpuDecodeBlocks]:
+    """Pages per step tried: enough that a step moves >= ~64 tokens of keys, and the neighbours."""
+    base = max(1, 64 // page_size)
+    return [TpuDecodeBlocks(p) for p in dict.fromkeys((base, 1, 2 * base, 4 * base))]
+
+
+def tuned_tpu_prefill_blocks(tuner: Autotuner, q: Array, k: Array, *, interpret: bool = False) -> TpuPrefillBlocks:
+    b, t, h, d = q.shape
+    s, kv = k.shape[1], k.shape[2]
+    key = f"prefill/{jax.default_backend()}-mosaic/B{b}-T{t}-S{s}-H{h}-KV{kv}-D{d}-{jnp.dtype(q.dtype).name}"
+
+    def measure(blocks: TpuPrefillBlocks) -> float:
+        args = (_random(q.shape, q.dtype, 0), _random(k.shape, k.dtype, 1), _random(k.shape, k.dtype, 2))
+        offs, lens = jnp.full((b,), s - t, jnp.int32), jnp.full((b,), s, jnp.int32)
+        fn = functools.partial(tpu_flash_prefill, scale=d**-0.5, blocks=blocks, interpret=interpret)
+        return time_call(lambda: fn(*args, offs, lens), iters=5)
+
+    return tuner.pick(key, tpu_prefill_candidates(), measure)
+
+
+def tuned_tpu_decode_blocks(
+    tuner: Autotuner, q: Array, k_cache: Array, block_tables: Array, *, quantized: bool, interpret: bool = False
+) -> TpuDecodeBlocks:
+    b, h, d = q.shape
+    n, bs, kv, _ = k_cache.shape
+    m = block_tables.shape[1]
+    key = (f"decode/{jax.default_backend()}-mosaic/B{b}-H{h}-KV{kv}-D{d}-N{n}-bs{bs}-M{m}-"
+           f"{jnp.dtype(q.dtype).name}-{jnp.dtype(k_cache.dtype).name}")  # fmt: skip
+
+    def measure(blocks: TpuDecodeBlocks) -> float:
+        qq = _random(q.shape, q.dtype, 0)
+        kc, vc = _random(k_cache.shape, k_cache.dtype, 1), _random(k_cache.shape, k_cache.dtype, 2)
+        tables = jnp.asarray(np.random.default_rng(3).integers(0, n, (b, m)), jnp.int32)
+        lens = jnp.full((b,), m * bs, jnp.int32)
+        scales = jnp.full((n, kv), 0.01, jnp.float32) if quantized else None
+        fn = functools.partial(tpu_paged_decode, scale=d**-0.5, k_scale=scales, v_scale=scales,
+                               pages_per_step=blocks.pages_per_step, interpret=interpret)  # fmt: skip
+        return time_call(lambda: fn(qq, kc, vc, tables, lens), iters=10)
+
+    return tuner.pick(key, tpu_decode_candidates(bs), measure)
+
+
+def tuned_tpu_matmul_blocks(tuner: Autotuner, x: Array, codes: Array) -> TpuMatmulBlocks:
+    """TPU tiles for ``x[..., K] @ codes[K, N]``: a thin row block for decode-sized M, square ones past it."""
+    k, n = codes.shape
+    m = int(np.prod(x.shape[:-1]))
+    key = f"wmatmul/{jax.default_backend()}-mosaic/M{m}-K{k}-N{n}-{jnp.dtype(x.dtype).name}-{jnp.dtype(codes.dtype).name}"
+    rows = [8, 32] if m <= 32 else [128, 256]
+    cands = [TpuMatmulBlocks(r, bn, bk) for r in rows for bn, bk in ((256, 512), (512, 512), (256, 1024))]
+
+    def measure(blocks: TpuMatmulBlocks) -> float:
+        xx, cc = _random((m, k), x.dtype, 0), _random((k, n), codes.dtype, 1)
+        ss = jnp.full((n,), 0.01, jnp.float32)
+        return time_call(lambda: tpu_quantized_matmul(xx, cc, ss, blocks=blocks), iters=10)
+
+    return tuner.pick(key, cands, measure)
+
+
+def _tpu_fns(interpret: bool, tuner: Autotuner) -> tuple[PrefillFn, DecodeFn]:
+    def prefill_fn(q: Array, k: Array, v: Array, q_offsets: Array, kv_lens: Array, *, scale: float) -> Array:
+        blocks = tuned_tpu_prefill_blocks(tuner, q, k, interpret=interpret)
+        return tpu_flash_prefill(q, k, v, q_offsets, kv_lens, scale=scale, blocks=blocks, interpret=interpret)
+
+    def decode_fn(q: Array, k_cache: Array, v_cache: Array, block_tables: Array, context_lens: Array, *,
+                  scale: float, k_scale: Array | None = None, v_scale: Array | None = None) -> Array:  # fmt: skip
+        d = q.shape[-1]
+        if d > LANES and d % LANES:
+            log.warning("paged decode: head dim %d is over %d lanes and not a multiple of them; using the reference",
+                        d, LANES)  # fmt: skip
+            return reference.paged_decode_attention(
+                q, k_cache, v_cache, block_tables, context_lens, scale=scale, k_scale=k_scale, v_scale=v_scale
+            )
+        blocks = tuned_tpu_decode_blocks(tuner, q, k_cache, block_tables, quantized=k_scale is not None,
+                                         interpret=interpret)  # fmt: skip
+        return tpu_paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale=scale, k_scale=k_scale,
+                                v_scale=v_scale, pages_per_step=blocks.pages_per_step, interpret=interpret)  # fmt: skip
+
+    return prefill_fn, decode_fn
+
+
 def get_backend(
-    name: str, *, interpret: bool | None = None, tuner: Autotuner | None = None
+    name: str, *, interpret: bool | None = None, tuner: Autotuner | None = None, target: str | None = None
 ) -> tuple[PrefillFn, DecodeFn]:
     """``(prefill_fn, decode_fn)`` for ``"reference"`` or ``"pallas"``.
 
     ``interpret`` forces (True) or forbids (False) Pallas interpretation; by
     default it is used only off-accelerator when ``QUICSERVE_PALLAS_INTERPRET=1``.
+    ``target`` (``"gpu"`` or ``"tpu"``) picks the kernel family; on an
+    accelerator it is the accelerator's own, elsewhere ``QUICSERVE_PALLAS_TARGET``
+    or ``"gpu"``.
     """
     if name == "reference":
         return reference.prefill_attention, reference.paged_decode_attention
     if name != "pallas":
         raise ValueError(f"unknown attention backend {name!r}; expected one of {BACKENDS}")
     platform = jax.default_backend()
+    if target is None:
+        target = platform if platform in TARGETS else os.environ.get("QUICSERVE_PALLAS_TARGET", "gpu")
+    if target not in TARGETS:
+        raise ValueError(f"unknown Pallas target {target!r}; expected one of {TARGETS}")
+    fns = _tpu_fns if target == "tpu" else _pallas_fns
     if interpret is None:
-        interpret = platform not in ("gpu", "tpu") and os.environ.get("QUICSERVE_PALLAS_INTERPRET") == "1"
+        interpret = platform not in TARGETS and os.environ.get("QUICSERVE_PALLAS_INTERPRET") == "1"
     if interpret:
-        log.info("attention backend pallas: interpret mode on %s", platform)
-        return _pallas_fns(True, tuner or Autotuner(enabled=False))
-    if platform == "gpu":
+        log.info("attention backend pallas: %s kernels in interpret mode on %s", target, platform)
+        return fns(True, tuner or Autotuner(enabled=False))
+    if platform == target == "gpu":
         log.info("attention backend pallas: compiled for GPU (Triton lowering)")
-        return _pallas_fns(False, tuner or default_tuner())
-    log.info("attention backend pallas: no compiled kernels on %s; using the jnp reference", platform)
+        return fns(False, tuner or default_tuner())
+    if platform == target == "tpu":
+        log.info("attention backend pallas: compiled for TPU (Mosaic lowering)")
+        return fns(False, tuner or default_tuner())
+    log.info("attention backend pallas: no compiled %s kernels on %s; using the jnp reference", target, platform)
     return reference.prefill_attention, reference.paged_decode_attention

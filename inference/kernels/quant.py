@@ -279,13 +279,16 @@ def quantized_matmul(x: Array, w: QuantizedWeight | Array) -> Array:
         from inference.kernels.quant_matmul import pallas_quantized_matmul
 
         return pallas_quantized_matmul(x, w.codes, w.scale, interpret=True)
-    if w.kernel == "pallas":  # compiled; tiles tuned per shape on first trace
+    if w.kernel == "pallas":  # compiled (Triton on GPU, Mosaic on TPU); tiles tuned per shape on first trace
+        from inference.kernels import dispatch
         from inference.kernels.autotune import default_tuner
-        from inference.kernels.dispatch import tuned_matmul_blocks
-        from inference.kernels.quant_matmul import pallas_quantized_matmul
 
-        blocks = tuned_matmul_blocks(default_tuner(), x, w.codes)
-        return pallas_quantized_matmul(x, w.codes, w.scale, blocks=blocks)
+        if jax.default_backend() == "tpu" and (w.scale.ndim == 1 or w.group_size % 128 == 0):
+            tiles = dispatch.tuned_tpu_matmul_blocks(default_tuner(), x, w.codes)
+            return dispatch.tpu_quantized_matmul(x, w.codes, w.scale, blocks=tiles)
+        if jax.default_backend() != "tpu":  # TPU groups under 128 rows: the XLA path below
+            blocks = dispatch.tuned_matmul_blocks(default_tuner(), x, w.codes)
+            return dispatch.pallas_quantized_matmul(x, w.codes, w.scale, blocks=blocks)
     if w.scale.ndim == 1:
         y = jnp.matmul(x, w.codes.astype(x.dtype), preferred_element_type=jnp.float32)
         return (y * w.scale).astype(x.dtype)

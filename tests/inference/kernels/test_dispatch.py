@@ -68,6 +68,43 @@ def test_interpreted_pallas_backend_inside_jit(tmp_path: Path) -> None:
     assert not (tmp_path / "t.json").exists()  # tuning disabled: nothing written
 
 
+def test_interpreted_tpu_family_inside_jit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``target="tpu"`` (or ``QUICSERVE_PALLAS_TARGET=tpu``) gives the Mosaic-model kernels; they match too."""
+    from inference.kernels import tpu_decode, tpu_prefill
+
+    prefill_fn, decode_fn = dispatch.get_backend("pallas", interpret=True, target="tpu")
+    rng = np.random.default_rng(4)
+    q = jnp.asarray(rng.standard_normal((2, 16, 8, 64), np.float32))
+    k = jnp.asarray(rng.standard_normal((2, 32, 2, 64), np.float32))
+    offs, lens = jnp.asarray([16, 0], jnp.int32), jnp.asarray([32, 16], jnp.int32)
+    calls = []
+    monkeypatch.setattr(dispatch, "tpu_flash_prefill", lambda *a, **kw: calls.append(kw["blocks"])
+                        or tpu_prefill.tpu_flash_prefill(*a, **kw))  # fmt: skip
+    got = jax.jit(lambda *a: prefill_fn(*a, scale=0.125))(q, k, k * 0.5, offs, lens)
+    want = reference.prefill_attention(q, k, k * 0.5, offs, lens, scale=0.125)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5)
+    assert calls == [dispatch.tpu_prefill_candidates()[0]]  # tuning off: the default tile
+
+    q, kc, vc, tables, clens = _decode_inputs()
+    kq, ks = quantize_blocks(kc, "int8")
+    vq, vs = quantize_blocks(vc, "int8")
+    monkeypatch.setattr(dispatch, "tpu_paged_decode", lambda *a, **kw: calls.append(kw["pages_per_step"])
+                        or tpu_decode.tpu_paged_decode(*a, **kw))  # fmt: skip
+    got = jax.jit(lambda *a: decode_fn(*a, scale=0.125, k_scale=ks, v_scale=vs))(q, kq, vq, tables, clens)
+    want = reference.paged_decode_attention(q, kq, vq, tables, clens, scale=0.125, k_scale=ks, v_scale=vs)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5)
+    assert calls[-1] == dispatch.tpu_decode_candidates(kc.shape[1])[0].pages_per_step
+
+    monkeypatch.setenv("QUICSERVE_PALLAS_TARGET", "tpu")
+    monkeypatch.setenv("QUICSERVE_PALLAS_INTERPRET", "1")
+    if jax.default_backend() == "cpu":
+        assert dispatch.get_backend("pallas")[0] is not reference.prefill_attention
+        monkeypatch.delenv("QUICSERVE_PALLAS_INTERPRET")  # compiled Mosaic kernels off a TPU: the reference
+        assert dispatch.get_backend("pallas") == (reference.prefill_attention, reference.paged_decode_attention)
+    with pytest.raises(ValueError, match="unknown Pallas target 'rocm'"):
+        dispatch.get_backend("pallas", target="rocm")
+
+
 class _FakeTiming:
     """Test double for ``measure``: fixed seconds per candidate, records calls, may raise."""
 
