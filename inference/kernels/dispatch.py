@@ -57,6 +57,7 @@ __all__ = [
     "tuned_tpu_prefill_blocks",
     "tuned_tpu_decode_blocks",
     "tuned_tpu_matmul_blocks",
+    "tpu_fns",
 ]
 
 log = logging.getLogger(__name__)
@@ -274,7 +275,7 @@ def tuned_tpu_matmul_blocks(tuner: Autotuner, x: Array, codes: Array) -> TpuMatm
     return tuner.pick(key, cands, measure)
 
 
-def _tpu_fns(interpret: bool, tuner: Autotuner) -> tuple[PrefillFn, DecodeFn]:
+def tpu_fns(interpret: bool, tuner: Autotuner) -> tuple[PrefillFn, DecodeFn]:
     def prefill_fn(q: Array, k: Array, v: Array, q_offsets: Array, kv_lens: Array, *, scale: float) -> Array:
         blocks = tuned_tpu_prefill_blocks(tuner, q, k, interpret=interpret)
         return tpu_flash_prefill(q, k, v, q_offsets, kv_lens, scale=scale, blocks=blocks, interpret=interpret)
@@ -316,7 +317,7 @@ def get_backend(
         target = platform if platform in TARGETS else os.environ.get("QUICSERVE_PALLAS_TARGET", "gpu")
     if target not in TARGETS:
         raise ValueError(f"unknown Pallas target {target!r}; expected one of {TARGETS}")
-    fns = _tpu_fns if target == "tpu" else _pallas_fns
+    fns = tpu_fns if target == "tpu" else _pallas_fns
     if interpret is None:
         interpret = platform not in TARGETS and os.environ.get("QUICSERVE_PALLAS_INTERPRET") == "1"
     if interpret:

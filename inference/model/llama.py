@@ -221,8 +221,14 @@ def weight_bytes(params: Params) -> int:
     return sum(int(a.size) * a.dtype.itemsize for a in jax.tree_util.tree_leaves(params))
 
 
-# Row counts for which x @ W.T runs as a fused multiply-reduce instead of a dot (see _matmul_t).
+# Row counts for which x @ W.T runs as a fused multiply-reduce instead of a dot (see _matmul_t), on CPU.
 MULREDUCE_ROWS = (2, 64)
+
+
+def _mulreduce(rows: int) -> bool:
+    """Whether ``rows`` rows take the multiply-reduce: only on XLA:CPU. On an accelerator it would read the
+    whole weight once per row (a reduction kernel, not a GEMM); there every projection is a dot."""
+    return jax.default_backend() == "cpu" and MULREDUCE_ROWS[0] <= rows <= MULREDUCE_ROWS[1]
 
 
 def _matmul_t(x: Array, w_t: Array | QuantizedWeightT, out_dtype: Any) -> Array:
@@ -250,7 +256,7 @@ def _matmul_t(x: Array, w_t: Array | QuantizedWeightT, out_dtype: Any) -> Array:
 
         y = matmul_packed_cpu(x.reshape(rows, x.shape[-1]), w_t.panels, w_t.n)
         return y.reshape(*x.shape[:-1], w_t.n).astype(out_dtype)
-    if not MULREDUCE_ROWS[0] <= rows <= MULREDUCE_ROWS[1]:
+    if not _mulreduce(rows):
         return jax.lax.dot_general(x, w_t, (((x.ndim - 1,), (1,)), ((), ())), preferred_element_type=out_dtype)
     x2 = x.reshape(rows, x.shape[-1]).astype(jnp.float32)
     y = (w_t.astype(jnp.float32)[None, :, :] * x2[:, None, :]).sum(-1)  # [rows, out]
@@ -271,10 +277,11 @@ def _quantized_matmul_t(x: Array, w: QuantizedWeightT, out_dtype: Any) -> Array:
     codes 123 ms, one-row reduce 100-150 ms, two-row reduce 7.7 ms, float
     dot 10 ms). Past 64 rows: a dot against the converted codes (a float
     copy of the weight per call, small next to a prefill's multiply), then
-    the scale.
+    the scale. These are XLA:CPU's trade-offs; on an accelerator every call
+    is the dot on converted codes, which XLA fuses into the GEMM's operand.
     """
     rows = math.prod(x.shape[:-1])
-    if rows > MULREDUCE_ROWS[1]:
+    if rows > MULREDUCE_ROWS[1] or jax.default_backend() != "cpu":
         dims = (((x.ndim - 1,), (1,)), ((), ()))
         y = jax.lax.dot_general(x, w.codes.astype(x.dtype), dims, preferred_element_type=jnp.float32)
         return (y * w.scale).astype(out_dtype)

@@ -12,12 +12,19 @@ process loads libtpu)::
 
     PYTHONPATH=.venv/libtpu:. .venv/bin/python -m tests.inference.kernels.mosaic_compile [--topology v5e:2x2]
 
+Besides each kernel alone, whole model steps compile: a two-layer Llama-3-8B-
+shaped model's decode (bf16 and int8 KV caches, int8 weights) and prefill
+(int8 KV), bf16, with the Mosaic attention kernels. Those are traced as on a TPU
+(``jax.default_backend`` reads "tpu" while tracing), so the model takes its
+accelerator paths (no XLA:CPU multiply-reduce, no native CPU kernels).
+
 Prints one line per case and exits 1 if any fails to compile.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 import traceback
@@ -29,11 +36,15 @@ import jax.numpy as jnp
 from jax.experimental import topologies
 from jax.sharding import SingleDeviceSharding
 
+from inference.kernels import dispatch
+from inference.kernels.autotune import Autotuner
 from inference.kernels.tpu_decode import tpu_paged_decode
 from inference.kernels.tpu_prefill import TpuPrefillBlocks, tpu_flash_prefill
 from inference.kernels.tpu_quant_matmul import TpuMatmulBlocks, tpu_quantized_matmul
+from inference.model import llama
+from inference.model.config import LlamaConfig
 
-Case = tuple[str, Callable[..., Any], list[tuple[tuple[int, ...], Any]]]
+Case = tuple[str, Callable[..., Any], list[Any]]  # name, jitted fn, args: (shape, dtype) or a tree of structs
 QUANT = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
 
 
@@ -94,18 +105,83 @@ def matmul_cases() -> Iterator[Case]:
         yield name, fn, [((m, k), xdt), ((k, n), cdt), scale]
 
 
+# Llama-3-8B's layer and vocabulary shapes, two layers (compile time, not fidelity, grows with depth).
+MODEL = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=2,
+                    num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=500000.0)
+
+
+def _params(cfg: LlamaConfig, weights: str | None) -> Any:
+    """Abstract bf16 parameters in the runner's layout (projections ``[out, in]``), 1-byte with ``weights``."""
+    def build() -> Any:
+        shapes = llama.param_shapes(cfg)
+        top = {k: jnp.zeros(shapes[k], jnp.bfloat16) for k in ("embed", "norm", "lm_head")}
+        layer = [k for k in shapes if k not in top]
+        params = {**top, "layers": [{k: jnp.zeros(shapes[k], jnp.bfloat16) for k in layer}
+                                    for _ in range(cfg.num_hidden_layers)]}  # fmt: skip
+        return llama.transpose_weights(params) if weights is None else llama.quantize_projections(params, weights)
+
+    return jax.eval_shape(build)
+
+
+def model_cases() -> Iterator[Case]:
+    cfg, b, blocks, bs, width = MODEL, 32, 2048, 16, 64  # 32 sequences of up to 1024 tokens
+    attn = dispatch.tpu_fns(False, Autotuner(enabled=False))
+    for kv_quant, weights in ((None, None), ("int8", None), (None, "int8")):
+        params = _params(cfg, weights)
+        cache = jax.eval_shape(lambda kq=kv_quant: llama.init_kv_cache(cfg, blocks, bs, jnp.bfloat16, kq))
+        label = f"KV {kv_quant or 'bf16'}, weights {weights or 'bf16'}"
+
+        def decode(p, c, tokens, positions, slots, tables, lens):
+            return llama.decode_forward(p, c, tokens, positions, slots, tables, lens, cfg=cfg, attn=attn)
+
+        yield (f"model decode step, {cfg.num_hidden_layers} Llama-3-8B layers, batch {b}, {label}", jax.jit(decode),
+               [params, cache, ((b,), jnp.int32), ((b,), jnp.int32), ((b,), jnp.int32), ((b, width), jnp.int32),
+                ((b,), jnp.int32)])  # fmt: skip
+        if kv_quant == "int8":  # one prefill: its compile is ~4x a decode step's
+            t = 256
+
+            def prefill(p, c, tokens, positions, slots, tables, offs, lens, last):
+                return llama.prefill_forward(p, c, tokens, positions, slots, tables, offs, lens, last, cfg=cfg,
+                                             attn=attn)  # fmt: skip
+
+            yield (f"model prefill step, 4 x {t} tokens, {label}", jax.jit(prefill),
+                   [params, cache, ((4, t), jnp.int32), ((4, t), jnp.int32), ((4, t), jnp.int32),
+                    ((4, width), jnp.int32), ((4,), jnp.int32), ((4,), jnp.int32), ((4,), jnp.int32)])  # fmt: skip
+
+
+@contextlib.contextmanager
+def traced_as_tpu() -> Iterator[None]:
+    """``jax.default_backend()`` reads "tpu" inside: the model picks the paths it takes on a TPU."""
+    real = jax.default_backend
+    jax.default_backend = lambda: "tpu"  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        jax.default_backend = real  # type: ignore[assignment]
+
+
+def _abstract(arg: Any, sharding: SingleDeviceSharding) -> Any:
+    if isinstance(arg, tuple) and len(arg) == 2 and all(isinstance(n, int) for n in arg[0]):  # (shape, dtype)
+        return jax.ShapeDtypeStruct(arg[0], arg[1], sharding=sharding)
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), arg)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--topology", default="v5e:2x2", help="a compile-only TPU topology, e.g. v5e:2x2, v6e:2x2")
+    ap.add_argument("--kernels-only", action="store_true", help="skip the whole-model steps")
     args = ap.parse_args(argv)
     device = topologies.get_topology_desc(args.topology, platform="tpu").devices[0]
     sharding = SingleDeviceSharding(device)
     print(f"compiling for {device.device_kind} ({args.topology}), jax {jax.__version__}")
     failed = 0
-    for name, fn, shapes in [*prefill_cases(), *decode_cases(), *matmul_cases()]:
+    for name, fn, shapes in [*prefill_cases(), *decode_cases(), *matmul_cases(),
+                              *([] if args.kernels_only else model_cases())]:
         t0 = time.perf_counter()
         try:
-            fn.lower(*(jax.ShapeDtypeStruct(s, dt, sharding=sharding) for s, dt in shapes)).compile()
+            with traced_as_tpu():
+                lowered = fn.lower(*(_abstract(a, sharding) for a in shapes))
+            lowered.compile()
         except Exception:  # report every case, then fail
             failed += 1
             print(f"FAIL {name}\n{traceback.format_exc(limit=3)}", flush=True)

@@ -221,3 +221,24 @@ def test_matmul_paths_equal_the_dequantized_weight() -> None:
         x = rng.standard_normal((rows, 48)).astype(np.float32)
         got = np.asarray(jax.jit(_matmul_t, static_argnums=2)(jnp.asarray(x), w, jnp.float32))
         np.testing.assert_allclose(got, x @ dense.T, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_projections_are_dots_off_cpu(quantized: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The multiply-reduce that serves a few rows on XLA:CPU is CPU-only: traced for an accelerator
+    (the backend reads "gpu"), an 8-row projection is one dot, which reads the weight once, not once per row."""
+    import jax.numpy as jnp
+
+    from inference.kernels.quant import quantize_weight_t
+    from inference.model import llama
+
+    w = jnp.ones((48, 32), jnp.float32)
+    w_t = quantize_weight_t(w, "int8") if quantized else w
+    x = jnp.ones((8, 32), jnp.float32)
+
+    def prims() -> set[str]:
+        return {e.primitive.name for e in jax.make_jaxpr(lambda a: llama._matmul_t(a, w_t, jnp.float32))(x).eqns}
+
+    assert "reduce_sum" in prims() and "dot_general" not in prims()  # CPU: the multiply-reduce
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert "dot_general" in prims() and "reduce_sum" not in prims()
