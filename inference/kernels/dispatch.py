@@ -58,6 +58,7 @@ __all__ = [
     "tuned_tpu_decode_blocks",
     "tuned_tpu_matmul_blocks",
     "tpu_fns",
+    "gpu_fns",
 ]
 
 log = logging.getLogger(__name__)
@@ -163,7 +164,7 @@ def tuned_matmul_blocks(tuner: Autotuner, x: Array, codes: Array) -> MatmulBlock
     return tuner.pick(key, matmul_candidates(m), measure)
 
 
-def _pallas_fns(interpret: bool, tuner: Autotuner) -> tuple[PrefillFn, DecodeFn]:
+def gpu_fns(interpret: bool, tuner: Autotuner) -> tuple[PrefillFn, DecodeFn]:
     def prefill_fn(q: Array, k: Array, v: Array, q_offsets: Array, kv_lens: Array, *, scale: float) -> Array:
         blocks = tuned_prefill_blocks(tuner, q, k, interpret=interpret)
         return flash_prefill(q, k, v, q_offsets, kv_lens, scale=scale, blocks=blocks, interpret=interpret)
@@ -317,7 +318,7 @@ def get_backend(
         target = platform if platform in TARGETS else os.environ.get("QUICSERVE_PALLAS_TARGET", "gpu")
     if target not in TARGETS:
         raise ValueError(f"unknown Pallas target {target!r}; expected one of {TARGETS}")
-    fns = tpu_fns if target == "tpu" else _pallas_fns
+    fns = tpu_fns if target == "tpu" else gpu_fns
     if interpret is None:
         interpret = platform not in TARGETS and os.environ.get("QUICSERVE_PALLAS_INTERPRET") == "1"
     if interpret:

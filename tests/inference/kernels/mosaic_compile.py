@@ -110,13 +110,13 @@ MODEL = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336
                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=500000.0)
 
 
-def _params(cfg: LlamaConfig, weights: str | None) -> Any:
-    """Abstract bf16 parameters in the runner's layout (projections ``[out, in]``), 1-byte with ``weights``."""
+def abstract_params(cfg: LlamaConfig, weights: str | None, dtype: Any = jnp.bfloat16) -> Any:
+    """Abstract parameters in the runner's layout (projections ``[out, in]``), 1-byte codes with ``weights``."""
     def build() -> Any:
         shapes = llama.param_shapes(cfg)
-        top = {k: jnp.zeros(shapes[k], jnp.bfloat16) for k in ("embed", "norm", "lm_head")}
+        top = {k: jnp.zeros(shapes[k], dtype) for k in ("embed", "norm", "lm_head")}
         layer = [k for k in shapes if k not in top]
-        params = {**top, "layers": [{k: jnp.zeros(shapes[k], jnp.bfloat16) for k in layer}
+        params = {**top, "layers": [{k: jnp.zeros(shapes[k], dtype) for k in layer}
                                     for _ in range(cfg.num_hidden_layers)]}  # fmt: skip
         return llama.transpose_weights(params) if weights is None else llama.quantize_projections(params, weights)
 
@@ -127,7 +127,7 @@ def model_cases() -> Iterator[Case]:
     cfg, b, blocks, bs, width = MODEL, 32, 2048, 16, 64  # 32 sequences of up to 1024 tokens
     attn = dispatch.tpu_fns(False, Autotuner(enabled=False))
     for kv_quant, weights in ((None, None), ("int8", None), (None, "int8")):
-        params = _params(cfg, weights)
+        params = abstract_params(cfg, weights)
         cache = jax.eval_shape(lambda kq=kv_quant: llama.init_kv_cache(cfg, blocks, bs, jnp.bfloat16, kq))
         label = f"KV {kv_quant or 'bf16'}, weights {weights or 'bf16'}"
 
@@ -150,10 +150,10 @@ def model_cases() -> Iterator[Case]:
 
 
 @contextlib.contextmanager
-def traced_as_tpu() -> Iterator[None]:
-    """``jax.default_backend()`` reads "tpu" inside: the model picks the paths it takes on a TPU."""
+def traced_as(platform: str) -> Iterator[None]:
+    """``jax.default_backend()`` reads ``platform`` inside: the model picks the paths it takes there."""
     real = jax.default_backend
-    jax.default_backend = lambda: "tpu"  # type: ignore[assignment]
+    jax.default_backend = lambda: platform  # type: ignore[assignment]
     try:
         yield
     finally:
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
                               *([] if args.kernels_only else model_cases())]:
         t0 = time.perf_counter()
         try:
-            with traced_as_tpu():
+            with traced_as("tpu"):
                 lowered = fn.lower(*(_abstract(a, sharding) for a in shapes))
             lowered.compile()
         except Exception:  # report every case, then fail

@@ -154,7 +154,7 @@ def test_tuning_runs_at_trace_time_under_jit(tmp_path: Path, monkeypatch: pytest
     cands = [DecodeBlocks(1, 1), DecodeBlocks(2, 2)]
     monkeypatch.setattr(dispatch, "decode_candidates", lambda b, kv: cands)
     tuner = Autotuner(tmp_path / "t.json", enabled=True)
-    _, decode_fn = dispatch._pallas_fns(True, tuner)
+    _, decode_fn = dispatch.gpu_fns(True, tuner)
     q, kc, vc, tables, clens = _decode_inputs(2)
     got = jax.jit(lambda *a: decode_fn(*a, scale=0.125))(q, kc, vc, tables, clens)
     want = reference.paged_decode_attention(q, kc, vc, tables, clens, scale=0.125)
@@ -175,7 +175,7 @@ def test_compiled_decode_falls_back_for_non_power_of_two_geometry(caplog: pytest
     tables, lens = jnp.asarray([[1, 0]], jnp.int32), jnp.asarray([20], jnp.int32)
     with pytest.raises(ValueError, match="power-of-two"):
         paged_decode(q, kc, kc, tables, lens, scale=0.1, platform="gpu")
-    _, decode_fn = dispatch._pallas_fns(False, Autotuner(enabled=False))
+    _, decode_fn = dispatch.gpu_fns(False, Autotuner(enabled=False))
     with caplog.at_level(logging.WARNING, logger="inference.kernels.dispatch"):
         got = decode_fn(q, kc, kc, tables, lens, scale=0.1)
     assert "not powers of two" in caplog.text
