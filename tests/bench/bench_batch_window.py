@@ -100,6 +100,18 @@ medium seed 0 1.02 / 1.91 / 2.87 (all 5 bind); vs window x cap medians
 arrivals (1.30-1.91) and on the medium model (1.23-1.30), not on the tiny
 model with Poisson arrivals (1.11-1.12).
 
+2026-11-30 (session 7), tiny model, table measured quiet (load 0.6;
+decode-32 1.98 ms, a 16-token prompt adds 0.45 ms alone, 0.14 ms each in
+a call of 8), SLOs 2.75-5.24 ms; by SLO, DBS-Adapt / the best fixed window:
+Poisson seeds 0 / 1 / 2: 1.31, 1.25, 1.00, 1.00, 1.00 / 1.26, 1.23, 1.01,
+1.00, 1.00 / 1.25, 1.22, 1.00, 1.00, 1.00 (2 of 5 SLOs bind, below 3.25
+ms); bursty (--burst 0.25) seed 0: 1.61, 1.38, 1.02, 1.00, 1.00. The bench
+now prints DBS-Adapt's throughput against the ceiling (the most any fixed
+configuration sustains at any p99): 98-100% at every SLO, down to the
+tightest. So DBS-Adapt is at the runner's capacity everywhere, and the
+ratio is set by how far the best fixed window falls below it: 18-22% at
+1.05x the tightest step, 14-16% at 1.15x, none from 1.3x up.
+
 Replay vs whole measured steps: -3%..+6% on the held-out decode-16 steps; a
 replay's own steps on the real runner: median real/replay 0.86-1.20 across
 runs (load 2-7), the p99 step -15% to +93% (the real tail is the neighbours'
@@ -552,6 +564,7 @@ def main() -> None:
     vs_all: list[float] = []
     vs_window: list[float] = []
     by_slo: list[tuple[float, float]] = []  # (SLO ms, DBS-Adapt / the best fixed window)
+    ada_tps: list[float] = []  # DBS-Adapt's throughput at its highest sustained rate, per SLO
     for slo in slos:
         s = slo / 1e3
         ada = Sweep(lambda s=s: AdaptiveWindow(s, w_min=0.0, w_max=0.032, lr=0.5, quantile=args.quantile,
@@ -559,6 +572,7 @@ def main() -> None:
                     runner, DEFAULT_CAP, cap_rps, args)  # fmt: skip
         a_f = ada.max_rate(s)
         a_tps = ada.run(a_f).tps if a_f else 0.0
+        ada_tps.append(a_tps)
         scores = {key: sw.max_rate(s) for key, sw in fixed.items()}
         line = f"  SLO {slo:6.2f} ms: DBS-Adapt {a_f:.2f}x ({a_tps:5.0f} tok/s)"
         for name, keys, acc in (("best fixed window", [k for k in fixed if k[1] == DEFAULT_CAP], vs_window),
@@ -593,6 +607,13 @@ def main() -> None:
         print(f"SLOs below {bound:.2f} ms (the best fixed window's p99 at its capacity) bind: {len(binding)} of "
               f"{len(by_slo)}" + (f"; DBS-Adapt / the best fixed window there: min {min(binding):.2f}x, median "
                                   f"{statistics.median(binding):.2f}x, max {max(binding):.2f}x" if binding else ""))
+    if ada_tps and at_capacity:
+        # The ceiling: the most any configuration sustains with no latency bound. A window policy that
+        # sustains it at an SLO cannot be beaten there by any other window policy by more than the gap.
+        ceiling = max(fixed[key].run(f).tps for key, (f, _) in at_capacity.items())
+        shares = [tps / ceiling for tps in ada_tps]
+        print(f"DBS-Adapt sustains {min(shares):.0%}-{max(shares):.0%} of the ceiling ({ceiling:.0f} tok/s, the most "
+              f"any fixed configuration keeps up with at any p99) at every SLO here, down to {slos[0]:.2f} ms")
     for name, acc in (("the best fixed window (engine's default prefill cap)", vs_window),
                       ("the best fixed window x static prefill-token cap", vs_all)):  # fmt: skip
         if acc:
