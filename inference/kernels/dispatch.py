@@ -34,8 +34,9 @@ import numpy as np
 
 from inference.kernels import reference
 from inference.kernels.autotune import Autotuner, default_tuner, time_call
-from inference.kernels.flash_prefill import PrefillBlocks, flash_prefill
+from inference.kernels.flash_prefill import PrefillBlocks, flash_prefill, paged_flash_prefill
 from inference.kernels.paged_decode import DecodeBlocks, paged_decode, supports
+from inference.kernels.quant import gather_dequantized
 from inference.kernels.quant_matmul import MatmulBlocks, pallas_quantized_matmul
 from inference.kernels.reference import Array
 from inference.kernels.tpu_decode import LANES, tpu_paged_decode
@@ -165,9 +166,30 @@ def tuned_matmul_blocks(tuner: Autotuner, x: Array, codes: Array) -> MatmulBlock
 
 
 def gpu_fns(interpret: bool, tuner: Autotuner) -> tuple[PrefillFn, DecodeFn]:
+    """The Triton-model kernels. ``prefill_fn.paged`` reads keys straight from the paged cache, which the
+    model prefers to gathering each row's table (``inference.model.llama.prefill_forward``)."""
     def prefill_fn(q: Array, k: Array, v: Array, q_offsets: Array, kv_lens: Array, *, scale: float) -> Array:
         blocks = tuned_prefill_blocks(tuner, q, k, interpret=interpret)
         return flash_prefill(q, k, v, q_offsets, kv_lens, scale=scale, blocks=blocks, interpret=interpret)
+
+    def paged_prefill_fn(q: Array, k_cache: Array, v_cache: Array, block_tables: Array, q_offsets: Array,
+                         kv_lens: Array, *, scale: float, k_scale: Array | None = None,
+                         v_scale: Array | None = None) -> Array:  # fmt: skip
+        n, bs, kv, d = k_cache.shape
+        b, m = block_tables.shape
+        if not interpret and not supports(bs, d):  # the dense kernel pads what Triton cannot tile
+            if k_scale is None:
+                k, v = reference.gather_pages(k_cache, block_tables), reference.gather_pages(v_cache, block_tables)
+            else:
+                k = gather_dequantized(k_cache, k_scale, block_tables, q.dtype)
+                v = gather_dequantized(v_cache, v_scale, block_tables, q.dtype)
+            return prefill_fn(q, k, v, q_offsets, kv_lens, scale=scale)
+        dense = jax.ShapeDtypeStruct((b, m * bs, kv, d), q.dtype)  # tuned as the dense kernel over that many keys
+        blocks = tuned_prefill_blocks(tuner, q, dense, interpret=interpret)
+        return paged_flash_prefill(q, k_cache, v_cache, block_tables, q_offsets, kv_lens, scale=scale,
+                                   k_scale=k_scale, v_scale=v_scale, blocks=blocks, interpret=interpret)  # fmt: skip
+
+    prefill_fn.paged = paged_prefill_fn  # type: ignore[attr-defined]
 
     def decode_fn(
         q: Array,

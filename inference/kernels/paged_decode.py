@@ -28,7 +28,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from inference.kernels.flash_prefill import compiler_params_for
-from inference.kernels.reference import MASK_VALUE, Array
+from inference.kernels.reference import MASK_VALUE, Array, check_paged_cache
 
 __all__ = ["DecodeBlocks", "paged_decode", "supports"]
 
@@ -147,19 +147,9 @@ def paged_decode(
     """
     b, h, d = q.shape
     n, page_size, kv, dk = k_cache.shape
-    if v_cache.shape != k_cache.shape or dk != d:
-        raise ValueError(f"shape mismatch: q{q.shape} k{k_cache.shape} v{v_cache.shape}")
-    if h % kv:
-        raise ValueError(f"query heads ({h}) must be a multiple of KV heads ({kv})")
+    quantized = check_paged_cache(q, k_cache, v_cache, k_scale, v_scale)
     if block_tables.ndim != 2 or block_tables.shape[0] != b or context_lens.shape != (b,):
         raise ValueError("block_tables must be [B, M] and context_lens [B]")
-    quantized = k_scale is not None
-    if quantized != (v_scale is not None):
-        raise ValueError("pass both k_scale and v_scale, or neither")
-    if quantized and (k_scale.shape != (n, kv) or v_scale.shape != (n, kv)):
-        raise ValueError(f"scales must have shape {(n, kv)}, got {k_scale.shape} and {v_scale.shape}")
-    if not quantized and k_cache.dtype != q.dtype:
-        raise ValueError(f"unquantized cache dtype {k_cache.dtype} must match q dtype {q.dtype}")
     if not interpret and not (_pow2(page_size) and _pow2(d)):
         raise ValueError(f"compiled paged decode needs power-of-two page size and head dim, got {page_size}, {d}")
     group = h // kv

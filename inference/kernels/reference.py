@@ -21,6 +21,7 @@ __all__ = [
     "paged_decode_attention",
     "gather_pages",
     "check_prefill_args",
+    "check_paged_cache",
 ]
 
 Array = Any  # a jax.Array (named alias; jax.Array itself is not generic)
@@ -49,6 +50,26 @@ def check_prefill_args(q: Array, k: Array, v: Array, q_offsets: Array, kv_lens: 
     if q_offsets.shape != (b,) or kv_lens.shape != (b,):
         raise ValueError("q_offsets and kv_lens must have shape [B]")
     return h // kv
+
+
+def check_paged_cache(q: Array, k_cache: Array, v_cache: Array, k_scale: Array | None,
+                      v_scale: Array | None) -> bool:
+    """Validate a paged cache against ``q[..., H, D]``: float in q's dtype, or codes with ``[N, KV]`` scales
+    for both K and V. Returns whether it is quantized."""
+    h, d = q.shape[-2:]
+    n, kv, dk = k_cache.shape[0], k_cache.shape[2], k_cache.shape[3]
+    if v_cache.shape != k_cache.shape or dk != d:
+        raise ValueError(f"shape mismatch: q{q.shape} k{k_cache.shape} v{v_cache.shape}")
+    if h % kv:
+        raise ValueError(f"query heads ({h}) must be a multiple of KV heads ({kv})")
+    quantized = k_scale is not None
+    if quantized != (v_scale is not None):
+        raise ValueError("pass both k_scale and v_scale, or neither")
+    if quantized and (k_scale.shape != (n, kv) or v_scale.shape != (n, kv)):
+        raise ValueError(f"scales must have shape {(n, kv)}, got {k_scale.shape} and {v_scale.shape}")
+    if not quantized and k_cache.dtype != q.dtype:
+        raise ValueError(f"unquantized cache dtype {k_cache.dtype} must match q dtype {q.dtype}")
+    return quantized
 
 
 def prefill_attention(

@@ -377,12 +377,19 @@ def _prefill_keys(prefill_fn: Any, q: Array, kc: LayerKV, vc: LayerKV, block_tab
     return _gather_blocks(kc, block_tables, q.dtype), _gather_blocks(vc, block_tables, q.dtype)
 
 
+def _paged_attention(fn: Any, q: Array, kc: LayerKV, vc: LayerKV, block_tables: Array, *lens: Array,
+                     scale: float) -> Array:
+    """A kernel over the paged cache (``fn(q, k, v, tables, *lens, scale=, k_scale=, v_scale=)``): a float
+    cache, or codes with their scales (dequantized inside the kernel)."""
+    if isinstance(kc, tuple) and isinstance(vc, tuple):
+        return fn(q, kc[0], vc[0], block_tables, *lens, scale=scale, k_scale=kc[1], v_scale=vc[1])
+    return fn(q, kc, vc, block_tables, *lens, scale=scale)
+
+
 def _decode_attention(decode_fn: Any, q: Array, kc: LayerKV, vc: LayerKV, block_tables: Array,
                       context_lens: Array, scale: float) -> Array:
     """``decode_fn`` over a float cache, or over codes with their scales (dequantized inside the kernel)."""
-    if isinstance(kc, tuple) and isinstance(vc, tuple):
-        return decode_fn(q, kc[0], vc[0], block_tables, context_lens, scale=scale, k_scale=kc[1], v_scale=vc[1])
-    return decode_fn(q, kc, vc, block_tables, context_lens, scale=scale)
+    return _paged_attention(decode_fn, q, kc, vc, block_tables, context_lens, scale=scale)
 
 
 def _mlp(x: Array, lp: dict[str, Array], cfg: LlamaConfig, live: Array | None = None) -> Array:
@@ -467,6 +474,7 @@ def prefill_forward(params: Params, cache: KVCache, tokens: Array, positions: Ar
                     cfg: LlamaConfig, attn: AttentionFns) -> tuple[Array, KVCache]:
     """Run new tokens [B,T] (positions q_offsets+t), write their K/V, return last-token logits [B,V]."""
     prefill_fn = attn[0]
+    paged = getattr(prefill_fn, "paged", None)  # the Pallas GPU backend's variant over the paged cache
     inv_freq = jnp.asarray(rope_inv_freq(cfg))
     b, t = tokens.shape
     scale = cfg.head_dim ** -0.5
@@ -477,8 +485,11 @@ def prefill_forward(params: Params, cache: KVCache, tokens: Array, positions: Ar
     for i, lp in enumerate(params["layers"]):
         q, ks[i], vs[i] = _attention_inputs(x, lp, cfg, positions, inv_freq, tables, slots, ks[i], vs[i],
                                             live)
-        kg, vg = _prefill_keys(prefill_fn, q, ks[i], vs[i], block_tables, kv_lens)
-        o = prefill_fn(q, kg, vg, q_offsets, kv_lens, scale=scale)
+        if paged is not None:  # a kernel that reads the paged cache itself: no gathered copy
+            o = _paged_attention(paged, q, ks[i], vs[i], block_tables, q_offsets, kv_lens, scale=scale)
+        else:
+            kg, vg = _prefill_keys(prefill_fn, q, ks[i], vs[i], block_tables, kv_lens)
+            o = prefill_fn(q, kg, vg, q_offsets, kv_lens, scale=scale)
         x = _residual_linear(x, o.reshape(b, t, -1), lp, "wo", live)
         x = _mlp(x, lp, cfg, live)
     last = x[jnp.arange(b), last_idx]

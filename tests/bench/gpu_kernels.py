@@ -8,6 +8,9 @@ Prints, per shape:
            (``jax.nn.dot_product_attention(implementation="xla")``, causal,
            GQA), the ratio, and the fraction of the chip's bf16 dense peak
            (``--peak-tflops``, H200 ~790 measured);
+  paged prefill: a prefix-cache hit (512 new tokens after 3584 cached, tables
+           of 512 pages: max_model_len 8192) through the paged kernel against
+           gathering each row's table and running the dense kernel (no target);
   weights: int8/fp8 weight-only matmul at decode sizes (Pallas kernel and XLA
            convert+dot) against the bf16 matmul, as weight bytes per second;
   decode:  achieved bandwidth (bytes of K/V pages + scales + q/out per step
@@ -45,7 +48,7 @@ from inference.kernels.dispatch import (  # noqa: E402
     tuned_matmul_blocks,
     tuned_prefill_blocks,
 )
-from inference.kernels.flash_prefill import flash_prefill  # noqa: E402
+from inference.kernels.flash_prefill import flash_prefill, paged_flash_prefill  # noqa: E402
 from inference.kernels.paged_decode import paged_decode  # noqa: E402
 from inference.kernels.quant import QMAX, code_dtype, kv_read_bytes, quantize_weight, quantized_matmul  # noqa: E402
 from inference.kernels.quant_matmul import MatmulBlocks, pallas_quantized_matmul  # noqa: E402
@@ -110,6 +113,32 @@ class Bench:
               f"[target >1: {self.target(name + ' vs xla', t_ours < t_xla)}]")
         if not self.interpret:
             self.mosaic_reference(q, k, v, flops)
+
+    def paged_prefill(self, b: int, t: int, ctx: int, width: int, h: int, kv: int, d: int, bs: int, dtype) -> None:
+        """A prefix-cache hit: ``t`` new tokens after ``ctx - t`` cached ones, tables ``width`` pages wide
+        (max_model_len = width * bs). The model used to gather each row's whole table, then run the dense
+        kernel; the paged kernel reads pages through the table. No target: how much the copy cost."""
+        rng = np.random.default_rng(2)
+        n = b * width
+        q = jnp.asarray(rng.standard_normal((b, t, h, d), np.float32)).astype(dtype)
+        kc, vc = (jnp.asarray(rng.standard_normal((n, bs, kv, d), np.float32)).astype(dtype) for _ in "kv")
+        tables = jnp.asarray(rng.permutation(n).reshape(b, width).astype(np.int32))
+        offs, lens = jnp.full((b,), ctx - t, jnp.int32), jnp.full((b,), ctx, jnp.int32)
+        scale = d**-0.5
+        dense_k = jax.ShapeDtypeStruct((b, width * bs, kv, d), dtype)
+        blocks = tuned_prefill_blocks(self.tuner, q, dense_k, interpret=self.interpret)
+        gathered = jax.jit(lambda q, kc, vc, tables, offs, lens: flash_prefill(
+            q, reference.gather_pages(kc, tables), reference.gather_pages(vc, tables), offs, lens, scale=scale,
+            blocks=blocks, interpret=self.interpret))  # fmt: skip
+        paged = jax.jit(functools.partial(paged_flash_prefill, scale=scale, blocks=blocks, interpret=self.interpret))
+        args = (q, kc, vc, tables, offs, lens)
+        print(f"\npaged prefill B{b} T{t} after {ctx - t} cached, tables of {width} x {bs} H{h}/KV{kv} D{d} "
+              f"{jnp.dtype(dtype).name} (blocks {blocks})")
+        self.check("paged prefill vs gather + dense", paged(*args), gathered(*args), 2e-2)
+        t_paged = time_call(lambda: paged(*args), iters=self.iters)
+        t_gathered = time_call(lambda: gathered(*args), iters=self.iters)
+        print(f"  gather + dense {t_gathered * 1e3:8.3f} ms   paged {t_paged * 1e3:8.3f} ms   "
+              f"speed-up {t_gathered / t_paged:5.2f}x")
 
     def mosaic_reference(self, q, k, v, flops: float) -> None:
         """For context only: JAX's own Hopper (Mosaic GPU, FA3-style) kernel; uniform lengths, no paging."""
@@ -220,11 +249,13 @@ def _run(args: argparse.Namespace) -> int:
     bench = Bench(args)
     if args.smoke:
         prefill_shapes = [(1, 64, 4, 2, 64)]
+        paged_prefill_shapes = [(2, 16, 40, 8, 4, 2, 64, 8)]
         decode_shapes = [(2, 8, 2, 64, 64, 16)]
         matmul_shapes = [(4, 64, 48)]
         dtype = jnp.float32
     else:
         prefill_shapes = [(4, 4096, 32, 8, 128), (1, 8192, 32, 8, 128), (8, 2048, 32, 8, 64)]
+        paged_prefill_shapes = [(4, 512, 4096, 512, 32, 8, 128, 16)]  # max_model_len 8192
         decode_shapes = [(64, 32, 8, 128, 4096, 16), (8, 32, 8, 128, 8192, 16)]
         matmul_shapes = [(16, 4096, 14336), (64, 4096, 14336)]
         dtype = jnp.bfloat16
@@ -232,6 +263,10 @@ def _run(args: argparse.Namespace) -> int:
         if bench.out_of_time():
             break
         bench.prefill(*shape, dtype)
+    for shape in paged_prefill_shapes:
+        if bench.out_of_time():
+            break
+        bench.paged_prefill(*shape, dtype)
     for shape in decode_shapes:
         for kind in ("float", "int8", "fp8"):
             if bench.out_of_time():

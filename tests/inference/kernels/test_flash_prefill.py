@@ -125,3 +125,99 @@ def test_lowers_for_cuda_through_triton(dtype, b, t, s, h, kv, d) -> None:
       sd((b,), jnp.int32), sd((b,), jnp.int32))
     text = exported.mlir_module()
     assert "__gpu$xla.gpu.triton" in text and 'name = "flash_prefill"' in text
+
+
+# Paged variant: keys and values read through the block table. The reference
+# runs on each row's table gathered into contiguous keys (what the model did
+# before: that copy is what the paged kernel saves).
+PAGED_OFFSETS = np.array([0, 24, 10, 0], np.int32)
+PAGED_LENS = np.array([24, 48, 20, 0], np.int32)
+N_PAGES = 64
+
+
+def _paged_inputs(h: int, kv: int, d: int, bs: int, dtype=jnp.float32, seed: int = 5):
+    rng = np.random.default_rng(seed)
+    b, m = len(PAGED_OFFSETS), -(-S // bs)
+    q = jnp.asarray(rng.standard_normal((b, T, h, d), np.float32)).astype(dtype)
+    kc = jnp.asarray(rng.standard_normal((N_PAGES, bs, kv, d), np.float32)).astype(dtype)
+    vc = jnp.asarray(rng.standard_normal((N_PAGES, bs, kv, d), np.float32)).astype(dtype)
+    tables = rng.permutation(N_PAGES)[: b * m].reshape(b, m).astype(np.int32)
+    tables[3] = [-1, N_PAGES, N_PAGES + 7, 0][:m] + [0] * max(0, m - 4)  # stray ids in the empty row
+    return q, kc, vc, jnp.asarray(tables), jnp.asarray(PAGED_OFFSETS), jnp.asarray(PAGED_LENS)
+
+
+def _assert_paged_rows_close(out, want, atol: float) -> None:
+    out, want = np.asarray(out, np.float32), np.asarray(want, np.float32)
+    assert np.isfinite(out).all()
+    for b in range(len(PAGED_OFFSETS)):
+        n = max(0, min(T, int(PAGED_LENS[b] - PAGED_OFFSETS[b])))
+        np.testing.assert_allclose(out[b, :n], want[b, :n], atol=atol, rtol=0, err_msg=f"sequence {b}")
+
+
+@pytest.mark.parametrize("d,h,kv,bs,tiles", [(64, 4, 4, 4, "b16x16"), (64, 8, 2, 8, "b32x64"),
+                                             (128, 8, 1, 16, "b16x16"), (128, 8, 2, 16, "b32x64")])
+def test_paged_matches_reference_on_gathered_keys(d: int, h: int, kv: int, bs: int, tiles: str) -> None:
+    from inference.kernels.flash_prefill import paged_flash_prefill
+
+    q, kc, vc, tables, offs, lens = _paged_inputs(h, kv, d, bs)
+    out = paged_flash_prefill(q, kc, vc, tables, offs, lens, scale=d**-0.5, blocks=_TILES[tiles], interpret=True)
+    safe = jnp.clip(tables, 0, N_PAGES - 1)
+    want = reference.prefill_attention(q, reference.gather_pages(kc, safe), reference.gather_pages(vc, safe),
+                                       offs, lens, scale=d**-0.5)  # fmt: skip
+    assert out.shape == q.shape
+    _assert_paged_rows_close(out, want, atol=2e-5)
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_paged_quantized_cache_dequantized_in_the_kernel(kind: str) -> None:
+    from inference.kernels.flash_prefill import paged_flash_prefill
+    from inference.kernels.quant import gather_dequantized, quantize_blocks
+
+    q, kc, vc, tables, offs, lens = _paged_inputs(8, 2, 64, 8, seed=6)
+    (kq, ks), (vq, vs) = quantize_blocks(kc, kind), quantize_blocks(vc, kind)
+    out = paged_flash_prefill(q, kq, vq, tables, offs, lens, scale=0.125, k_scale=ks, v_scale=vs,
+                              blocks=PrefillBlocks(16, 16), interpret=True)  # fmt: skip
+    safe = jnp.clip(tables, 0, N_PAGES - 1)
+    want = reference.prefill_attention(q, gather_dequantized(kq, ks, safe), gather_dequantized(vq, vs, safe), offs,
+                                       lens, scale=0.125)  # fmt: skip
+    _assert_paged_rows_close(out, want, atol=2e-5)
+
+
+def test_paged_bfloat16_and_bad_arguments() -> None:
+    from inference.kernels.flash_prefill import paged_flash_prefill
+
+    q, kc, vc, tables, offs, lens = _paged_inputs(8, 2, 64, 16, jnp.bfloat16, seed=7)
+    out = paged_flash_prefill(q, kc, vc, tables, offs, lens, scale=0.125, blocks=PrefillBlocks(16, 32), interpret=True)
+    safe = jnp.clip(tables, 0, N_PAGES - 1)
+    want = reference.prefill_attention(q, reference.gather_pages(kc, safe), reference.gather_pages(vc, safe), offs,
+                                       lens, scale=0.125)  # fmt: skip
+    assert out.dtype == jnp.bfloat16
+    _assert_paged_rows_close(out, want, atol=2e-2)
+    with pytest.raises(ValueError, match="must match q dtype"):
+        paged_flash_prefill(q, kc.astype(jnp.float32), vc.astype(jnp.float32), tables, offs, lens, scale=0.1)
+    with pytest.raises(ValueError, match="both k_scale and v_scale"):
+        paged_flash_prefill(q, kc, vc, tables, offs, lens, scale=0.1, k_scale=jnp.ones((N_PAGES, 2)))
+    with pytest.raises(ValueError, match="block_tables must be"):
+        paged_flash_prefill(q, kc, vc, tables[:2], offs, lens, scale=0.1)
+
+
+@pytest.mark.parametrize("code", [None, jnp.int8])
+def test_paged_lowers_for_cuda_through_triton(code) -> None:
+    from inference.kernels.flash_prefill import paged_flash_prefill
+
+    sd = jax.ShapeDtypeStruct
+    b, t, h, kv, d, n, bs, m = 2, 256, 32, 8, 128, 512, 16, 64
+    cache = sd((n, bs, kv, d), code or jnp.bfloat16)
+    scales = [sd((n, kv), jnp.float32)] * 2 if code else []
+
+    def fn(q, kc, vc, tables, offs, lens, *sc):
+        ks, vs = sc if sc else (None, None)
+        return paged_flash_prefill(q, kc, vc, tables, offs, lens, scale=0.088, k_scale=ks, v_scale=vs,
+                                   blocks=PrefillBlocks(128, 64), platform="gpu")  # fmt: skip
+
+    exported = export.export(
+        jax.jit(fn), platforms=["cuda"],
+        disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
+    )(sd((b, t, h, d), jnp.bfloat16), cache, cache, sd((b, m), jnp.int32), sd((b,), jnp.int32), sd((b,), jnp.int32),
+      *scales)  # fmt: skip
+    assert 'name = "paged_flash_prefill"' in exported.mlir_module()

@@ -65,3 +65,24 @@ def test_model_steps_lower_with_the_platforms_kernels(platform: str, dtype, kv_q
         assert text.count(CALLS[platform]) >= 1, name
         assert "quicserve_" not in text, name  # no native CPU kernel
         assert exported.out_avals[0].shape == (B, CFG.vocab_size)
+        if platform == "cuda" and name == "prefill":  # keys read through the table, not gathered first
+            assert 'name = "paged_flash_prefill"' in text
+
+
+@pytest.mark.parametrize("page_size,kernel", [(16, "paged_flash_prefill"), (12, "flash_prefill")])
+def test_gpu_prefill_gathers_only_pages_triton_cannot_tile(page_size: int, kernel: str) -> None:
+    """Power-of-two pages: the paged kernel. Others: the table gathered, then the dense kernel (which pads)."""
+    prefill_fn, _ = dispatch.gpu_fns(False, Autotuner(enabled=False))
+    sd = jax.ShapeDtypeStruct
+    cache = sd((BLOCKS, page_size, 2, 64), jnp.int8)
+    scales = sd((BLOCKS, 2), jnp.float32)
+
+    def fn(q, kc, vc, ks, vs, tables, offs, lens):
+        return prefill_fn.paged(q, kc, vc, tables, offs, lens, scale=0.125, k_scale=ks, v_scale=vs)
+
+    with traced_as("gpu"):
+        exported = export.export(jax.jit(fn), platforms=["cuda"],
+                                 disabled_checks=[export.DisabledSafetyCheck.custom_call(CALLS["cuda"])])(
+            sd((B, T, 8, 64), jnp.bfloat16), cache, cache, scales, scales, sd((B, WIDTH), jnp.int32),
+            sd((B,), jnp.int32), sd((B,), jnp.int32))  # fmt: skip
+    assert f'name = "{kernel}"' in exported.mlir_module()
