@@ -40,7 +40,12 @@ from inference.kernels.quant import gather_dequantized
 from inference.kernels.quant_matmul import MatmulBlocks, pallas_quantized_matmul
 from inference.kernels.reference import Array
 from inference.kernels.tpu_decode import LANES, tpu_paged_decode
-from inference.kernels.tpu_prefill import TpuPrefillBlocks, tpu_flash_prefill
+from inference.kernels.tpu_prefill import (
+    TpuPrefillBlocks,
+    paged_prefill_supports,
+    tpu_flash_prefill,
+    tpu_paged_flash_prefill,
+)
 from inference.kernels.tpu_quant_matmul import TpuMatmulBlocks, tpu_quantized_matmul
 
 __all__ = [
@@ -165,6 +170,18 @@ def tuned_matmul_blocks(tuner: Autotuner, x: Array, codes: Array) -> MatmulBlock
     return tuner.pick(key, matmul_candidates(m), measure)
 
 
+def _gathered_prefill(prefill_fn: PrefillFn, q: Array, k_cache: Array, v_cache: Array, block_tables: Array,
+                      q_offsets: Array, kv_lens: Array, scale: float, k_scale: Array | None,
+                      v_scale: Array | None) -> Array:  # fmt: skip
+    """A dense ``prefill_fn`` over each row's table gathered (and dequantized) into contiguous keys."""
+    if k_scale is None:
+        k, v = reference.gather_pages(k_cache, block_tables), reference.gather_pages(v_cache, block_tables)
+    else:
+        k = gather_dequantized(k_cache, k_scale, block_tables, q.dtype)
+        v = gather_dequantized(v_cache, v_scale, block_tables, q.dtype)
+    return prefill_fn(q, k, v, q_offsets, kv_lens, scale=scale)
+
+
 def gpu_fns(interpret: bool, tuner: Autotuner) -> tuple[PrefillFn, DecodeFn]:
     """The Triton-model kernels. ``prefill_fn.paged`` reads keys straight from the paged cache, which the
     model prefers to gathering each row's table (``inference.model.llama.prefill_forward``)."""
@@ -178,12 +195,8 @@ def gpu_fns(interpret: bool, tuner: Autotuner) -> tuple[PrefillFn, DecodeFn]:
         n, bs, kv, d = k_cache.shape
         b, m = block_tables.shape
         if not interpret and not supports(bs, d):  # the dense kernel pads what Triton cannot tile
-            if k_scale is None:
-                k, v = reference.gather_pages(k_cache, block_tables), reference.gather_pages(v_cache, block_tables)
-            else:
-                k = gather_dequantized(k_cache, k_scale, block_tables, q.dtype)
-                v = gather_dequantized(v_cache, v_scale, block_tables, q.dtype)
-            return prefill_fn(q, k, v, q_offsets, kv_lens, scale=scale)
+            return _gathered_prefill(prefill_fn, q, k_cache, v_cache, block_tables, q_offsets, kv_lens, scale,
+                                     k_scale, v_scale)  # fmt: skip
         dense = jax.ShapeDtypeStruct((b, m * bs, kv, d), q.dtype)  # tuned as the dense kernel over that many keys
         blocks = tuned_prefill_blocks(tuner, q, dense, interpret=interpret)
         return paged_flash_prefill(q, k_cache, v_cache, block_tables, q_offsets, kv_lens, scale=scale,
@@ -299,9 +312,27 @@ def tuned_tpu_matmul_blocks(tuner: Autotuner, x: Array, codes: Array) -> TpuMatm
 
 
 def tpu_fns(interpret: bool, tuner: Autotuner) -> tuple[PrefillFn, DecodeFn]:
+    """The Mosaic-model kernels. ``prefill_fn.paged`` reads keys straight from the paged cache (as
+    :func:`gpu_fns`' does), which ``inference.model.llama.prefill_forward`` prefers to a gathered copy."""
     def prefill_fn(q: Array, k: Array, v: Array, q_offsets: Array, kv_lens: Array, *, scale: float) -> Array:
         blocks = tuned_tpu_prefill_blocks(tuner, q, k, interpret=interpret)
         return tpu_flash_prefill(q, k, v, q_offsets, kv_lens, scale=scale, blocks=blocks, interpret=interpret)
+
+    def paged_prefill_fn(q: Array, k_cache: Array, v_cache: Array, block_tables: Array, q_offsets: Array,
+                         kv_lens: Array, *, scale: float, k_scale: Array | None = None,
+                         v_scale: Array | None = None) -> Array:  # fmt: skip
+        n, bs, kv, d = k_cache.shape
+        b, m = block_tables.shape
+        if not paged_prefill_supports(d):  # a head dim Mosaic cannot move in 128-lane chunks: gather, then dense
+            return _gathered_prefill(prefill_fn, q, k_cache, v_cache, block_tables, q_offsets, kv_lens, scale,
+                                     k_scale, v_scale)  # fmt: skip
+        dense = jax.ShapeDtypeStruct((b, m * bs, kv, d), q.dtype)  # tuned as the dense kernel over that many keys
+        blocks = tuned_tpu_prefill_blocks(tuner, q, dense, interpret=interpret)
+        return tpu_paged_flash_prefill(q, k_cache, v_cache, block_tables, q_offsets, kv_lens, scale=scale,
+                                       k_scale=k_scale, v_scale=v_scale, blocks=blocks,
+                                       interpret=interpret)  # fmt: skip
+
+    prefill_fn.paged = paged_prefill_fn  # type: ignore[attr-defined]
 
     def decode_fn(q: Array, k_cache: Array, v_cache: Array, block_tables: Array, context_lens: Array, *,
                   scale: float, k_scale: Array | None = None, v_scale: Array | None = None) -> Array:  # fmt: skip

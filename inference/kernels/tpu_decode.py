@@ -89,7 +89,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from inference.kernels.reference import MASK_VALUE, Array
 
-__all__ = ["LANES", "SUBLANES", "tpu_paged_decode"]
+__all__ = ["LANES", "SUBLANES", "tpu_paged_decode", "tile_rows", "lane_chunks", "head_rows", "flat_page"]
 
 LANES = 128  # a TPU vector register's lanes: m and l are kept replicated across them
 SUBLANES = 8  # its sublanes: query rows per group are padded to a multiple of this
@@ -104,7 +104,7 @@ def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
-def _tile_rows(kv_heads: int) -> int:
+def tile_rows(kv_heads: int) -> int:
     """Rows a ``(KV, W)`` float32 slab takes so that ``[bs, KV, W] -> [bs * KV, W]`` is a plain reshape of VMEM.
 
     Mosaic tiles a slab of 1, 2, 4 or 8 rows, or a multiple of 8, exactly;
@@ -115,14 +115,14 @@ def _tile_rows(kv_heads: int) -> int:
     return 4 if kv_heads == 3 else _round_up(kv_heads, SUBLANES)
 
 
-def _lane_chunks(head_dim: int) -> tuple[int, int]:
+def lane_chunks(head_dim: int) -> tuple[int, int]:
     """(chunks, width): a head dim above 128 lanes is moved and read as 128-lane chunks."""
     if head_dim <= LANES:
         return 1, head_dim
     return head_dim // LANES, LANES
 
 
-def _head_rows(flat_ref, head: int, page_size: int) -> Array:
+def head_rows(flat_ref, head: int, page_size: int) -> Array:
     """Rows of one KV head from a page chunk viewed as ``[bs * R, W]`` (``R`` rows a token): ``[bs, W]``."""
     stride = flat_ref.shape[0] // page_size
     if stride == 1:
@@ -130,12 +130,12 @@ def _head_rows(flat_ref, head: int, page_size: int) -> Array:
     return flat_ref[pl.ds(head, page_size, stride=stride), :]
 
 
-def _flat_page(page_ref, buf_ref):
+def flat_page(page_ref, buf_ref):
     """A ``(bs, KV, W)`` page chunk as a float32 ``[bs * R, W]`` ref.
 
     A 32-bit chunk with whole-tile slabs (``R = KV``) is viewed in place.
     Otherwise it is converted into the float32 scratch ``buf_ref`` of ``R =
-    _tile_rows(KV)`` rows per token first: Mosaic's strided loads are 32-bit,
+    tile_rows(KV)`` rows per token first: Mosaic's strided loads are 32-bit,
     and only whole-tile slabs reshape; padding rows are never read.
     """
     page_size, kv_heads, width = page_ref.shape
@@ -165,7 +165,7 @@ def _fold_page(
         s = None  # [rows, bs] logits, summed over lane chunks
         for c, k_flat in enumerate(k_flats):
             q = q_ref[h, :, pl.ds(c * width, width)]  # [rows, W] float32
-            k = _head_rows(k_flat, h, page_size)  # [bs, W]
+            k = head_rows(k_flat, h, page_size)  # [bs, W]
             part = lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32)
             s = part if s is None else s + part
         logit_scale = scale if k_scale_ref is None else scale * k_scale_ref[0, h]
@@ -180,7 +180,7 @@ def _fold_page(
         m_ref[h] = m_next
         l_ref[h] = alpha * l_prev + beta * l_cur
         for c, v_flat in enumerate(v_flats):
-            v = jnp.where(row < remaining, _head_rows(v_flat, h, page_size), 0.0)
+            v = jnp.where(row < remaining, head_rows(v_flat, h, page_size), 0.0)
             pv = lax.dot_general(p, v, _NN, preferred_element_type=jnp.float32)  # [rows, W]
             if v_scale_ref is not None:
                 pv = pv * v_scale_ref[0, h]
@@ -223,8 +223,8 @@ def _decode_kernel(
             pages = range(j * chunks, (j + 1) * chunks)
             _fold_page(
                 q_ref,
-                [_flat_page(k_refs[i], k_bufs[c]) for c, i in enumerate(pages)],
-                [_flat_page(v_refs[i], v_bufs[c]) for c, i in enumerate(pages)],
+                [flat_page(k_refs[i], k_bufs[c]) for c, i in enumerate(pages)],
+                [flat_page(v_refs[i], v_bufs[c]) for c, i in enumerate(pages)],
                 ks_refs[j],
                 vs_refs[j],
                 m_ref,
@@ -306,7 +306,7 @@ def _validate(q: Array, k_cache: Array, v_cache: Array, block_tables: Array, con
 def _specs(kv: int, rows: int, d: int, page_size: int, table_width: int, num_blocks: int,
            pages_per_step: int, quantized: bool) -> tuple[list[pl.BlockSpec], pl.BlockSpec]:
     """Input BlockSpecs (q, K page chunks, V page chunks, [K scales, V scales]) and the output's."""
-    chunks, width = _lane_chunks(d)
+    chunks, width = lane_chunks(d)
     q_spec = pl.BlockSpec((None, kv, rows, d), lambda b, step, lens_ref, tables_ref: (b, 0, 0, 0))
     index_map = functools.partial(_page_index_map, pages_per_step=pages_per_step, page_size=page_size,
                                   table_width=table_width, num_blocks=num_blocks)
@@ -359,13 +359,13 @@ def tpu_paged_decode(
     group = h // kv
     rows = _round_up(group, SUBLANES)
     quantized = k_scale is not None
-    kv_rows = _tile_rows(kv)
+    kv_rows = tile_rows(kv)
     upcast = k_cache.dtype.itemsize != 4 or kv_rows != kv
     pps = min(pages_per_step, m)
 
     qg = q.astype(jnp.float32).reshape(b, kv, group, d)
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
-    chunks, width = _lane_chunks(d)
+    chunks, width = lane_chunks(d)
     operands: list[Array] = [qg, *([k_cache] * (pps * chunks)), *([v_cache] * (pps * chunks))]
     if quantized:
         ks = k_scale.astype(jnp.float32).reshape(n, 1, kv)

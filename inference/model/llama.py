@@ -474,7 +474,7 @@ def prefill_forward(params: Params, cache: KVCache, tokens: Array, positions: Ar
                     cfg: LlamaConfig, attn: AttentionFns) -> tuple[Array, KVCache]:
     """Run new tokens [B,T] (positions q_offsets+t), write their K/V, return last-token logits [B,V]."""
     prefill_fn = attn[0]
-    paged = getattr(prefill_fn, "paged", None)  # the Pallas GPU backend's variant over the paged cache
+    paged = getattr(prefill_fn, "paged", None)  # the Pallas backends' variant over the paged cache
     inv_freq = jnp.asarray(rope_inv_freq(cfg))
     b, t = tokens.shape
     scale = cfg.head_dim ** -0.5

@@ -12,9 +12,11 @@ process loads libtpu)::
 
     PYTHONPATH=.venv/libtpu:. .venv/bin/python -m tests.inference.kernels.mosaic_compile [--topology v5e:2x2]
 
-Besides each kernel alone, whole model steps compile: a two-layer Llama-3-8B-
-shaped model's decode (bf16 and int8 KV caches, int8 weights) and prefill
-(int8 KV), bf16, with the Mosaic attention kernels. Those are traced as on a TPU
+Besides each kernel alone (the paged prefill over bf16, int8 and fp8 caches
+among them), whole model steps compile: a two-layer Llama-3-8B-shaped model's
+decode (bf16 and int8 KV caches, int8 weights) and prefill (int8 KV, keys
+read through the block table by the paged prefill), bf16, with the Mosaic
+attention kernels. Those are traced as on a TPU
 (``jax.default_backend`` reads "tpu" while tracing), so the model takes its
 accelerator paths (no XLA:CPU multiply-reduce, no native CPU kernels).
 
@@ -39,7 +41,7 @@ from jax.sharding import SingleDeviceSharding
 from inference.kernels import dispatch
 from inference.kernels.autotune import Autotuner
 from inference.kernels.tpu_decode import tpu_paged_decode
-from inference.kernels.tpu_prefill import TpuPrefillBlocks, tpu_flash_prefill
+from inference.kernels.tpu_prefill import TpuPrefillBlocks, tpu_flash_prefill, tpu_paged_flash_prefill
 from inference.kernels.tpu_quant_matmul import TpuMatmulBlocks, tpu_quantized_matmul
 from inference.model import llama
 from inference.model.config import LlamaConfig
@@ -62,6 +64,27 @@ def prefill_cases() -> Iterator[Case]:
         name = f"prefill {jnp.dtype(dt).name} B{b} T{t} S{s} H{h} KV{kv} D{d} q{blocks.block_q} k{blocks.block_k}"
         yield name, fn, [((b, t, h, d), dt), ((b, s, kv, d), dt), ((b, s, kv, d), dt), ((b,), jnp.int32),
                          ((b,), jnp.int32)]  # fmt: skip
+    # Paged: keys read through the block table. (cache dtype, q dtype, B, T, H, KV, D, page size, table width,
+    # blocks); 512 pages. (256, 256) tiles shrink to fit v5e's scoped VMEM.
+    for cdt, qdt, b, t, h, kv, d, bs, m, blocks in [
+        (jnp.bfloat16, jnp.bfloat16, 2, 512, 32, 8, 128, 16, 64, TpuPrefillBlocks()),
+        (jnp.int8, jnp.bfloat16, 2, 512, 32, 8, 128, 16, 64, TpuPrefillBlocks(256, 256)),
+        (jnp.float8_e4m3fn, jnp.bfloat16, 4, 100, 8, 2, 64, 32, 16, TpuPrefillBlocks()),
+        (jnp.bfloat16, jnp.bfloat16, 4, 100, 8, 2, 64, 16, 32, TpuPrefillBlocks(128, 256)),
+        (jnp.float32, jnp.float32, 3, 40, 8, 2, 64, 8, 40, TpuPrefillBlocks()),
+    ]:
+        n = 512
+
+        def paged(q, kc, vc, tables, offs, lens, ks=None, vs=None, d=d, blocks=blocks):
+            return tpu_paged_flash_prefill(q, kc, vc, tables, offs, lens, scale=d**-0.5, k_scale=ks, v_scale=vs,
+                                           blocks=blocks)  # fmt: skip
+
+        args = [((b, t, h, d), qdt), ((n, bs, kv, d), cdt), ((n, bs, kv, d), cdt), ((b, m), jnp.int32),
+                ((b,), jnp.int32), ((b,), jnp.int32)]  # fmt: skip
+        if jnp.dtype(cdt) in QUANT:
+            args += [((n, kv), jnp.float32)] * 2
+        yield (f"paged prefill {jnp.dtype(cdt).name} cache, {jnp.dtype(qdt).name} q, B{b} T{t} H{h} KV{kv} D{d} "
+               f"page {bs} x{m} q{blocks.block_q} k{blocks.block_k}", jax.jit(paged), args)  # fmt: skip
 
 
 def decode_cases() -> Iterator[Case]:
