@@ -39,7 +39,7 @@ from inference.kernels.paged_decode import DecodeBlocks, paged_decode, supports
 from inference.kernels.quant import gather_dequantized
 from inference.kernels.quant_matmul import MatmulBlocks, pallas_quantized_matmul
 from inference.kernels.reference import Array
-from inference.kernels.tpu_decode import LANES, tpu_paged_decode
+from inference.kernels.tpu_decode import LANES, head_dim_fits, tpu_paged_decode
 from inference.kernels.tpu_prefill import (
     TpuPrefillBlocks,
     paged_prefill_supports,
@@ -104,47 +104,62 @@ def _random(shape: tuple[int, ...], dtype: jnp.dtype, seed: int) -> Array:
     return jnp.asarray(rng.standard_normal(shape, np.float32)).astype(dtype)
 
 
-def tuned_prefill_blocks(tuner: Autotuner, q: Array, k: Array, *, interpret: bool = False) -> PrefillBlocks:
-    """Block sizes for this prefill shape (tuned on full-length causal inputs)."""
+def _tuned_prefill(tuner: Autotuner, q: Array, k: Array, kernel: Callable[..., Array], candidates: list,
+                   family: str, interpret: bool):  # fmt: skip
+    """Block sizes for this prefill shape from ``candidates``, timed on ``kernel`` over full-length causal
+    inputs; ``family`` tags the cache key ("" for Triton, "-mosaic" for TPU)."""
     b, t, h, d = q.shape
     s, kv = k.shape[1], k.shape[2]
-    key = f"prefill/{jax.default_backend()}/B{b}-T{t}-S{s}-H{h}-KV{kv}-D{d}-{jnp.dtype(q.dtype).name}"
+    key = f"prefill/{jax.default_backend()}{family}/B{b}-T{t}-S{s}-H{h}-KV{kv}-D{d}-{jnp.dtype(q.dtype).name}"
 
-    def measure(blocks: PrefillBlocks) -> float:
+    def measure(blocks) -> float:
         args = (_random(q.shape, q.dtype, 0), _random(k.shape, k.dtype, 1), _random(k.shape, k.dtype, 2))
-        offs = jnp.full((b,), s - t, jnp.int32)
-        lens = jnp.full((b,), s, jnp.int32)
-        fn = functools.partial(flash_prefill, scale=d**-0.5, blocks=blocks, interpret=interpret)
+        offs, lens = jnp.full((b,), s - t, jnp.int32), jnp.full((b,), s, jnp.int32)
+        fn = functools.partial(kernel, scale=d**-0.5, blocks=blocks, interpret=interpret)
         return time_call(lambda: fn(*args, offs, lens), iters=5)
 
-    return tuner.pick(key, prefill_candidates(), measure)
+    return tuner.pick(key, candidates, measure)
 
 
-def tuned_decode_blocks(
-    tuner: Autotuner, q: Array, k_cache: Array, block_tables: Array, *, quantized: bool, interpret: bool = False
-) -> DecodeBlocks:
-    """Chunk/split sizes for this decode shape (tuned with every page in use)."""
+def tuned_prefill_blocks(tuner: Autotuner, q: Array, k: Array, *, interpret: bool = False) -> PrefillBlocks:
+    """Block sizes for this prefill shape (tuned on full-length causal inputs)."""
+    return _tuned_prefill(tuner, q, k, flash_prefill, prefill_candidates(), "", interpret)
+
+
+def _tuned_decode(tuner: Autotuner, q: Array, k_cache: Array, block_tables: Array, quantized: bool,
+                  kernel: Callable[..., Callable[..., Array]], candidates: list, family: str):  # fmt: skip
+    """Decode tiles for this shape from ``candidates``, timed with every page in use on ``kernel(blocks)``
+    (the decode function those tiles configure); ``family`` tags the cache key as for prefill."""
     b, h, d = q.shape
     n, bs, kv, _ = k_cache.shape
     m = block_tables.shape[1]
     key = (
-        f"decode/{jax.default_backend()}/B{b}-H{h}-KV{kv}-D{d}-N{n}-bs{bs}-M{m}-"
+        f"decode/{jax.default_backend()}{family}/B{b}-H{h}-KV{kv}-D{d}-N{n}-bs{bs}-M{m}-"
         f"{jnp.dtype(q.dtype).name}-{jnp.dtype(k_cache.dtype).name}"
     )
 
-    def measure(blocks: DecodeBlocks) -> float:
+    def measure(blocks) -> float:
         qq = _random(q.shape, q.dtype, 0)
         kc = _random(k_cache.shape, k_cache.dtype, 1)
         vc = _random(k_cache.shape, k_cache.dtype, 2)
         tables = jnp.asarray(np.random.default_rng(3).integers(0, n, (b, m)), jnp.int32)
         lens = jnp.full((b,), m * bs, jnp.int32)
         scales = jnp.full((n, kv), 0.01, jnp.float32) if quantized else None
-        fn = functools.partial(
-            paged_decode, scale=d**-0.5, k_scale=scales, v_scale=scales, blocks=blocks, interpret=interpret
-        )
+        fn = functools.partial(kernel(blocks), scale=d**-0.5, k_scale=scales, v_scale=scales)
         return time_call(lambda: fn(qq, kc, vc, tables, lens), iters=10)
 
-    return tuner.pick(key, decode_candidates(b, kv), measure)
+    return tuner.pick(key, candidates, measure)
+
+
+def tuned_decode_blocks(
+    tuner: Autotuner, q: Array, k_cache: Array, block_tables: Array, *, quantized: bool, interpret: bool = False
+) -> DecodeBlocks:
+    """Chunk/split sizes for this decode shape (tuned with every page in use)."""
+    def kernel(blocks: DecodeBlocks) -> Callable[..., Array]:
+        return functools.partial(paged_decode, blocks=blocks, interpret=interpret)
+
+    return _tuned_decode(tuner, q, k_cache, block_tables, quantized, kernel,
+                         decode_candidates(q.shape[0], k_cache.shape[2]), "")  # fmt: skip
 
 
 def matmul_candidates(m: int) -> list[MatmulBlocks]:
@@ -260,39 +275,17 @@ def tpu_decode_candidates(page_size: int) -> list[TpuDecodeBlocks]:
 
 
 def tuned_tpu_prefill_blocks(tuner: Autotuner, q: Array, k: Array, *, interpret: bool = False) -> TpuPrefillBlocks:
-    b, t, h, d = q.shape
-    s, kv = k.shape[1], k.shape[2]
-    key = f"prefill/{jax.default_backend()}-mosaic/B{b}-T{t}-S{s}-H{h}-KV{kv}-D{d}-{jnp.dtype(q.dtype).name}"
-
-    def measure(blocks: TpuPrefillBlocks) -> float:
-        args = (_random(q.shape, q.dtype, 0), _random(k.shape, k.dtype, 1), _random(k.shape, k.dtype, 2))
-        offs, lens = jnp.full((b,), s - t, jnp.int32), jnp.full((b,), s, jnp.int32)
-        fn = functools.partial(tpu_flash_prefill, scale=d**-0.5, blocks=blocks, interpret=interpret)
-        return time_call(lambda: fn(*args, offs, lens), iters=5)
-
-    return tuner.pick(key, tpu_prefill_candidates(), measure)
+    return _tuned_prefill(tuner, q, k, tpu_flash_prefill, tpu_prefill_candidates(), "-mosaic", interpret)
 
 
 def tuned_tpu_decode_blocks(
     tuner: Autotuner, q: Array, k_cache: Array, block_tables: Array, *, quantized: bool, interpret: bool = False
 ) -> TpuDecodeBlocks:
-    b, h, d = q.shape
-    n, bs, kv, _ = k_cache.shape
-    m = block_tables.shape[1]
-    key = (f"decode/{jax.default_backend()}-mosaic/B{b}-H{h}-KV{kv}-D{d}-N{n}-bs{bs}-M{m}-"
-           f"{jnp.dtype(q.dtype).name}-{jnp.dtype(k_cache.dtype).name}")  # fmt: skip
+    def kernel(blocks: TpuDecodeBlocks) -> Callable[..., Array]:
+        return functools.partial(tpu_paged_decode, pages_per_step=blocks.pages_per_step, interpret=interpret)
 
-    def measure(blocks: TpuDecodeBlocks) -> float:
-        qq = _random(q.shape, q.dtype, 0)
-        kc, vc = _random(k_cache.shape, k_cache.dtype, 1), _random(k_cache.shape, k_cache.dtype, 2)
-        tables = jnp.asarray(np.random.default_rng(3).integers(0, n, (b, m)), jnp.int32)
-        lens = jnp.full((b,), m * bs, jnp.int32)
-        scales = jnp.full((n, kv), 0.01, jnp.float32) if quantized else None
-        fn = functools.partial(tpu_paged_decode, scale=d**-0.5, k_scale=scales, v_scale=scales,
-                               pages_per_step=blocks.pages_per_step, interpret=interpret)  # fmt: skip
-        return time_call(lambda: fn(qq, kc, vc, tables, lens), iters=10)
-
-    return tuner.pick(key, tpu_decode_candidates(bs), measure)
+    return _tuned_decode(tuner, q, k_cache, block_tables, quantized, kernel, tpu_decode_candidates(k_cache.shape[1]),
+                         "-mosaic")  # fmt: skip
 
 
 def tuned_tpu_matmul_blocks(tuner: Autotuner, x: Array, codes: Array) -> TpuMatmulBlocks:
@@ -337,7 +330,7 @@ def tpu_fns(interpret: bool, tuner: Autotuner) -> tuple[PrefillFn, DecodeFn]:
     def decode_fn(q: Array, k_cache: Array, v_cache: Array, block_tables: Array, context_lens: Array, *,
                   scale: float, k_scale: Array | None = None, v_scale: Array | None = None) -> Array:  # fmt: skip
         d = q.shape[-1]
-        if d > LANES and d % LANES:
+        if not head_dim_fits(d):
             log.warning("paged decode: head dim %d is over %d lanes and not a multiple of them; using the reference",
                         d, LANES)  # fmt: skip
             return reference.paged_decode_attention(

@@ -87,17 +87,18 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from inference.kernels.reference import MASK_VALUE, Array
+from inference.kernels.reference import MASK_VALUE, Array, check_paged_cache
 
-__all__ = ["LANES", "SUBLANES", "tpu_paged_decode", "tile_rows", "lane_chunks", "head_rows", "flat_page"]
+__all__ = ["LANES", "SUBLANES", "tpu_paged_decode", "tile_rows", "lane_chunks", "head_rows", "flat_page",
+           "check_cache", "head_dim_fits", "DOT_NT", "DOT_NN"]
 
 LANES = 128  # a TPU vector register's lanes: m and l are kept replicated across them
 SUBLANES = 8  # its sublanes: query rows per group are padded to a multiple of this
 
 _FLOAT_CACHE = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 _QUANT_CACHE = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
-_NT = (((1,), (1,)), ((), ()))  # a[M, D] . b[N, D] -> [M, N]
-_NN = (((1,), (0,)), ((), ()))  # a[M, K] @ b[K, N] -> [M, N]
+DOT_NT = (((1,), (1,)), ((), ()))  # a[M, D] . b[N, D] -> [M, N]
+DOT_NN = (((1,), (0,)), ((), ()))  # a[M, K] @ b[K, N] -> [M, N]
 
 
 def _round_up(n: int, m: int) -> int:
@@ -166,7 +167,7 @@ def _fold_page(
         for c, k_flat in enumerate(k_flats):
             q = q_ref[h, :, pl.ds(c * width, width)]  # [rows, W] float32
             k = head_rows(k_flat, h, page_size)  # [bs, W]
-            part = lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32)
+            part = lax.dot_general(q, k, DOT_NT, preferred_element_type=jnp.float32)
             s = part if s is None else s + part
         logit_scale = scale if k_scale_ref is None else scale * k_scale_ref[0, h]
         s = jnp.where(col < remaining, s * logit_scale, MASK_VALUE)
@@ -181,7 +182,7 @@ def _fold_page(
         l_ref[h] = alpha * l_prev + beta * l_cur
         for c, v_flat in enumerate(v_flats):
             v = jnp.where(row < remaining, head_rows(v_flat, h, page_size), 0.0)
-            pv = lax.dot_general(p, v, _NN, preferred_element_type=jnp.float32)  # [rows, W]
+            pv = lax.dot_general(p, v, DOT_NN, preferred_element_type=jnp.float32)  # [rows, W]
             if v_scale_ref is not None:
                 pv = pv * v_scale_ref[0, h]
             lanes = pl.ds(c * width, width)
@@ -266,19 +267,33 @@ def _page_index_map(j: int, tail: tuple[int, ...], *, pages_per_step: int, page_
     return index_map
 
 
+def head_dim_fits(d: int) -> bool:
+    """Whether pages of head dim ``d`` move whole: at most 128 lanes, or whole 128-lane chunks."""
+    return d <= LANES or d % LANES == 0
+
+
+def check_cache(q: Array, k_cache: Array, v_cache: Array, k_scale: Array | None, v_scale: Array | None) -> bool:
+    """The paged caches these Mosaic kernels take (``reference.check_paged_cache``, and): K and V of one
+    dtype, float32/bf16 in q's dtype or int8/fp8 codes with scales, a head dim :func:`head_dim_fits`.
+    Returns whether the cache is quantized."""
+    quantized = check_paged_cache(q, k_cache, v_cache, k_scale, v_scale)
+    if v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"k and v caches must share a dtype, got {k_cache.dtype} and {v_cache.dtype}")
+    if quantized and k_cache.dtype not in _QUANT_CACHE:
+        raise ValueError(f"a cache with scales must hold int8 or float8_e4m3fn codes, got {k_cache.dtype}")
+    if not quantized and k_cache.dtype not in _FLOAT_CACHE:
+        raise ValueError(f"unquantized cache must be float32 or bfloat16, got {k_cache.dtype}")
+    if not head_dim_fits(q.shape[-1]):
+        raise ValueError(f"a head dim above {LANES} must be a multiple of {LANES}, got {q.shape[-1]}")
+    return quantized
+
+
 def _validate(q: Array, k_cache: Array, v_cache: Array, block_tables: Array, context_lens: Array,
               k_scale: Array | None, v_scale: Array | None, pages_per_step: int) -> None:
-    if q.ndim != 3 or k_cache.ndim != 4:
+    if q.ndim != 3 or k_cache.ndim != 4 or v_cache.ndim != 4:
         raise ValueError(f"expected q [B, H, D] and caches [N, bs, KV, D], got q{q.shape} k{k_cache.shape}")
-    b, h, d = q.shape
-    n, page_size, kv, dk = k_cache.shape
-    if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype or dk != d:
-        raise ValueError(f"shape mismatch: q{q.shape} k{k_cache.shape} {k_cache.dtype} "
-                         f"v{v_cache.shape} {v_cache.dtype}")
-    if h % kv:
-        raise ValueError(f"query heads ({h}) must be a multiple of KV heads ({kv})")
-    if d > LANES and d % LANES:
-        raise ValueError(f"a head dim above {LANES} must be a multiple of {LANES}, got {d}")
+    b = q.shape[0]
+    check_cache(q, k_cache, v_cache, k_scale, v_scale)
     if block_tables.ndim != 2 or block_tables.shape[0] != b or context_lens.shape != (b,):
         raise ValueError(f"block_tables must be [B, M] and context_lens [B] for B={b}, got "
                          f"{block_tables.shape} and {context_lens.shape}")
@@ -289,18 +304,6 @@ def _validate(q: Array, k_cache: Array, v_cache: Array, block_tables: Array, con
         raise ValueError("block_tables needs at least one column")
     if pages_per_step < 1:
         raise ValueError(f"pages_per_step must be >= 1, got {pages_per_step}")
-    quantized = k_scale is not None
-    if quantized != (v_scale is not None):
-        raise ValueError("pass both k_scale and v_scale, or neither")
-    if quantized:
-        if k_cache.dtype not in _QUANT_CACHE:
-            raise ValueError(f"a cache with scales must hold int8 or float8_e4m3fn codes, got {k_cache.dtype}")
-        if k_scale.shape != (n, kv) or v_scale.shape != (n, kv):
-            raise ValueError(f"scales must have shape {(n, kv)}, got {k_scale.shape} and {v_scale.shape}")
-    elif k_cache.dtype != q.dtype:
-        raise ValueError(f"unquantized cache dtype {k_cache.dtype} must match q dtype {q.dtype}")
-    elif k_cache.dtype not in _FLOAT_CACHE:
-        raise ValueError(f"unquantized cache must be float32 or bfloat16, got {k_cache.dtype}")
 
 
 def _specs(kv: int, rows: int, d: int, page_size: int, table_width: int, num_blocks: int,

@@ -64,8 +64,17 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from inference.kernels.reference import MASK_VALUE, Array, check_paged_cache, check_prefill_args
-from inference.kernels.tpu_decode import flat_page, head_rows, lane_chunks, tile_rows
+from inference.kernels.reference import MASK_VALUE, Array, check_prefill_args
+from inference.kernels.tpu_decode import (
+    DOT_NN,
+    DOT_NT,
+    check_cache,
+    flat_page,
+    head_dim_fits,
+    head_rows,
+    lane_chunks,
+    tile_rows,
+)
 
 __all__ = ["TpuPrefillBlocks", "tpu_flash_prefill", "tpu_paged_flash_prefill", "paged_prefill_supports"]
 
@@ -95,6 +104,44 @@ def _visible_end(q_off: Array, kv_len: Array, i: Array, block_q: int, seq_k: int
     return jnp.maximum(jnp.minimum(jnp.minimum(kv_len, seq_k), q_off + (i + 1) * block_q), 0)
 
 
+def _reset(m_ref, l_ref, acc_ref) -> None:
+    m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
+    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+
+def _causal_keep(first_q: Array, start: Array, kv_len: Array, group: int, block_q: int, block_k: int) -> Array:
+    """``[G * block_q, block_k]``: which keys of the tile at ``start`` each query row (G heads of a block
+    whose first position is ``first_q``) sees: causal, and below the row's length."""
+    rows = group * block_q
+    q_pos = first_q + lax.broadcasted_iota(jnp.int32, (group, block_q, block_k), 1).reshape(rows, block_k)
+    k_pos = start + lax.broadcasted_iota(jnp.int32, (rows, block_k), 1)
+    return (k_pos <= q_pos) & (k_pos < kv_len)
+
+
+def _fold(q: Array, k: Array, v: Array, m_ref, l_ref, acc_ref, scale: float, keep: Array | None) -> None:
+    """Fold one key tile into the online softmax of ``q``'s rows: logits masked where ``keep`` is False,
+    running max and sum lane-replicated in ``m_ref``/``l_ref`` ``[rows, LANES]``, the unnormalised
+    float32 ``acc_ref`` ``[rows, D]``. ``q``, ``k`` and ``v`` share a dtype."""
+    s = lax.dot_general(q, k, DOT_NT, preferred_element_type=jnp.float32) * scale
+    if keep is not None:
+        s = jnp.where(keep, s, MASK_VALUE)
+    m_prev, l_prev = m_ref[...], l_ref[...]  # every lane the same
+    m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+    correction = jnp.exp(m_prev - m_next)
+    p = jnp.exp(s - m_next[:, :1])
+    l_ref[...] = l_prev * correction + jnp.sum(p, axis=1, keepdims=True)
+    m_ref[...] = m_next
+    pv = lax.dot_general(p.astype(v.dtype), v, DOT_NN, preferred_element_type=jnp.float32)
+    acc_ref[...] = acc_ref[...] * correction[:, :1] + pv
+
+
+def _normalised(l_ref, acc_ref) -> Array:
+    """The folded rows' attention output, float32 ``[rows, D]``; rows that saw no key get zeros."""
+    l_sum = l_ref[...][:, :1]
+    return acc_ref[...] / jnp.where(l_sum == 0.0, 1.0, l_sum)
+
+
 def _prefill_kernel(
     qoff_ref, kvlen_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, acc_ref,
     *, scale: float, block_q: int, block_k: int, group: int, seq_k: int,
@@ -103,11 +150,7 @@ def _prefill_kernel(
     q_off, kv_len = qoff_ref[b], jnp.minimum(kvlen_ref[b], seq_k)
     rows = group * block_q
 
-    @pl.when(j == 0)
-    def _init():
-        m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
-        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
-        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+    pl.when(j == 0)(lambda: _reset(m_ref, l_ref, acc_ref))
 
     first_q = q_off + i * block_q
     start = j * block_k
@@ -116,31 +159,16 @@ def _prefill_kernel(
     full = (start + block_k <= first_q + 1) & (start + block_k <= kv_len)
 
     def step(masked: bool) -> None:
+        keep = _causal_keep(first_q, start, kv_len, group, block_q, block_k) if masked else None
         q = q_ref[...].reshape(rows, q_ref.shape[-1])  # [G * block_q, D]
-        k = k_ref[...]
-        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
-        if masked:
-            q_pos = first_q + lax.broadcasted_iota(jnp.int32, (group, block_q, block_k), 1).reshape(rows, block_k)
-            k_pos = start + lax.broadcasted_iota(jnp.int32, (rows, block_k), 1)
-            s = jnp.where((k_pos <= q_pos) & (k_pos < kv_len), s, MASK_VALUE)
-        m_prev, l_prev = m_ref[...], l_ref[...]  # [rows, LANES], every lane the same
-        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-        correction = jnp.exp(m_prev - m_next)
-        p = jnp.exp(s - m_next[:, :1])
-        l_ref[...] = l_prev * correction + jnp.sum(p, axis=1, keepdims=True)
-        m_ref[...] = m_next
-        v = v_ref[...]
-        pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-        acc_ref[...] = acc_ref[...] * correction[:, :1] + pv
+        _fold(q, k_ref[...], v_ref[...], m_ref, l_ref, acc_ref, scale, keep)
 
     pl.when(visible & full)(lambda: step(False))
     pl.when(visible & jnp.logical_not(full))(lambda: step(True))
 
     @pl.when(j == pl.num_programs(3) - 1)
     def _write():
-        l_sum = l_ref[...][:, :1]
-        out = acc_ref[...] / jnp.where(l_sum == 0.0, 1.0, l_sum)  # no visible key: zeros
-        o_ref[...] = out.reshape(o_ref.shape).astype(o_ref.dtype)
+        o_ref[...] = _normalised(l_ref, acc_ref).reshape(o_ref.shape).astype(o_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "blocks", "interpret"))
@@ -210,16 +238,10 @@ def tpu_flash_prefill(
 
 # --- Paged prefill: keys and values read through the block table -------------------------------------------
 
-_FLOAT_CACHE = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
-_QUANT_CACHE = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
-_NT = (((1,), (1,)), ((), ()))  # a[M, D] . b[N, D] -> [M, N]
-_NN = (((1,), (0,)), ((), ()))  # a[M, K] @ b[K, N] -> [M, N]
-
-
 def paged_prefill_supports(head_dim: int) -> bool:
     """Whether :func:`tpu_paged_flash_prefill` takes this head dim: at most 128 lanes, or a multiple of them
-    (pages move in 128-lane chunks). Any page size compiles (1-256 checked)."""
-    return head_dim <= LANES or head_dim % LANES == 0
+    (pages move in 128-lane chunks, as in the decode kernel). Any page size compiles (1-256 checked)."""
+    return head_dim_fits(head_dim)
 
 
 def _sublane_rows(dtype) -> int:
@@ -298,11 +320,7 @@ def _paged_prefill_kernel(
     # Every query of the block sees every key of the tile: no mask needed.
     full = (start + block_k <= first_q + 1) & (start + block_k <= kv_len)
 
-    @pl.when(j == 0)
-    def _init() -> None:
-        m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
-        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
-        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+    pl.when(j == 0)(lambda: _reset(m_ref, l_ref, acc_ref))
 
     def gather(p: int) -> None:
         """Page ``p`` of the tile, for every head: its head's rows (dequantized) into that head's float32 key
@@ -325,30 +343,15 @@ def _paged_prefill_kernel(
         pl.when(start + p * page_size < end)(functools.partial(gather, p))
 
     def step(masked: bool) -> None:
-        if masked:
-            q_pos = first_q + lax.broadcasted_iota(jnp.int32, (group, block_q, block_k), 1).reshape(rows, block_k)
-            k_pos = start + lax.broadcasted_iota(jnp.int32, (rows, block_k), 1)
-            keep = (k_pos <= q_pos) & (k_pos < kv_len)
-            # Rows past the visible end (a page's stale slots, or a page not gathered) hold values no query
-            # weighs, but 0 * inf is NaN: zero them.
-            live = start + lax.broadcasted_iota(jnp.int32, (block_k, d), 0) < end
+        keep = _causal_keep(first_q, start, kv_len, group, block_q, block_k) if masked else None
+        # Rows past the visible end (a page's stale slots, or a page not gathered) hold values no query
+        # weighs, but 0 * inf is NaN: a masked tile zeroes them.
+        live = start + lax.broadcasted_iota(jnp.int32, (block_k, d), 0) < end if masked else None
         for h in range(kv_heads):
             q = q_ref[h].reshape(rows, d)  # [G * block_q, D]
-            k = kt_ref[h].astype(q.dtype)  # [block_k, D]
-            s = lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32) * scale
-            if masked:
-                s = jnp.where(keep, s, MASK_VALUE)
-            m_prev, l_prev = m_ref[h], l_ref[h]  # [rows, LANES], every lane the same
-            m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-            correction = jnp.exp(m_prev - m_next)
-            prob = jnp.exp(s - m_next[:, :1])
-            l_ref[h] = l_prev * correction + jnp.sum(prob, axis=1, keepdims=True)
-            m_ref[h] = m_next
-            v = vt_ref[h]
-            if masked:
-                v = jnp.where(live, v, 0.0)
-            pv = lax.dot_general(prob.astype(q.dtype), v.astype(q.dtype), _NN, preferred_element_type=jnp.float32)
-            acc_ref[h] = acc_ref[h] * correction[:, :1] + pv
+            v = vt_ref[h] if live is None else jnp.where(live, vt_ref[h], 0.0)
+            _fold(q, kt_ref[h].astype(q.dtype), v.astype(q.dtype), m_ref.at[h], l_ref.at[h], acc_ref.at[h], scale,
+                  keep)  # fmt: skip
 
     pl.when(visible & full)(lambda: step(False))
     pl.when(visible & jnp.logical_not(full))(lambda: step(True))
@@ -356,9 +359,7 @@ def _paged_prefill_kernel(
     @pl.when(j == pl.num_programs(2) - 1)
     def _write() -> None:
         for h in range(kv_heads):
-            l_sum = l_ref[h][:, :1]
-            out = acc_ref[h] / jnp.where(l_sum == 0.0, 1.0, l_sum)  # no visible key: zeros
-            o_ref[h] = out.reshape(group, block_q, d).astype(o_ref.dtype)
+            o_ref[h] = _normalised(l_ref.at[h], acc_ref.at[h]).reshape(group, block_q, d).astype(o_ref.dtype)
 
 
 def _paged_index_map(slot: int, tail: tuple[int, ...], *, pages: int, page_size: int, block_q: int,
@@ -387,14 +388,10 @@ def _validate_paged(q: Array, k_cache: Array, v_cache: Array, block_tables: Arra
     if q.ndim != 4 or k_cache.ndim != 4 or v_cache.ndim != 4:
         raise ValueError(f"expected q [B, T, H, D] and caches [N, bs, KV, D], got q{q.shape} k{k_cache.shape} "
                          f"v{v_cache.shape}")  # fmt: skip
-    quantized = check_paged_cache(q, k_cache, v_cache, k_scale, v_scale)
-    b, d, n = q.shape[0], q.shape[3], k_cache.shape[0]
-    if v_cache.dtype != k_cache.dtype:
-        raise ValueError(f"k and v caches must share a dtype, got {k_cache.dtype} and {v_cache.dtype}")
-    if jnp.dtype(q.dtype) not in _FLOAT_CACHE:
+    quantized = check_cache(q, k_cache, v_cache, k_scale, v_scale)
+    b = q.shape[0]
+    if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
         raise ValueError(f"q must be float32 or bfloat16, got {q.dtype}")
-    if quantized and k_cache.dtype not in _QUANT_CACHE:
-        raise ValueError(f"a cache with scales must hold int8 or float8_e4m3fn codes, got {k_cache.dtype}")
     if block_tables.ndim != 2 or block_tables.shape[0] != b or block_tables.shape[1] < 1:
         raise ValueError(f"block_tables must be [B, M] with B={b} and M >= 1, got {block_tables.shape}")
     if q_offsets.shape != (b,) or kv_lens.shape != (b,):
@@ -402,10 +399,8 @@ def _validate_paged(q: Array, k_cache: Array, v_cache: Array, block_tables: Arra
     for name, x in (("block_tables", block_tables), ("q_offsets", q_offsets), ("kv_lens", kv_lens)):
         if not jnp.issubdtype(x.dtype, jnp.integer):
             raise ValueError(f"{name} must be integers, got {x.dtype}")
-    if n < 1:
+    if k_cache.shape[0] < 1:
         raise ValueError("the cache needs at least one block")
-    if not paged_prefill_supports(d):
-        raise ValueError(f"a head dim above {LANES} must be a multiple of {LANES}, got {d}")
     return quantized
 
 

@@ -50,6 +50,12 @@ Case = tuple[str, Callable[..., Any], list[Any]]  # name, jitted fn, args: (shap
 QUANT = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
 
 
+def _cache_args(n: int, bs: int, kv: int, d: int, dtype: Any) -> tuple[list, list]:
+    """The two caches' (shape, dtype), and their scales' when ``dtype`` holds codes."""
+    caches = [((n, bs, kv, d), dtype)] * 2
+    return caches, [((n, kv), jnp.float32)] * 2 if jnp.dtype(dtype) in QUANT else []
+
+
 def prefill_cases() -> Iterator[Case]:
     # (dtype, B, T, S, H, KV, D, blocks)
     for dt, b, t, s, h, kv, d, blocks in [
@@ -79,10 +85,8 @@ def prefill_cases() -> Iterator[Case]:
             return tpu_paged_flash_prefill(q, kc, vc, tables, offs, lens, scale=d**-0.5, k_scale=ks, v_scale=vs,
                                            blocks=blocks)  # fmt: skip
 
-        args = [((b, t, h, d), qdt), ((n, bs, kv, d), cdt), ((n, bs, kv, d), cdt), ((b, m), jnp.int32),
-                ((b,), jnp.int32), ((b,), jnp.int32)]  # fmt: skip
-        if jnp.dtype(cdt) in QUANT:
-            args += [((n, kv), jnp.float32)] * 2
+        caches, scales = _cache_args(n, bs, kv, d, cdt)
+        args = [((b, t, h, d), qdt), *caches, ((b, m), jnp.int32), ((b,), jnp.int32), ((b,), jnp.int32), *scales]
         yield (f"paged prefill {jnp.dtype(cdt).name} cache, {jnp.dtype(qdt).name} q, B{b} T{t} H{h} KV{kv} D{d} "
                f"page {bs} x{m} q{blocks.block_q} k{blocks.block_k}", jax.jit(paged), args)  # fmt: skip
 
@@ -105,10 +109,8 @@ def decode_cases() -> Iterator[Case]:
             return tpu_paged_decode(q, kc, vc, tables, lens, scale=d**-0.5, k_scale=ks, v_scale=vs,
                                     pages_per_step=pps)
 
-        args = [((b, h, d), qdt), ((n, bs, kv, d), cdt), ((n, bs, kv, d), cdt), ((b, m), jnp.int32),
-                ((b,), jnp.int32)]  # fmt: skip
-        if jnp.dtype(cdt) in QUANT:
-            args += [((n, kv), jnp.float32)] * 2
+        caches, scales = _cache_args(n, bs, kv, d, cdt)
+        args = [((b, h, d), qdt), *caches, ((b, m), jnp.int32), ((b,), jnp.int32), *scales]
         yield (f"decode {jnp.dtype(cdt).name} cache, {jnp.dtype(qdt).name} q, KV{kv} H{h} D{d} page {bs} "
                f"x{pps}/step", jax.jit(fn), args)  # fmt: skip
 
