@@ -1,14 +1,18 @@
-"""The one internal request / response-stream type every protocol adapter produces.
+"""The contract between protocol adapters and the request pipeline.
 
-Adapters (h1 over httptools, h2 over h2, later h3 over aioquic) parse their
-protocol, enforce limits (header size -> 431, body size -> 413, read timeouts
--> 408) and call the application handler with a :class:`Request` whose body has
-been read in full, plus a :class:`ResponseSink`. Handlers never see which
-protocol carried them (``request.protocol`` is informational, for metrics).
+Adapters (HTTP/1.1 over httptools, HTTP/2 over h2, HTTP/3 over aioquic, gRPC-Web
+on any of them) parse their protocol, enforce protocol limits (header size ->
+431, body size -> 413, read timeouts -> 408: rendered by :mod:`gateway.errors`
+like every other error) and hand each complete :class:`Request` to the one
+:data:`Entrance` with a :class:`ResponseSink`. They never see which handler or
+wire format answers, and the pipeline never sees which protocol carries it
+(``request.protocol`` is informational, for metrics and logs).
 
-When the client disconnects, the adapter cancels the handler's task
-(``asyncio.CancelledError`` inside the handler), so ``finally:`` blocks run and
-the handler cancels its worker request.
+The no-task path is a property of the sink's type, not something discovered at
+run time: every sink can start, write and finish a response without a
+coroutine (:meth:`ResponseSink.respond`, :meth:`~ResponseSink.start`,
+:meth:`~ResponseSink.send_nowait`, :meth:`~ResponseSink.end`). Only a writer
+whose client is not reading awaits :meth:`~ResponseSink.send`.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-__all__ = ["Request", "RequestBodyStream", "ResponseSink", "Handler", "Headers", "Call", "FastHandler"]
+__all__ = ["Request", "RequestBodyStream", "ResponseSink", "Handler", "Headers", "Call", "Entrance"]
 
 Headers = list[tuple[bytes, bytes]]
 
@@ -37,6 +41,7 @@ class Request:
     # ``body`` empty. HTTP/1.1 and HTTP/2 adapters today always read the body in
     # full (bounded by the body limit) and leave this None.
     stream: RequestBodyStream | None = None
+    early_data: bool = False  # arrived in TLS/QUIC 0-RTT data (replayable: RFC 8470)
 
     def header(self, name: bytes, default: bytes | None = None) -> bytes | None:
         """First value of a header (``name`` lower-case)."""
@@ -55,42 +60,61 @@ class RequestBodyStream(Protocol):
 
 
 class ResponseSink(Protocol):
-    """Where a handler writes its response. Exactly one of ``respond`` or
-    ``start`` + ``send``* + ``end`` per request."""
+    """Where the pipeline writes one response.
 
-    async def respond(self, status: int, headers: Headers, body: bytes) -> None:
-        """Complete response in one go (sets content-length)."""
+    Exactly one of: :meth:`respond`; or :meth:`start`, then any number of
+    :meth:`send_nowait` / :meth:`send`, then :meth:`end` or :meth:`abort`.
+    Nothing but :meth:`send` waits: output that flow control holds back is queued
+    by the adapter and sent as the peer's window opens (a whole response is
+    bounded by what the pipeline built; a stream is bounded because the writer
+    stops at ``send_nowait() == False`` until :meth:`send` returns).
+    """
+
+    def respond(self, status: int, headers: Headers, body: bytes) -> None:
+        """A complete response in one go (the adapter frames its length)."""
         ...
 
-    async def start(self, status: int, headers: Headers) -> None:
-        """Begin a streamed response (chunked in h1, DATA frames in h2)."""
+    def start(self, status: int, headers: Headers) -> None:
+        """Begin a streamed response (chunked in h1, DATA frames in h2/h3)."""
+        ...
+
+    def send_nowait(self, data: bytes) -> bool:
+        """Write ``data`` if that needs no waiting and return True; return False, writing
+        nothing, while the peer is not reading (or is gone): the caller then awaits
+        :meth:`send` with the same data."""
         ...
 
     async def send(self, data: bytes) -> None:
-        """Write a chunk; waits while the peer's flow-control window / socket
-        buffer is full (backpressure)."""
+        """Write ``data``, waiting while the peer's window / socket buffer is full; raises
+        :class:`ConnectionError` if the client went away."""
         ...
 
-    async def end(self) -> None: ...
+    def end(self) -> None:
+        """End a streamed response (after anything queued)."""
+        ...
 
-
-Handler = Callable[[Request, ResponseSink], Awaitable[None]]
+    def abort(self) -> None:
+        """The started response cannot be completed: cut it so the client sees it broke
+        (h1: close the connection; h2/h3: reset the stream)."""
+        ...
 
 
 class Call(Protocol):
-    """A request the application runs by callbacks rather than in a task (see :data:`FastHandler`)."""
+    """A request the pipeline has taken (a task or a callback-driven generation call)."""
 
     def cancel(self) -> object:
-        """The client went away: stop (cancel the worker request); ``done`` still comes, once."""
+        """The client went away: stop (cancel the worker request). ``done`` still comes, once."""
         ...
 
 
-FastHandler = Callable[[Request, ResponseSink, Callable[[], None]], "Call | None"]
-"""Optional fast path an application may offer as ``handler.fast(request, sink, done)``.
+Entrance = Callable[[Request, ResponseSink, Callable[[], None]], Call]
+"""The one way in: ``entrance(request, sink, done) -> Call``.
 
-It returns None (the adapter runs ``handler`` in a task, as always) or a :class:`Call`
-that has taken the request: it answers through ``sink.respond_nowait(status, headers,
-body)`` and then calls ``done()`` exactly once, never from inside ``fast`` itself. The
-adapter calls ``call.cancel()`` if the client goes away first. Adapters whose sinks have
-no ``respond_nowait`` never get a Call.
+The pipeline takes every request: it answers through ``sink`` (errors included)
+and calls ``done()`` exactly once when the response has ended, never from inside
+the ``entrance`` call itself (adapters start the next pipelined request from
+``done``). The adapter calls ``call.cancel()`` if the client goes away first.
 """
+
+Handler = Callable[[Request, ResponseSink], Awaitable[None]]
+"""A coroutine route; :func:`gateway.http.common.task_entrance` makes it an :data:`Entrance`."""
