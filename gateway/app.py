@@ -1,10 +1,21 @@
-"""The gateway's application handler: route table, errors at the edge, metrics.
+"""The request pipeline: the one entrance every protocol adapter calls.
 
-``App`` is a :data:`gateway.http.types.Handler`: protocol adapters call it with
-a fully read :class:`Request` and a :class:`ResponseSink`. Routing is one dict
-lookup on the path and one on the method; 404 and 405 (with ``Allow``) come
-from the table. Every :class:`APIError` raised before a response started is
-rendered here, once, as OpenAI error JSON.
+How it works (``docs/ARCHITECTURE.md`` has the picture)::
+
+    adapter -> Request -> App.handle: route table -> admission -> parse + validate
+      -> routing policy (pool, replica) -> GenerationCall (deadline, cancel, retry,
+      metrics; ends once) -> writer (JSON | SSE | ...) -> the adapter's sink
+
+:meth:`App.handle` is an :data:`~gateway.http.types.Entrance`: it takes every
+request, answers through the sink and calls ``done()`` once. Small routes
+(health, readiness, metrics, model lists) answer at once; generation routes
+hand back a :class:`~gateway.api.call.GenerationCall`, which runs on callbacks.
+No request gets a task of its own. Errors raised before a response starts are
+one :class:`~gateway.errors.APIError`, rendered by the writer of the route's
+wire format; routing errors are converted at this edge.
+
+Seams: an admission stage (:class:`AdmissionStage`) runs before anything is
+routed; the pool's routing policy picks the replica; a writer per wire format.
 """
 
 from __future__ import annotations
@@ -12,158 +23,210 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
+from typing import Protocol
 
 import orjson
 
-from .api.openai import CHAT_ROUTE, COMPLETIONS_ROUTE, MODELS_ROUTE, OpenAIHandlers
+from .api.call import CallContext, GenerationCall
+from .api.deadlines import DeadlineSweeper
+from .api.openai import MODELS_ROUTE, OpenAIApi, Parser, prompt_estimate
+from .api.params import GenerationRequest
 from .api.render import JSON_HEADERS
-from .errors import APIError, error_headers, render_json
-from .http.common import ProtocolEvent, run_request, spawn
+from .api.writers import writer_for
+from .errors import APIError, Headers, from_routing, internal_error, render_http
+from .http.common import ProtocolEvent
 from .http.types import Call, Request, ResponseSink
 from .observability.metrics import CONTENT_TYPE_LATEST, GatewayMetrics
+from .routing.errors import RoutingError
+from .routing.policy import RouteRequest
 from .routing.pool import ModelPool
 from .settings import ApiSettings
 
-__all__ = ["App", "Route"]
+__all__ = ["App", "AdmissionStage", "NoAdmission"]
 
 log = logging.getLogger("quicserve.app")
-
-Route = Callable[[Request, ResponseSink, float], Awaitable[int]]
 
 _perf = time.perf_counter
 _OK = orjson.dumps({"status": "ok"})
 _METRICS_HEADERS = [(b"content-type", CONTENT_TYPE_LATEST.encode())]
 
+Answer = tuple[int, Headers, bytes]
+SmallRoute = Callable[[Request], Answer]
+
+
+class AdmissionStage(Protocol):
+    """What runs after parsing and before routing: auth, limits, shedding (``gateway.admission``)."""
+
+    def admit(self, req: Request, g: GenerationRequest, now: float) -> object:
+        """A grant for this request, or raise :class:`APIError` (401/403/429/503) to refuse it."""
+        ...
+
+    def release(self, grant: object, completion_tokens: int, now: float) -> None:
+        """The request ended (exactly once per grant)."""
+        ...
+
+
+class NoAdmission:
+    """Every request admitted (the default until keys, limits or shedding are configured)."""
+
+    def admit(self, req: Request, g: GenerationRequest, now: float) -> object:
+        return None
+
+    def release(self, grant: object, completion_tokens: int, now: float) -> None:
+        return None
+
+
+class _Answered:
+    """The :class:`Call` of a request answered at once: nothing to cancel."""
+
+    __slots__ = ()
+
+    def cancel(self) -> bool:
+        return False
+
+
+_ANSWERED = _Answered()
+
 
 class App:
-    """Route table + error rendering + request metrics around :class:`OpenAIHandlers`."""
+    """Route table, the generation pipeline, and request metrics."""
 
-    def __init__(self, pool: ModelPool, metrics: GatewayMetrics | None = None,
-                 api: ApiSettings | None = None) -> None:
+    def __init__(self, pool: ModelPool, metrics: GatewayMetrics | None = None, api: ApiSettings | None = None,
+                 admission: AdmissionStage | None = None) -> None:
         self.pool = pool
         self.metrics = metrics if metrics is not None else GatewayMetrics()
-        self.openai = OpenAIHandlers(pool, self.metrics, api or ApiSettings())
+        self.api_settings = api or ApiSettings()
+        self.openai = OpenAIApi(self.api_settings)
+        self.admission: AdmissionStage = admission if admission is not None else NoAdmission()
+        self.deadlines = DeadlineSweeper()
+        self.calls = CallContext(self.deadlines, self.api_settings.request_timeout, self.metrics.tokens)
         self.metrics.watch_workers(pool.connections)
         self.draining = False
-        self.routes: dict[str, dict[str, Route]] = {
-            CHAT_ROUTE: {"POST": self.openai.chat},
-            COMPLETIONS_ROUTE: {"POST": self.openai.completions},
-            MODELS_ROUTE: {"GET": self.openai.models},
-            "/healthz": {"GET": self.healthz},
-            "/readyz": {"GET": self.readyz},
-            "/metrics": {"GET": self.metrics_page},
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.small: dict[str, dict[str, SmallRoute]] = {
+            MODELS_ROUTE: {"GET": self._models},
+            "/healthz": {"GET": self._healthz},
+            "/readyz": {"GET": self._readyz},
+            "/metrics": {"GET": self._metrics_page},
         }
-        for methods in self.routes.values():
-            if "GET" in methods:  # RFC 9110 9.1; the adapters send a HEAD response without its body
-                methods.setdefault("HEAD", methods["GET"])
-        self._allow = {path: ", ".join(sorted(m)).encode() for path, m in self.routes.items()}
+        self.generation: dict[str, Parser] = dict(OpenAIApi.GENERATION)
+        for methods in self.small.values():  # RFC 9110 9.1; the adapters send a HEAD response without its body
+            methods["HEAD"] = methods["GET"]
+        allowed = {path: sorted(m) for path, m in self.small.items()}
+        allowed.update({path: ["POST"] for path in self.generation})
+        self._allow = {path: ", ".join(m) for path, m in allowed.items()}
         if pool.on_retry is None:
             pool.on_retry = self.metrics.retries.inc
 
-    async def __call__(self, req: Request, sink: ResponseSink) -> None:
+    # -- the entrance ---------------------------------------------------------------------
+    def handle(self, req: Request, sink: ResponseSink, done: Callable[[], None]) -> Call:
+        """Take one request (see :data:`~gateway.http.types.Entrance`)."""
         t0 = _perf()
         path = req.path
-        methods = self.routes.get(path)
+        parse = self.generation.get(path)
+        if parse is not None and req.method == "POST":
+            return self._generate(req, sink, done, path, parse, t0)
         route = path
-        handler: Route
-        if methods is not None:
-            handler = methods.get(req.method) or self._not_allowed
-        elif path.startswith("/v1/models/") and len(path) > 11:
-            handler = self.openai.model if req.method in ("GET", "HEAD") else self._not_allowed
-            route = "/v1/models/{id}"
-        else:
-            handler, route = self._not_found, "other"
-        await self._serve(req, sink, t0, route, handler)
+        try:
+            methods = self.small.get(path)
+            if methods is not None:
+                small = methods.get(req.method)
+                answer = small(req) if small is not None else self._not_allowed(req)
+            elif parse is not None:
+                answer = self._not_allowed(req)
+            elif path.startswith("/v1/models/") and len(path) > 11:
+                route = "/v1/models/{id}"
+                if req.method not in ("GET", "HEAD"):
+                    raise self._method_error(req, "GET, HEAD")
+                answer = 200, JSON_HEADERS, self.openai.model_body(path[11:], self.pool.models())
+            else:
+                route = "other"
+                raise APIError(404, f"Unknown request URL: {req.method} {path}. Please check the URL for "
+                               "typos.", "invalid_request_error", None, "unknown_url")
+        except APIError as e:
+            answer = render_http(e)
+        except Exception:
+            log.exception("unhandled error in %s %s", req.method, path)
+            answer = render_http(internal_error())
+        sink.respond(*answer)
+        self.metrics.request_done(route, answer[0], req.protocol, _perf() - t0)
+        self._later(done)
+        return _ANSWERED
 
-    async def _not_found(self, req: Request, sink: ResponseSink, t0: float) -> int:
-        raise APIError(404, f"Unknown request URL: {req.method} {req.path}. Please check the URL for typos.",
-                       "invalid_request_error", None, "unknown_url")
+    def _later(self, done: Callable[[], None]) -> None:
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
+        loop.call_soon(done)
 
-    async def _not_allowed(self, req: Request, sink: ResponseSink, t0: float) -> int:
-        allow = self._allow.get(req.path, b"GET, HEAD")
-        await sink.respond(405, [*JSON_HEADERS, (b"allow", allow)], render_json(APIError(
-            405, f"Method {req.method} is not allowed for {req.path}; allowed: {allow.decode()}.",
-            "invalid_request_error", None, "method_not_allowed")))
-        return 405
-
-    async def _serve(self, req: Request, sink: ResponseSink, t0: float, route: str, handler: Route) -> None:
-        """Run one request's handler: errors rendered here, once; metrics recorded."""
-        status = 499
+    def _generate(self, req: Request, sink: ResponseSink, done: Callable[[], None], route: str, parse: Parser,
+                  t0: float) -> Call:
         metrics = self.metrics
         metrics.in_flight += 1
+        admission = self.admission
+        grant: object = None
+        admitted = False
         try:
-            status = await handler(req, sink, t0)
-        except APIError as e:
-            status = e.status
-            await sink.respond(e.status, error_headers(e), render_json(e))
-        except (asyncio.CancelledError, ConnectionError):
-            status = 499  # the client went away (cancelled by the adapter, or a write failed)
-            raise
+            g = self.openai.parse(parse, req)
+            grant = admission.admit(req, g, t0)
+            admitted = True
+            routed = self.pool.open(RouteRequest(g.model, prompt_estimate(g), g.params.max_tokens), g.make_submit)
+        except (APIError, RoutingError) as e:
+            err = e if isinstance(e, APIError) else from_routing(e)
+            if admitted:
+                admission.release(grant, 0, _perf())
+            return self._refuse(req, sink, done, route, err, t0)
         except Exception:
             log.exception("unhandled error in %s %s", req.method, req.path)
-            status = 500
-            await sink.respond(500, JSON_HEADERS, render_json(APIError(
-                500, "Internal server error.", "server_error", None, "internal_error")))
-        finally:
+            if admitted:
+                admission.release(grant, 0, _perf())
+            return self._refuse(req, sink, done, route, internal_error(), t0)
+        protocol = req.protocol
+
+        def on_end(status: int, tokens: int) -> None:
             metrics.in_flight -= 1
-            metrics.request_done(route, status, req.protocol, _perf() - t0)
+            now = _perf()
+            metrics.request_done(route, status, protocol, now - t0)
+            admission.release(grant, tokens, now)
 
-    def fast(self, req: Request, sink: ResponseSink, done: Callable[[], None]) -> Call | None:
-        """How the h1 adapter starts a request (:data:`gateway.http.types.FastHandler`).
+        call = GenerationCall(self.calls, routed, writer_for(g), sink, route, t0, g.logprobs, on_end, done)
+        call.start()
+        return call
 
-        A generation request is parsed here, once: a plain non-streaming one runs
-        without a task (:mod:`gateway.api.unary`); a stream or a logprobs request runs
-        in a task of its own with the parsed request. None for everything else (and
-        for a body that does not parse): the adapter then runs :meth:`__call__`.
-        """
-        if req.method != "POST":
-            return None
-        t0 = _perf()
-        route = req.path
-        h = self.openai
-        g = h.parse(req)
-        if g is None:
-            return None
-        respond = getattr(sink, "respond_nowait", None)
-        if respond is not None and not g.stream and not g.logprobs:
-            metrics = self.metrics
-            protocol = req.protocol
+    def _refuse(self, req: Request, sink: ResponseSink, done: Callable[[], None], route: str, err: APIError,
+                t0: float) -> Call:
+        self.metrics.in_flight -= 1
+        sink.respond(*render_http(err))
+        self.metrics.request_done(route, err.status, req.protocol, _perf() - t0)
+        self._later(done)
+        return _ANSWERED
 
-            def on_end(status: int) -> None:  # never before unary_call returns (its ends are callbacks)
-                metrics.in_flight -= 1
-                metrics.request_done(route, status, protocol, _perf() - t0)
+    def _method_error(self, req: Request, allow: str) -> APIError:
+        return APIError(405, f"Method {req.method} is not allowed for {req.path}; allowed: {allow}.",
+                        "invalid_request_error", None, "method_not_allowed", headers=((b"allow", allow.encode()),))
 
-            call = h.unary_call(g, route, respond, t0, on_end, done)
-            if call is not None:
-                metrics.in_flight += 1
-                return call
-        task = spawn(asyncio.get_running_loop(), run_request(
-            lambda r, s: self._serve(r, s, t0, route, lambda r, s, t: h.generate(g, s, t, route)), req, sink))
-        task.add_done_callback(lambda _: done())
-        return task
+    def _not_allowed(self, req: Request) -> Answer:
+        raise self._method_error(req, self._allow.get(req.path, "GET, HEAD"))
 
-    # -- small routes -------------------------------------------------------------------
-    async def healthz(self, req: Request, sink: ResponseSink, t0: float) -> int:
-        await sink.respond(200, JSON_HEADERS, _OK)
-        return 200
+    # -- small routes ------------------------------------------------------------------------
+    def _models(self, req: Request) -> Answer:
+        return 200, JSON_HEADERS, self.openai.models_body(self.pool.models())
 
-    async def readyz(self, req: Request, sink: ResponseSink, t0: float) -> int:
+    def _healthz(self, req: Request) -> Answer:
+        return 200, JSON_HEADERS, _OK
+
+    def _readyz(self, req: Request) -> Answer:
         ready = self.pool.ready_workers()
         if ready and not self.draining:
-            await sink.respond(200, JSON_HEADERS, orjson.dumps(
-                {"status": "ready", "workers": ready, "models": self.pool.models()}))
-            return 200
+            return 200, JSON_HEADERS, orjson.dumps({"status": "ready", "workers": ready, "models": self.pool.models()})
         why = "draining" if self.draining else "no worker is ready"
-        await sink.respond(503, JSON_HEADERS, orjson.dumps({"status": "not ready", "reason": why, "workers": ready}))
-        return 503
+        return 503, JSON_HEADERS, orjson.dumps({"status": "not ready", "reason": why, "workers": ready})
 
-    async def metrics_page(self, req: Request, sink: ResponseSink, t0: float) -> int:
+    def _metrics_page(self, req: Request) -> Answer:
         self.metrics.workers_ready.set(self.pool.ready_workers())
-        await sink.respond(200, _METRICS_HEADERS, self.metrics.render())
-        return 200
+        return 200, _METRICS_HEADERS, self.metrics.render()
 
     def on_http_event(self, event: ProtocolEvent) -> None:
         """``on_event`` hook for protocol adapters: a request rejected before routing (400/408/413/431)."""
         self.metrics.protocol_error(event.status, event.protocol)
-

@@ -24,10 +24,14 @@ Both sides: heartbeats (Ping/Pong) and a dead-peer timeout live in
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Protocol
+import asyncio
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Protocol
 
 from .messages import Error, Finish, Hello, Stats, Submit, TokenBatch, TokenEntry
+
+if TYPE_CHECKING:
+    from .client_stream import Collected
 
 __all__ = ["RequestStream", "WorkerConnection", "ServerConnection", "WorkerHandler", "Server", "StreamEvent"]
 
@@ -47,6 +51,27 @@ class RequestStream(Protocol):
         """
         ...
 
+    def wait(self) -> asyncio.Future[None]:
+        """Resolves once an event is waiting (pull mode driven by callbacks; see :meth:`take_events`)."""
+        ...
+
+    def take_events(self) -> list[StreamEvent]:
+        """Every event waiting now (possibly none); grants credit like :meth:`next_events`."""
+        ...
+
+    def collect(self) -> asyncio.Future[Collected]:
+        """Whole-response mode: text deltas buffered in the stream, one wake-up at the end."""
+        ...
+
+    def listen(self, on_text: Callable[[bytes], bool]) -> asyncio.Future[Finish | Error | None]:
+        """Push mode: ``on_text`` per engine step; resolves to the final event, or None once
+        ``on_text`` returned False (the consumer's client is slow: listen again later)."""
+        ...
+
+    def unlisten(self) -> None:
+        """Leave push mode (idempotent)."""
+        ...
+
     def cancel(self) -> None:
         """Send Cancel (idempotent). The stream still ends exactly once."""
         ...
@@ -61,6 +86,7 @@ class WorkerConnection(Protocol):
     peer_hello: Hello
     latest_stats: Stats | None
     closed: bool
+    draining: bool  # the worker said Goodbye: no new requests
 
     def next_request_id(self) -> int: ...
 

@@ -108,11 +108,24 @@ class ClientStream:
         if self._final_returned or self._parts is not None:
             raise StopAsyncIteration
         while not self._events:
-            self._waiter = self._conn.loop.create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
+            await self.wait()
+        return self.take_events()
+
+    def wait(self) -> asyncio.Future[None]:
+        """A future that resolves once an event is waiting (pull mode without a coroutine:
+        ``wait().add_done_callback(...)``, then :meth:`take_events`). One waiter at a time."""
+        w = self._waiter = self._conn.loop.create_future()
+        if self._events:
+            w.set_result(None)
+        w.add_done_callback(self._waited)
+        return w
+
+    def _waited(self, w: asyncio.Future[None]) -> None:
+        if self._waiter is w:
+            self._waiter = None
+
+    def take_events(self) -> list[StreamEvent]:
+        """Every event waiting now (possibly none), granting credit for their tokens."""
         events, self._events = self._events, []
         ntok = 0
         for ev in events:
@@ -125,6 +138,13 @@ class ClientStream:
         if self._ended and not self._events:
             self._final_returned = True
         return events
+
+    def deliver(self, entry: TokenEntry) -> None:
+        """One entry, in whatever mode the stream is in (the per-entry path of :func:`deliver_tokens`)."""
+        if self._parts is not None or self._listener is not None:
+            _text_entry(self, entry.text, len(entry.token_ids), self._conn._grant_batch)
+        else:
+            self._push(entry)
 
     def collect(self) -> asyncio.Future[Collected]:
         """Wait for the end of the request with no wake-up per engine step.
@@ -250,10 +270,7 @@ def deliver_tokens(streams: dict[int, ClientStream], batch: TokenBatch, grant: i
         for entry in batch.entries():
             st = streams.get(entry.request_id)
             if st is not None:
-                if st._parts is not None or st._listener is not None:  # a text-only neighbour
-                    _text_entry(st, entry.text, len(entry.token_ids), grant)
-                else:
-                    st._push(entry)
+                st.deliver(entry)
         return
     text = batch.text
     tok: memoryview | None = None

@@ -62,7 +62,7 @@ def submit_fields(s: Submit) -> list[object]:
 def submit_body(s: Submit) -> bytes:
     """``pack(submit_fields(s))``, faster: the params sub-array is packed once per SamplingParams
     object (the gateway shares one per distinct setting) and spliced in."""
-    rest = _PACKER.pack(_submit_rest(s))
+    rest: bytes = _PACKER.pack(_submit_rest(s))
     # msgpack: an array of 10 is the byte 0x9a then its items; ``rest`` is an array of 8 (0x98 + items).
     return b"\x9a" + _PACKER.pack(s.model) + _params_bytes(s.params) + rest[1:]
 

@@ -24,7 +24,6 @@ __all__ = [
     "finish_reason",
     "chat_logprobs",
     "completion_logprobs",
-    "sse_error",
     "DONE",
     "JSON_HEADERS",
     "SSE_HEADERS",
@@ -127,11 +126,6 @@ def response_body(chat: bool, model: str, text: str, fin: Finish, logprobs: Any)
             "usage": usage_dict(fin),
         }
     return orjson.dumps(body)
-
-
-def sse_error(status: int, message: str, type_: str, code: str | None) -> bytes:
-    err = {"error": {"message": message, "type": type_, "param": None, "code": code, "status": status}}
-    return b"data: " + orjson.dumps(err) + b"\n\n"
 
 
 class ChunkTemplate:

@@ -22,7 +22,7 @@ from email.utils import formatdate
 from typing import Any, Protocol
 
 from gateway.errors import APIError, render_json
-from gateway.http.types import FastHandler, Handler, Headers, Request, ResponseSink
+from gateway.http.types import Handler, Headers, Request, ResponseSink
 
 __all__ = [
     "HttpLimits",
@@ -131,7 +131,7 @@ class ServerState:
 
     def __init__(self, handler: Handler, limits: HttpLimits, on_event: EventHook | None) -> None:
         self.handler = handler
-        self.fast: FastHandler | None = getattr(handler, "fast", None)  # see gateway.http.types
+        self.fast: Any = getattr(handler, "fast", None)
         self.limits = limits
         self.on_event = on_event
         self.in_flight = 0

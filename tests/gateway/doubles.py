@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import orjson
 
+from transport.client_stream import ClientStream
 from transport.errors import ConnectionClosed
 from transport.messages import (
     Error,
@@ -32,40 +33,33 @@ from transport.messages import (
 __all__ = ["ScriptedWorkerConnection", "ScriptedStream", "RecordingSink", "sse_events"]
 
 
-class ScriptedStream:
+class ScriptedStream(ClientStream):
+    """The transport's own :class:`ClientStream` (every consumption mode), fed by the script."""
+
     def __init__(self, conn: ScriptedWorkerConnection, request_id: int) -> None:
-        self.request_id = request_id
-        self._conn = conn
-        self._q: asyncio.Queue[list[object]] = asyncio.Queue()
-        self._ended = False  # final event returned
+        super().__init__(conn, request_id, extras=True)  # type: ignore[arg-type]
         self._final_queued = False
         self.cancelled = False
+
+    def collect(self):  # type: ignore[no-untyped-def]
+        self._extras = False  # the script's logprobs requests are never collected
+        return super().collect()
+
+    def listen(self, on_text):  # type: ignore[no-untyped-def]
+        self._extras = False
+        return super().listen(on_text)
 
     def put(self, batch: list[object]) -> None:
         if self._final_queued:
             return
-        if batch and type(batch[-1]) in (Finish, Error):
-            self._final_queued = True
-            self._conn._open.discard(self.request_id)
-        self._q.put_nowait(batch)
-
-    async def next_events(self) -> list[object]:
-        if self._ended:
-            raise StopAsyncIteration
-        batch = await self._q.get()
-        if batch and type(batch[-1]) in (Finish, Error):
-            self._ended = True
-        return batch
-
-    def cancel(self) -> None:
-        if not self.cancelled:
-            self.cancelled = True
-            self._conn.cancels.append(self.request_id)
-        self.put([Error(self.request_id, ErrorCode.CANCELLED, "cancelled")])
-
-    @property
-    def done(self) -> bool:
-        return self._ended
+        for ev in batch:
+            if type(ev) is TokenEntry:
+                self.deliver(ev)
+            else:
+                self._final_queued = True
+                self._conn._open.discard(self.request_id)  # type: ignore[attr-defined]
+                self._end(ev)  # type: ignore[arg-type]
+                return
 
 
 @dataclass
@@ -81,6 +75,7 @@ class ScriptedWorkerConnection:
     submit_raises: Exception | None = None  # what submit() raises instead of opening a stream
     latest_stats: Stats | None = None
     closed: bool = False
+    draining: bool = False
     submits: list[Submit] = field(default_factory=list)
     cancels: list[int] = field(default_factory=list)
     streams: dict[int, ScriptedStream] = field(default_factory=dict)
@@ -94,6 +89,23 @@ class ScriptedWorkerConnection:
     def next_request_id(self) -> int:
         self._next += 1
         return self._next
+
+    # what ClientStream needs of its connection
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        return asyncio.get_running_loop()
+
+    _grant_batch = 1 << 30
+
+    def _consumed(self, rid: int, tokens: int) -> None:
+        pass
+
+    def _cancel(self, rid: int) -> None:
+        s = self.streams[rid]
+        if not s.cancelled:
+            s.cancelled = True
+            self.cancels.append(rid)
+        s.put([Error(rid, ErrorCode.CANCELLED, "cancelled")])
 
     @property
     def in_flight(self) -> int:
@@ -109,18 +121,18 @@ class ScriptedWorkerConnection:
         rid = submit.request_id
         s = self.streams[rid] = ScriptedStream(self, rid)
         self._open.add(rid)
+        batches: list[list[object]] = []
         if self.fail_before_first is not None:
-            s.put([Error(rid, self.fail_before_first, f"scripted {self.fail_before_first.name}")])
-            return s
+            batches.append([Error(rid, self.fail_before_first, f"scripted {self.fail_before_first.name}")])
         n = submit.params.max_tokens
         top_n = submit.params.top_logprobs
         produced = 0
-        while produced < n:
+        while produced < n and self.fail_before_first is None:
             if self.hang_after is not None and produced >= self.hang_after:
-                return s
+                break
             if self.fail_after is not None and produced >= self.fail_after:
-                s.put([Error(rid, ErrorCode.INTERNAL, "scripted failure")])
-                return s
+                batches.append([Error(rid, ErrorCode.INTERNAL, "scripted failure")])
+                break
             k = min(self.tokens_per_batch, n - produced)
             ids = [self.alphabet[(produced + i) % len(self.alphabet)] for i in range(k)]
             lp = tops = toplp = None
@@ -134,8 +146,15 @@ class ScriptedWorkerConnection:
             batch: list[object] = [entry]
             if produced == n:
                 batch.append(Finish(rid, FinishReason.LENGTH, self.prompt_tokens, n))
-            s.put(batch)
+            batches.append(batch)
+        self._steps(s, batches)
         return s
+
+    def _steps(self, s: ScriptedStream, batches: list[list[object]]) -> None:
+        """One batch per loop iteration, as engine steps arrive (none once the stream ended)."""
+        if batches and not s._final_queued:
+            s.put(batches[0])
+            asyncio.get_running_loop().call_soon(self._steps, s, batches[1:])
 
     async def drain(self, timeout: float) -> None:
         await self.close()
@@ -152,7 +171,10 @@ class ScriptedWorkerConnection:
 
 
 class RecordingSink:
-    """ResponseSink double: ``status``, ``headers``, ``body`` (all chunks joined), ``chunks``."""
+    """ResponseSink double: ``status``, ``headers``, ``body`` (all chunks joined), ``chunks``.
+
+    ``block_after_chunks``: after that many chunks the client "stops reading": ``send_nowait``
+    returns False and ``send`` waits until :meth:`unblock`."""
 
     def __init__(self, block_after_chunks: int | None = None) -> None:
         self.status: int | None = None
@@ -160,37 +182,47 @@ class RecordingSink:
         self.chunks: list[bytes] = []
         self.streamed = False
         self.ended = False
+        self.aborted = False
         self.block_after_chunks = block_after_chunks
         self.blocked = asyncio.Event()
+        self._open = asyncio.Event()
 
-    async def respond(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+    def respond(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
         assert self.status is None, "response already started"
         self.status, self.headers, self.chunks, self.ended = status, headers, [body], True
 
-    async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+    def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         assert self.status is None, "response already started"
         self.status, self.headers, self.streamed = status, headers, True
 
+    def _full(self) -> bool:
+        return self.block_after_chunks is not None and len(self.chunks) >= self.block_after_chunks \
+            and not self._open.is_set()
+
+    def send_nowait(self, data: bytes) -> bool:
+        assert self.streamed and not self.ended
+        if self._full():
+            self.blocked.set()
+            return False
+        self.chunks.append(data)
+        return True
+
     async def send(self, data: bytes) -> None:
         assert self.streamed and not self.ended
-        self.chunks.append(data)
-        if self.block_after_chunks is not None and len(self.chunks) >= self.block_after_chunks:
+        if self._full():
             self.blocked.set()
-            await asyncio.Event().wait()  # a client that stopped reading
+            await self._open.wait()  # a client that stopped reading
+        self.chunks.append(data)
 
-    async def end(self) -> None:
+    def unblock(self) -> None:
+        self._open.set()
+
+    def end(self) -> None:
         assert self.streamed and not self.ended
         self.ended = True
 
-    # what an adapter's sink adds for gateway.http.common.run_request
-    def fail(self, err: object) -> None:
-        if self.status is None:
-            self.status, self.chunks, self.ended = getattr(err, "status", 500), [b"{}"], True
-
-    def finish(self) -> None:
-        if self.status is None:
-            self.fail(None)
-        self.ended = True
+    def abort(self) -> None:
+        self.aborted = True
 
     @property
     def body(self) -> bytes:

@@ -1,8 +1,8 @@
-"""The handlers' low-overhead paths over a real transport connection (EchoWorker double, loopback).
+"""The generation call's read modes over a real transport connection (EchoWorker double, loopback).
 
 Non-streamed requests use ``ClientStream.collect`` (one wake-up per request);
-plain streams use ``ClientStream.listen`` when the sink offers ``send_nowait``
-(no wake-up per engine step). These check that the bytes are the same as the
+plain streams use ``ClientStream.listen`` (no wake-up per engine step); logprob
+requests pull per step. These check that the bytes are the same as the
 general path's and that backpressure, disconnects and worker errors still work.
 """
 
@@ -25,7 +25,7 @@ from .doubles import RecordingSink, sse_events
 
 
 class NowaitSink(RecordingSink):
-    """RecordingSink with the optional ``send_nowait``; refuses (a slow client) every ``refuse_every``-th call."""
+    """RecordingSink that refuses ``send_nowait`` (a slow client) every ``refuse_every``-th call."""
 
     def __init__(self, refuse_every: int = 0, block_after_chunks: int | None = None) -> None:
         super().__init__(block_after_chunks)
@@ -34,15 +34,17 @@ class NowaitSink(RecordingSink):
         self.refused = 0
 
     def send_nowait(self, data: bytes) -> bool:
-        assert self.streamed and not self.ended
         self.nowait_calls += 1
         if self.refuse_every and self.nowait_calls % self.refuse_every == 0:
             self.refused += 1
             return False
-        if self.block_after_chunks is not None and len(self.chunks) + 1 >= self.block_after_chunks:
-            return False  # from here on the client "stops reading": send() blocks
-        self.chunks.append(data)
-        return True
+        return super().send_nowait(data)
+
+
+async def run(app: App, r: Request, sink: RecordingSink) -> None:
+    ended = asyncio.get_running_loop().create_future()
+    app.handle(r, sink, lambda: ended.set_result(None))
+    await asyncio.wait_for(ended, 30)
 
 
 @pytest.fixture
@@ -70,7 +72,7 @@ def expected_text(n: int) -> str:
 async def test_unary_collects_over_the_real_transport(echo: tuple[App, EchoWorker]) -> None:
     app, _ = echo
     sink = RecordingSink()
-    await app(chat(40, False), sink)
+    await run(app, chat(40, False), sink)
     body = sink.json()
     assert sink.status == 200
     assert body["choices"][0]["message"]["content"] == expected_text(40)  # type: ignore[index]
@@ -85,7 +87,7 @@ async def test_unary_collects_over_the_real_transport(echo: tuple[App, EchoWorke
 async def test_stream_push_mode_same_bytes_and_backpressure(echo: tuple[App, EchoWorker], refuse_every: int) -> None:
     app, _ = echo
     sink = NowaitSink(refuse_every)
-    await app(chat(30, True, stream_options={"include_usage": True}), sink)
+    await run(app, chat(30, True, stream_options={"include_usage": True}), sink)
     assert sink.status == 200 and sink.ended
     assert sink.nowait_calls > 0  # the push path ran
     if refuse_every:
@@ -102,32 +104,32 @@ async def test_stream_push_mode_same_bytes_and_backpressure(echo: tuple[App, Ech
     assert all(c.startswith(b"data: ") and c.endswith(b"\n\n") for c in sink.chunks)
 
 
-async def test_stream_push_mode_without_nowait_uses_the_general_path(echo: tuple[App, EchoWorker]) -> None:
+async def test_a_slow_client_gets_the_same_text(echo: tuple[App, EchoWorker]) -> None:
     app, _ = echo
-    plain, pushed = RecordingSink(), NowaitSink()
-    await app(chat(12, True), plain)
-    await app(chat(12, True), pushed)
+    pushed, pulled = NowaitSink(), NowaitSink(refuse_every=4)
+    await run(app, chat(12, True), pushed)
+    await run(app, chat(12, True), pulled)
 
     def texts(s: RecordingSink) -> str:
         return "".join(e["choices"][0]["delta"].get("content", "")  # type: ignore[index]
                        for e in sse_events(s.body) if e != "[DONE]")
 
-    assert texts(plain) == texts(pushed) == expected_text(12)
+    assert texts(pushed) == texts(pulled) == expected_text(12)
+    assert pulled.refused and not pushed.refused
 
 
-async def test_client_gone_during_push_cancels_the_worker_request(echo: tuple[App, EchoWorker]) -> None:
+async def test_client_gone_while_not_reading_cancels_the_worker_request(echo: tuple[App, EchoWorker]) -> None:
     app, worker = echo
     sink = NowaitSink(block_after_chunks=5)
-    task = asyncio.ensure_future(app(chat(4000, True), sink))
-    await asyncio.wait_for(sink.blocked.wait(), 10)  # the handler is waiting on a client that stopped reading
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
+    done: list[int] = []
+    call = app.handle(chat(4000, True), sink, lambda: done.append(1))
+    await asyncio.wait_for(sink.blocked.wait(), 10)  # the call is waiting on a client that stopped reading
+    call.cancel()
     for _ in range(400):
         if worker.cancelled:
             break
         await asyncio.sleep(0.005)
-    assert len(worker.cancelled) == 1 and not worker.active
+    assert len(worker.cancelled) == 1 and not worker.active and done == [1]
 
 
 async def test_worker_error_in_fast_paths(echo: tuple[App, EchoWorker]) -> None:
@@ -137,6 +139,6 @@ async def test_worker_error_in_fast_paths(echo: tuple[App, EchoWorker]) -> None:
     for stream in (False, True):
         body = orjson.dumps({"model": "ghost", "messages": [{"role": "user", "content": "x"}], "stream": stream})
         sink = NowaitSink()
-        await app(Request("POST", "/v1/chat/completions", "", [], body, "http/1.1", "http"), sink)
+        await run(app, Request("POST", "/v1/chat/completions", "", [], body, "http/1.1", "http"), sink)
         assert sink.status == 404 and not sink.streamed
         assert sink.json()["error"]["code"] == "model_not_found"  # type: ignore[index]

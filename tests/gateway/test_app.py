@@ -30,32 +30,10 @@ def req(path: str, body: object = None, method: str = "POST", raw: bytes | None 
     return Request(method, path, "", [], data, "http/1.1", "http")
 
 
-class FastSink(RecordingSink):
-    """A sink that offers ``respond_nowait``, as the h1 adapter's does (so ``App.fast`` may take
-    the request)."""
-
-    def respond_nowait(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
-        assert self.status is None, "response already started"
-        self.status, self.headers, self.chunks, self.ended = status, headers, [body], True
-
-
-MODE = "task"
-
-
-@pytest.fixture(autouse=True, params=["task", "adapter"])
-def path_mode(request: pytest.FixtureRequest) -> None:
-    """Every test runs twice: through ``App.__call__`` in a task, and the way the h1 adapter
-    serves a request (``App.fast`` first, the task path when it declines)."""
-    global MODE
-    MODE = request.param
-
-
-async def call(app: App, r: Request) -> RecordingSink:
-    if MODE == "task":
-        sink = RecordingSink()
-        await app(r, sink)
-        return sink
-    fast_sink = FastSink()
+async def call(app: App, r: Request, sink: RecordingSink | None = None) -> RecordingSink:
+    """One request through the entrance, as an adapter serves it: ``done()`` exactly once, never
+    inside ``handle``."""
+    sink = sink if sink is not None else RecordingSink()
     ended = asyncio.get_running_loop().create_future()
     calls: list[int] = []
 
@@ -63,16 +41,13 @@ async def call(app: App, r: Request) -> RecordingSink:
         calls.append(1)
         ended.set_result(None)
 
-    c = app.fast(r, fast_sink, done)
-    assert not calls, "done() must never run inside fast()"
-    if c is None:
-        await app(r, fast_sink)
-    else:
-        await ended
-        await asyncio.sleep(0)
-        assert calls == [1]
+    app.handle(r, sink, done)
+    assert not calls, "done() must never run inside handle()"
+    await ended
+    await asyncio.sleep(0)
+    assert calls == [1]
     assert app.metrics.in_flight == 0
-    return fast_sink
+    return sink
 
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
@@ -208,7 +183,7 @@ async def test_404_405_health_ready_metrics() -> None:
     assert 'quicserve_requests_total{protocol="http/1.1",route="/v1/chat/completions",status="200"} 2.0' in text
     assert 'quicserve_requests_total{protocol="http/1.1",route="other",status="404"} 1.0' in text
     assert "quicserve_time_to_first_token_seconds_count" in text
-    assert "quicserve_requests_in_flight 1.0" in text  # this very /metrics request
+    assert "quicserve_requests_in_flight 0.0" in text  # small routes are answered at once
     assert 'quicserve_worker_in_flight{worker="scripted"} 0.0' in text
 
 
@@ -301,32 +276,55 @@ async def test_all_workers_closed_gives_503() -> None:
     assert s.status == 503 and s.header(b"retry-after") == b"1"
 
 
+async def start(app: App, r: Request, sink: RecordingSink) -> tuple[object, list[int]]:
+    """Start a request through the entrance without waiting for its end."""
+    done: list[int] = []
+    c = app.handle(r, sink, lambda: done.append(1))
+    for _ in range(20):
+        await asyncio.sleep(0)
+    return c, done
+
+
 @pytest.mark.parametrize("stream", [False, True])
-async def test_client_disconnect_cancels_worker_request(stream: bool) -> None:
+@pytest.mark.parametrize("logprobs", [False, True])
+async def test_client_disconnect_cancels_worker_request_once(stream: bool, logprobs: bool) -> None:
     conn = ScriptedWorkerConnection(hang_after=2)
     app = make_app(conn)
     sink = RecordingSink()
-    task = asyncio.create_task(app(req("/v1/chat/completions", {**CHAT, "stream": stream}), sink))
-    for _ in range(20):
+    c, done = await start(app, req("/v1/chat/completions", {**CHAT, "stream": stream, "logprobs": logprobs}), sink)
+    assert conn.in_flight == 1 and not done
+    assert c.cancel() is True  # what the protocol adapter does when the client goes away
+    assert c.cancel() is False
+    for _ in range(5):
         await asyncio.sleep(0)
-    assert not task.done() and conn.in_flight == 1
-    task.cancel()  # what the protocol adapter does when the client goes away
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    assert conn.cancels == [1]
+    assert conn.cancels == [1] and done == [1]
     assert app.metrics.in_flight == 0
+    assert app.metrics.requests[("/v1/chat/completions", "499", "http/1.1")] == 1
+    assert not sink.ended  # nothing more is written for a client that left
 
 
-async def test_stalled_reader_disconnect_cancels() -> None:
+@pytest.mark.parametrize("logprobs", [False, True])
+async def test_stalled_reader_resumes_then_disconnect_cancels(logprobs: bool) -> None:
     conn = ScriptedWorkerConnection()
     app = make_app(conn)
-    sink = RecordingSink(block_after_chunks=1)
-    task = asyncio.create_task(app(req("/v1/chat/completions", {**CHAT, "stream": True, "max_tokens": 50}), sink))
+    body = {**CHAT, "stream": True, "max_tokens": 50, "logprobs": logprobs}
+    sink = RecordingSink(block_after_chunks=3)
+    c, done = await start(app, req("/v1/chat/completions", body), sink)
     await sink.blocked.wait()
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    assert conn.cancels == [1]
+    assert not done
+    c.cancel()
+    await asyncio.sleep(0)
+    assert conn.cancels == [1] and done == [1]
+    sink = RecordingSink(block_after_chunks=3)  # a slow reader that comes back gets every token
+    c, done = await start(app, req("/v1/chat/completions", body), sink)
+    await sink.blocked.wait()
+    sink.unblock()
+    for _ in range(50):
+        await asyncio.sleep(0)
+    assert done == [1] and sink.ended
+    ev = sse_events(sink.body)
+    text = "".join(e["choices"][0]["delta"].get("content", "") for e in ev[:-2])
+    assert text == ("abcdefghij" * 5) and ev[-1] == "[DONE]"
 
 
 async def test_request_timeout_504() -> None:
@@ -340,61 +338,18 @@ async def test_request_timeout_504() -> None:
     assert conn.cancels == [1]
 
 
-async def test_write_to_a_gone_client_ends_quietly_and_cancels() -> None:
-    class GoneSink(RecordingSink):
-        async def send(self, data: bytes) -> None:
-            raise ConnectionResetError("client went away")
-
-    conn = ScriptedWorkerConnection(hang_after=3)
-    app = make_app(conn)
-    sink = GoneSink()
-    with pytest.raises(ConnectionError):
-        await app(req("/v1/chat/completions", {**CHAT, "stream": True}), sink)
-    assert conn.cancels == [1] and sink.status == 200  # no second response attempted
-    assert app.metrics.requests[("/v1/chat/completions", "499", "http/1.1")] == 1
+async def test_timeout_of_a_client_that_stopped_reading_aborts() -> None:
+    conn = ScriptedWorkerConnection(hang_after=10)
+    app = make_app(conn, api=ApiSettings(request_timeout=0.05))
+    sink = RecordingSink(block_after_chunks=2)
+    s = await call(app, req("/v1/chat/completions", {**CHAT, "stream": True, "max_tokens": 50}), sink)
+    assert s.aborted and not s.ended and conn.cancels == [1]
+    assert app.metrics.requests[("/v1/chat/completions", "504", "http/1.1")] == 1
 
 
-# -- the task-free path (gateway.api.unary) ------------------------------------------------
-
-
-async def test_fast_path_takes_plain_unary_generations_and_tasks_the_rest() -> None:
-    from gateway.api.unary import UnaryCall
-
+async def test_whole_responses_are_buffered_by_the_worker() -> None:
     conn = ScriptedWorkerConnection()
     app = make_app(conn)
-    never = lambda: pytest.fail("done() for a declined request")  # noqa: E731
-    for r in (req("/v1/chat/completions", raw=b"{bad json"), req("/v1/models", method="GET"),
-              req("/healthz", method="GET"), req("/nope", {})):
-        assert app.fast(r, FastSink(), never) is None  # the adapter runs App.__call__
-    assert conn.submits == [] and app.metrics.in_flight == 0
-    for body, sink, kind in (({**CHAT, "stream": True}, FastSink(), asyncio.Task),
-                             ({**CHAT, "logprobs": True}, FastSink(), asyncio.Task),
-                             ({**CHAT, "model": "nope"}, FastSink(), asyncio.Task),  # 404 from the task path
-                             (CHAT, RecordingSink(), asyncio.Task),  # a sink without respond_nowait
-                             (CHAT, FastSink(), UnaryCall)):
-        done = asyncio.get_running_loop().create_future()
-        c = app.fast(req("/v1/chat/completions", body), sink, lambda d=done: d.set_result(None))
-        assert isinstance(c, kind) and not done.done()
-        await done
-        assert sink.status == (404 if body.get("model") == "nope" else 200)
-    assert [s.buffered for s in conn.submits] == [False, False, True, True]  # whole results: buffered
-    assert app.metrics.in_flight == 0
-
-
-async def test_fast_path_client_gone_cancels_the_worker_request_once() -> None:
-    conn = ScriptedWorkerConnection(hang_after=2)
-    app = make_app(conn)
-    sink = FastSink()
-    done: list[int] = []
-    c = app.fast(req("/v1/chat/completions", CHAT), sink, lambda: done.append(1))
-    assert c is not None
-    for _ in range(10):
-        await asyncio.sleep(0)
-    assert conn.in_flight == 1 and not done
-    assert c.cancel() is True  # what the adapter does when the client goes away
-    assert c.cancel() is False
-    for _ in range(5):
-        await asyncio.sleep(0)
-    assert conn.cancels == [1] and done == [1] and sink.status is None
-    assert app.metrics.in_flight == 0
-    assert app.metrics.requests[("/v1/chat/completions", "499", "http/1.1")] == 1
+    for body in ({**CHAT, "stream": True}, {**CHAT, "logprobs": True}, CHAT):
+        assert (await call(app, req("/v1/chat/completions", body))).status == 200
+    assert [s.buffered for s in conn.submits] == [False, False, True]

@@ -1,0 +1,328 @@
+"""The generation call: one request from its submit to its one end, driven by callbacks.
+
+How it works: the call owns the routed stream, the deadline, cancellation, the
+retry before the first token, token metrics and the end. It reads the stream in
+the cheapest mode the response allows, each a callback from the transport, so
+no task runs per request and nothing wakes per token unless it must:
+
+* **whole** (non-streaming, no logprobs): the transport buffers the text
+  (``stream.collect()``) and the call wakes once, at the end;
+* **push** (streaming, no logprobs): ``stream.listen(on_text)`` hands each engine
+  step's text to :meth:`_on_text`, which writes the chunk at once;
+* **pull** (logprobs): ``stream.wait()`` / ``take_events()`` per engine step.
+
+A :class:`~gateway.api.writers.Writer` turns events into the wire format. The
+only coroutine is :meth:`_resume`, and only while a client is not reading: the
+call awaits ``sink.send`` for the chunk it could not write, then goes on where
+it was. The call ends exactly once (:meth:`_end`): a finished response, an error
+(a whole error response before anything was sent, the writer's terminal event
+after), a 504 at the deadline, or 499 when the client went away (nothing sent).
+Then ``on_end(status, completion_tokens)`` runs (metrics, admission release),
+then ``done()`` (the adapter's next request), never inside :meth:`start`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from transport.messages import Finish, TokenEntry
+
+from ..errors import APIError, from_wire_code, internal_error
+from ..http.types import ResponseSink
+from ..routing.routed import RoutedStream
+from .writers import JsonWriter, Writer
+
+if TYPE_CHECKING:
+    from .deadlines import DeadlineSweeper
+
+__all__ = ["GenerationCall", "CallContext"]
+
+log = logging.getLogger("quicserve.api")
+_perf = time.perf_counter
+
+EndHook = Callable[[int, int], None]
+
+
+class CallContext:
+    """What every call of one app shares: the deadline sweeper, the timeout, the token metrics."""
+
+    __slots__ = ("deadlines", "timeout", "observe")
+
+    def __init__(self, deadlines: DeadlineSweeper, timeout: float,
+                 observe: Callable[[str, float | None, float | None, int], None]) -> None:
+        self.deadlines = deadlines
+        self.timeout = timeout
+        self.observe = observe  # (route, ttft, tpot, completion tokens)
+
+    def timeout_error(self) -> APIError:
+        return APIError(504, f"The request did not finish within {self.timeout:g} s.", "server_error", None,
+                        "timeout")
+
+
+class GenerationCall:
+    """One generation request (the :class:`~gateway.http.types.Call` the pipeline hands back)."""
+
+    __slots__ = ("_ctx", "_routed", "_w", "_sink", "_route", "_t0", "_t_first", "_on_end", "_done", "_started",
+                 "_ended", "_starting", "_held", "_held_final", "_resumer", "_pull", "_whole")
+
+    def __init__(self, ctx: CallContext, routed: RoutedStream, writer: Writer, sink: ResponseSink, route: str,
+                 t0: float, logprobs: bool, on_end: EndHook, done: Callable[[], None]) -> None:
+        self._ctx = ctx
+        self._routed = routed
+        self._w = writer
+        self._sink = sink
+        self._route = route
+        self._t0 = t0
+        self._t_first = 0.0
+        self._on_end = on_end
+        self._done = done
+        self._started = False  # response head sent (streams)
+        self._ended = False
+        self._starting = False
+        self._held: bytes | None = None  # a chunk the client was not ready for
+        self._held_final: object = None  # pull mode: the final event that came with it
+        self._resumer: asyncio.Task[None] | None = None
+        self._pull = logprobs
+        self._whole = not writer.streaming and not logprobs
+
+    # -- start and read -------------------------------------------------------------------
+    def start(self) -> None:
+        self._starting = True
+        try:
+            self._ctx.deadlines.add(self, self._ctx.timeout)
+            self._read()
+        except Exception:
+            self._crash()
+        finally:
+            self._starting = False
+
+    def _read(self) -> None:
+        """Read the current stream (again, after a retry) in this call's mode."""
+        stream = self._routed.stream
+        assert stream is not None
+        if self._whole:
+            stream.collect().add_done_callback(self._collected)
+        elif self._pull:
+            self._pull_events()
+        else:
+            stream.listen(self._on_text).add_done_callback(self._listened)
+
+    def _collected(self, fut: asyncio.Future[Any]) -> None:
+        if self._ended or fut.cancelled():
+            return
+        try:
+            res = fut.result()
+            if not res.tokens and self._routed.retry(res.final):
+                self._read()
+                return
+            self._routed.started = True
+            fin = res.final
+            if type(fin) is not Finish:
+                self._fail(from_wire_code(fin.code, fin.message))
+                return
+            self._ctx.observe(self._route, None, None, fin.completion_tokens)
+            w = self._w
+            assert isinstance(w, JsonWriter)
+            self._sink.respond(200, w.headers, w.whole(res.text, fin))
+            self._end(200, fin.completion_tokens)
+        except Exception:
+            self._crash()
+
+    # push mode
+    def _on_text(self, delta: bytes) -> bool:
+        """One engine step's text, from the transport's receive path. False: the client is not
+        reading (the chunk is held; the listen future resolves to None)."""
+        if not self._started:
+            self._open()
+        chunk = self._w.text(delta)
+        if self._sink.send_nowait(chunk):
+            return True
+        self._held = chunk
+        return False
+
+    def _listened(self, fut: asyncio.Future[Any]) -> None:
+        if self._ended or fut.cancelled():
+            return
+        try:
+            ev = fut.result()
+            if ev is None:  # the client is slow: wait for it, then listen again
+                self._wait_for_client()
+            elif not self._started and self._routed.retry(ev):
+                self._read()
+            else:
+                self._final(ev)
+        except Exception:
+            self._crash()
+
+    # pull mode
+    def _pull_events(self) -> None:
+        stream = self._routed.stream
+        assert stream is not None
+        while not self._ended:
+            events = stream.take_events()
+            if not events:
+                stream.wait().add_done_callback(self._pulled)
+                return
+            last = events[-1]
+            final = last if type(last) is not TokenEntry else None
+            entries: list[TokenEntry] = events[:-1] if final is not None else events  # type: ignore[assignment]
+            if not self._started and not entries and final is not None and self._routed.retry(final):
+                self._read()
+                return
+            if entries:
+                if not self._started:
+                    self._open()
+                chunk = self._w.entries(entries)
+                if chunk and not self._sink.send_nowait(chunk):
+                    self._held, self._held_final = chunk, final
+                    self._wait_for_client()
+                    return
+            if final is not None:
+                self._final(final)
+                return
+
+    def _pulled(self, fut: asyncio.Future[Any]) -> None:
+        if self._ended or fut.cancelled():
+            return
+        try:
+            self._pull_events()
+        except Exception:
+            self._crash()
+
+    # -- writing ----------------------------------------------------------------------------
+    def _open(self) -> None:
+        """The first token: the request can no longer move; a stream sends its head."""
+        self._routed.started = True
+        self._t_first = _perf()
+        w = self._w
+        if w.streaming:
+            self._started = True
+            self._sink.start(200, w.headers)
+            first = w.opening()
+            if first:
+                self._sink.send_nowait(first)  # False only if the client is already gone
+
+    def _wait_for_client(self) -> None:
+        self._resumer = asyncio.ensure_future(self._resume())
+
+    async def _resume(self) -> None:
+        chunk, self._held = self._held, None
+        try:
+            if chunk:
+                await self._sink.send(chunk)
+        except (ConnectionError, asyncio.CancelledError):
+            return  # the adapter cancels the call
+        self._resumer = None
+        if self._ended:
+            return
+        try:
+            final, self._held_final = self._held_final, None
+            if final is not None:
+                self._final(final)
+            elif self._pull:
+                self._pull_events()
+            else:
+                stream = self._routed.stream
+                assert stream is not None
+                stream.listen(self._on_text).add_done_callback(self._listened)
+        except Exception:
+            self._crash()
+
+    def _final(self, ev: object) -> None:
+        if type(ev) is Finish:
+            if not self._started and not self._t_first:
+                self._open()  # a finish with no token
+            n = ev.completion_tokens
+            if self._t_first:
+                tpot = (_perf() - self._t_first) / (n - 1) if n > 1 else None
+                self._ctx.observe(self._route, self._t_first - self._t0, tpot, n)
+            w = self._w
+            body = w.finish(ev)
+            if w.streaming:
+                self._write_last(body, 200, n)
+            else:
+                self._sink.respond(200, w.headers, body)
+                self._end(200, n)
+        else:
+            self._fail(from_wire_code(ev.code, ev.message))  # type: ignore[attr-defined]
+
+    def _write_last(self, data: bytes, status: int, tokens: int) -> None:
+        """A stream's last bytes, then its end; the call ends once they are written."""
+        sink = self._sink
+        if sink.send_nowait(data):
+            sink.end()
+            self._end(status, tokens)
+            return
+
+        async def last() -> None:
+            try:
+                await sink.send(data)
+                sink.end()
+            except (ConnectionError, asyncio.CancelledError):
+                return  # the adapter cancels the call (499)
+            self._resumer = None
+            if not self._ended:
+                self._end(status, tokens)
+
+        self._resumer = asyncio.ensure_future(last())
+
+    def _fail(self, err: APIError) -> None:
+        """An error: a whole error response before anything was sent, a terminal event after."""
+        if self._started:
+            self._write_last(self._w.stream_error(err), err.status, 0)
+        else:
+            self._sink.respond(*self._w.error(err))
+            self._end(err.status, 0)
+
+    def _crash(self) -> None:
+        log.exception("generation call failed in %s", self._route)
+        if self._ended:
+            return
+        try:
+            self._fail(internal_error())
+        except Exception:
+            log.exception("could not report the failure")
+            self._sink.abort()
+            self._end(500, 0)
+
+    # -- the Call contract, and the deadline sweeper's -------------------------------------------
+    def cancel(self) -> bool:
+        """The client went away: stop the worker request; nothing more is written."""
+        if self._ended:
+            return False
+        self._end(499, 0)
+        return True
+
+    def expire(self) -> None:
+        """The request deadline passed (:class:`~gateway.api.deadlines.DeadlineSweeper`)."""
+        if self._ended:
+            return
+        if self._resumer is not None:  # the client is not reading: it cannot take an error event either
+            self._resumer.cancel()
+            self._sink.abort()
+            self._end(504, 0)
+            return
+        self._fail(self._ctx.timeout_error())
+
+    def _end(self, status: int, tokens: int) -> None:
+        self._ended = True
+        self._ctx.deadlines.discard(self)
+        routed = self._routed
+        if not routed.done:
+            routed.cancel()
+        stream = routed.stream
+        if stream is not None and not self._whole and not self._pull:
+            stream.unlisten()
+        if self._resumer is not None:
+            self._resumer.cancel()
+        try:
+            self._on_end(status, tokens)
+        finally:
+            if self._starting:
+                asyncio.get_running_loop().call_soon(self._done)
+            else:
+                self._done()

@@ -1,0 +1,180 @@
+"""Response writers: one per wire format, fed by the generation call.
+
+A writer turns a generation's events into the bytes of its wire format and
+nothing else: it never writes to a sink, never sees a deadline or a retry
+(that is :class:`~gateway.api.call.GenerationCall`'s job). Two for the OpenAI
+API today: :class:`JsonWriter` (one whole ``chat.completion`` /
+``text_completion`` body) and :class:`SseWriter` (``chat.completion.chunk`` /
+``text_completion`` events). gRPC and gRPC-Web writers sit beside them with the
+same shape.
+
+Adding a writer: a class with the :class:`Writer` methods in a module of its own,
+and the route (or content type) that picks it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import orjson
+
+from transport.messages import Error, Finish, TokenEntry
+
+from ..errors import APIError, Headers, from_wire_code, render_http, render_sse
+from .params import GenerationRequest
+from .render import (
+    DONE,
+    JSON_HEADERS,
+    SSE_HEADERS,
+    ChunkTemplate,
+    chat_logprobs,
+    completion_logprobs,
+    finish_reason,
+    new_id,
+    response_body,
+)
+
+__all__ = ["Writer", "JsonWriter", "SseWriter", "writer_for"]
+
+_dumps = orjson.dumps
+
+
+class Writer(Protocol):
+    streaming: bool  # True: start + chunks + end; False: one whole response at the finish
+    headers: Headers  # of a successful response
+
+    def opening(self) -> bytes:
+        """A stream's first bytes, sent with its head (b"" if none)."""
+        ...
+
+    def text(self, delta: bytes) -> bytes:
+        """One engine step's text, no logprobs (the hot path): a stream's chunk; b"" for a
+        whole response, which keeps it."""
+        ...
+
+    def entries(self, events: list[TokenEntry]) -> bytes:
+        """Token entries with whatever they carry (logprobs); bytes to send now (streams)."""
+        ...
+
+    def finish(self, fin: Finish) -> bytes:
+        """The end: a stream's last chunks, or the whole response's body."""
+        ...
+
+    def error(self, err: APIError) -> tuple[int, Headers, bytes]:
+        """An error before anything was sent: a whole response."""
+        ...
+
+    def stream_error(self, err: APIError) -> bytes:
+        """An error once a stream has started: its terminal event."""
+        ...
+
+
+class _OpenAIWriter:
+    __slots__ = ("g", "_lps", "_offset")
+
+    def __init__(self, g: GenerationRequest) -> None:
+        self.g = g
+        self._lps: Any = None  # logprobs of what is being written (chat: list; legacy: dict of lists)
+        self._offset = 0  # legacy completions' text_offset
+
+    def _logprobs(self, ev: TokenEntry) -> None:
+        g = self.g
+        if g.chat:
+            self._lps = (self._lps or []) + chat_logprobs(ev, g.top_logprobs)
+        else:
+            if self._lps is None:
+                self._lps = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+            self._offset = completion_logprobs(ev, g.top_logprobs, self._lps, self._offset)
+
+    def error(self, err: APIError) -> tuple[int, Headers, bytes]:
+        return render_http(err)
+
+    def stream_error(self, err: APIError) -> bytes:
+        return render_sse(err)
+
+
+class JsonWriter(_OpenAIWriter):
+    """A whole OpenAI response, built at the finish."""
+
+    __slots__ = ("_parts",)
+    streaming = False
+    headers = JSON_HEADERS
+
+    def __init__(self, g: GenerationRequest) -> None:
+        super().__init__(g)
+        self._parts: list[bytes] = []
+
+    def opening(self) -> bytes:
+        return b""
+
+    def text(self, delta: bytes) -> bytes:
+        self._parts.append(delta)
+        return b""
+
+    def entries(self, events: list[TokenEntry]) -> bytes:
+        for ev in events:
+            self._parts.append(ev.text)
+            if self.g.logprobs:
+                self._logprobs(ev)
+        return b""
+
+    def finish(self, fin: Finish) -> bytes:
+        parts = self._parts
+        text = (parts[0] if len(parts) == 1 else b"".join(parts)).decode("utf-8", "replace")
+        g = self.g
+        lps = None
+        if g.logprobs:
+            lps = {"content": self._lps or []} if g.chat else (
+                self._lps or {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []})
+        return response_body(g.chat, g.model, text, fin, lps)
+
+    def whole(self, text: bytes, fin: Finish) -> bytes:
+        """The body from a collected result (text buffered by the transport)."""
+        self._parts = [text]
+        return self.finish(fin)
+
+
+class SseWriter(_OpenAIWriter):
+    """Server-sent events, one chunk per engine step."""
+
+    __slots__ = ("_tpl",)
+    streaming = True
+    headers = SSE_HEADERS
+
+    def __init__(self, g: GenerationRequest) -> None:
+        super().__init__(g)
+        self._tpl = ChunkTemplate(g.chat, new_id("chatcmpl" if g.chat else "cmpl"), g.model, g.include_usage)
+
+    def opening(self) -> bytes:
+        return self._tpl.role() if self.g.chat else b""
+
+    def text(self, delta: bytes) -> bytes:
+        tpl = self._tpl
+        return tpl.head + _dumps(delta.decode("utf-8", "replace")) + tpl.tail
+
+    def entries(self, events: list[TokenEntry]) -> bytes:
+        if not events:
+            return b""
+        raw = events[0].text if len(events) == 1 else b"".join(ev.text for ev in events)
+        text = bytes(raw).decode("utf-8", "replace")
+        if not self.g.logprobs:
+            return self._tpl.content(text)
+        self._lps = None
+        for ev in events:
+            self._logprobs(ev)
+        return self._tpl.content_with_logprobs(text, self._lps)
+
+    def finish(self, fin: Finish) -> bytes:
+        tpl = self._tpl
+        out = tpl.finish(finish_reason(fin))
+        if self.g.include_usage:
+            out += tpl.usage(fin)
+        return out + DONE
+
+
+def writer_for(g: GenerationRequest) -> JsonWriter | SseWriter:
+    return SseWriter(g) if g.stream else JsonWriter(g)
+
+
+def final_error(ev: Error) -> APIError:
+    return from_wire_code(ev.code, ev.message)

@@ -1,0 +1,96 @@
+"""A request's stream on a replica, which may move to another one before its first token.
+
+How it works: :meth:`RoutedStream.submit` asks the pool's policy for a replica
+and submits there; a replica that refuses at once (closed, draining, full) is
+excluded and the policy asked again. Once the stream is open its consumer (the
+generation call) reads :attr:`RoutedStream.stream` in whatever mode it likes;
+if the stream ends with a retryable error before any token (the worker died,
+drained or was overloaded), :meth:`RoutedStream.retry` resubmits to another
+replica, up to the pool's ``retries``, and the consumer starts over on the new
+stream. After the first token the request cannot move: errors go to the client.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from transport.api import RequestStream, WorkerConnection
+from transport.errors import ConnectionClosed
+from transport.messages import Error, ErrorCode, Submit
+
+from .errors import NoReplica, Unroutable
+from .policy import RouteRequest
+
+if TYPE_CHECKING:
+    from .pool import ModelPool
+
+__all__ = ["RoutedStream", "RETRYABLE", "SubmitFactory"]
+
+log = logging.getLogger("quicserve.routing")
+
+# Worker-side errors that mean "this worker could not take it", not "bad request".
+RETRYABLE = frozenset({ErrorCode.CONNECTION_LOST, ErrorCode.SHUTTING_DOWN, ErrorCode.OVERLOADED})
+
+SubmitFactory = Callable[[int], Submit]
+
+
+class RoutedStream:
+    """One request's current stream and the replicas it has tried."""
+
+    __slots__ = ("_pool", "req", "_make", "stream", "_tried", "_retries_left", "started", "_cancelled", "conn")
+
+    def __init__(self, pool: ModelPool, req: RouteRequest, make_submit: SubmitFactory) -> None:
+        self._pool = pool
+        self.req = req
+        self._make = make_submit
+        self.stream: RequestStream | None = None
+        self._tried: tuple[WorkerConnection, ...] = ()
+        self._retries_left = pool.retries
+        self.started = False  # a token (or the finish) arrived: the request can no longer move
+        self._cancelled = False
+        self.conn: WorkerConnection | None = None
+
+    def submit(self) -> None:
+        """Open the stream on the replica the policy picks; raises a RoutingError if none takes it."""
+        while True:
+            conn = self._pool.choose(self.req, self._tried)
+            if conn is None:
+                raise NoReplica(self.req.model)
+            self._tried += (conn,)
+            try:
+                self.stream = conn.submit(self._make(conn.next_request_id()))
+            except ConnectionClosed as e:  # closed, draining or full under our feet: try another worker
+                log.info("submit to a worker failed (%s); trying another", e)
+                continue
+            except ValueError as e:  # the request breaks a wire rule (an encoder check): no worker can take it
+                raise Unroutable(str(e)) from None
+            self.conn = conn
+            return
+
+    @property
+    def done(self) -> bool:
+        return self.stream is None or self.stream.done
+
+    def retry(self, final: object) -> bool:
+        """``final`` ended the stream before any token: True if it was a retryable error and the
+        request moved to another replica (read :attr:`stream` again), False if ``final`` is the
+        answer."""
+        if (self.started or self._cancelled or type(final) is not Error or final.code not in RETRYABLE
+                or self._retries_left <= 0):
+            return False
+        self._retries_left -= 1
+        if self._pool.on_retry is not None:
+            self._pool.on_retry()
+        log.info("worker failed before the first token (%s: %s); resubmitting", final.code.name, final.message)
+        try:
+            self.submit()
+        except (NoReplica, Unroutable):
+            return False  # no other replica: the client gets the original error
+        return True
+
+    def cancel(self) -> None:
+        self._cancelled = True
+        if self.stream is not None:
+            self.stream.cancel()
