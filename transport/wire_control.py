@@ -64,7 +64,8 @@ def submit_body(s: Submit) -> bytes:
     object (the gateway shares one per distinct setting) and spliced in."""
     rest: bytes = _PACKER.pack(_submit_rest(s))
     # msgpack: an array of 10 is the byte 0x9a then its items; ``rest`` is an array of 8 (0x98 + items).
-    return b"\x9a" + _PACKER.pack(s.model) + _params_bytes(s.params) + rest[1:]
+    model: bytes = _PACKER.pack(s.model)
+    return b"\x9a" + model + _params_bytes(s.params) + rest[1:]
 
 
 def _submit_rest(s: Submit) -> list[object]:
