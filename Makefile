@@ -56,10 +56,12 @@ run: $(STAMP_RUN) $(SYSDEPS_STAMP)
 
 test: $(STAMP_TEST) $(SYSDEPS_STAMP) $(LIBTPU_STAMP)
 	$(VENV)/bin/ruff check gateway transport inference tests
+	$(VENV)/bin/mypy --strict gateway transport
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
 lint: $(STAMP_TEST)
 	$(VENV)/bin/ruff check gateway transport inference tests
+	$(VENV)/bin/mypy --strict gateway transport
 
 bench: $(STAMP_TEST)
 	for f in tests/bench/bench_*.py tests/bench/gpu_kernels.py; do m=$$(basename $$f .py); echo "== $$m"; $(PY) -m tests.bench.$$m || exit 1; done
