@@ -62,11 +62,13 @@ def children(pid: int) -> list[int]:
     return out
 
 
-def start_gateway(state: str, worker_args: list[str]) -> tuple[subprocess.Popen[str], str]:
+def start_gateway(state: str, worker_args: list[str], repo: Path = REPO) -> tuple[subprocess.Popen[str], str]:
+    """``quicserve serve --engine synthetic`` from the source tree ``repo`` (another checkout for A/B runs)."""
     cmd = [sys.executable, "-m", "gateway.cli", "serve", "--engine", "synthetic", "--port", "0", "--no-tls",
            "--progress", "off", "--log-level", "warning", "--state-dir", state]
     cmd += [f"--worker-arg={a}" for a in worker_args]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, text=True)
+    env = {**os.environ, "PYTHONPATH": str(repo)}
+    proc = subprocess.Popen(cmd, cwd=repo, stdout=subprocess.PIPE, text=True, env=env)
     url = ""
     deadline = time.monotonic() + 120
     assert proc.stdout is not None
