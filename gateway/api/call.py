@@ -67,7 +67,7 @@ class GenerationCall:
     """One generation request (the :class:`~gateway.http.types.Call` the pipeline hands back)."""
 
     __slots__ = ("_ctx", "_routed", "_w", "_sink", "_route", "_t0", "_t_first", "_on_end", "_done", "_started",
-                 "_ended", "_starting", "_held", "_held_final", "_resumer", "_pull", "_whole")
+                 "_ended", "_starting", "_held", "_held_final", "_resumer", "_pull", "_whole", "_fut")
 
     def __init__(self, ctx: CallContext, routed: RoutedStream, writer: Writer, sink: ResponseSink, route: str,
                  t0: float, logprobs: bool, on_end: EndHook, done: Callable[[], None]) -> None:
@@ -88,12 +88,14 @@ class GenerationCall:
         self._resumer: asyncio.Task[None] | None = None
         self._pull = logprobs
         self._whole = not writer.streaming and not logprobs
+        self._fut: asyncio.Future[Any] | None = None  # what the call waits on now; others are stale
 
     # -- start and read -------------------------------------------------------------------
     def start(self) -> None:
         self._starting = True
         try:
             self._ctx.deadlines.add(self, self._ctx.timeout)
+            self._routed.on_moved = self._read  # a rebalance moved the request before its first token
             self._read()
         except Exception:
             self._crash()
@@ -105,21 +107,24 @@ class GenerationCall:
         stream = self._routed.stream
         assert stream is not None
         if self._whole:
-            stream.collect().add_done_callback(self._collected)
+            fut: asyncio.Future[Any] = stream.collect()
         elif self._pull:
             self._pull_events()
+            return
         else:
-            stream.listen(self._on_text).add_done_callback(self._listened)
+            fut = stream.listen(self._on_text)
+        self._fut = fut
+        fut.add_done_callback(self._collected if self._whole else self._listened)
 
     def _collected(self, fut: asyncio.Future[Any]) -> None:
-        if self._ended or fut.cancelled():
+        if self._ended or fut is not self._fut or fut.cancelled():
             return
         try:
             res = fut.result()
             if not res.tokens and self._routed.retry(res.final):
                 self._read()
                 return
-            self._routed.started = True
+            self._routed.start()
             fin = res.final
             if type(fin) is not Finish:
                 self._fail(from_wire_code(fin.code, fin.message))
@@ -145,7 +150,7 @@ class GenerationCall:
         return False
 
     def _listened(self, fut: asyncio.Future[Any]) -> None:
-        if self._ended or fut.cancelled():
+        if self._ended or fut is not self._fut or fut.cancelled():
             return
         try:
             ev = fut.result()
@@ -165,7 +170,8 @@ class GenerationCall:
         while not self._ended:
             events = stream.take_events()
             if not events:
-                stream.wait().add_done_callback(self._pulled)
+                self._fut = w = stream.wait()
+                w.add_done_callback(self._pulled)
                 return
             last = events[-1]
             final = last if type(last) is not TokenEntry else None
@@ -186,7 +192,7 @@ class GenerationCall:
                 return
 
     def _pulled(self, fut: asyncio.Future[Any]) -> None:
-        if self._ended or fut.cancelled():
+        if self._ended or fut is not self._fut or fut.cancelled():
             return
         try:
             self._pull_events()
@@ -196,7 +202,7 @@ class GenerationCall:
     # -- writing ----------------------------------------------------------------------------
     def _open(self) -> None:
         """The first token: the request can no longer move; a stream sends its head."""
-        self._routed.started = True
+        self._routed.start()
         self._t_first = _perf()
         w = self._w
         if w.streaming:
@@ -226,9 +232,7 @@ class GenerationCall:
             elif self._pull:
                 self._pull_events()
             else:
-                stream = self._routed.stream
-                assert stream is not None
-                stream.listen(self._on_text).add_done_callback(self._listened)
+                self._read()
         except Exception:
             self._crash()
 
@@ -312,6 +316,8 @@ class GenerationCall:
         self._ended = True
         self._ctx.deadlines.discard(self)
         routed = self._routed
+        routed.on_moved = None
+        routed.close()
         if not routed.done:
             routed.cancel()
         stream = routed.stream

@@ -37,6 +37,9 @@ class ModelPool:
         self.on_retry = on_retry
         self._by_model: dict[str, list[WorkerConnection]] = {}
         self._known: set[str] = set()  # every model ever announced (404 vs 503)
+        # per replica: its requests that have no token yet, oldest first (what a rebalance may move)
+        self._waiting: dict[WorkerConnection, dict[RoutedStream, None]] = {}
+        self.on_move: Callable[[int], None] | None = None  # metrics: requests moved by a rebalance
 
     # -- membership (supervisor) ------------------------------------------------
     def add(self, conn: WorkerConnection, models: Iterable[str] | None = None) -> None:
@@ -46,8 +49,11 @@ class ModelPool:
             conns = self._by_model.setdefault(name, [])
             if conn not in conns:
                 conns.append(conn)
+        for name in names:
+            self.rebalance(name, conn)
 
     def remove(self, conn: WorkerConnection) -> None:
+        self._waiting.pop(conn, None)
         for name in list(self._by_model):
             conns = self._by_model[name]
             if conn in conns:
@@ -80,6 +86,48 @@ class ModelPool:
             return None if c.closed or c.draining else self.policy.choose(req, conns)
         live = [c for c in conns if not c.closed and not c.draining and c not in exclude]
         return self.policy.choose(req, live) if live else None
+
+    def _waiting_on(self, conn: WorkerConnection) -> dict[RoutedStream, None]:
+        w = self._waiting.get(conn)
+        if w is None:
+            w = self._waiting[conn] = {}
+        return w
+
+    def waiting(self, conn: WorkerConnection) -> int:
+        """Requests on ``conn`` that have no token yet."""
+        return len(self._waiting.get(conn, ()))
+
+    def rebalance(self, model: str, target: WorkerConnection) -> int:
+        """Move requests of ``model`` that have no token yet from the other replicas to ``target``
+        (just ready, or idle), oldest first, until the two sides are even: ``target``'s load, plus
+        what it got, against each source's waiting requests, less what it gave. Returns how many
+        moved."""
+        if target.closed or target.draining:
+            return 0
+        moved = 0
+        load = self._load(target)
+        for src in self._by_model.get(model, ()):
+            if src is target:
+                continue
+            waiting = [r for r in self._waiting.get(src, ()) if r.req.model == model and r.on_moved is not None]
+            left = len(waiting)
+            for routed in waiting:
+                if left - 1 < load + 1:
+                    break
+                if routed.move(target):
+                    moved += 1
+                    load += 1
+                    left -= 1
+        if moved:
+            log.info("rebalance: %d request(s) of %s moved to a replica that became ready", moved, model)
+            if self.on_move is not None:
+                self.on_move(moved)
+        return moved
+
+    @staticmethod
+    def _load(conn: WorkerConnection) -> int:
+        s = conn.latest_stats
+        return conn.in_flight if s is None else max(conn.in_flight, s.running + s.queue_depth)
 
     def open(self, req: RouteRequest, make_submit: SubmitFactory) -> RoutedStream:
         """Submit to the replica the policy picks for ``req``.

@@ -7,7 +7,10 @@ generation call) reads :attr:`RoutedStream.stream` in whatever mode it likes;
 if the stream ends with a retryable error before any token (the worker died,
 drained or was overloaded), :meth:`RoutedStream.retry` resubmits to another
 replica, up to the pool's ``retries``, and the consumer starts over on the new
-stream. After the first token the request cannot move: errors go to the client.
+stream. A request still waiting for its first token can also be *moved* to a
+replica that became ready (:meth:`RoutedStream.move`, called by the pool's
+rebalance): a restart or scale-out relieves a queue at once. After the first
+token the request cannot move: errors go to the client.
 """
 
 from __future__ import annotations
@@ -39,7 +42,8 @@ SubmitFactory = Callable[[int], Submit]
 class RoutedStream:
     """One request's current stream and the replicas it has tried."""
 
-    __slots__ = ("_pool", "req", "_make", "stream", "_tried", "_retries_left", "started", "_cancelled", "conn")
+    __slots__ = ("_pool", "req", "_make", "stream", "_tried", "_retries_left", "started", "_cancelled", "conn",
+                 "on_moved")
 
     def __init__(self, pool: ModelPool, req: RouteRequest, make_submit: SubmitFactory) -> None:
         self._pool = pool
@@ -51,6 +55,7 @@ class RoutedStream:
         self.started = False  # a token (or the finish) arrived: the request can no longer move
         self._cancelled = False
         self.conn: WorkerConnection | None = None
+        self.on_moved: Callable[[], None] | None = None  # the consumer reads :attr:`stream` again
 
     def submit(self) -> None:
         """Open the stream on the replica the policy picks; raises a RoutingError if none takes it."""
@@ -67,7 +72,37 @@ class RoutedStream:
             except ValueError as e:  # the request breaks a wire rule (an encoder check): no worker can take it
                 raise Unroutable(str(e)) from None
             self.conn = conn
+            self._pool._waiting_on(conn)[self] = None
             return
+
+    def start(self) -> None:
+        """The first token (or the finish) arrived: the request stays where it is."""
+        self.started = True
+        self._unwait()
+
+    def _unwait(self) -> None:
+        if self.conn is not None:
+            self._pool._waiting_on(self.conn).pop(self, None)
+
+    def move(self, conn: WorkerConnection) -> bool:
+        """Move a request that has not started to ``conn`` (a replica that became ready): the old
+        worker's request is cancelled and whatever it sends is ignored; the consumer is told to
+        read the new stream. False (nothing changed) if ``conn`` refuses it."""
+        assert not self.started and self.on_moved is not None
+        old_stream, old_conn = self.stream, self.conn
+        try:
+            stream = conn.submit(self._make(conn.next_request_id()))
+        except (ConnectionClosed, ValueError):
+            return False
+        self._unwait()
+        if old_stream is not None:
+            old_stream.unlisten()
+            old_stream.cancel()
+        self.stream, self.conn = stream, conn
+        self._tried = tuple(c for c in self._tried if c is not old_conn) + (conn,)
+        self._pool._waiting_on(conn)[self] = None
+        self.on_moved()
+        return True
 
     @property
     def done(self) -> bool:
@@ -84,6 +119,7 @@ class RoutedStream:
         if self._pool.on_retry is not None:
             self._pool.on_retry()
         log.info("worker failed before the first token (%s: %s); resubmitting", final.code.name, final.message)
+        self._unwait()
         try:
             self.submit()
         except (NoReplica, Unroutable):
@@ -94,3 +130,7 @@ class RoutedStream:
         self._cancelled = True
         if self.stream is not None:
             self.stream.cancel()
+
+    def close(self) -> None:
+        """The request ended (its consumer is done with it)."""
+        self._unwait()

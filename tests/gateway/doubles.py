@@ -62,7 +62,7 @@ class ScriptedStream(ClientStream):
                 return
 
 
-@dataclass
+@dataclass(eq=False)  # compared and hashed by identity, as connections are
 class ScriptedWorkerConnection:
     models: tuple[str, ...] = ("tiny",)
     alphabet: bytes = b"abcdefghij"
