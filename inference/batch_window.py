@@ -60,6 +60,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+from transport.worker_options import batch_window_ms
+
 __all__ = ["BatchWindow", "FixedWindow", "AdaptiveWindow", "PrefillCalls", "bucket_calls", "pow2_calls",
            "parse_batch_window"]  # fmt: skip
 
@@ -264,12 +266,7 @@ def parse_batch_window(spec: str, *, target_latency: float = 0.05, prefill_group
     """``"adaptive"`` or ``"fixed:<ms>"`` (the worker's ``--batch-window``);
     ``prefill_group``: prefills the runner runs per call (its ``max_prefill_batch``). Once the runner
     is loaded, an adaptive window's ``calls`` can be set to its shapes (:func:`bucket_calls`)."""
-    if spec == "adaptive":
+    ms = batch_window_ms(spec)  # the syntax is the worker option's (transport.worker_options)
+    if ms is None:
         return AdaptiveWindow(target_latency, prefill_group=prefill_group)
-    if spec.startswith("fixed:"):
-        try:
-            ms = float(spec[6:])
-        except ValueError:
-            raise ValueError(f"bad --batch-window {spec!r}: fixed:<ms> needs a number") from None
-        return FixedWindow(ms / 1e3)
-    raise ValueError(f"bad --batch-window {spec!r}: use 'adaptive' or 'fixed:<ms>'")
+    return FixedWindow(ms / 1e3)
