@@ -60,7 +60,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from transport.worker_options import batch_window_ms
+from transport.worker_options import WorkerOptions, batch_window_ms
+
+_PREFILL_GROUP = WorkerOptions().max_prefill_batch  # the runner's max_prefill_batch unless told
 
 __all__ = ["BatchWindow", "FixedWindow", "AdaptiveWindow", "PrefillCalls", "bucket_calls", "pow2_calls",
            "parse_batch_window"]  # fmt: skip
@@ -148,7 +150,7 @@ class AdaptiveWindow(FixedWindow):
         lr: float = 0.5,
         clip: float | None = None,
         quantile: float = 0.99,
-        prefill_group: int = 8,
+        prefill_group: int = _PREFILL_GROUP,
         cost_halflife: float = 256.0,
         calls: PrefillCalls | None = None,
     ) -> None:
@@ -262,7 +264,9 @@ def _solve(a: list[list[float]], b: list[float], *, ridge: float) -> list[float]
     return [m[i][n] / m[i][i] for i in range(n)]
 
 
-def parse_batch_window(spec: str, *, target_latency: float = 0.05, prefill_group: int = 8) -> FixedWindow:
+def parse_batch_window(
+    spec: str, *, target_latency: float = 0.05, prefill_group: int = _PREFILL_GROUP
+) -> FixedWindow:
     """``"adaptive"`` or ``"fixed:<ms>"`` (the worker's ``--batch-window``);
     ``prefill_group``: prefills the runner runs per call (its ``max_prefill_batch``). Once the runner
     is loaded, an adaptive window's ``calls`` can be set to its shapes (:func:`bucket_calls`)."""

@@ -15,11 +15,11 @@ import pytest
 from inference.batch_window import AdaptiveWindow, FixedWindow
 from inference.engine import EngineConfig
 from inference.kv_cache import PREFIX_HASH_SCHEME
-from inference.worker import build_service, numa_cpus, parse_args, parse_cpus
+from inference.worker import build_service, main, numa_cpus, parse_args, parse_cpus
 from transport.client import connect
 from transport.messages import Error, ErrorCode, Finish, FinishReason, SamplingParams, Submit, TokenEntry
 from transport.server import serve
-from transport.worker_options import EXIT_USAGE, WorkerOptions
+from transport.worker_options import EXIT_CONFIG, EXIT_USAGE, WorkerOptions
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -240,6 +240,13 @@ def test_a_usage_error_names_the_flag_for_the_supervisor_and_exits_2(capsys: pyt
     (event,) = [json.loads(line) for line in out.out.splitlines()]
     assert event["event"] == "fatal" and "--max-batch: must be >= 1, got 0" in event["message"]
     assert "--max-batch: must be >= 1" in out.err
+
+
+def test_options_that_parse_but_cannot_run_exit_78_with_the_reason(capsys: pytest.CaptureFixture[str]) -> None:
+    """No machine has NUMA node 4095: the worker says so to the supervisor (which will not restart it)."""
+    assert main(["--engine", "synthetic", "--numa-node", "4095"]) == EXIT_CONFIG
+    (event,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert event == {"event": "fatal", "message": event["message"]} and "NUMA node 4095" in event["message"]
 
 
 def test_synthetic_worker_never_imports_jax() -> None:
