@@ -117,9 +117,8 @@ class _Worker:
                 why = "exited"
             except asyncio.CancelledError:
                 raise
-            except WorkerUnusable as e:
-                self.failure = str(e)
-                why = ""
+            except WorkerUnusable as e:  # bad options: a restart would fail the same way
+                self.failure = why = str(e)
             except Exception as e:  # noqa: BLE001 - any failure means "restart it"
                 why = f"failed: {e}"
                 log.debug("%s failed", self.name, exc_info=True)
@@ -287,8 +286,9 @@ class WorkerSupervisor:
 
     @property
     def failure(self) -> str | None:
-        """Why workers stopped for good ("worker-0: exited with status 2 before it was ready: ..."),
-        one clause per worker; None while none has. For ``/readyz`` and the operator."""
+        """Why workers stopped for good, one clause per worker ("worker-0 exited with status 2 before it
+        was ready: quicserve worker: --max-batch: must be >= 1, got 0"); None while none has. For
+        ``/readyz`` and the operator."""
         return "; ".join(f"{w.name} {w.failure}" for w in self.workers if w.failure is not None) or None
 
     async def wait_ready(self, timeout: float | None = None, *, all_workers: bool = False) -> bool:
