@@ -43,8 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--workers", type=int, metavar="N", help="local worker processes (default 1)")
     s.add_argument("--worker-url", action="append", metavar="URL",
                    help="a remote worker's transport URL (repeatable)")
-    s.add_argument("--worker-arg", action="append", metavar="ARG",
-                   help="extra argument for each local worker (repeatable), e.g. --worker-arg=--max-batch=64")
+    s.add_argument("--worker-option", action="append", metavar="KEY=VALUE", default=[],
+                   help="a [workers] setting (repeatable), e.g. --worker-option max_batch=64")
     s.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     s.add_argument("--progress", choices=["auto", "bar", "lines", "off"])
 
@@ -65,14 +65,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _serve_overrides(a: argparse.Namespace) -> dict[str, dict[str, Any]]:
-    o: dict[str, dict[str, Any]] = {"server": {}, "workers": {}, "log": {}}
+def _serve_overrides(a: argparse.Namespace) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """Settings the flags override (the dedicated flags win over --worker-option), and any problems."""
+    from .settings import assignments
+
+    workers, problems = assignments("workers", a.worker_option)
+    o: dict[str, dict[str, Any]] = {"server": {}, "workers": workers, "log": {}}
     for flag, section, key in [("host", "server", "host"), ("port", "server", "port"),
                                ("tls_port", "server", "tls_port"), ("tls_cert", "server", "tls_cert"),
                                ("tls_key", "server", "tls_key"), ("state_dir", "server", "state_dir"),
                                ("engine", "workers", "engine"), ("model", "workers", "model"),
                                ("served_name", "workers", "served_name"), ("workers", "workers", "local"),
-                               ("worker_url", "workers", "remote"), ("worker_arg", "workers", "extra_args"),
+                               ("worker_url", "workers", "remote"),
                                ("log_level", "log", "level"), ("progress", "log", "progress")]:
         v = getattr(a, flag)
         if v is not None:
@@ -81,7 +85,7 @@ def _serve_overrides(a: argparse.Namespace) -> dict[str, dict[str, Any]]:
         o["server"]["tls_port"] = -1
     if a.worker_url and a.workers is None:
         o["workers"]["local"] = 0  # only remote workers were asked for
-    return {k: v for k, v in o.items() if v}
+    return {k: v for k, v in o.items() if v}, problems
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -118,8 +122,11 @@ def main(argv: list[str] | None = None) -> int:
         print(probe_report())
         return 0
     # serve
+    overrides, problems = _serve_overrides(a)
     try:
-        settings = load_settings(a.config, overrides=_serve_overrides(a))
+        if problems:
+            raise SettingsError(problems)
+        settings = load_settings(a.config, overrides=overrides)
     except SettingsError as e:
         print(e, file=sys.stderr)
         return 2

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from transport.worker_options import URL_SCHEMES, WorkerOptions, option_problems
+
 __all__ = [
     "Settings",
     "ServerSettings",
@@ -33,9 +35,15 @@ __all__ = [
     "load_settings",
     "check_file",
     "check_mapping",
+    "assignments",
 ]
 
 ENV_PREFIX = "QUICSERVE_"
+# Keys that were dropped, with what replaces them (a plain "unknown key" would leave the reader guessing).
+_REMOVED = {
+    "workers.extra_args": "workers.extra_args: removed; worker options are typed keys of [workers] now "
+                          "(e.g. max_batch = 64, kv_cache_dtype = \"int8\"; see config/default.toml)",
+}
 
 
 class SettingsError(ValueError):
@@ -83,13 +91,11 @@ class LimitsSettings:
 
 
 @dataclass(frozen=True, slots=True)
-class WorkersSettings:
+class WorkersSettings(WorkerOptions):
+    """How the gateway runs its workers, plus every ``quicserve worker`` option (inherited from
+    :class:`~transport.worker_options.WorkerOptions`, which holds their defaults and checks)."""
+
     local: int = 1  # local worker processes started by `quicserve serve`
-    engine: str = "jax"  # "jax" | "synthetic" (deterministic test/benchmark double)
-    model: str = "tiny"
-    served_name: str = ""
-    listen: str = "tcp://127.0.0.1:0"
-    extra_args: list[str] = field(default_factory=list)
     remote: list[str] = field(default_factory=list)  # URLs of workers started elsewhere
     ready_timeout: float = 900.0
     connect_timeout: float = 10.0
@@ -100,15 +106,12 @@ class WorkersSettings:
     dead_after: float = 5.0
 
     def _validate(self, p: list[str]) -> None:
+        p += [f"workers.{key}: {why}" for key, why in option_problems(self)]
         if self.local < 0:
             p.append("workers.local: must be >= 0")
-        if self.engine not in ("jax", "synthetic"):
-            p.append(f"workers.engine: {self.engine!r} is not one of 'jax', 'synthetic'")
-        if not self.model:
-            p.append("workers.model: must not be empty")
-        for u in [self.listen, *self.remote]:
-            if not u.startswith(("tcp://", "unix://", "rdma://")):
-                p.append(f"workers: {u!r} is not a tcp://, unix:// or rdma:// URL")
+        for u in self.remote:
+            if not u.startswith(URL_SCHEMES):
+                p.append(f"workers.remote: {u!r} is not a tcp://, unix:// or rdma:// URL")
         if self.local == 0 and not self.remote:
             p.append("workers: no local workers and no remote workers: nothing would serve requests")
         for name in ("ready_timeout", "connect_timeout", "restart_backoff_initial", "stop_timeout",
@@ -220,6 +223,16 @@ def _parse_env_value(raw: str, t: Any) -> Any:
         return raw
 
 
+def _typed(section: str, key: str, raw: str, where: str, problems: list[str]) -> tuple[bool, Any]:
+    """``raw`` read as the type of ``section.key``; (False, None) and a problem if there is no such key."""
+    cls = _SECTIONS.get(section)
+    hints = typing.get_type_hints(cls) if cls else {}
+    if key not in hints:
+        problems.append(f"{where}: unknown setting {section}.{key}")
+        return False, None
+    return True, _parse_env_value(raw, hints[key])
+
+
 def env_overrides(environ: Mapping[str, str]) -> tuple[dict[str, dict[str, Any]], list[str]]:
     """``QUICSERVE_SERVER__PORT=9000`` -> ``{"server": {"port": 9000}}``."""
     out: dict[str, dict[str, Any]] = {}
@@ -228,12 +241,24 @@ def env_overrides(environ: Mapping[str, str]) -> tuple[dict[str, dict[str, Any]]
         if not name.startswith(ENV_PREFIX) or "__" not in name:
             continue
         section, _, key = name[len(ENV_PREFIX):].lower().partition("__")
-        cls = _SECTIONS.get(section)
-        hints = typing.get_type_hints(cls) if cls else {}
-        if key not in hints:
-            problems.append(f"{name}: unknown setting {section}.{key}")
+        known, value = _typed(section, key, raw, name, problems)
+        if known:
+            out.setdefault(section, {})[key] = value
+    return out, problems
+
+
+def assignments(section: str, items: list[str]) -> tuple[dict[str, Any], list[str]]:
+    """``["max_batch=64"]`` -> ``{"max_batch": 64}`` for ``section``, values read as its env vars are."""
+    out: dict[str, Any] = {}
+    problems: list[str] = []
+    for item in items:
+        key, eq, raw = item.partition("=")
+        if not eq:
+            problems.append(f"{item!r}: expected KEY=VALUE, e.g. max_batch=64")
             continue
-        out.setdefault(section, {})[key] = _parse_env_value(raw, hints[key])
+        known, value = _typed(section, key.strip(), raw, item, problems)
+        if known:
+            out[key.strip()] = value
     return out, problems
 
 
@@ -267,7 +292,8 @@ def check_mapping(data: Mapping[str, Any]) -> tuple[Settings | None, list[str]]:
         kwargs: dict[str, Any] = {}
         for key, value in values.items():
             if key not in hints:
-                problems.append(f"{section}.{key}: unknown key (known: {', '.join(hints)})")
+                problems.append(_REMOVED.get(f"{section}.{key}")
+                                or f"{section}.{key}: unknown key (known: {', '.join(hints)})")
                 continue
             v = _coerce(value, hints[key], f"{section}.{key}", problems)
             if v is not None:

@@ -60,6 +60,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+from transport.worker_options import WorkerOptions, batch_window_ms
+
+_PREFILL_GROUP = WorkerOptions().max_prefill_batch  # the runner's max_prefill_batch unless told
+
 __all__ = ["BatchWindow", "FixedWindow", "AdaptiveWindow", "PrefillCalls", "bucket_calls", "pow2_calls",
            "parse_batch_window"]  # fmt: skip
 
@@ -146,7 +150,7 @@ class AdaptiveWindow(FixedWindow):
         lr: float = 0.5,
         clip: float | None = None,
         quantile: float = 0.99,
-        prefill_group: int = 8,
+        prefill_group: int = _PREFILL_GROUP,
         cost_halflife: float = 256.0,
         calls: PrefillCalls | None = None,
     ) -> None:
@@ -260,16 +264,13 @@ def _solve(a: list[list[float]], b: list[float], *, ridge: float) -> list[float]
     return [m[i][n] / m[i][i] for i in range(n)]
 
 
-def parse_batch_window(spec: str, *, target_latency: float = 0.05, prefill_group: int = 8) -> FixedWindow:
+def parse_batch_window(
+    spec: str, *, target_latency: float = 0.05, prefill_group: int = _PREFILL_GROUP
+) -> FixedWindow:
     """``"adaptive"`` or ``"fixed:<ms>"`` (the worker's ``--batch-window``);
     ``prefill_group``: prefills the runner runs per call (its ``max_prefill_batch``). Once the runner
     is loaded, an adaptive window's ``calls`` can be set to its shapes (:func:`bucket_calls`)."""
-    if spec == "adaptive":
+    ms = batch_window_ms(spec)  # the syntax is the worker option's (transport.worker_options)
+    if ms is None:
         return AdaptiveWindow(target_latency, prefill_group=prefill_group)
-    if spec.startswith("fixed:"):
-        try:
-            ms = float(spec[6:])
-        except ValueError:
-            raise ValueError(f"bad --batch-window {spec!r}: fixed:<ms> needs a number") from None
-        return FixedWindow(ms / 1e3)
-    raise ValueError(f"bad --batch-window {spec!r}: use 'adaptive' or 'fixed:<ms>'")
+    return FixedWindow(ms / 1e3)

@@ -31,6 +31,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 
 from transport.messages import ErrorCode, FinishReason, SamplingParams
+from transport.worker_options import WorkerOptions
 
 from .batch_window import BatchWindow, FixedWindow
 from .kv_cache import KVCache
@@ -50,13 +51,17 @@ class EngineError(Exception):
         self.message = message
 
 
+_DEFAULTS = WorkerOptions()  # one default per option, shared with `quicserve worker` and the gateway
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    max_batch: int = 32
-    max_prefill_tokens: int = 4096  # per step (one longer prompt may run alone)
+    max_batch: int = _DEFAULTS.max_batch
+    max_prefill_tokens: int = _DEFAULTS.max_prefill_tokens  # per step (one longer prompt may run alone)
     max_waiting: int = 4096
-    prefill_batch: int = 8  # admissions that make a full prefill (the window stops waiting)
-    enable_prefix_cache: bool = True
+    # Admissions that make a full prefill (the window stops waiting): the runner's max_prefill_batch.
+    prefill_batch: int = _DEFAULTS.max_prefill_batch
+    enable_prefix_cache: bool = _DEFAULTS.prefix_cache
     seed: int = 0  # draws the seeds of unseeded requests
 
 

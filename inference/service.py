@@ -66,6 +66,7 @@ class WorkerService:
         tokenizer: Tokenizer,
         *,
         served_name: str,
+        model_id: str = "",
         identity: str = "",
         stats_interval: float = 0.5,
         clock: Callable[[], float] = time.monotonic,
@@ -74,6 +75,7 @@ class WorkerService:
         self.engine = engine
         self.tokenizer = tokenizer
         self.served_name = served_name
+        self.model_id = model_id or served_name
         self.identity = identity or f"worker@{os.uname().nodename}:{os.getpid()}"
         self.stats_interval = stats_interval
         self._clock = clock
@@ -89,8 +91,12 @@ class WorkerService:
 
     # -- WorkerHandler ------------------------------------------------------
     def hello(self) -> Hello:
+        """Who we are and what we can hold: the gateway sizes and routes by these."""
+        eng = self.engine
         return Hello(role="worker", identity=self.identity, models=(self.served_name,),
-                     capabilities=("logprobs", "text", "chat"))  # fmt: skip
+                     capabilities=("logprobs", "text", "chat"), max_batch=eng.config.max_batch,
+                     kv_blocks=eng.kv.num_blocks, block_size=eng.kv.block_size, max_model_len=eng.max_model_len,
+                     model_id=self.model_id, prefix_hash=eng.kv.hash_scheme)  # fmt: skip
 
     def _key(self, conn: ServerConnection) -> int:
         cid = self._conn_no.get(id(conn))

@@ -35,7 +35,7 @@ calls :meth:`handle_timer`. No sockets, no asyncio.
 from __future__ import annotations
 
 from array import array
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .errors import ConnectionClosed, CreditExceeded, WireError
 from .messages import (
@@ -195,15 +195,8 @@ class FlowConnection:
         if heartbeat_interval <= 0 or dead_after <= 0:
             raise ValueError("heartbeat_interval and dead_after must be positive")
         self.role = role
-        self.local_hello = Hello(
-            version=hello.version,
-            role=role,
-            identity=hello.identity,
-            models=hello.models,
-            capabilities=hello.capabilities,
-            initial_credit=hello.initial_credit,
-            max_frame=hello.max_frame or DEFAULT_MAX_FRAME,
-        )
+        # Every field of the caller's Hello (a worker's capacity included), with our role and frame limit.
+        self.local_hello = replace(hello, role=role, max_frame=hello.max_frame or DEFAULT_MAX_FRAME)
         self.peer_hello: Hello | None = None
         self.closed = False
         self.close_error: Error | None = None

@@ -99,6 +99,14 @@ class Hello:
     # Max tokens in flight per request before the receiver must grant credit.
     initial_credit: int = 256
     max_frame: int = 1 << 24
+    # A worker's capacity, so the gateway can size and route without asking (0 / "" = not told: a
+    # gateway's Hello, or a worker that predates these fields; they ride as optional trailing fields).
+    max_batch: int = 0  # sequences one engine step runs
+    kv_blocks: int = 0  # KV-cache blocks in all
+    block_size: int = 0  # tokens per KV block (the prefix cache's unit)
+    max_model_len: int = 0  # longest context (prompt + completion) in tokens
+    model_id: str = ""  # the model the worker loaded ("tiny" or its checkpoint), beside the served names
+    prefix_hash: str = ""  # the prefix cache's block-hash scheme (inference.kv_cache); "" = no prefix cache
 
 
 @dataclass(slots=True)  # not frozen: built per request/step (module docstring)

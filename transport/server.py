@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import stat
@@ -119,16 +120,8 @@ class WorkerServer:
 
     def _new_endpoint(self) -> Endpoint:
         hello = self.handler.hello()
-        if self.identity:
-            hello = Hello(
-                version=hello.version,
-                role="worker",
-                identity=self.identity,
-                models=hello.models,
-                capabilities=hello.capabilities,
-                initial_credit=hello.initial_credit,
-                max_frame=hello.max_frame,
-            )
+        if self.identity:  # everything else (capacity included) is the handler's
+            hello = dataclasses.replace(hello, role="worker", identity=self.identity)
         core = FlowConnection(
             "worker",
             hello,

@@ -22,7 +22,10 @@ Frame types and bodies
 type   name       request_id  body
 =====  =========  ==========  ==================================================
 1      HELLO      0           msgpack [version, role, identity, [models],
-                              [capabilities], initial_credit, max_frame]
+                              [capabilities], initial_credit, max_frame,
+                              then optionally all of: max_batch, kv_blocks,
+                              block_size, max_model_len, model_id,
+                              prefix_hash (absent: 0, 0, 0, 0, "", "")]
 2      SUBMIT     rid (>0)    msgpack [model, params, prompt|nil,
                               prompt_token_ids (bin, u32 LE)|nil, messages|nil,
                               deadline_ms, priority, trace|nil, return_text,
@@ -46,6 +49,9 @@ type   name       request_id  body
 
 msgpack lists may carry extra trailing elements (ignored: additive evolution);
 fewer than listed is an error. Enum values outside the known set are errors.
+Fields marked optional were added later in this way, without a new version: an
+older peer ignores them, and a newer one reads their absence as "not told".
+The HELLO capacity group (a worker's max_batch .. prefix_hash) is all or none.
 
 Per-stream state (delta coding)
 -------------------------------
@@ -124,7 +130,7 @@ from __future__ import annotations
 import enum
 import struct
 from array import array
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import msgpack
 
@@ -288,6 +294,12 @@ class FrameEncoder:
                     list(msg.capabilities),
                     msg.initial_credit,
                     msg.max_frame,
+                    msg.max_batch,
+                    msg.kv_blocks,
+                    msg.block_size,
+                    msg.max_model_len,
+                    msg.model_id,
+                    msg.prefix_hash,
                 ]
             )
             return self._frame(FrameType.HELLO, 0, body)
@@ -434,7 +446,7 @@ class FrameDecoder:
             )
         if ftype == FrameType.HELLO:
             f = unpack_fields(body, "HELLO", 7)
-            return Hello(
+            hello = Hello(
                 version=f.integer(0, 0, 255),
                 role=f.text(1),
                 identity=f.text(2),
@@ -443,6 +455,12 @@ class FrameDecoder:
                 initial_credit=f.integer(5, 1, (1 << 32) - 1),
                 max_frame=f.integer(6, 1 << 12, 1 << 31),
             )
+            if len(f.items) == 7:
+                return hello  # a peer that predates the capacity fields
+            if len(f.items) < 13:
+                raise WireError("HELLO: the capacity fields (7..12) come all together or not at all")
+            return replace(hello, max_batch=f.integer(7), kv_blocks=f.integer(8), block_size=f.integer(9),
+                           max_model_len=f.integer(10), model_id=f.text(11), prefix_hash=f.text(12))
         if ftype == FrameType.GOODBYE:
             try:
                 return Goodbye(bytes(body).decode())

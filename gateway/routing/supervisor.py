@@ -6,7 +6,11 @@ JSON lines: ``progress`` events go to the :class:`ProgressDisplay`, one
 ``ready`` event carries the transport URL, which we connect to and add to the
 :class:`ModelPool`. When the process exits or its connection dies we take it
 out of the pool and start it again after a :class:`Backoff` delay (doubling
-per consecutive failure, reset once a worker has stayed up a while). Remote
+per consecutive failure, reset once a worker has stayed up a while), unless it
+exited before ready with a status restarting cannot fix (a usage or
+configuration error, :data:`~transport.worker_options.PERMANENT_EXITS`): that
+worker is reported once, stays down, and :attr:`WorkerSupervisor.failure` says
+why (the worker's ``fatal`` event names the bad option). Remote
 workers (by URL) get the same treatment minus the process. :meth:`stop` takes
 every worker out of the pool, closes connections, SIGTERMs the children and
 SIGKILLs any that outlive ``stop_timeout``.
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -27,13 +32,15 @@ from typing import Any
 import orjson
 
 from transport.api import WorkerConnection
+from transport.worker_options import PERMANENT_EXITS, to_flags
 
 from ..observability.metrics import GatewayMetrics
 from ..observability.progress import ProgressDisplay
 from ..settings import WorkersSettings
 from .pool import ModelPool
 
-__all__ = ["Backoff", "WorkerSupervisor", "LocalWorker", "RemoteWorker", "worker_command", "Connector"]
+__all__ = ["Backoff", "WorkerSupervisor", "LocalWorker", "RemoteWorker", "WorkerUnusable", "worker_command",
+           "Connector"]
 
 log = logging.getLogger("quicserve.workers")
 
@@ -57,16 +64,17 @@ class Backoff:
         return delay
 
 
+class WorkerUnusable(RuntimeError):
+    """A worker exited before ready with a status that a restart cannot fix (bad options)."""
+
+
 def worker_command(ws: WorkersSettings, index: int) -> list[str]:
-    """argv of local worker ``index`` (runs this interpreter, so venvs just work)."""
+    """argv of local worker ``index`` (runs this interpreter, so venvs just work): the typed
+    ``[workers]`` options as ``quicserve worker`` flags."""
     listen = ws.listen
     if listen.startswith("unix://") and index:
         listen = f"{listen}-{index}"
-    cmd = [sys.executable, "-m", "gateway.cli", "worker", "--listen", listen, "--engine", ws.engine,
-           "--model", ws.model]
-    if ws.served_name:
-        cmd += ["--served-name", ws.served_name]
-    return cmd + list(ws.extra_args)
+    return [sys.executable, "-m", "gateway.cli", "worker", *to_flags(dataclasses.replace(ws, listen=listen))]
 
 
 def _default_connector() -> Connector:
@@ -91,6 +99,7 @@ class _Worker:
         self.sup = sup
         self.conn: WorkerConnection | None = None
         self.ready_once = asyncio.Event()
+        self.failure: str | None = None  # why it stopped for good (never restarted), if it did
         self.starts = 0
         self.stopping = False
         self.task: asyncio.Task[None] | None = None
@@ -108,12 +117,19 @@ class _Worker:
                 why = "exited"
             except asyncio.CancelledError:
                 raise
+            except WorkerUnusable as e:  # bad options: a restart would fail the same way
+                self.failure = why = str(e)
             except Exception as e:  # noqa: BLE001 - any failure means "restart it"
                 why = f"failed: {e}"
                 log.debug("%s failed", self.name, exc_info=True)
             finally:
                 await self._release()
             if self.stopping:
+                return
+            if self.failure is not None:
+                self.sup.progress.note(self.name, f"{self.failure}; not restarting it")
+                log.error("%s %s; not restarting it (fix the [workers] settings)", self.name, self.failure)
+                self.sup.changed.set()
                 return
             delay = backoff.next_delay(time.monotonic() - t0)
             self.sup.metrics.worker_restarts.inc()
@@ -130,6 +146,7 @@ class _Worker:
         self.sup.pool.add(conn, served)
         self.sup.progress.note(self.name, f"ready at {url} serving {', '.join(served)}")
         self.ready_once.set()
+        self.sup.changed.set()
         return conn
 
     async def _release(self) -> None:
@@ -150,6 +167,7 @@ class LocalWorker(_Worker):
         self.argv = argv
         self.proc: asyncio.subprocess.Process | None = None
         self.models: list[str] = []
+        self.fatal = ""  # the message of the worker's last ``fatal`` event
 
     async def run_once(self) -> None:
         ws = self.sup.ws
@@ -164,6 +182,9 @@ class LocalWorker(_Worker):
             raise RuntimeError(f"not ready after {ws.ready_timeout:g} s") from None
         if ready is None:
             rc = await proc.wait()
+            if rc in PERMANENT_EXITS:
+                raise WorkerUnusable(f"exited with status {rc} before it was ready: "
+                                     f"{self.fatal or 'bad options (see its log)'}")
             raise RuntimeError(f"exited with status {rc} before it was ready")
         reader = asyncio.create_task(self._read_rest(proc.stdout))
         try:
@@ -191,6 +212,8 @@ class LocalWorker(_Worker):
                                            int(ev.get("total", 0)), str(ev.get("message", "")))
             elif kind == "ready" and isinstance(ev.get("url"), str):
                 return ev
+            elif kind == "fatal":
+                self.fatal = str(ev.get("message", ""))
         return None
 
     async def _read_rest(self, stdout: asyncio.StreamReader) -> None:
@@ -252,6 +275,7 @@ class WorkerSupervisor:
         self.progress = progress if progress is not None else ProgressDisplay("off")
         self.connect = connect if connect is not None else _default_connector()
         self.identity = f"gateway@{os.uname().nodename}:{os.getpid()}"
+        self.changed = asyncio.Event()  # a worker became ready or stopped for good
         cmds = list(commands) if commands is not None else [worker_command(ws, i) for i in range(ws.local)]
         self.workers: list[_Worker] = [LocalWorker(self, i, c) for i, c in enumerate(cmds)]
         self.workers += [RemoteWorker(self, u) for u in ws.remote]
@@ -260,19 +284,30 @@ class WorkerSupervisor:
         for w in self.workers:
             w.task = asyncio.create_task(w.loop(), name=f"supervise {w.name}")
 
+    @property
+    def failure(self) -> str | None:
+        """Why workers stopped for good, one clause per worker ("worker-0 exited with status 2 before it
+        was ready: quicserve worker: --max-batch: must be >= 1, got 0"); None while none has. For
+        ``/readyz`` and the operator."""
+        return "; ".join(f"{w.name} {w.failure}" for w in self.workers if w.failure is not None) or None
+
     async def wait_ready(self, timeout: float | None = None, *, all_workers: bool = False) -> bool:
-        """True once one (or every) worker has been ready at least once."""
-        waits = [asyncio.ensure_future(w.ready_once.wait()) for w in self.workers]
-        if not waits:
-            return False
+        """True once one (or every) worker has been ready at least once; False at the timeout, or
+        as soon as too many workers have stopped for good (:attr:`failure`) for that to happen."""
+        need = len(self.workers) if all_workers else 1
         try:
-            done, _ = await asyncio.wait(waits, timeout=timeout,
-                                         return_when=asyncio.ALL_COMPLETED if all_workers
-                                         else asyncio.FIRST_COMPLETED)
-            return bool(done) and (not all_workers or len(done) == len(waits))
-        finally:
-            for w in waits:
-                w.cancel()
+            async with asyncio.timeout(timeout):
+                while self.workers:
+                    ready = sum(w.ready_once.is_set() for w in self.workers)
+                    if ready >= need:
+                        return True
+                    if ready + sum(not w.ready_once.is_set() and w.failure is None for w in self.workers) < need:
+                        return False
+                    self.changed.clear()
+                    await self.changed.wait()
+        except TimeoutError:
+            pass
+        return False
 
     async def stop(self) -> None:
         """Out of the pool, close connections, SIGTERM children (SIGKILL after stop_timeout)."""

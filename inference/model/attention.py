@@ -20,6 +20,8 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from transport.worker_options import ATTENTION_BACKENDS
+
 __all__ = [
     "prefill_attention",
     "paged_decode_attention",
@@ -36,7 +38,7 @@ Array = jax.Array
 PrefillFn = Callable[..., Array]
 DecodeFn = Callable[..., Array]
 AttentionFns = tuple[PrefillFn, DecodeFn]
-BACKENDS = ("reference", "pallas")
+BACKENDS = ATTENTION_BACKENDS  # the worker option's choices (transport.worker_options)
 
 _NEG = -1e30
 _KEY_CHUNK = 256  # most keys per online-softmax step (prefill)

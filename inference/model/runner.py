@@ -58,16 +58,20 @@ from inference.model.llama import (
 from inference.runner import SeqOutput, SeqWork, StepPlan
 from inference.sampling import MAX_TOP_LOGPROBS, SamplingBatch, sample
 from inference.weights import LoadedModel, load_model
+from transport import worker_options as options
 
 __all__ = ["JaxRunner", "DTYPES", "KV_CACHE_DTYPES", "WEIGHT_DTYPES", "WEIGHT_QUANT_METHODS"]
 
 log = logging.getLogger("inference.model")
 Progress = Callable[[str, int, int, str], None]
 Key = tuple[str, int, int]  # (kind, batch, tokens)
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # "auto": the model dtype
-WEIGHT_DTYPES = ("auto", "int8", "fp8")  # "auto": the model dtype
-WEIGHT_QUANT_METHODS = ("rtn", "gptq")  # round to nearest; GPTQ calibrated on random tokens (model/calibrate.py)
+# The choices and defaults are the worker options' (transport.worker_options: one source for the
+# `quicserve worker` flags, the gateway's [workers] settings, the engine and this runner).
+KV_CACHE_DTYPES = options.KV_CACHE_DTYPES  # "auto": the model dtype
+WEIGHT_DTYPES = options.WEIGHT_DTYPES  # "auto": the model dtype
+WEIGHT_QUANT_METHODS = options.WEIGHT_QUANT_METHODS  # GPTQ: calibrated on random tokens (model/calibrate.py)
+DTYPES = {name: getattr(jnp, name) for name in options.DTYPES}  # "float32", "bfloat16"
+_D = options.WorkerOptions()
 
 
 def _prefill_step(params: Params, cache: KVCache, tokens: jax.Array, positions: jax.Array, slots: jax.Array,
@@ -119,10 +123,12 @@ def _pad_rows(logits: jax.Array, rows: int) -> jax.Array:
 class JaxRunner:
     """The Llama model behind the :class:`inference.runner.ModelRunner` protocol."""
 
-    def __init__(self, loaded: LoadedModel, *, block_size: int = 16, num_blocks: int = 512,
-                 max_batch: int = 32, max_model_len: int | None = None, attention: str = "reference",
-                 max_prefill_batch: int = 1, max_prefill_tokens: int = 2048, kv_cache_dtype: str = "auto",
-                 weight_dtype: str = "auto", weight_quant_method: str = "rtn") -> None:
+    def __init__(self, loaded: LoadedModel, *, block_size: int = _D.block_size,
+                 num_blocks: int = options.JAX_NUM_BLOCKS, max_batch: int = _D.max_batch,
+                 max_model_len: int | None = None, attention: str = _D.attention,
+                 max_prefill_batch: int = _D.max_prefill_batch, max_prefill_tokens: int = _D.max_prefill_tokens,
+                 kv_cache_dtype: str = _D.kv_cache_dtype, weight_dtype: str = _D.weight_dtype,
+                 weight_quant_method: str = _D.weight_quant_method) -> None:
         if block_size < 1 or num_blocks < 1 or max_batch < 1:
             raise ValueError("block_size, num_blocks and max_batch must be >= 1")
         if kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -171,18 +177,19 @@ class JaxRunner:
         self.compile_seconds = 0.0
 
     @classmethod
-    def load(cls, model: str = "tiny", *, dtype: str = "float32", block_size: int = 16, num_blocks: int = 512,
-             max_batch: int = 32, max_model_len: int | None = None, attention: str = "reference",
-             progress: Progress | None = None, max_prefill_batch: int = 1,
-             kv_cache_dtype: str = "auto", weight_dtype: str = "auto",
-             weight_quant_method: str = "rtn") -> JaxRunner:
+    def load(cls, model: str = _D.model, *, dtype: str = _D.dtype, block_size: int = _D.block_size,
+             num_blocks: int = options.JAX_NUM_BLOCKS, max_batch: int = _D.max_batch,
+             max_model_len: int | None = None, attention: str = _D.attention, progress: Progress | None = None,
+             max_prefill_batch: int = _D.max_prefill_batch, max_prefill_tokens: int = _D.max_prefill_tokens,
+             kv_cache_dtype: str = _D.kv_cache_dtype, weight_dtype: str = _D.weight_dtype,
+             weight_quant_method: str = _D.weight_quant_method) -> JaxRunner:
         """Load ``"tiny"`` or a local HF checkpoint directory and allocate the KV cache."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         loaded = load_model(model, dtype=DTYPES[dtype], progress=progress)
         return cls(loaded, block_size=block_size, num_blocks=num_blocks, max_batch=max_batch,
                    max_model_len=max_model_len, attention=attention, max_prefill_batch=max_prefill_batch,
-                   kv_cache_dtype=kv_cache_dtype, weight_dtype=weight_dtype,
+                   max_prefill_tokens=max_prefill_tokens, kv_cache_dtype=kv_cache_dtype, weight_dtype=weight_dtype,
                    weight_quant_method=weight_quant_method)
 
     @property

@@ -153,13 +153,14 @@ from inference.model.buckets import Buckets, pow2_ceil  # noqa: E402  (no JAX im
 from inference.runner import SeqOutput, SeqWork, StepPlan  # noqa: E402
 from inference.tokenizer import ByteTokenizer  # noqa: E402
 from transport.messages import SamplingParams  # noqa: E402
+from transport.worker_options import WorkerOptions  # noqa: E402
 
 MAX_BATCH = 32
-PREFILL_BATCH = 2  # the worker's --max-prefill-batch default
-DEFAULT_CAP = 4096  # EngineConfig.max_prefill_tokens
+PREFILL_BATCH = WorkerOptions().max_prefill_batch  # the worker's default (2)
+DEFAULT_CAP = 4096  # this bench's prefill-token cap per step (the worker's default is 2048)
 DECODE_B = (1, 2, 4, 8, 16, 32)
 PREFILL_B = (1, 2, 4, 8)
-MAX_PREFILL_TOKENS = 2048  # the runner's max_prefill_tokens: a call of b > 1 prompts holds b x t <= this
+MAX_PREFILL_TOKENS = WorkerOptions().max_prefill_tokens  # the runner's (2048): a call of b > 1 prompts holds b x t <= this
 CHECK_DECODE = 16  # held-out check: decode 16 + k prefills (the replay is fitted on decode 32 + k)
 
 # decode cost per batch bucket; prefill call cost per (batch, tokens) bucket;

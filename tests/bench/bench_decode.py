@@ -49,7 +49,7 @@ no step here does; a batch-32 decode step streams ~110 MB of weights and
 ~80 MB of K/V while it does ~1.75 GFLOP.
 
 Our side runs the runner as the worker configures it: prompts in prefill
-calls of up to ``inference.worker.DEFAULT_MAX_PREFILL_BATCH`` (2).
+calls of up to ``WorkerOptions().max_prefill_batch`` (2, the worker's default).
 
 Where our time goes (2026-11-30, session 6, quiet, two threads; the box has
 neighbours, so single figures move by up to ~10-30% between runs minutes
@@ -131,9 +131,9 @@ import numpy as np
 from inference.model.runner import JaxRunner
 from inference.runner import SeqWork, StepPlan
 from inference.weights import write_hf_checkpoint
-from inference.worker import DEFAULT_MAX_PREFILL_BATCH
 from tests.bench.roofline import ModelShape, Recorder, floor_seconds, measure_machine
 from transport.messages import SamplingParams
+from transport.worker_options import WorkerOptions
 
 GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)
 BLOCK = 16
@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
                                                            attn_implementation="sdpa").eval()
         hf.generation_config.eos_token_id = None
         runner = JaxRunner.load(tmp, block_size=BLOCK, num_blocks=2048, max_batch=max(batches),
-                                max_model_len=512, max_prefill_batch=DEFAULT_MAX_PREFILL_BATCH)
+                                max_model_len=512, max_prefill_batch=WorkerOptions().max_prefill_batch)
     params = sum(p.numel() for p in hf.parameters())
     print(f"model: {params / 1e6:.1f}M params, {args.layers} layers, float32; torch threads "
           f"{torch.get_num_threads()}, hf attention {hf.config._attn_implementation}")

@@ -62,11 +62,11 @@ def children(pid: int) -> list[int]:
     return out
 
 
-def start_gateway(state: str, worker_args: list[str], repo: Path = REPO) -> tuple[subprocess.Popen[str], str]:
+def start_gateway(state: str, worker_options: list[str], repo: Path = REPO) -> tuple[subprocess.Popen[str], str]:
     """``quicserve serve --engine synthetic`` from the source tree ``repo`` (another checkout for A/B runs)."""
     cmd = [sys.executable, "-m", "gateway.cli", "serve", "--engine", "synthetic", "--port", "0", "--no-tls",
            "--progress", "off", "--log-level", "warning", "--state-dir", state]
-    cmd += [f"--worker-arg={a}" for a in worker_args]
+    cmd += [f"--worker-option={o}" for o in worker_options]
     env = {**os.environ, "PYTHONPATH": str(repo)}
     proc = subprocess.Popen(cmd, cwd=repo, stdout=subprocess.PIPE, text=True, env=env)
     url = ""
@@ -137,7 +137,8 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="concurrency 32 only, 2 s per run, 2 runs")
     p.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
     p.add_argument("--processes", type=int, default=2, help="load generator processes")
-    p.add_argument("--worker-arg", action="append", default=[], help="extra args for the synthetic worker")
+    p.add_argument("--worker-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="a [workers] setting for the synthetic worker, e.g. synthetic_step_ms=2")
     p.add_argument("--no-pin", action="store_true",
                    help="do not give the gateway a CPU of its own (see the module docstring)")
     a = p.parse_args()
@@ -150,7 +151,7 @@ def main() -> int:
     duration = 2.0 if a.quick else a.duration
     repeats = 2 if a.quick else a.repeats
     with tempfile.TemporaryDirectory() as state:
-        gw, url = start_gateway(state, a.worker_arg)
+        gw, url = start_gateway(state, a.worker_option)
         try:
             kids = children(gw.pid)
             worker_pid = kids[0] if kids else None

@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from gateway.settings import Settings, SettingsError, check_file, load_settings
+from gateway import cli
+from gateway.settings import Settings, SettingsError, assignments, check_file, load_settings
+from transport.worker_options import WorkerOptions
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -83,3 +85,53 @@ def test_bad_env_and_unreadable_files(tmp_path: Path) -> None:
     assert "not valid TOML" in check_file(tmp_path / "x.toml")[0]
     (tmp_path / "b.toml").write_text("[server]\nuvloop = 1\n")
     assert "expected bool" in check_file(tmp_path / "b.toml")[0]
+
+
+def test_worker_options_are_typed_keys_of_workers_with_env_and_flag_overrides(tmp_path: Path) -> None:
+    p = tmp_path / "w.toml"
+    p.write_text('[workers]\nmax_batch = 64\nkv_cache_dtype = "int8"\nprefix_cache = false\n'
+                 'batch_window = "fixed:2"\n')
+    env = {"QUICSERVE_WORKERS__MAX_PREFILL_TOKENS": "4096", "QUICSERVE_WORKERS__DTYPE": "bfloat16",
+           "QUICSERVE_WORKERS__MAX_BATCH": "48", "QUICSERVE_WORKERS__SYNTHETIC_STEP_MS": "2"}
+    w = load_settings(p, environ=env).workers
+    assert (w.max_batch, w.kv_cache_dtype, w.prefix_cache, w.batch_window) == (48, "int8", False, "fixed:2")
+    assert (w.max_prefill_tokens, w.dtype, w.synthetic_step_ms) == (4096, "bfloat16", 2.0)
+    assert w.max_prefill_batch == WorkerOptions().max_prefill_batch == 2  # untouched: the shared default
+    flags, problems = assignments("workers", ["max_batch=8", "prefix_cache=true", "batch_window=adaptive"])
+    assert flags == {"max_batch": 8, "prefix_cache": True, "batch_window": "adaptive"} and problems == []
+    assert load_settings(p, environ=env, overrides={"workers": flags}).workers.max_batch == 8
+    _, problems = assignments("workers", ["max_btach=8", "max_batch"])
+    assert problems == ["max_btach=8: unknown setting workers.max_btach",
+                        "'max_batch': expected KEY=VALUE, e.g. max_batch=64"]
+
+
+@pytest.mark.parametrize(("toml", "message"), [
+    ("max_batch = 0", "workers.max_batch: must be >= 1, got 0"),
+    ('dtype = "float13"', "workers.dtype: 'float13' is not one of 'float32', 'bfloat16'"),
+    ('kv_cache_dtype = "int4"', "workers.kv_cache_dtype: 'int4' is not one of 'auto', 'int8', 'fp8'"),
+    ('attention = "flash"', "workers.attention: 'flash' is not one of 'reference', 'pallas'"),
+    ('batch_window = "soon"', "workers.batch_window: bad batch window 'soon': use 'adaptive' or 'fixed:<ms>'"),
+    ('batch_window = "fixed:-1"', "workers.batch_window: bad batch window 'fixed:-1': fixed:<ms> needs a finite"),
+    ("max_model_len = 9000", "workers.max_model_len: 9000 tokens do not fit the KV cache (512 blocks x 16 tokens"),
+    ('cpus = "3-1"', "workers.cpus: bad CPU list '3-1' (e.g. 0-3,6)"),
+    ("max_prefill_tokens = 0", "workers.max_prefill_tokens: must be >= 1, got 0"),
+    ("stats_interval = 0", "workers.stats_interval: must be > 0, got 0.0"),
+    ('engine = "synthetic"\nmodel = "/models/llama"', "workers.model: the synthetic engine only serves"),
+    ('max_batch = "64"', "workers.max_batch: expected int, got str '64'"),
+    ('extra_args = ["--max-batch", "64"]', "workers.extra_args: removed; worker options are typed keys of [workers]"),
+])
+def test_config_check_names_the_bad_worker_setting(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], toml: str, message: str
+) -> None:
+    """`quicserve config check` sees what a worker would refuse, before any worker starts."""
+    p = tmp_path / "bad.toml"
+    p.write_text(f"[workers]\n{toml}\n")
+    assert cli.main(["config", "check", str(p)]) == 1
+    assert f"{p}: {message}" in capsys.readouterr().out
+
+
+def test_serve_refuses_a_bad_worker_option_before_starting(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["serve", "--engine", "synthetic", "--worker-option", "max_batch=0"]) == 2
+    assert "workers.max_batch: must be >= 1, got 0" in capsys.readouterr().err
+    assert cli.main(["serve", "--worker-option", "max_btach=8"]) == 2
+    assert "unknown setting workers.max_btach" in capsys.readouterr().err

@@ -60,10 +60,12 @@ def test_backoff_doubles_caps_and_resets() -> None:
 
 
 def test_worker_command_runs_quicserve_worker() -> None:
-    cmd = worker_command(WorkersSettings(engine="synthetic", extra_args=["--max-batch", "8"]), 0)
+    cmd = worker_command(WorkersSettings(engine="synthetic", max_batch=8, kv_cache_dtype="int8",
+                                         prefix_cache=False, listen="unix:///tmp/w"), 1)
     assert cmd[:4] == [sys.executable, "-m", "gateway.cli", "worker"]
-    assert cmd[4:] == ["--listen", "tcp://127.0.0.1:0", "--engine", "synthetic", "--model", "tiny",
-                       "--max-batch", "8"]
+    # listen, engine and model always; the other options where they differ from the shared defaults
+    assert cmd[4:] == ["--listen=unix:///tmp/w-1", "--engine=synthetic", "--model=tiny", "--max-batch=8",
+                       "--kv-cache-dtype=int8", "--no-prefix-cache"]
 
 
 async def test_start_ready_progress_and_stop() -> None:
@@ -155,3 +157,43 @@ def test_progress_display_modes(mode: str) -> None:
         assert "\r" in text and "[########################] 10/10" in text and text.endswith("w0: ready\n")
     else:
         assert text.count("\n") == 6  # 0%, 25%, 50%, 75%, 100% and the note
+
+
+async def test_a_worker_usage_error_is_reported_once_and_not_restarted() -> None:
+    """A real `quicserve worker` child given a bad option (settings built in code skip `config
+    check`) exits 2 before ready: one clear report naming the flag, no restart loop, and the reason
+    on the supervisor for /readyz."""
+    metrics, out = GatewayMetrics(), io.StringIO()
+    ws = WorkersSettings(local=1, engine="synthetic", max_batch=0, restart_backoff_initial=0.05,
+                         restart_backoff_max=0.05, ready_timeout=60.0)
+    sup = WorkerSupervisor(ws, ModelPool(), metrics, ProgressDisplay("lines", out), connect=ConnectDouble())
+    assert sup.failure is None
+    sup.start()
+    try:
+        assert await sup.wait_ready(60) is False  # returns once no worker can become ready, not at the timeout
+        failure = sup.failure
+        assert failure is not None and failure.startswith("worker-0 exited with status 2 before it was ready")
+        assert "--max-batch: must be >= 1, got 0" in failure
+        await asyncio.sleep(0.3)  # several backoff periods: still one start
+        assert sup.workers[0].starts == 1 and metrics.worker_restarts._value.get() == 0
+        assert out.getvalue().count("not restarting it") == 1
+    finally:
+        await sup.stop()
+
+
+async def test_a_crash_is_still_restarted_while_another_worker_has_stopped_for_good() -> None:
+    """Only statuses a restart cannot fix stop a worker (exit 3 is restarted), and wait_ready waits
+    for the worker that can still come up."""
+    sup = WorkerSupervisor(WS, ModelPool(), GatewayMetrics(), connect=ConnectDouble(),
+                           commands=[[sys.executable, FAKE, "--crash-before-ready"],
+                                     [sys.executable, "-m", "gateway.cli", "worker", "--engine", "synthetic",
+                                      "--kv-cache-dtype", "int4"]])
+    sup.start()
+    try:
+        await wait_for(lambda: sup.workers[0].starts >= 3 and sup.failure is not None, 30)
+        assert sup.failure is not None and sup.failure.startswith("worker-1 exited with status 2")
+        assert "--kv-cache-dtype: invalid choice: 'int4'" in sup.failure
+        assert sup.workers[0].failure is None
+        assert await sup.wait_ready(0.2) is False  # worker-0 might still come up: wait to the timeout
+    finally:
+        await sup.stop()

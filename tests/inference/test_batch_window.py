@@ -84,7 +84,8 @@ def test_adaptive_window_fits_the_step_cost_and_bounds_prefills() -> None:
     import random
 
     rng = random.Random(2)
-    w = AdaptiveWindow(0.010, w_max=0.05, lr=0.5)
+    # Calls of up to 8 prompts (the worked numbers below; the default is the worker's max_prefill_batch).
+    w = AdaptiveWindow(0.010, w_max=0.05, lr=0.5, prefill_group=8)
     assert w.cost_model is None and w.prefill_fits([4000] * 30)  # nothing learned: no bound
     for _ in range(400):
         lengths = [rng.randint(1, 64) for _ in range(rng.choice((0, 0, 1, 2, 3, 5, 8)))]
@@ -110,7 +111,7 @@ def test_adaptive_window_fits_the_step_cost_and_bounds_prefills() -> None:
     # never miss, but a full call of 8 typical prompts (3 + 1 + 0.01 * 8 * 32 =
     # 6.6 ms) never fits, so even saturated a longer wait would only leave
     # slots empty: the window stays at one call's cost.
-    w2 = AdaptiveWindow(0.006, w_max=0.05, lr=0.5)
+    w2 = AdaptiveWindow(0.006, w_max=0.05, lr=0.5, prefill_group=8)
     for _ in range(400):
         lengths = [rng.randint(1, 64) for _ in range(rng.choice((0, 0, 1, 1, 2)))]
         w2.observe(_cost(lengths), load=1.0, prefill_lengths=lengths)

@@ -13,10 +13,13 @@ from pathlib import Path
 import pytest
 
 from inference.batch_window import AdaptiveWindow, FixedWindow
-from inference.worker import build_service, numa_cpus, parse_args, parse_cpus
+from inference.engine import EngineConfig
+from inference.kv_cache import PREFIX_HASH_SCHEME
+from inference.worker import build_service, main, numa_cpus, parse_args, parse_cpus
 from transport.client import connect
 from transport.messages import Error, ErrorCode, Finish, FinishReason, SamplingParams, Submit, TokenEntry
 from transport.server import serve
+from transport.worker_options import EXIT_CONFIG, EXIT_USAGE, WorkerOptions
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -112,6 +115,7 @@ async def test_worker_subprocess_ready_line_serve_and_sigterm_drain() -> None:
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-c", "import sys; from inference.worker import main; raise SystemExit(main(sys.argv[1:]))",
         "--engine", "synthetic", "--synthetic-step-ms", "5", "--batch-window", "fixed:1", "--cpus", "0",
+        "--max-batch", "6", "--num-blocks", "64",
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env, cwd=str(ROOT),
     )  # fmt: skip
     assert proc.stdout is not None
@@ -126,6 +130,9 @@ async def test_worker_subprocess_ready_line_serve_and_sigterm_drain() -> None:
                 break
         assert lines[0]["event"] == "progress" and msg["models"] == ["tiny"]
         conn = await connect(msg["url"])
+        h = conn.peer_hello  # its capacity: the context is capped by the cache, 64 blocks x 16 tokens
+        assert (h.max_batch, h.kv_blocks, h.block_size, h.max_model_len) == (6, 64, 16, 1024)
+        assert h.model_id == "tiny" and h.prefix_hash == PREFIX_HASH_SCHEME
         stream = conn.submit(
             Submit(conn.next_request_id(), "tiny", SamplingParams(max_tokens=40), prompt="hi")
         )
@@ -200,6 +207,46 @@ def test_cli_validation(tmp_path: Path) -> None:
                 ["--engine", "synthetic", "--model", "/some/dir"]):  # fmt: skip
         with pytest.raises(SystemExit):
             parse_args(bad)
+
+
+def test_flags_engine_and_runner_share_one_default_per_option() -> None:
+    """The worker's flags, the engine and the runner read transport.worker_options (as does the
+    gateway's [workers] section): no second copy of a default to drift."""
+    args, d = parse_args([]), WorkerOptions()
+    assert {k: getattr(args, k) for k in ("max_batch", "max_prefill_batch", "max_prefill_tokens", "dtype",
+                                          "kv_cache_dtype", "weight_dtype", "attention", "block_size")} == {
+        "max_batch": 32, "max_prefill_batch": 2, "max_prefill_tokens": 2048, "dtype": "float32",
+        "kv_cache_dtype": "auto", "weight_dtype": "auto", "attention": "reference", "block_size": 16}
+    cfg = EngineConfig()
+    assert (cfg.max_batch, cfg.prefill_batch, cfg.max_prefill_tokens, cfg.enable_prefix_cache) == (
+        d.max_batch, d.max_prefill_batch, d.max_prefill_tokens, d.prefix_cache)
+    svc = build_service(parse_args(["--engine", "synthetic", "--max-prefill-tokens", "300", "--no-prefix-cache"]))
+    assert svc.engine.config.max_prefill_tokens == 300 and not svc.engine.config.enable_prefix_cache
+    assert svc.hello().prefix_hash == ""  # no prefix cache: no hashes to match
+    jax_runner = pytest.importorskip("inference.model.runner")
+    import inspect
+
+    sig = inspect.signature(jax_runner.JaxRunner.load).parameters
+    for key in ("max_batch", "max_prefill_batch", "max_prefill_tokens", "block_size", "dtype", "kv_cache_dtype",
+                "weight_dtype", "weight_quant_method", "attention"):
+        assert sig[key].default == getattr(d, key), key
+
+
+def test_a_usage_error_names_the_flag_for_the_supervisor_and_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as ei:
+        parse_args(["--engine", "synthetic", "--max-batch", "0", "--kv-cache-dtype", "int8"])
+    assert ei.value.code == EXIT_USAGE
+    out = capsys.readouterr()
+    (event,) = [json.loads(line) for line in out.out.splitlines()]
+    assert event["event"] == "fatal" and "--max-batch: must be >= 1, got 0" in event["message"]
+    assert "--max-batch: must be >= 1" in out.err
+
+
+def test_options_that_parse_but_cannot_run_exit_78_with_the_reason(capsys: pytest.CaptureFixture[str]) -> None:
+    """No machine has NUMA node 4095: the worker says so to the supervisor (which will not restart it)."""
+    assert main(["--engine", "synthetic", "--numa-node", "4095"]) == EXIT_CONFIG
+    (event,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert event == {"event": "fatal", "message": event["message"]} and "NUMA node 4095" in event["message"]
 
 
 def test_synthetic_worker_never_imports_jax() -> None:

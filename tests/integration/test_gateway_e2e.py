@@ -99,7 +99,7 @@ def stop_gateway(gw: Gateway, sig: int = signal.SIGTERM) -> int:
 
 @pytest.fixture(scope="module")
 def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    g = start_gateway(tmp_path_factory.mktemp("state"), "--worker-arg=--synthetic-step-ms=2")
+    g = start_gateway(tmp_path_factory.mktemp("state"), "--worker-option=synthetic_step_ms=2")
     yield g
     assert stop_gateway(g) == 0
 
@@ -296,7 +296,7 @@ def test_client_disconnect_cancels_a_non_streaming_request_on_the_worker(gw: Gat
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_drains_in_flight_then_stops_workers(tmp_path: Path, sig: signal.Signals) -> None:
-    g = start_gateway(tmp_path, "--worker-arg=--synthetic-step-ms=5", "--no-tls")
+    g = start_gateway(tmp_path, "--worker-option=synthetic_step_ms=5", "--no-tls")
     worker = g.worker_pid
     with httpx.Client(base_url=g.http, timeout=20) as c:
         with c.stream("POST", "/v1/chat/completions", json={**CHAT, "max_tokens": 200, "stream": True}) as s:
@@ -318,7 +318,7 @@ def test_signal_drains_in_flight_then_stops_workers(tmp_path: Path, sig: signal.
 
 def test_drain_deadline_cuts_long_requests(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("QUICSERVE_SHUTDOWN__DRAIN_TIMEOUT", "0.5")
-    g = start_gateway(tmp_path, "--worker-arg=--synthetic-step-ms=5", "--no-tls")
+    g = start_gateway(tmp_path, "--worker-option=synthetic_step_ms=5", "--no-tls")
     t0 = time.monotonic()
     with httpx.Client(base_url=g.http, timeout=20) as c:
         with c.stream("POST", "/v1/chat/completions", json={**CHAT, "max_tokens": 4000, "stream": True}) as s:
@@ -383,7 +383,7 @@ def test_crashed_worker_is_restarted(tmp_path: Path) -> None:
 
 
 async def test_two_workers_share_the_load(tmp_path: Path) -> None:
-    g = start_gateway(tmp_path, "--no-tls", "--workers", "2", "--worker-arg=--synthetic-step-ms=10")
+    g = start_gateway(tmp_path, "--no-tls", "--workers", "2", "--worker-option=synthetic_step_ms=10")
     try:
         async with httpx.AsyncClient(base_url=g.http, timeout=30) as c:
             for _ in range(200):  # "ready" means the first worker; wait for both

@@ -82,6 +82,12 @@ control_st = st.one_of(
         capabilities=st.lists(text, max_size=3).map(tuple),
         initial_credit=u32,
         max_frame=st.integers(1 << 12, 1 << 31),
+        max_batch=u32,
+        kv_blocks=u32,
+        block_size=u32,
+        max_model_len=u32,
+        model_id=text,
+        prefix_hash=text,
     ),
     st.builds(Cancel, u32),
     st.builds(Credit, u32, u32),
@@ -247,6 +253,19 @@ def test_one_byte_at_a_time_and_control_examples() -> None:
     assert dec.buffered == 0
 
 
+def test_hello_carries_a_workers_capacity_and_reads_an_older_peers_as_not_told() -> None:
+    """The capacity group is optional trailing fields (no new wire version): a Hello from a peer
+    that predates them decodes with zeros, and a newer one round-trips every field."""
+    hello = Hello(role="worker", models=("tiny",), max_batch=32, kv_blocks=2048, block_size=16,
+                  max_model_len=4096, model_id="tiny", prefix_hash="blake2b64-chain/u32le")
+    (out,) = FrameDecoder().feed(FrameEncoder().encode(hello))
+    assert out == hello
+    (old,) = FrameDecoder().feed(frame(FrameType.HELLO, mp([1, "worker", "w", ["tiny"], [], 256, 1 << 24])))
+    assert (old.max_batch, old.kv_blocks, old.block_size, old.max_model_len, old.model_id, old.prefix_hash) == (
+        0, 0, 0, 0, "", "")
+    assert old.models == ("tiny",) and old.version == 1
+
+
 def test_token_frame_is_compact_and_delta_coded() -> None:
     """64 single-token steps with ~4 bytes of text: the second frame omits the request ids."""
     enc = FrameEncoder()
@@ -379,6 +398,9 @@ CORPUS: dict[str, bytes] = {
     "hello models not strs": frame(FrameType.HELLO, mp([1, "w", "", [1], [], 1, 4096])),
     "hello trailing bytes": frame(FrameType.HELLO, mp([1, "w", "", [], [], 1, 4096]) + b"\x00"),
     "hello ext type": frame(FrameType.HELLO, mp(msgpack.ExtType(1, b"x"))),
+    "hello half the capacity fields": frame(FrameType.HELLO, mp([1, "w", "", [], [], 1, 4096, 32, 512])),
+    "hello negative kv blocks": frame(FrameType.HELLO, mp([1, "w", "", [], [], 1, 4096, 32, -1, 16, 64, "", ""])),
+    "hello model id not str": frame(FrameType.HELLO, mp([1, "w", "", [], [], 1, 4096, 32, 8, 16, 64, 7, ""])),
     "duplicate submit": SUBMIT1 + SUBMIT1,
     "finish unknown rid": frame(FrameType.FINISH, mp([1, 0, 0, 0]), rid=9),
     "finish unknown reason": SUBMIT1 + frame(FrameType.FINISH, mp([9, 0, 0, 0]), rid=1),

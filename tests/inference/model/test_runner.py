@@ -21,7 +21,9 @@ def tiny():
     """Load + warmup + first request, timed (the < 60 s startup budget on 2 cores)."""
     stages: list[tuple[str, int, int, str]] = []
     t0 = time.perf_counter()
-    runner = JaxRunner.load("tiny", progress=lambda *a: stages.append(a))
+    # max_prefill_batch=1: the fewest shapes, the budget this test has always measured (the worker's
+    # default, 2, adds prefill buckets; tests/inference/test_worker.py starts that one).
+    runner = JaxRunner.load("tiny", max_prefill_batch=1, progress=lambda *a: stages.append(a))
     runner.warmup(progress=lambda *a: stages.append(a))
     prompt = list(b"Hello, tiny model!")
     first = runner.execute(StepPlan(prefills=(SeqWork(0, prompt, 0, [0, 1], HOT, 7, 0),), decodes=()))

@@ -1,0 +1,61 @@
+"""The worker's launch contract: the flags the gateway writes are the flags the worker reads."""
+
+from __future__ import annotations
+
+import argparse
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from transport.worker_options import (
+    ATTENTION_BACKENDS,
+    DTYPES,
+    KV_CACHE_DTYPES,
+    WorkerOptions,
+    add_flags,
+    option_problems,
+    options_from,
+    to_flags,
+)
+
+options_st = st.builds(
+    WorkerOptions,
+    served_name=st.sampled_from(["", "llama", "-dash-first", "a b"]),
+    max_batch=st.integers(1, 512),
+    max_prefill_batch=st.integers(1, 64),
+    max_prefill_tokens=st.integers(1, 1 << 16),
+    max_model_len=st.integers(0, 4096),
+    block_size=st.sampled_from([8, 16, 32]),
+    num_blocks=st.integers(0, 4096),
+    dtype=st.sampled_from(DTYPES),
+    kv_cache_dtype=st.sampled_from(KV_CACHE_DTYPES),
+    attention=st.sampled_from(ATTENTION_BACKENDS),
+    batch_window=st.sampled_from(["adaptive", "fixed:0", "fixed:2.5"]),
+    prefix_cache=st.booleans(),
+    stats_interval=st.floats(0.01, 10.0),
+    synthetic_step_ms=st.floats(0.0, 100.0),
+    cpus=st.sampled_from(["", "0", "0-3,6"]),
+    numa_node=st.integers(-1, 3),
+)
+
+
+def parse(argv: list[str]) -> WorkerOptions:
+    p = argparse.ArgumentParser()
+    add_flags(p)
+    return options_from(p.parse_args(argv))
+
+
+@settings(max_examples=50, deadline=None)
+@given(options_st)
+def test_to_flags_then_the_workers_parser_gives_the_same_options(o: WorkerOptions) -> None:
+    assert parse(to_flags(o)) == o
+
+
+def test_defaults_are_not_written_and_bad_values_are_named_by_key() -> None:
+    assert to_flags(WorkerOptions()) == ["--listen=tcp://127.0.0.1:0", "--engine=jax", "--model=tiny"]
+    assert parse([]) == WorkerOptions()
+    bad = WorkerOptions(max_batch=0, block_size=0, dtype="float13", listen="http://x", num_blocks=-1)
+    assert [key for key, _ in option_problems(bad)] == ["dtype", "listen", "max_batch", "block_size", "num_blocks"]
+    assert option_problems(WorkerOptions(engine="synthetic", max_model_len=2048 * 16)) == []
+    ((key, why),) = option_problems(WorkerOptions(engine="synthetic", max_model_len=2048 * 16 + 1))
+    assert key == "max_model_len" and "2048 blocks x 16 tokens = 32768" in why

@@ -1,0 +1,228 @@
+"""What a worker is asked to be: every option of ``quicserve worker``, one default each.
+
+Why it lives here: the gateway (the ``[workers]`` settings, ``quicserve config
+check``, the supervisor's child command line) and the worker (its flags, the
+engine, the runner) must agree on each option, its default and what a valid
+value is; imports flow ``gateway -> transport <- inference``, so this launch
+contract sits beside the wire contract. Pure data and checks: no JAX, no I/O.
+
+How it works: :class:`WorkerOptions` holds every option and its default.
+:func:`option_problems` names each bad value by key (the gateway prefixes
+``workers.``, the worker CLI spells the flag). :func:`add_flags` declares one
+``quicserve worker`` flag per field and :func:`to_flags` writes the flags for
+given options, both from the same fields, so the gateway's command line and
+the worker's parser cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "WorkerOptions",
+    "ENGINES",
+    "DTYPES",
+    "KV_CACHE_DTYPES",
+    "WEIGHT_DTYPES",
+    "WEIGHT_QUANT_METHODS",
+    "ATTENTION_BACKENDS",
+    "URL_SCHEMES",
+    "JAX_NUM_BLOCKS",
+    "SYNTHETIC_NUM_BLOCKS",
+    "SYNTHETIC_MAX_MODEL_LEN",
+    "EXIT_USAGE",
+    "EXIT_CONFIG",
+    "PERMANENT_EXITS",
+    "option_problems",
+    "parse_cpus",
+    "batch_window_ms",
+    "add_flags",
+    "options_from",
+    "to_flags",
+    "flag_name",
+]
+
+ENGINES = ("jax", "synthetic")
+DTYPES = ("float32", "bfloat16")
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # "auto": the model dtype
+WEIGHT_DTYPES = ("auto", "int8", "fp8")  # "auto": the model dtype
+WEIGHT_QUANT_METHODS = ("rtn", "gptq")  # round to nearest; GPTQ calibrated on random tokens
+ATTENTION_BACKENDS = ("reference", "pallas")
+URL_SCHEMES = ("tcp://", "unix://", "rdma://")
+
+# KV blocks when ``num_blocks`` is 0, per engine, and the synthetic engine's context length.
+JAX_NUM_BLOCKS = 512
+SYNTHETIC_NUM_BLOCKS = 2048
+SYNTHETIC_MAX_MODEL_LEN = 4096
+
+# Exit statuses that restarting cannot fix: argparse's usage error, and sysexits' EX_CONFIG for
+# options that parse but cannot run (a missing model, CPUs this machine lacks, a context the cache
+# cannot hold). The supervisor reports these once and does not restart the worker.
+EXIT_USAGE = 2
+EXIT_CONFIG = 78
+PERMANENT_EXITS = frozenset({EXIT_USAGE, EXIT_CONFIG})
+
+
+def _opt(default: Any, help: str, choices: tuple[str, ...] = ()) -> Any:
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerOptions:
+    """Every ``quicserve worker`` option; the defaults are the worker's, the engine's and the runner's."""
+
+    listen: str = _opt("tcp://127.0.0.1:0", "transport URL: tcp://host:port, unix:///path or rdma:// (port 0 = any)")
+    engine: str = _opt("jax", "jax (the model) or synthetic (deterministic test/benchmark double)", ENGINES)
+    model: str = _opt("tiny", "'tiny' (built in) or a local Hugging Face checkpoint directory")
+    served_name: str = _opt("", "name the model is served under ('' = the model's name)")
+    max_batch: int = _opt(32, "sequences one engine step may run")
+    # 2: each prefill batch size adds buckets to compile at start-up (tiny model, max_batch 8: 51 shapes
+    # against 28 at 1, first answer ~24 s after start; 4 would add 21 more), and at saturation ~1 prompt
+    # joins per step, so pairs are what a short wait gathers (calls of 4 shorten a saturated step by
+    # 1.12x at best, pairs by 1.08x: tests/bench/bench_batch_window.py; on the decode bench's batch-32
+    # run, with the native matmul: prefill 0.95-0.96 s at 2, 1.01 at 4, 1.09 at 8).
+    max_prefill_batch: int = _opt(2, "prompts one prefill call may carry (the batch window gathers up to this "
+                                     "many; capped at max_batch)")
+    max_prefill_tokens: int = _opt(2048, "new prompt tokens one step may prefill (a longer prompt runs alone)")
+    max_model_len: int = _opt(0, "context length in tokens (0 = the model's, capped by the KV cache)")
+    block_size: int = _opt(16, "tokens per KV-cache block (the prefix cache shares whole blocks)")
+    num_blocks: int = _opt(0, f"KV-cache blocks (0 = {JAX_NUM_BLOCKS} for jax, {SYNTHETIC_NUM_BLOCKS} for synthetic)")
+    dtype: str = _opt("float32", "model dtype", DTYPES)
+    kv_cache_dtype: str = _opt(
+        "auto", "KV cache storage: 'auto' = the model dtype; 'int8' or 'fp8' (e4m3) store codes with a float32 "
+        "scale per block and KV head, quantized when written and dequantized in attention (1/4 of a float32 "
+        "cache's bytes, 1/2 of bfloat16's). On CPU prefer int8: XLA:CPU has no float8 scatter, so each fp8 "
+        "write copies the cache", KV_CACHE_DTYPES)
+    weight_dtype: str = _opt(
+        "auto", "projection weights: 'auto' = the model dtype; 'int8' or 'fp8' (e4m3) store every projection "
+        "(attention, MLP, head) as 1-byte codes with a float32 scale per output channel, dequantized inside "
+        "the matmul (the embedding table stays float). On CPU prefer int8: XLA:CPU converts fp8 in software",
+        WEIGHT_DTYPES)
+    weight_quant_method: str = _opt(
+        "rtn", "how weight_dtype picks the codes: 'rtn' rounds to nearest; 'gptq' calibrates on the model's own "
+        "activations and feeds each column's rounding error into the columns not yet quantized (slower start)",
+        WEIGHT_QUANT_METHODS)
+    attention: str = _opt("reference", "attention kernels: reference (jnp) or pallas", ATTENTION_BACKENDS)
+    batch_window: str = _opt("adaptive", "how long admission waits to batch prompts: adaptive | fixed:<ms>")
+    prefix_cache: bool = _opt(True, "share the KV blocks of common prompt prefixes between requests")
+    stats_interval: float = _opt(0.5, "seconds between load reports to the gateway")
+    synthetic_step_ms: float = _opt(0.0, "synthetic engine only: sleep per step, imitating model latency")
+    cpus: str = _opt("", "pin the worker to these CPUs, e.g. '0-3,6' ('' = no pinning)")
+    numa_node: int = _opt(-1, "pin the worker to this NUMA node's CPUs (-1 = none)")
+
+
+_FIELDS = dataclasses.fields(WorkerOptions)
+_DEFAULTS = WorkerOptions()
+_AT_LEAST_ONE = ("max_batch", "max_prefill_batch", "max_prefill_tokens", "block_size")
+
+
+def parse_cpus(spec: str) -> set[int]:
+    """``"0-3,6"`` -> {0, 1, 2, 3, 6}; ValueError names the spec."""
+    cpus: set[int] = set()
+    try:
+        for part in spec.split(","):
+            lo, _, hi = part.strip().partition("-")
+            a, b = int(lo), int(hi or lo)
+            if a < 0 or b < a:
+                raise ValueError
+            cpus.update(range(a, b + 1))
+    except ValueError:
+        raise ValueError(f"bad CPU list {spec!r} (e.g. 0-3,6)") from None
+    return cpus
+
+
+def batch_window_ms(spec: str) -> float | None:
+    """``"adaptive"`` -> None, ``"fixed:<ms>"`` -> ms; ValueError for anything else."""
+    if spec == "adaptive":
+        return None
+    if spec.startswith("fixed:"):
+        try:
+            ms = float(spec[6:])
+        except ValueError:
+            raise ValueError(f"bad batch window {spec!r}: fixed:<ms> needs a number") from None
+        if not (math.isfinite(ms) and ms >= 0):
+            raise ValueError(f"bad batch window {spec!r}: fixed:<ms> needs a finite ms >= 0")
+        return ms
+    raise ValueError(f"bad batch window {spec!r}: use 'adaptive' or 'fixed:<ms>'")
+
+
+def option_problems(o: WorkerOptions) -> list[tuple[str, str]]:
+    """(key, what is wrong) for every bad option; empty if the worker can start with them."""
+    p: list[tuple[str, str]] = []
+    for f in _FIELDS:
+        v, choices = getattr(o, f.name), f.metadata["choices"]
+        if choices and v not in choices:
+            p.append((f.name, f"{v!r} is not one of {', '.join(map(repr, choices))}"))
+    if not o.listen.startswith(URL_SCHEMES):
+        p.append(("listen", f"{o.listen!r} is not a tcp://, unix:// or rdma:// URL"))
+    if not o.model:
+        p.append(("model", "must not be empty"))
+    if o.engine == "synthetic" and o.model != "tiny":
+        p.append(("model", "the synthetic engine only serves the byte-level 'tiny' tokenizer"))
+    p += [(k, f"must be >= 1, got {getattr(o, k)}") for k in _AT_LEAST_ONE if getattr(o, k) < 1]
+    for k in ("max_model_len", "num_blocks"):
+        if getattr(o, k) < 0:
+            p.append((k, f"must be >= 0 (0 = default), got {getattr(o, k)}"))
+    blocks = o.num_blocks or (SYNTHETIC_NUM_BLOCKS if o.engine == "synthetic" else JAX_NUM_BLOCKS)
+    if o.block_size >= 1 and o.max_model_len > blocks * o.block_size:
+        # A lone sequence must always fit in the KV cache.
+        p.append(("max_model_len", f"{o.max_model_len} tokens do not fit the KV cache ({blocks} blocks x "
+                                   f"{o.block_size} tokens = {blocks * o.block_size}); raise num_blocks"))
+    try:
+        batch_window_ms(o.batch_window)
+    except ValueError as exc:
+        p.append(("batch_window", str(exc)))
+    if not o.stats_interval > 0:
+        p.append(("stats_interval", f"must be > 0, got {o.stats_interval}"))
+    if not (math.isfinite(o.synthetic_step_ms) and o.synthetic_step_ms >= 0):
+        p.append(("synthetic_step_ms", f"must be >= 0, got {o.synthetic_step_ms}"))
+    if o.cpus:
+        try:
+            parse_cpus(o.cpus)
+        except ValueError as exc:
+            p.append(("cpus", str(exc)))
+    if o.numa_node < -1:
+        p.append(("numa_node", f"must be a node number or -1 (none), got {o.numa_node}"))
+    return p
+
+
+def flag_name(key: str) -> str:
+    """``max_batch`` -> ``--max-batch``."""
+    return "--" + key.replace("_", "-")
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per :class:`WorkerOptions` field, with its type, default and choices."""
+    for f in _FIELDS:
+        default, meta = getattr(_DEFAULTS, f.name), f.metadata
+        if isinstance(default, bool):
+            parser.add_argument(flag_name(f.name), dest=f.name, action=argparse.BooleanOptionalAction,
+                                default=default, help=meta["help"])
+            continue
+        parser.add_argument(flag_name(f.name), dest=f.name, type=type(default), default=default,
+                            choices=meta["choices"] or None, metavar=None if meta["choices"] else f.name.upper(),
+                            help=f"{meta['help']} (default: {default!r})")
+
+
+def options_from(ns: argparse.Namespace) -> WorkerOptions:
+    """The options a parser built by :func:`add_flags` read."""
+    return WorkerOptions(**{f.name: getattr(ns, f.name) for f in _FIELDS})
+
+
+def to_flags(o: WorkerOptions) -> list[str]:
+    """``quicserve worker`` flags for ``o``: listen, engine and model always, the rest where they differ
+    from the default (the worker reads the same defaults)."""
+    out: list[str] = []
+    for f in _FIELDS:
+        v = getattr(o, f.name)
+        if f.name not in ("listen", "engine", "model") and v == getattr(_DEFAULTS, f.name):
+            continue
+        if isinstance(v, bool):
+            out.append(flag_name(f.name) if v else "--no-" + f.name.replace("_", "-"))
+        else:
+            out.append(f"{flag_name(f.name)}={v}")  # one token: a value may start with "-"
+    return out
