@@ -103,6 +103,7 @@ class App:
         self.calls = CallContext(self.deadlines, self.api_settings.request_timeout, self.metrics.tokens)
         self.metrics.watch_workers(pool.connections)
         self.draining = False
+        self.worker_failure: Callable[[], str | None] = lambda: None  # serve.py: the supervisor's failure
         self._loop: asyncio.AbstractEventLoop | None = None
         self.small: dict[str, dict[str, SmallRoute]] = {
             MODELS_ROUTE: {"GET": self._models},
@@ -220,7 +221,7 @@ class App:
         ready = self.pool.ready_workers()
         if ready and not self.draining:
             return 200, JSON_HEADERS, orjson.dumps({"status": "ready", "workers": ready, "models": self.pool.models()})
-        why = "draining" if self.draining else "no worker is ready"
+        why = "draining" if self.draining else (self.worker_failure() or "no worker is ready")
         return 503, JSON_HEADERS, orjson.dumps({"status": "not ready", "reason": why, "workers": ready})
 
     def _metrics_page(self, req: Request) -> Answer:

@@ -90,6 +90,7 @@ async def run_gateway(settings: Settings, *, out: TextIO | None = None,
         _say(out, f"listening on https://{_hostport(srv.host, tls.port)} (h2, HTTP/1.1) cert sha256 {fingerprint}")
 
     supervisor = WorkerSupervisor(settings.workers, pool, metrics, ProgressDisplay(settings.log.progress))
+    app.worker_failure = lambda: supervisor.failure
     supervisor.start()
     tune_gc()
 

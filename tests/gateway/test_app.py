@@ -353,3 +353,12 @@ async def test_whole_responses_are_buffered_by_the_worker() -> None:
     for body in ({**CHAT, "stream": True}, {**CHAT, "logprobs": True}, CHAT):
         assert (await call(app, req("/v1/chat/completions", body))).status == 200
     assert [s.buffered for s in conn.submits] == [False, False, True]
+
+
+async def test_readyz_says_why_no_worker_will_come() -> None:
+    app = App(ModelPool())
+    app.worker_failure = lambda: "worker-0 exited with status 2 before it was ready: --max-batch: must be >= 1"
+    s = await call(app, req("/readyz", method="GET"))
+    assert s.status == 503 and s.json()["reason"].startswith("worker-0 exited with status 2")
+    app.draining = True
+    assert (await call(app, req("/readyz", method="GET"))).json()["reason"] == "draining"
