@@ -87,6 +87,9 @@ class _Answered:
 
 
 _ANSWERED = _Answered()
+_SHUTTING_DOWN = APIError(503, "The server is shutting down; retry on another instance.", "server_error", None,
+                          "shutting_down", retry_after=1.0, headers=((b"connection", b"close"),))
+_CUT = APIError(503, "The server shut down before the response finished.", "server_error", None, "shutting_down")
 
 
 class App:
@@ -100,7 +103,8 @@ class App:
         self.openai = OpenAIApi(self.api_settings)
         self.admission: AdmissionStage = admission if admission is not None else NoAdmission()
         self.deadlines = DeadlineSweeper()
-        self.calls = CallContext(self.deadlines, self.api_settings.request_timeout, self.metrics.tokens)
+        self.calls = CallContext(self.deadlines, self.api_settings.request_timeout, self.metrics.tokens,
+                                 self.api_settings.write_timeout)
         self.metrics.watch_workers(pool.connections)
         self.draining = False
         self.worker_failure: Callable[[], str | None] = lambda: None  # serve.py: the supervisor's failure
@@ -119,6 +123,8 @@ class App:
         self._allow = {path: ", ".join(m) for path, m in allowed.items()}
         if pool.on_retry is None:
             pool.on_retry = self.metrics.retries.inc
+        if pool.on_move is None:
+            pool.on_move = self.metrics.rebalanced.inc
 
     # -- the entrance ---------------------------------------------------------------------
     def handle(self, req: Request, sink: ResponseSink, done: Callable[[], None]) -> Call:
@@ -127,6 +133,8 @@ class App:
         path = req.path
         parse = self.generation.get(path)
         if parse is not None and req.method == "POST":
+            if self.draining:
+                return self._refuse(req, sink, done, path, _SHUTTING_DOWN, t0, counted=False)
             return self._generate(req, sink, done, path, parse, t0)
         route = path
         try:
@@ -196,8 +204,9 @@ class App:
         return call
 
     def _refuse(self, req: Request, sink: ResponseSink, done: Callable[[], None], route: str, err: APIError,
-                t0: float) -> Call:
-        self.metrics.in_flight -= 1
+                t0: float, counted: bool = True) -> Call:
+        if counted:
+            self.metrics.in_flight -= 1
         sink.respond(*render_http(err))
         self.metrics.request_done(route, err.status, req.protocol, _perf() - t0)
         self._later(done)
@@ -209,6 +218,16 @@ class App:
 
     def _not_allowed(self, req: Request) -> Answer:
         raise self._method_error(req, self._allow.get(req.path, "GET, HEAD"))
+
+    def end_all(self) -> int:
+        """Drain deadline: every open generation call ends now with an explicit 503 (an error
+        response, or its stream's terminal event). Returns how many were cut."""
+        calls = self.deadlines.tracked()
+        for call in calls:
+            call.shut_down(_CUT)
+        if calls:
+            self.metrics.drain_cut.inc(len(calls))
+        return len(calls)
 
     # -- small routes ------------------------------------------------------------------------
     def _models(self, req: Request) -> Answer:

@@ -128,6 +128,7 @@ class ApiSettings:
     max_tokens_limit: int = 4096  # larger requests get a 400
     request_timeout: float = 600.0  # whole request, seconds
     retries: int = 1  # resubmits on another worker if one dies before the first token
+    write_timeout: float = 60.0  # a streaming client that reads nothing this long is cut off
 
     def _validate(self, p: list[str]) -> None:
         if self.default_max_tokens < 1:
@@ -138,15 +139,18 @@ class ApiSettings:
             p.append("api.request_timeout: must be > 0")
         if self.retries < 0:
             p.append("api.retries: must be >= 0")
+        if self.write_timeout <= 0:
+            p.append("api.write_timeout: must be > 0")
 
 
 @dataclass(frozen=True, slots=True)
 class ShutdownSettings:
     drain_timeout: float = 30.0  # SIGTERM: finish in-flight requests for up to this long
     sigint_drain_timeout: float = 3.0  # SIGINT: the same, faster
+    grace_period: float = 5.0  # SIGTERM: keep listening this long, /readyz 503 and new work refused, first
 
     def _validate(self, p: list[str]) -> None:
-        if self.drain_timeout < 0 or self.sigint_drain_timeout < 0:
+        if self.drain_timeout < 0 or self.sigint_drain_timeout < 0 or self.grace_period < 0:
             p.append("shutdown: timeouts must be >= 0")
 
 

@@ -50,12 +50,13 @@ EndHook = Callable[[int, int], None]
 class CallContext:
     """What every call of one app shares: the deadline sweeper, the timeout, the token metrics."""
 
-    __slots__ = ("deadlines", "timeout", "observe")
+    __slots__ = ("deadlines", "timeout", "write_timeout", "observe")
 
     def __init__(self, deadlines: DeadlineSweeper, timeout: float,
-                 observe: Callable[[str, float | None, float | None, int], None]) -> None:
+                 observe: Callable[[str, float | None, float | None, int], None], write_timeout: float = 60.0) -> None:
         self.deadlines = deadlines
         self.timeout = timeout
+        self.write_timeout = write_timeout  # a client that reads nothing this long is cut off
         self.observe = observe  # (route, ttft, tpot, completion tokens)
 
     def timeout_error(self) -> APIError:
@@ -219,7 +220,13 @@ class GenerationCall:
         chunk, self._held = self._held, None
         try:
             if chunk:
-                await self._sink.send(chunk)
+                await asyncio.wait_for(self._sink.send(chunk), self._ctx.write_timeout)
+        except TimeoutError:  # the client reads nothing: it cannot take an error event either
+            self._resumer = None
+            log.info("%s: the client read nothing for %g s; cutting the stream", self._route, self._ctx.write_timeout)
+            self._sink.abort()
+            self._end(408, 0)
+            return
         except (ConnectionError, asyncio.CancelledError):
             return  # the adapter cancels the call
         self._resumer = None
@@ -311,6 +318,19 @@ class GenerationCall:
             self._end(504, 0)
             return
         self._fail(self._ctx.timeout_error())
+
+    def shut_down(self, err: APIError) -> None:
+        """The gateway is stopping: end now with ``err``, explicitly (an error response, or the
+        stream's terminal event; a client that is not reading is cut off)."""
+        if self._ended:
+            return
+        if self._resumer is not None:
+            self._resumer.cancel()
+            self._resumer = None
+            self._sink.abort()
+            self._end(err.status, 0)
+            return
+        self._fail(err)
 
     def _end(self, status: int, tokens: int) -> None:
         self._ended = True
