@@ -11,7 +11,7 @@ LIBTPU_DIR := $(VENV)/libtpu
 LIBTPU_STAMP := $(VENV)/.stamp-libtpu
 ARGS ?=
 
-.PHONY: run test venv sysdeps lint bench clean
+.PHONY: run test venv sysdeps lint bench clean proto
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -63,6 +63,13 @@ lint: $(STAMP_TEST)
 
 bench: $(STAMP_TEST)
 	for f in tests/bench/bench_*.py tests/bench/gpu_kernels.py; do m=$$(basename $$f .py); echo "== $$m"; $(PY) -m tests.bench.$$m || exit 1; done
+
+# Regenerates the committed protobuf + grpclib code from the .proto (grpcio-tools is in
+# the test extra; the generated code needs only protobuf and grpclib at run time).
+PROTO := gateway/grpc/quicserve/v1/quicserve.proto
+proto: $(STAMP_TEST)
+	$(PY) -m grpc_tools.protoc -I . --python_out=. --pyi_out=. \
+	  --plugin=protoc-gen-grpclib_python=$(VENV)/bin/protoc-gen-grpclib_python --grpclib_python_out=. $(PROTO)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
