@@ -63,10 +63,14 @@ def grpc_status(err: APIError) -> Status:
 
 
 def retry_trailers(err: APIError) -> list[tuple[str, str]]:
-    """``grpc-retry-pushback-ms`` when the error says when to retry (gRPC's retry-after)."""
+    """``retry-after`` (seconds, as on HTTP) when the error says when to retry.
+
+    Not gRPC's ``grpc-retry-pushback-ms``: grpclib reserves every ``grpc-`` key
+    for itself, and one trailer in both wire formats beats two spellings.
+    """
     if err.retry_after is None:
         return []
-    return [("grpc-retry-pushback-ms", str(max(0, round(err.retry_after * 1000))))]
+    return [("retry-after", str(max(1, round(err.retry_after))))]
 
 
 # TimeoutValue is at most 8 ASCII digits, then one unit (gRPC over HTTP/2 spec).

@@ -47,8 +47,8 @@ def test_worker_error_codes_reach_grpc_through_the_one_model(wire: int, expected
     assert grpc_status(from_wire_code(wire, "x")) is expected
 
 
-def test_retry_after_becomes_retry_pushback() -> None:
-    assert retry_trailers(APIError(429, "slow down", retry_after=1.5)) == [("grpc-retry-pushback-ms", "1500")]
+def test_retry_after_becomes_a_trailer() -> None:
+    assert retry_trailers(APIError(429, "slow down", retry_after=1.5)) == [("retry-after", "2")]
     assert retry_trailers(APIError(400, "bad")) == []
 
 

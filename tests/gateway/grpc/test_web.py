@@ -151,10 +151,10 @@ def test_binary_response_frames_and_trailers() -> None:
     w = WebResponseWriter(text=False, codec=None, accept_encoding=ACCEPT)
     assert w.message(b"\x0a\x02hi") == b"\x00\x00\x00\x00\x04\x0a\x02hi"
     assert w.trailers(Status.OK) == b"\x80\x00\x00\x00\x0fgrpc-status:0\r\n"
-    body = w.trailers(Status.INVALID_ARGUMENT, "bad température 100%", [("grpc-retry-pushback-ms", "10")])
+    body = w.trailers(Status.INVALID_ARGUMENT, "bad température 100%", [("retry-after", "10")])
     assert body[0] == 0x80 and struct.unpack(">I", body[1:5])[0] == len(body) - 5
     assert body[5:] == (b"grpc-status:3\r\ngrpc-message:bad temp%C3%A9rature 100%25\r\n"
-                        b"grpc-retry-pushback-ms:10\r\n")
+                        b"retry-after:10\r\n")
 
 
 def test_text_response_is_one_padded_segment_per_write() -> None:
