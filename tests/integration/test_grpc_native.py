@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import queue
-import socket
 import subprocess
 import sys
 import time
@@ -17,11 +16,10 @@ from pathlib import Path
 
 import grpc
 import pytest
-from grpclib.server import Server
 
 from gateway.errors import APIError
 from gateway.grpc.quicserve.v1 import quicserve_pb2 as pb
-from gateway.grpc.service import build_services
+from gateway.grpc.server import start_native
 from tests.gateway.grpc.backend_double import EchoBackendDouble
 
 pytestmark = pytest.mark.timeout(60)
@@ -37,16 +35,11 @@ def backend() -> EchoBackendDouble:
 
 @pytest.fixture
 async def target(backend: EchoBackendDouble) -> AsyncIterator[str]:
-    services, _health = build_services(backend)
-    server = Server(services)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    await server.start(sock=sock)
+    native = await start_native(backend, "127.0.0.1", 0)
     try:
-        yield f"127.0.0.1:{sock.getsockname()[1]}"
+        yield f"127.0.0.1:{native.port}"
     finally:
-        server.close()
-        await server.wait_closed()
+        await native.close()
 
 
 def _channel(target: str) -> grpc.Channel:
@@ -339,9 +332,17 @@ async def test_grpcurl_lists_describes_and_calls_generate(target: str) -> None:
     assert replies[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 3}
 
 
-async def test_health_serving(target: str) -> None:
-    out = await asyncio.to_thread(_grpcurl, target, "grpc.health.v1.Health/Check")
-    assert json.loads(out) == {"status": "SERVING"}
-    out = await asyncio.to_thread(_grpcurl, "-d", '{"service": "quicserve.v1.Inference"}', target,
-                                  "grpc.health.v1.Health/Check")
-    assert json.loads(out) == {"status": "SERVING"}
+async def test_health_serving_until_close(backend: EchoBackendDouble) -> None:
+    native = await start_native(backend, "127.0.0.1", 0)
+    target = f"127.0.0.1:{native.port}"
+    try:
+        out = await asyncio.to_thread(_grpcurl, target, "grpc.health.v1.Health/Check")
+        assert json.loads(out) == {"status": "SERVING"}
+        out = await asyncio.to_thread(_grpcurl, "-d", '{"service": "quicserve.v1.Inference"}', target,
+                                      "grpc.health.v1.Health/Check")
+        assert json.loads(out) == {"status": "SERVING"}
+        native.health.set(False)  # what close() does first, while draining
+        out = await asyncio.to_thread(_grpcurl, target, "grpc.health.v1.Health/Check")
+        assert json.loads(out) == {"status": "NOT_SERVING"}
+    finally:
+        await native.close()
