@@ -37,14 +37,23 @@ $(LIBTPU_STAMP): $(STAMP_TEST)
 # System packages: curl (with HTTP/2) for the curl tests; Debian's python3-pyverbs
 # so the RDMA probe/fallback path runs against the real bindings (tests that need
 # an RDMA device skip where none exists); g++ to build the native CPU decode
-# kernel (inference/kernels/cpu_ffi.py) the worker compiles on first use.
-APT_PKGS := curl python3-pyverbs g++
+# kernel (inference/kernels/cpu_ffi.py) the worker compiles on first use; Node for the
+# gRPC-Web client from npm that tests/integration/test_grpc_web_http.py runs.
+APT_PKGS := curl python3-pyverbs g++ nodejs
 $(SYSDEPS_STAMP): $(VENV)/bin/python Makefile
 	@missing=""; for p in $(APT_PKGS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing system packages:$$missing"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
 	fi
+	touch $@
+
+# The npm packages of tests/grpc_web, exactly as package-lock.json pins them. Debian's
+# nodejs comes without npm (NodeSource's bundles it), hence the fallback.
+NODE_STAMP := tests/grpc_web/node_modules/.stamp
+$(NODE_STAMP): tests/grpc_web/package.json tests/grpc_web/package-lock.json $(SYSDEPS_STAMP)
+	command -v npm >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq npm)
+	cd tests/grpc_web && npm ci --no-audit --no-fund
 	touch $@
 
 venv: $(STAMP_RUN)
@@ -54,7 +63,7 @@ sysdeps: $(SYSDEPS_STAMP)
 run: $(STAMP_RUN) $(SYSDEPS_STAMP)
 	$(VENV)/bin/quicserve serve $(ARGS)
 
-test: $(STAMP_TEST) $(SYSDEPS_STAMP) $(LIBTPU_STAMP)
+test: $(STAMP_TEST) $(SYSDEPS_STAMP) $(LIBTPU_STAMP) $(NODE_STAMP)
 	$(VENV)/bin/ruff check gateway transport inference tests
 	$(PY) -m pytest -q -p no:cacheprovider tests
 

@@ -8,24 +8,23 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import struct
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 
 import pytest
 
 from gateway.errors import APIError
-from gateway.grpc.compression import Codecs, GzipCodec, ZstdCodec
+from gateway.grpc.compression import Codecs
 from gateway.grpc.quicserve.v1 import quicserve_pb2 as pb
 from gateway.grpc.service import InferenceService
 from gateway.grpc.web_call import serve_web_call
 from tests.gateway.grpc.backend_double import EchoBackendDouble
+from tests.gateway.grpc.web_client import CODECS, Parsed, frame, parse_body
 
 pytestmark = pytest.mark.timeout(30)
 
 GENERATE = "/quicserve.v1.Inference/Generate"
 CHAT = "/quicserve.v1.Inference/Chat"
-CODECS = {"gzip": GzipCodec(), "zstd": ZstdCodec()}
 
 
 @dataclass
@@ -46,37 +45,9 @@ class RecordingSink:
         self.changed.set()
 
 
-@dataclass
-class Parsed:
-    messages: list[bytes]
-    trailers: dict[str, str]
-    trailer_flags: int
-
-
 def parse(sink: RecordingSink, text: bool) -> Parsed:
     raw = b"".join(base64.b64decode(w, validate=True) if text else w for w in sink.writes)
-    headers = dict(sink.headers or [])
-    codec = CODECS.get(headers.get(b"grpc-encoding", b"").decode())
-    messages, trailers, tflags, pos = [], {}, -1, 0
-    while pos < len(raw):
-        flags, n = struct.unpack(">BI", raw[pos:pos + 5])
-        payload = raw[pos + 5:pos + 5 + n]
-        pos += 5 + n
-        if flags & 1:
-            assert codec is not None
-            payload = codec.decompress(payload, 1 << 20)
-        if flags & 0x80:
-            assert pos == len(raw), "bytes after the trailer frame"
-            tflags = flags
-            trailers = dict(line.split(":", 1) for line in payload.decode().split("\r\n") if line)
-        else:
-            messages.append(payload)
-    assert tflags >= 0, "no trailer frame"
-    return Parsed(messages, trailers, tflags)
-
-
-def frame(payload: bytes, flags: int = 0) -> bytes:
-    return bytes([flags]) + struct.pack(">I", len(payload)) + payload
+    return parse_body(raw, dict(sink.headers or []).get(b"grpc-encoding", b"").decode())
 
 
 async def chunks(*parts: bytes) -> AsyncIterator[bytes]:
