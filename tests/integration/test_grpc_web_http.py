@@ -155,3 +155,18 @@ async def test_npm_grpc_web_client_streams_generate(base_url: str, backend: Echo
     backend.reject = APIError(404, "no such model")
     out = await asyncio.to_thread(_node, base_url, desc, "Generate", {"model": "nope", "prompt": "x"})
     assert out == [{"status": "error", "code": "NotFound", "message": "no such model"}]
+
+
+@pytest.mark.parametrize("http2", [False, True], ids=["h1", "h2"])
+async def test_client_going_away_cancels_the_generation(base_url: str, backend: EchoBackendDouble,
+                                                        http2: bool) -> None:
+    backend.hang_after = 1
+    body = frame(pb.GenerateRequest(model="tiny", prompt="a b c").SerializeToString())
+    async with httpx.AsyncClient(http1=not http2, http2=http2) as client:
+        async with client.stream("POST", base_url + GENERATE, content=body,
+                                 headers={"content-type": "application/grpc-web"}) as r:
+            first = await anext(r.aiter_raw())
+            assert pb.GenerateResponse.FromString(first[5:]).text == "A"
+        # Leaving the block closes the response early (h1: the connection; h2: RST_STREAM).
+    await asyncio.wait_for(backend.calls[0].cancelled.wait(), 10)
+    assert not backend.calls[0].ended
