@@ -9,7 +9,9 @@ ends with ``finish_reason`` and ``usage``, or with a ``TurnError`` (cancelled,
 invalid, backend error) after which the call goes on. Only a turn that
 finishes joins the history, with the assistant's reply, so a failed or
 cancelled turn can simply be sent again. The call ends OK once the client has
-closed its side and every queued turn has been played.
+closed its side and every queued turn has been played; if the client's
+stream fails (a malformed message), the running turn is cancelled and the
+call ends with that error.
 """
 
 from __future__ import annotations
@@ -50,8 +52,10 @@ class ChatSession:
                 while not self._queue and not reader.done():
                     self._changed.clear()
                     await self._changed.wait()
+                if reader.done() and (reader.cancelled() or reader.exception() is not None):
+                    return reader.result()  # the client's stream failed: so does the call
                 if not self._queue:
-                    return reader.result()  # the client closed its side (or its stream failed: raise)
+                    return  # the client closed its side and every turn has been played
                 await self._play(*self._queue.popleft())
         finally:
             reader.cancel()
@@ -67,6 +71,10 @@ class ChatSession:
                 elif request.WhichOneof("action") == "cancel":
                     self._cancel(request.cancel.turn)
                 self._changed.set()
+        except BaseException:
+            if self._running is not None:  # the call is failing: stop the turn now, not at its end
+                self._running[1].cancel()
+            raise
         finally:
             self._changed.set()
 

@@ -190,3 +190,26 @@ async def test_grpc_timeout_expires_and_cancels_the_generation() -> None:
     assert backend.calls[0].cancelled.is_set()
     _s, got = await run(GENERATE, generate("a"), extra=[(b"grpc-timeout", b"soon")])
     assert got.trailers["grpc-status"] == "3"
+
+
+async def test_a_malformed_message_mid_chat_cancels_the_running_turn_and_fails_the_call() -> None:
+    backend = EchoBackendDouble()
+    backend.hang_after = 1
+    body: asyncio.Queue[bytes | None] = asyncio.Queue()
+
+    async def client_body() -> AsyncIterator[bytes]:
+        while (chunk := await body.get()) is not None:
+            yield chunk
+
+    turn = pb.ChatRequest(turn=pb.Turn(model="tiny", messages=[pb.Message(role="user", content="a b c")]))
+    sink = RecordingSink()
+    call = asyncio.create_task(serve_web_call(InferenceService(backend).__mapping__(), CHAT,
+                                              {b"content-type": b"application/grpc-web"}, client_body(), sink,
+                                              Codecs(), 1 << 16))
+    await body.put(frame(turn.SerializeToString()) + frame(turn.SerializeToString()))  # turn 2 queued
+    await asyncio.wait_for(backend.started.wait(), 10)
+    await body.put(frame(b"x", 0x80))  # then garbage, with turn 1 hanging and the body still open
+    await asyncio.wait_for(call, 10)
+    got = parse(sink, text=False)
+    assert got.trailers["grpc-status"] == "13"
+    assert backend.calls[0].cancelled.is_set() and len(backend.calls) == 1  # turn 2 never ran
