@@ -62,6 +62,9 @@ class GenerateSpec:
     stop: tuple[str, ...] = ()
     seed: int | None = None
     deadline: float | None = None  # time.monotonic() by which it must end (grpc-timeout)
+    #: The caller's text metadata (lower-case names; ``grpc-*`` and pseudo-headers left out),
+    #: for admission: ``authorization``, API keys, ``user-agent``.
+    metadata: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,11 +31,13 @@ __all__ = ["ChatSession"]
 
 class ChatSession:
     def __init__(self, backend: Backend, recv: Callable[[], Awaitable[pb.ChatRequest | None]],
-                 send: Callable[[pb.ChatResponse], Awaitable[None]], deadline: float | None) -> None:
+                 send: Callable[[pb.ChatResponse], Awaitable[None]], deadline: float | None,
+                 metadata: tuple[tuple[str, str], ...] = ()) -> None:
         self._backend = backend
         self._recv = recv
         self._send = send
         self._deadline = deadline
+        self._metadata = metadata
         self._history: tuple[ChatMessage, ...] = ()
         self._model = ""
         self._sampling = pb.Sampling()
@@ -97,7 +99,8 @@ class ChatSession:
         if not turn.messages:
             return await self._error(n, APIError(400, "A turn needs at least one message.", param="messages"))
         asked = chat_messages(turn.messages)
-        spec = GenerateSpec(self._model, messages=self._history + asked, deadline=self._deadline)
+        spec = GenerateSpec(self._model, messages=self._history + asked, deadline=self._deadline,
+                            metadata=self._metadata)
         gen = Generation(self._backend, with_sampling(spec, self._sampling))
         self._running = (n, gen)
         reply: list[str] = []

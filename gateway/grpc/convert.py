@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import replace
 
 from transport.messages import FinishReason
@@ -11,7 +11,14 @@ from ..errors import APIError
 from .backend import ChatMessage, Finished, GenerateSpec
 from .quicserve.v1 import quicserve_pb2 as pb
 
-__all__ = ["spec_from", "with_sampling", "chat_messages", "reason_of", "usage_of"]
+__all__ = ["spec_from", "text_metadata", "with_sampling", "chat_messages", "reason_of", "usage_of"]
+
+
+def text_metadata(metadata: Mapping[str, str | bytes] | None) -> tuple[tuple[str, str], ...]:
+    """A call's text metadata as :attr:`GenerateSpec.metadata` (binary ``-bin`` values left out)."""
+    if metadata is None:
+        return ()
+    return tuple((k, v) for k, v in metadata.items() if isinstance(v, str))
 
 
 def with_sampling(spec: GenerateSpec, s: pb.Sampling) -> GenerateSpec:
@@ -30,16 +37,17 @@ def chat_messages(messages: Iterable[pb.Message]) -> tuple[ChatMessage, ...]:
     return tuple(ChatMessage(m.role, m.content) for m in messages)
 
 
-def spec_from(request: pb.GenerateRequest, deadline: float | None) -> GenerateSpec:
+def spec_from(request: pb.GenerateRequest, deadline: float | None,
+              metadata: tuple[tuple[str, str], ...] = ()) -> GenerateSpec:
     """A Generate/Complete request as a :class:`GenerateSpec`; one without input is a 400."""
     which = request.WhichOneof("input")
     if which is None:
         raise APIError(400, "Set either prompt or conversation.", param="input")
     if which == "prompt":
-        spec = GenerateSpec(request.model, prompt=request.prompt, deadline=deadline)
+        spec = GenerateSpec(request.model, prompt=request.prompt, deadline=deadline, metadata=metadata)
     else:
         spec = GenerateSpec(request.model, messages=chat_messages(request.conversation.messages),
-                            deadline=deadline)
+                            deadline=deadline, metadata=metadata)
     return with_sampling(spec, request.sampling)
 
 

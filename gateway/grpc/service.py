@@ -12,7 +12,7 @@ expired ``grpc-timeout`` cancel the handler task (grpclib does that); the
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from grpclib.health.check import ServiceStatus
@@ -23,7 +23,7 @@ from grpclib.reflection.service import ServerReflection
 from ..errors import APIError
 from .backend import Backend, Finished, Generation
 from .chat import ChatSession
-from .convert import reason_of, spec_from, usage_of
+from .convert import reason_of, spec_from, text_metadata, usage_of
 from .quicserve.v1 import quicserve_pb2 as pb
 from .quicserve.v1.quicserve_grpc import InferenceBase
 from .status import Status, grpc_status, retry_trailers
@@ -42,6 +42,9 @@ class CallStream(Protocol[_Req, _Resp]):
 
     @property
     def deadline(self) -> Deadline | None: ...
+
+    @property
+    def metadata(self) -> Mapping[str, str | bytes] | None: ...
 
     async def recv_message(self) -> _Req | None: ...
 
@@ -71,7 +74,7 @@ class InferenceService(InferenceBase):
         request = await stream.recv_message()
         assert request is not None  # grpclib: a unary request always carries its message
         try:
-            spec = spec_from(request, _deadline(stream))
+            spec = spec_from(request, _deadline(stream), text_metadata(stream.metadata))
         except APIError as e:
             await _fail(stream, e)
             return None
@@ -112,7 +115,8 @@ class InferenceService(InferenceBase):
             gen.cancel()
 
     async def Chat(self, stream: CallStream[pb.ChatRequest, pb.ChatResponse]) -> None:
-        await ChatSession(self._backend, stream.recv_message, stream.send_message, _deadline(stream)).run()
+        await ChatSession(self._backend, stream.recv_message, stream.send_message, _deadline(stream),
+                          text_metadata(stream.metadata)).run()
 
     async def ListModels(self, stream: CallStream[pb.ListModelsRequest, pb.ListModelsResponse]) -> None:
         await stream.recv_message()

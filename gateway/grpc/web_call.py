@@ -52,8 +52,12 @@ class WebStream:
     """A :class:`~gateway.grpc.service.CallStream` over one gRPC-Web call."""
 
     def __init__(self, call: WebCall, request_type: Any, body: AsyncIterator[bytes], sink: WebSink,
-                 deadline: Deadline | None) -> None:
+                 deadline: Deadline | None, headers: Mapping[bytes, bytes]) -> None:
         self.deadline = deadline
+        # Call metadata as grpclib presents it: request headers but the pseudo and grpc-* ones.
+        self.metadata: Mapping[str, str | bytes] = {
+            k.decode("latin-1"): v.decode("latin-1") for k, v in headers.items()
+            if not k.startswith((b":", b"grpc-"))}
         self._call = call
         self._request_type = request_type
         self._body = body
@@ -121,7 +125,7 @@ async def serve_web_call(handlers: Mapping[str, Handler], path: str, headers: Ma
         except APIError as e:
             status, message = grpc_status(e), e.message
     stream = WebStream(opened, handler.request_type if handler else None, body, sink,
-                       Deadline.from_timeout(timeout) if timeout is not None else None)
+                       Deadline.from_timeout(timeout) if timeout is not None else None, headers)
     if handler is not None and status is Status.OK:
         try:
             async with asyncio.timeout(timeout):

@@ -71,12 +71,16 @@ async def test_complete_unary(target: str, backend: EchoBackendDouble) -> None:
     def call() -> pb.GenerateResponse:
         with _channel(target) as ch:
             req = pb.GenerateRequest(model="tiny", prompt="hello big world")
-            return _unary(ch, "Complete", pb.GenerateResponse)(req, timeout=10)
+            return _unary(ch, "Complete", pb.GenerateResponse)(
+                req, timeout=10, metadata=(("authorization", "Bearer sk-test"), ("trace-bin", b"\x00")))
 
     reply = await asyncio.to_thread(call)
     assert reply.text == "HELLO BIG WORLD"
     assert reply.finish_reason == pb.FINISH_REASON_STOP
     assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (3, 3)
+    # The caller's credentials reach the backend for admission; binary metadata does not.
+    metadata = dict(backend.calls[0].spec.metadata)
+    assert metadata["authorization"] == "Bearer sk-test" and "trace-bin" not in metadata
 
 
 async def test_generate_streams_deltas_then_finish(target: str, backend: EchoBackendDouble) -> None:
@@ -220,10 +224,10 @@ async def test_deadline_expiry_cancels_the_generation(target: str, backend: Echo
 class _Turns:
     """The client side of a Chat call: send requests, read replies one at a time."""
 
-    def __init__(self, target: str) -> None:
+    def __init__(self, target: str, metadata: tuple[tuple[str, str], ...] = ()) -> None:
         self._requests: queue.Queue[pb.ChatRequest | None] = queue.Queue()
         self._channel = _channel(target)
-        self._replies = _bidi(self._channel)(self._iter(), timeout=20)
+        self._replies = _bidi(self._channel)(self._iter(), timeout=20, metadata=metadata)
 
     def _iter(self) -> Iterator[pb.ChatRequest]:
         while (r := self._requests.get()) is not None:
@@ -251,7 +255,7 @@ class _Turns:
 
 async def test_chat_turns_keep_the_conversation(target: str, backend: EchoBackendDouble) -> None:
     def call() -> tuple[list[pb.ChatResponse], list[pb.ChatResponse], list[pb.ChatResponse]]:
-        chat = _Turns(target)
+        chat = _Turns(target, metadata=(("x-api-key", "k1"),))
         chat.turn("hi there", model="tiny-chat")
         one = chat.until_end_of_turn()
         chat.turn("how are you")
@@ -265,6 +269,7 @@ async def test_chat_turns_keep_the_conversation(target: str, backend: EchoBacken
     assert two[-1].usage.prompt_tokens == 7  # "hi there" + "HI THERE" + "how are you"
     assert rest == []
     assert backend.calls[1].spec.model == "tiny-chat"  # inherited from the first turn
+    assert ("x-api-key", "k1") in backend.calls[1].spec.metadata
     assert [(m.role, m.content) for m in backend.calls[1].spec.messages or ()] == [
         ("user", "hi there"), ("assistant", "HI THERE"), ("user", "how are you")]
 

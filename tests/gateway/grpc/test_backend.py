@@ -87,8 +87,9 @@ def test_unset_sampling_fields_are_none_and_zero_values_are_kept() -> None:
     spec = spec_from(pb.GenerateRequest(model="m", prompt="p"), None)
     assert (spec.max_tokens, spec.temperature, spec.top_p, spec.seed, spec.stop) == (None, None, None, None, ())
     spec = spec_from(pb.GenerateRequest(model="m", prompt="p", sampling=pb.Sampling(
-        max_tokens=0, temperature=0.0, top_p=0.25, seed=0)), 12.5)
+        max_tokens=0, temperature=0.0, top_p=0.25, seed=0)), 12.5, (("authorization", "Bearer k"),))
     assert (spec.max_tokens, spec.temperature, spec.top_p, spec.seed, spec.deadline) == (0, 0.0, 0.25, 0, 12.5)
+    assert spec.metadata == (("authorization", "Bearer k"),)
 
 
 def test_a_request_without_input_is_a_400() -> None:

@@ -83,8 +83,10 @@ async def test_generate_every_content_type_and_compression(ctype: str, encoding:
     long_prompt = " ".join(["word"] * 40)
     request = pb.GenerateRequest(model="tiny", prompt=long_prompt).SerializeToString()
     body = frame(CODECS[encoding].compress(request), 1) if encoding != "identity" else frame(request)
-    sink, got = await run(GENERATE, body, ctype=ctype,
-                          extra=[(b"grpc-encoding", encoding.encode()), (b"grpc-accept-encoding", encoding.encode())])
+    backend = EchoBackendDouble()
+    sink, got = await run(GENERATE, body, backend, ctype=ctype,
+                          extra=[(b"grpc-encoding", encoding.encode()), (b"grpc-accept-encoding", encoding.encode()),
+                                 (b"authorization", b"Bearer k")])
     headers = dict(sink.headers or [])
     assert headers[b"content-type"] == (b"application/grpc-web-text+proto" if "text" in ctype
                                         else b"application/grpc-web+proto")
@@ -93,6 +95,7 @@ async def test_generate_every_content_type_and_compression(ctype: str, encoding:
     assert "".join(r.text for r in replies) == " ".join(["WORD"] * 40)
     assert replies[-1].finish_reason == pb.FINISH_REASON_STOP
     assert got.trailers == {"grpc-status": "0"}
+    assert dict(backend.calls[0].spec.metadata) == {"content-type": ctype, "authorization": "Bearer k"}
     if "text" in ctype:
         assert all(len(w) % 4 == 0 for w in sink.writes)  # one padded base64 segment per write
 
