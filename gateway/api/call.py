@@ -59,8 +59,8 @@ class CallContext:
         self.write_timeout = write_timeout  # a client that reads nothing this long is cut off
         self.observe = observe  # (route, ttft, tpot, completion tokens)
 
-    def timeout_error(self) -> APIError:
-        return APIError(504, f"The request did not finish within {self.timeout:g} s.", "server_error", None,
+    def timeout_error(self, timeout: float) -> APIError:
+        return APIError(504, f"The request did not finish within {timeout:g} s.", "server_error", None,
                         "timeout")
 
 
@@ -68,10 +68,11 @@ class GenerationCall:
     """One generation request (the :class:`~gateway.http.types.Call` the pipeline hands back)."""
 
     __slots__ = ("_ctx", "_routed", "_w", "_sink", "_route", "_t0", "_t_first", "_on_end", "_done", "_started",
-                 "_ended", "_starting", "_held", "_held_final", "_resumer", "_pull", "_whole", "_fut")
+                 "_ended", "_starting", "_held", "_held_final", "_resumer", "_pull", "_whole", "_fut", "_timeout")
 
     def __init__(self, ctx: CallContext, routed: RoutedStream, writer: Writer, sink: ResponseSink, route: str,
-                 t0: float, logprobs: bool, on_end: EndHook, done: Callable[[], None]) -> None:
+                 t0: float, logprobs: bool, on_end: EndHook, done: Callable[[], None],
+                 timeout: float | None = None) -> None:
         self._ctx = ctx
         self._routed = routed
         self._w = writer
@@ -90,12 +91,13 @@ class GenerationCall:
         self._pull = logprobs
         self._whole = not writer.streaming and not logprobs
         self._fut: asyncio.Future[Any] | None = None  # what the call waits on now; others are stale
+        self._timeout = ctx.timeout if timeout is None else min(timeout, ctx.timeout)
 
     # -- start and read -------------------------------------------------------------------
     def start(self) -> None:
         self._starting = True
         try:
-            self._ctx.deadlines.add(self, self._ctx.timeout)
+            self._ctx.deadlines.add(self, self._timeout)
             self._routed.on_moved = self._read  # a rebalance moved the request before its first token
             self._read()
         except Exception:
@@ -317,7 +319,7 @@ class GenerationCall:
             self._sink.abort()
             self._end(504, 0)
             return
-        self._fail(self._ctx.timeout_error())
+        self._fail(self._ctx.timeout_error(self._timeout))
 
     def shut_down(self, err: APIError) -> None:
         """The gateway is stopping: end now with ``err``, explicitly (an error response, or the
