@@ -16,10 +16,10 @@ from h2.errors import ErrorCodes
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gateway.http.common import HttpLimits, ServerState
+from gateway.http.common import HttpLimits, ServerState, task_entrance
 from gateway.http.h2 import H2Protocol
 
-from .conftest import FAST_LIMITS, FakeTransport, Recorder, error_of, make_handler, settle
+from .conftest import FAST_LIMITS, FakeTransport, Recorder, error_of, make_entrance, settle
 
 
 class Client:
@@ -30,7 +30,7 @@ class Client:
     ) -> None:
         self.rec = Recorder()
         self.events: list[Any] = []
-        self.state = ServerState(make_handler(self.rec), limits, self.events.append)
+        self.state = ServerState(make_entrance(self.rec), limits, self.events.append)
         self.proto = H2Protocol(self.state)
         self.t = FakeTransport()
         self.t.protocol = self.proto
@@ -342,7 +342,7 @@ async def test_send_nowait_frames_within_windows_and_refuses_beyond() -> None:
     async def handler(req: Any, sink: Any) -> None:
         with pytest.raises(RuntimeError):
             sink.send_nowait(b"early")
-        await sink.start(200, [(b"content-type", b"text/plain")])
+        sink.start(200, [(b"content-type", b"text/plain")])
         seen.append(sink.send_nowait(b"a" * 600))
         seen.append(sink.send_nowait(b"b" * 600))  # 1024-byte stream window: does not fit
         await sink.send(b"b" * 600)  # waits for the client to open the window
@@ -350,13 +350,12 @@ async def test_send_nowait_frames_within_windows_and_refuses_beyond() -> None:
         c.proto.pause_writing()
         seen.append(sink.send_nowait(b"c"))
         c.proto.resume_writing()
-        await sink.end()
+        sink.end()
         with pytest.raises(RuntimeError):
             sink.send_nowait(b"late")
 
     c = Client(window=1024)
-    c.state.handler = handler
-    c.state.fast = None
+    c.state.entrance = task_entrance(handler)
     sid = c.request("/s")
     await c.wait(lambda: c.done(sid))
     assert seen == [True, False, True, False]

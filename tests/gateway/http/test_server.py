@@ -15,7 +15,7 @@ from cryptography import x509
 from gateway.http.server import HttpLimits, start_server
 from gateway.http.tls import SELF_SIGNED_CERT, SELF_SIGNED_KEY, load_or_create_tls
 
-from .conftest import Recorder, make_handler
+from .conftest import Recorder, make_entrance
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -25,7 +25,7 @@ async def test_drain_finishes_in_flight_then_refuses() -> None:
     """h1 and h2 requests in flight finish after stop_accepting (h2 via GOAWAY;
     curl, since httpcore treats any GOAWAY as fatal to open streams)."""
     rec = Recorder()
-    srv = await start_server(make_handler(rec), host="127.0.0.1", port=0)
+    srv = await start_server(make_entrance(rec), host="127.0.0.1", port=0)
     url = f"http://127.0.0.1:{srv.port}"
     async with httpx.AsyncClient(base_url=url) as c1:
         idle = await c1.get("/echo")  # leaves an idle keep-alive connection
@@ -66,7 +66,7 @@ async def test_drain_finishes_in_flight_then_refuses() -> None:
 
 async def test_close_cancels_handlers() -> None:
     rec = Recorder()
-    srv = await start_server(make_handler(rec), host="127.0.0.1", port=0)
+    srv = await start_server(make_entrance(rec), host="127.0.0.1", port=0)
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{srv.port}") as c:
         task = asyncio.create_task(c.get("/hold"))
         await rec.started.wait()
@@ -81,7 +81,7 @@ async def test_event_hook_failure_does_not_break_serving() -> None:
         raise RuntimeError("metrics down")
 
     srv = await start_server(
-        make_handler(Recorder()),
+        make_entrance(Recorder()),
         host="127.0.0.1",
         port=0,
         on_event=hook,
