@@ -278,14 +278,17 @@ class _H1Sink(SinkState):
     __slots__ = ("_conn", "keep_alive", "_http10", "_chunked")
 
     def __init__(self, conn: H1Protocol, head: bool, keep_alive: bool, http10: bool) -> None:
-        super().__init__(head)
+        self._head = head  # SinkState's fields, set here: one call less per request
+        self.started = self.ended = False
         self._conn = conn
         self.keep_alive = keep_alive
         self._http10 = http10
         self._chunked = False
 
     def _head_block(self, status: int, headers: Headers, framing: bytes) -> list[bytes]:
-        self._begin()
+        if self.started:
+            raise RuntimeError("response already started")
+        self.started = True
         if self._conn._srv.draining:
             self.keep_alive = False
         if not self.keep_alive:
@@ -295,7 +298,7 @@ class _H1Sink(SinkState):
         return wire.response_head(status, headers, http_date(), framing, end)
 
     def respond(self, status: int, headers: Headers, body: bytes) -> None:
-        buf = self._head_block(status, headers, wire.content_length(len(body)))
+        buf = self._head_block(status, headers, b"content-length: %d\r\n" % len(body))
         if body and not self._head:
             buf.append(body)
         self.ended = True

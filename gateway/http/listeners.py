@@ -55,6 +55,11 @@ class Listener(Protocol):
         ...
 
     @property
+    def url(self) -> str:
+        """How a client names it (``http://host:port``, ``https://…``, ``unix:path``)."""
+        ...
+
+    @property
     def in_flight(self) -> int:
         """Requests handed to the entrance whose ``done()`` has not come yet."""
         ...
