@@ -219,7 +219,6 @@ class H1Core:
         self._headers.append((name, value))
 
     def on_headers_complete(self) -> None:
-        http11 = self._parser.get_http_version() == "1.1"
         if self._hosts != 1:
             if self._hosts:
                 self._stop(400, "more than one Host header")
@@ -242,7 +241,7 @@ class H1Core:
         self._method = self._parser.get_method().decode("ascii")
         self.state = BODY
         self.deadline = self._now + self.limits.body_timeout
-        if self._expect and http11:
+        if self._expect and self._parser.get_http_version() == "1.1":
             self._events.append(_CONTINUE_EXPECTED)
 
     def _check_codings(self) -> None:
