@@ -308,7 +308,7 @@ class H2Protocol(StreamAdapter):
         self._streams.pop(st.id, None)
         if self._goaway_sent and not self._streams:
             self._close()
-        elif not self._streams:
+        elif not self._streams and self._transport is not None:  # idle from now: the keep-alive clock
             self._set_deadline(min(self._deadline, self._last_activity + self._limits.keepalive_timeout))
 
     def _reset(self, st: _Stream, code: ErrorCodes) -> None:
