@@ -185,8 +185,9 @@ def task_entrance(handler: Handler) -> Entrance:
     """
 
     def entrance(request: Request, sink: ResponseSink, done: Callable[[], None]) -> Call:
-        task = spawn(asyncio.get_running_loop(), _run(handler, request, _Tracked(sink)))
-        task.add_done_callback(lambda _: done())
+        tracked = _Tracked(sink, done)
+        task = spawn(asyncio.get_running_loop(), _run(handler, request, tracked))
+        task.add_done_callback(tracked.task_done)
         return task
 
     return entrance
@@ -216,12 +217,16 @@ async def _run(handler: Handler, request: Request, sink: _Tracked) -> None:
 class _Tracked:
     """The sink :func:`task_entrance` hands its handler: notes how far the response got."""
 
-    __slots__ = ("_sink", "started", "ended")
+    __slots__ = ("_sink", "_done", "started", "ended")
 
-    def __init__(self, sink: ResponseSink) -> None:
+    def __init__(self, sink: ResponseSink, done: Callable[[], None]) -> None:
         self._sink = sink
+        self._done = done
         self.started = False
         self.ended = False
+
+    def task_done(self, _: object) -> None:
+        self._done()
 
     def respond(self, status: int, headers: Headers, body: bytes) -> None:
         self.started = self.ended = True
