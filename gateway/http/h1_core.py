@@ -89,7 +89,9 @@ class _Stop(Exception):
 class H1Core:
     """Request parsing for one HTTP/1.1 connection."""
 
-    def __init__(self, limits: HttpLimits, *, scheme: str = "http", client: tuple[str, int] | None = None) -> None:
+    def __init__(
+        self, limits: HttpLimits, *, scheme: str = "http", client: tuple[str, int] | None = None
+    ) -> None:
         self.limits = limits
         self.scheme = scheme
         self.client = client
@@ -349,4 +351,6 @@ def chunk_head(n: int) -> bytes:
 def error_response(err: APIError, date: bytes) -> bytes:
     """A whole error response that closes the connection."""
     body = render_json(err)
-    return b"".join(response_head(err.status, error_headers(err), date, content_length(len(body)), CLOSE)) + body
+    return (
+        b"".join(response_head(err.status, error_headers(err), date, content_length(len(body)), CLOSE)) + body
+    )

@@ -1,6 +1,6 @@
 """HTTP/2 adapter over the h2 library (h2c prior knowledge and ALPN ``h2``).
 
-How it works: bytes go into ``H2Connection.receive_data``; its events drive a small
+How it works: bytes go into ``H2ServerConnection.receive_data``; its events drive a small
 per-stream record (:mod:`gateway.http.h2_stream`). Headers are checked as they arrive
 (431, 400), the body is collected with the same limit as HTTP/1.1 (413, checked against
 content-length up front and while DATA arrives), and on END_STREAM the request goes to the
@@ -32,9 +32,9 @@ from gateway.http.h2_stream import (
     FINISHED,
     RECEIVING,
     RUNNING,
-    H2Connection,
-    _H2Sink,
-    _Stream,
+    H2ServerConnection,
+    H2Sink,
+    H2Stream,
     local_settings,
     response_headers,
 )
@@ -59,12 +59,12 @@ class H2Protocol(StreamAdapter):
             validate_outbound_headers=False,
             normalize_outbound_headers=False,
         )
-        self._h2 = H2Connection(config)
+        self._h2 = H2ServerConnection(config)
         self._h2.local_settings = local_settings(limits, limits.h2_max_concurrent_streams)
         # A header block past the limit gets a 431 on its stream; only one far past
         # it (memory guard) is a connection error inside hpack.
         self._h2.decoder.max_header_list_size = max(4 * limits.max_header_bytes, 65536)
-        self._streams: dict[int, _Stream] = {}
+        self._streams: dict[int, H2Stream] = {}
         self._goaway_sent = False
         self._last_activity = 0.0
 
@@ -138,7 +138,7 @@ class H2Protocol(StreamAdapter):
         if self._goaway_sent or self._at_stream_limit():
             self._h2.reset_stream(sid, ErrorCodes.REFUSED_STREAM)  # never started: the client may retry it
             return
-        st = self._streams[sid] = _Stream(sid, now)
+        st = self._streams[sid] = H2Stream(sid, now)
         st.client_done = ev.stream_ended is not None  # its StreamEnded event follows and dispatches
         if not st.client_done and now + self._limits.body_timeout < self._deadline:
             self._set_deadline(now + self._limits.body_timeout)
@@ -194,7 +194,7 @@ class H2Protocol(StreamAdapter):
             answered.add(sid)
             st = self._streams.get(sid)
             if st is None:
-                st = self._streams[sid] = _Stream(sid, now)
+                st = self._streams[sid] = H2Stream(sid, now)
             elif st.reset or st.phase != RECEIVING:
                 continue
             st.client_done = st.client_done or client_done
@@ -244,17 +244,17 @@ class H2Protocol(StreamAdapter):
             self._settle(st)
 
     # ---- requests ---------------------------------------------------------
-    def _dispatch(self, st: _Stream) -> None:
+    def _dispatch(self, st: H2Stream) -> None:
         parts = st.body
         body = parts[0] if len(parts) == 1 else b"".join(parts)
         st.body = []
         st.phase = RUNNING
         request = Request(st.method, st.path, st.query, st.headers, body, "h2", self._scheme, self._client)
-        st.sink = sink = _H2Sink(self, st, st.method == "HEAD")
+        st.sink = sink = H2Sink(self, st, st.method == "HEAD")
         self._srv.request_started()
         st.call = self._srv.entrance(request, sink, lambda: self._done(st))
 
-    def _done(self, st: _Stream) -> None:
+    def _done(self, st: H2Stream) -> None:
         self._srv.request_done()
         st.call = None
         st.phase = FINISHED
@@ -263,7 +263,7 @@ class H2Protocol(StreamAdapter):
         self._settle(st)
         self._schedule_flush()
 
-    def _reject(self, st: _Stream, status: int, message: str) -> None:
+    def _reject(self, st: H2Stream, status: int, message: str) -> None:
         """Answer a request ourselves (it never reaches the entrance)."""
         self._srv.report(status, "h2", message)
         err = protocol_error(status, message)
@@ -272,7 +272,7 @@ class H2Protocol(StreamAdapter):
         st.rst_after = True  # RFC 9113 8.1: once answered, stop the upload without an error
         self._answer(st, response_headers(status, error_headers(err), len(body)), body)
 
-    def _answer(self, st: _Stream, headers: Headers, body: bytes) -> None:
+    def _answer(self, st: H2Stream, headers: Headers, body: bytes) -> None:
         """A whole response: headers, then the body as the windows allow."""
         if self._send_headers(st, headers, not body):
             if body:
@@ -281,7 +281,7 @@ class H2Protocol(StreamAdapter):
             self._pump(st)
         self._settle(st)
 
-    def _send_headers(self, st: _Stream, headers: Headers, end: bool) -> bool:
+    def _send_headers(self, st: H2Stream, headers: Headers, end: bool) -> bool:
         try:
             self._h2.send_headers(st.id, headers, end_stream=end)
         except h2.exceptions.ProtocolError:  # closed to us meanwhile (its RST is in this read)
@@ -290,14 +290,14 @@ class H2Protocol(StreamAdapter):
         self._schedule_flush()
         return True
 
-    def _end_stream(self, st: _Stream) -> None:
+    def _end_stream(self, st: H2Stream) -> None:
         try:
             self._h2.end_stream(st.id)
         except h2.exceptions.ProtocolError:
             st.reset = True
         self._schedule_flush()
 
-    def _settle(self, st: _Stream) -> None:
+    def _settle(self, st: H2Stream) -> None:
         """Forget a stream once its call is done and its response has left (or it was reset)."""
         if st.phase == RUNNING:
             return
@@ -311,7 +311,7 @@ class H2Protocol(StreamAdapter):
         elif not self._streams and self._transport is not None:  # idle from now: the keep-alive clock
             self._set_deadline(min(self._deadline, self._last_activity + self._limits.keepalive_timeout))
 
-    def _reset(self, st: _Stream, code: ErrorCodes) -> None:
+    def _reset(self, st: H2Stream, code: ErrorCodes) -> None:
         st.reset = True
         st.out.clear()
         st.wake()
@@ -322,7 +322,7 @@ class H2Protocol(StreamAdapter):
         self._schedule_flush()
 
     # ---- output -----------------------------------------------------------
-    def _pump(self, st: _Stream) -> None:
+    def _pump(self, st: H2Stream) -> None:
         """Frame what the windows allow of a stream's held-back DATA (END_STREAM with the last)."""
         h2c = self._h2
         out = st.out

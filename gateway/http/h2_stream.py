@@ -2,7 +2,7 @@
 stream errors), one stream's record with its held-back output, and its response sink.
 
 How output works: a stream frames what the smaller of its and the connection's windows
-allows; the rest waits in :attr:`_Stream.out` (with END_STREAM, and maybe a RST_STREAM, to
+allows; the rest waits in :attr:`H2Stream.out` (with END_STREAM, and maybe a RST_STREAM, to
 follow it) and :meth:`H2Output.pump` sends more as WINDOW_UPDATEs arrive. Only ``send``
 waits: until its data has left the queue, and while the transport is paused.
 """
@@ -27,13 +27,22 @@ from gateway.http.types import Call, Headers
 if TYPE_CHECKING:
     from gateway.http.h2 import H2Protocol
 
-__all__ = ["H2Connection", "local_settings", "response_headers"]
+__all__ = [
+    "H2ServerConnection",
+    "H2Stream",
+    "H2Sink",
+    "local_settings",
+    "response_headers",
+    "RECEIVING",
+    "RUNNING",
+    "FINISHED",
+]
 
 _HOP_BY_HOP = frozenset((b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding", b"upgrade"))
-RECEIVING, RUNNING, FINISHED = 0, 1, 2  # _Stream.phase: request arriving, call running, call done
+RECEIVING, RUNNING, FINISHED = 0, 1, 2  # H2Stream.phase: request arriving, call running, call done
 
 
-class H2Connection(h2.connection.H2Connection):
+class H2ServerConnection(h2.connection.H2Connection):
     """h2's connection, with a malformed request a stream error (RFC 9113 8.1.1) as it should be.
 
     h2 raises a connection error for a request whose header block breaks its rules (field names
@@ -98,7 +107,7 @@ def response_headers(status: int, headers: Headers, length: int | None) -> Heade
     return out
 
 
-class _Stream:
+class H2Stream:
     __slots__ = (
         "id", "method", "path", "query", "headers", "body", "body_len", "last_rx", "phase",
         "client_done", "reset", "call", "sink", "out", "out_off", "out_end", "rst_after", "waiter",
@@ -117,7 +126,7 @@ class _Stream:
         self.client_done = False  # the client ended its side
         self.reset = False  # closed for output: reset by either side, or the connection is gone
         self.call: Call | None = None
-        self.sink: _H2Sink | None = None
+        self.sink: H2Sink | None = None
         self.out: list[bytes] = []  # DATA held back by flow control
         self.out_off = 0  # how much of out[0] is sent
         self.out_end = False  # END_STREAM after out (set once the response has ended)
@@ -130,12 +139,12 @@ class _Stream:
             w.set_result(None)
 
 
-class _H2Sink(SinkState):
+class H2Sink(SinkState):
     """:class:`~gateway.http.types.ResponseSink` for one HTTP/2 stream."""
 
     __slots__ = ("_conn", "_st")
 
-    def __init__(self, conn: H2Protocol, st: _Stream, head: bool) -> None:
+    def __init__(self, conn: H2Protocol, st: H2Stream, head: bool) -> None:
         super().__init__(head)
         self._conn = conn
         self._st = st
@@ -144,7 +153,9 @@ class _H2Sink(SinkState):
         self._begin()
         self.ended = True
         if not self._st.reset:
-            self._conn._answer(self._st, response_headers(status, headers, len(body)), b"" if self._head else body)
+            self._conn._answer(
+                self._st, response_headers(status, headers, len(body)), b"" if self._head else body
+            )
 
     def start(self, status: int, headers: Headers) -> None:
         self._begin()

@@ -85,7 +85,9 @@ class StreamListener:
         self._server = server
         self._state = state
         name = server.sockets[0].getsockname()
-        self.address: tuple[str, int] | str = (str(name[0]), int(name[1])) if spec.kind != "unix" else spec.path
+        self.address: tuple[str, int] | str = (
+            (str(name[0]), int(name[1])) if spec.kind != "unix" else spec.path
+        )
 
     @property
     def tls(self) -> bool:

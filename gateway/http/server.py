@@ -26,5 +26,12 @@ async def start_server(
     backlog: int = 1024,
 ) -> StreamListener:
     """Bind ``host:port`` (0 picks a free port) and serve ``entrance`` on it."""
-    spec = ListenerSpec("tls" if ssl_context is not None else "tcp", host, port, ssl=ssl_context, reuse_port=reuse_port, backlog=backlog)
+    spec = ListenerSpec(
+        "tls" if ssl_context is not None else "tcp",
+        host,
+        port,
+        ssl=ssl_context,
+        reuse_port=reuse_port,
+        backlog=backlog,
+    )
     return await start_listener(entrance, spec, limits=limits, on_event=on_event)

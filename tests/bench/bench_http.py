@@ -199,7 +199,9 @@ def main() -> None:
     if args.inproc:
         for name, no_task in (("task_entrance", False), ("no-task entrance", True)):
             xs = [uvloop.run(_inproc(no_task)) for _ in range(args.rounds)]
-            print(f"in-process h1 {name:<17}: {min(xs):6.2f} µs CPU/request (best of {args.rounds})", flush=True)
+            print(
+                f"in-process h1 {name:<17}: {min(xs):6.2f} µs CPU/request (best of {args.rounds})", flush=True
+            )
         return
     if args.against:
         _compare(args.against, args.requests, args.conns, args.rounds)

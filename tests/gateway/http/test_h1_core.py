@@ -33,7 +33,9 @@ def summary(events: list[Any]) -> list[tuple[Any, ...]]:
     for ev in events:
         if isinstance(ev, RequestReceived):
             r = ev.request
-            out.append(("request", r.method, r.path, r.query, tuple(r.headers), r.body, ev.keep_alive, ev.http10))
+            out.append(
+                ("request", r.method, r.path, r.query, tuple(r.headers), r.body, ev.keep_alive, ev.http10)
+            )
         elif isinstance(ev, Rejected):
             out.append(("rejected", ev.error.status, ev.error.message))
         else:
@@ -60,7 +62,8 @@ INPUTS = {
     "error-after-two": GET + POST + b"BROKEN\r\n\r\n" + GET,
     "http10": b"GET /a HTTP/1.0\r\n\r\nGET /b HTTP/1.1\r\nHost: x\r\n\r\n",
     "too-large": b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
-    + (b"800\r\n" + b"a" * 2048 + b"\r\n") * 3 + b"0\r\n\r\n",  # 6 KiB against FAST_LIMITS' 4 KiB
+    + (b"800\r\n" + b"a" * 2048 + b"\r\n") * 3
+    + b"0\r\n\r\n",  # 6 KiB against FAST_LIMITS' 4 KiB
 }
 
 
@@ -139,7 +142,11 @@ def test_client_address_and_scheme_reach_the_request() -> None:
     core = H1Core(FAST_LIMITS, scheme="https", client=("10.0.0.1", 4444))
     (ev,) = core.receive(GET, 0.0)
     assert isinstance(ev, RequestReceived)
-    assert (ev.request.scheme, ev.request.client, ev.request.protocol) == ("https", ("10.0.0.1", 4444), "http/1.1")
+    assert (ev.request.scheme, ev.request.client, ev.request.protocol) == (
+        "https",
+        ("10.0.0.1", 4444),
+        "http/1.1",
+    )
 
 
 def test_output_framing() -> None:

@@ -375,8 +375,16 @@ async def test_send_nowait_frames_within_windows_and_refuses_beyond() -> None:
         ([(b":foo", b"b")], None),
         ([(b"host", b"y")], None),  # differs from :authority
     ],
-    ids=["connection", "te", "uppercase", "cl-not-a-number", "cl-short", "cl-long", "unknown-pseudo",
-         "host-not-authority"],
+    ids=[
+        "connection",
+        "te",
+        "uppercase",
+        "cl-not-a-number",
+        "cl-short",
+        "cl-long",
+        "unknown-pseudo",
+        "host-not-authority",
+    ],
 )
 async def test_malformed_request_is_a_400_on_its_stream(extra: Any, body: bytes | None) -> None:
     """RFC 9113 8.1.1: a malformed request is a stream error; the stream beside it runs on."""
@@ -392,7 +400,9 @@ async def test_malformed_request_is_a_400_on_its_stream(extra: Any, body: bytes 
         c.h2.send_data(sid, body[2:], end_stream=True)
     c.pump()
     await c.wait(lambda: c.done(sid))
-    assert c.status(sid) == 400 and "malformed request" in error_of(bytes(c.responses[sid]["body"]))["message"]
+    assert (
+        c.status(sid) == 400 and "malformed request" in error_of(bytes(c.responses[sid]["body"]))["message"]
+    )
     assert [e.status for e in c.events] == [400] and [r.path for r in c.rec.seen] == ["/hold"]
     ok = c.request("/echo")
     await c.wait(lambda: c.done(ok))
