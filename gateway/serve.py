@@ -23,7 +23,7 @@ import gc
 import logging
 import signal
 import sys
-from typing import Any, TextIO
+from typing import TextIO
 
 from .app import App
 from .observability.metrics import GatewayMetrics
@@ -64,7 +64,8 @@ def _say(out: TextIO, text: str) -> None:
 async def run_gateway(settings: Settings, *, out: TextIO | None = None,
                       stop: asyncio.Event | None = None) -> int:
     """Serve until SIGTERM/SIGINT (or ``stop`` is set); return the exit status."""
-    from .http.server import HttpLimits, start_server
+    from .http.common import HttpLimits
+    from .http.listeners import Listener, ListenerSpec, start_listener
     from .http.tls import load_or_create_tls
 
     out = out if out is not None else sys.stdout
@@ -78,16 +79,14 @@ async def run_gateway(settings: Settings, *, out: TextIO | None = None,
                         keepalive_timeout=lim.keepalive_timeout,
                         h2_max_concurrent_streams=lim.h2_max_concurrent_streams)
     srv = settings.server
-    servers: list[Any] = []
-    plain = await start_server(app, host=srv.host, port=srv.port, limits=limits, on_event=app.on_http_event)
-    servers.append(plain)
-    _say(out, f"listening on http://{_hostport(srv.host, plain.port)} (HTTP/1.1, h2c)")
+    specs = [(ListenerSpec("tcp", srv.host, srv.port), "(HTTP/1.1, h2c)")]
     if srv.tls_port >= 0:
         ctx, fingerprint = load_or_create_tls(srv.tls_cert or None, srv.tls_key or None, state_dir(settings))
-        tls = await start_server(app, host=srv.host, port=srv.tls_port, ssl_context=ctx, limits=limits,
-                                 on_event=app.on_http_event)
-        servers.append(tls)
-        _say(out, f"listening on https://{_hostport(srv.host, tls.port)} (h2, HTTP/1.1) cert sha256 {fingerprint}")
+        specs.append((ListenerSpec("tls", srv.host, srv.tls_port, ssl=ctx), f"(h2, HTTP/1.1) cert sha256 {fingerprint}"))
+    servers: list[Listener] = []
+    for spec, what in specs:
+        servers.append(await start_listener(app.handle, spec, limits=limits, on_event=app.on_http_event))
+        _say(out, f"listening on {servers[-1].url} {what}")
 
     supervisor = WorkerSupervisor(settings.workers, pool, metrics, ProgressDisplay(settings.log.progress))
     app.worker_failure = lambda: supervisor.failure
@@ -134,10 +133,6 @@ async def run_gateway(settings: Settings, *, out: TextIO | None = None,
             loop.remove_signal_handler(sig)
         _say(out, "stopped")
     return 0
-
-
-def _hostport(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def serve_forever(settings: Settings) -> int:
