@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import orjson
 
@@ -34,7 +34,7 @@ from .api.render import JSON_HEADERS
 from .api.writers import writer_for
 from .errors import APIError, Headers, internal_error, render_http
 from .http.common import ProtocolEvent
-from .http.types import Call, Request, ResponseSink
+from .http.types import Call, Entrance, Request, ResponseSink
 from .observability.metrics import CONTENT_TYPE_LATEST, GatewayMetrics
 from .routing.pool import ModelPool
 from .settings import ApiSettings
@@ -84,6 +84,7 @@ class App:
             "/metrics": {"GET": self._metrics_page},
         }
         self.generation: dict[str, Parser] = dict(OpenAIApi.GENERATION)
+        self.mounted: dict[str, Entrance] = {}  # other protocols' routes on the HTTP listeners (gRPC-Web)
         for methods in self.small.values():  # RFC 9110 9.1; the adapters send a HEAD response without its body
             methods["HEAD"] = methods["GET"]
         allowed = {path: sorted(m) for path, m in self.small.items()}
@@ -106,6 +107,9 @@ class App:
                 return self.generations.refuse(req, fail, done, path, _SHUTTING_DOWN, t0)
             api = self.openai
             return self.generations.start(req, lambda r: api.parse(parse, r), writer_for, fail, sink, done, path, t0)
+        mounted = self.mounted.get(path)
+        if mounted is not None:
+            return mounted(req, sink, done)
         route = path
         try:
             methods = self.small.get(path)
@@ -139,6 +143,11 @@ class App:
 
     def _not_allowed(self, req: Request) -> Answer:
         raise self._method_error(req, self._allow.get(req.path, "GET, HEAD"))
+
+    def mount(self, paths: Iterable[str], entrance: Entrance) -> None:
+        """Serve ``paths`` through another protocol's entrance (gRPC-Web methods)."""
+        for path in paths:
+            self.mounted[path] = entrance
 
     def end_all(self) -> int:
         """Drain deadline: every open generation call ends now with an explicit 503 (an error

@@ -32,7 +32,7 @@ class _SinkAdapter:
         self._extra = extra
 
     async def start(self, headers: list[tuple[bytes, bytes]]) -> None:
-        await self._sink.start(200, headers + self._extra)
+        self._sink.start(200, headers + self._extra)
 
     async def write(self, data: bytes) -> None:
         await self._sink.send(data)
@@ -63,10 +63,12 @@ class GrpcWebRoute:
     async def __call__(self, request: Request, sink: ResponseSink) -> None:
         origin = request.header(b"origin")
         if request.method == "OPTIONS":
-            return await sink.respond(204, preflight_headers(origin, self._origins), b"")
+            sink.respond(204, preflight_headers(origin, self._origins), b"")
+            return
         if request.method != "POST":
-            return await sink.respond(405, [(b"allow", b"POST, OPTIONS")], b"")
+            sink.respond(405, [(b"allow", b"POST, OPTIONS")], b"")
+            return
         out = _SinkAdapter(sink, response_headers(origin, self._origins))
         await serve_web_call(self._handlers, request.path, dict(request.headers), _body(request), out,
                              self._codecs, self._max_message)
-        await sink.end()
+        sink.end()

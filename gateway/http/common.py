@@ -83,9 +83,15 @@ EventHook = Callable[[ProtocolEvent], None]
 HOST_CHARS = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~%!$&'()*+,;=:[]"
 
 
+_CODES = {400: "invalid_request", 408: "request_timeout", 413: "request_too_large",
+          431: "request_headers_too_large", 501: "not_implemented"}
+
+
 def protocol_error(status: int, message: str, code: str | None = None) -> APIError:
-    """The error of a request an adapter refuses itself (rendered by :mod:`gateway.errors`)."""
-    return APIError(status, message, "server_error" if status >= 500 else "invalid_request_error", None, code)
+    """The error of a request an adapter refuses itself (rendered by :mod:`gateway.errors`), with a
+    code a client can branch on whatever protocol carried it."""
+    return APIError(status, message, "server_error" if status >= 500 else "invalid_request_error", None,
+                    code or _CODES.get(status))
 
 
 _date_cache: list[Any] = [0, b""]

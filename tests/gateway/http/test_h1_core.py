@@ -154,7 +154,7 @@ def test_output_framing() -> None:
     assert head == b"HTTP/1.1 200 OK\r\ndate: DATE\r\nx-a: 1\r\ncontent-length: 2\r\n\r\n"
     err = APIError(503, "busy", "server_error", None, "overloaded", retry_after=1.4)
     ((status, headers, body),) = parse_responses(error_response(err, b"DATE"))
-    assert status == 503 and headers[b"connection"] == b"close" and headers[b"retry-after"] == b"1"
+    assert status == 503 and headers[b"connection"] == b"close" and headers[b"retry-after"] == b"2"  # rounded up (errors.retry_after_value)
     assert error_of(body)["code"] == "overloaded"
 
 
