@@ -1,7 +1,7 @@
 """gRPC-Web over the gateway's HTTP/1.1 and HTTP/2 listeners (``start_server`` on 127.0.0.1
 port 0) through :class:`GrpcWebRoute`, with httpx and with a gRPC-Web client from npm run
 by Node (tests/grpc_web). The backend is the echo double (tests/gateway/grpc/backend_double.py).
-The app's own router will mount the same route; here a two-line handler stands in for it.
+The route is mounted on the app's entrance as ``serve`` mounts it; the backend is the echo double.
 """
 
 from __future__ import annotations
@@ -18,13 +18,15 @@ from pathlib import Path
 import httpx
 import pytest
 
+from gateway.app import App
 from gateway.errors import APIError
 from gateway.grpc.compression import Codecs
 from gateway.grpc.quicserve.v1 import quicserve_pb2 as pb
 from gateway.grpc.service import InferenceService
 from gateway.grpc.web_route import GrpcWebRoute
+from gateway.http.common import task_entrance
 from gateway.http.server import start_server
-from gateway.http.types import Request, ResponseSink
+from gateway.routing.pool import ModelPool
 from tests.gateway.grpc.backend_double import EchoBackendDouble
 from tests.gateway.grpc.web_client import CODECS, decode_text, frame, parse_body
 
@@ -42,15 +44,11 @@ def backend() -> EchoBackendDouble:
 
 @pytest.fixture
 async def base_url(backend: EchoBackendDouble) -> AsyncIterator[str]:
-    route = GrpcWebRoute(InferenceService(backend).__mapping__(), Codecs(), 1 << 16,
-                         allowed_origins={b"https://app.example"})
-
-    async def handler(request: Request, sink: ResponseSink) -> None:
-        if route.matches(request):
-            return await route(request, sink)
-        await sink.respond(404, [], b"")
-
-    server = await start_server(handler, host="127.0.0.1", port=0)
+    handlers = InferenceService(backend).__mapping__()
+    route = GrpcWebRoute(handlers, Codecs(), 1 << 16, allowed_origins={b"https://app.example"})
+    app = App(ModelPool())
+    app.mount(handlers, task_entrance(route))  # as serve.py mounts it (gateway.grpc.mount)
+    server = await start_server(app.handle, host="127.0.0.1", port=0)
     try:
         yield f"http://127.0.0.1:{server.port}"
     finally:
