@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+import os
 import signal
 import sys
 from typing import TextIO
@@ -82,10 +83,13 @@ async def run_gateway(settings: Settings, *, out: TextIO | None = None,
                         keepalive_timeout=lim.keepalive_timeout,
                         h2_max_concurrent_streams=lim.h2_max_concurrent_streams)
     srv = settings.server
-    specs = [(ListenerSpec("tcp", srv.host, srv.port), "(HTTP/1.1, h2c)")]
+    specs = [(ListenerSpec("tcp", srv.host, srv.port, reuse_port=srv.reuse_port), "(HTTP/1.1, h2c)")]
     if srv.tls_port >= 0:
         ctx, fingerprint = load_or_create_tls(srv.tls_cert or None, srv.tls_key or None, state_dir(settings))
-        specs.append((ListenerSpec("tls", srv.host, srv.tls_port, ssl=ctx), f"(h2, HTTP/1.1) cert sha256 {fingerprint}"))
+        specs.append((ListenerSpec("tls", srv.host, srv.tls_port, ssl=ctx, reuse_port=srv.reuse_port),
+                      f"(h2, HTTP/1.1) cert sha256 {fingerprint}"))
+    if srv.unix_socket:
+        specs.append((ListenerSpec("unix", path=os.path.expanduser(srv.unix_socket)), "(HTTP/1.1, h2c)"))
     servers: list[Listener] = []
     for spec, what in specs:
         servers.append(await start_listener(app.handle, spec, limits=limits, on_event=app.on_http_event))

@@ -64,6 +64,8 @@ class ServerSettings:
     tls_key: str = ""
     state_dir: str = "~/.local/state/quicserve"
     uvloop: bool = True
+    unix_socket: str = ""  # also serve HTTP/1.1 + h2c on this Unix socket path ("" = none)
+    reuse_port: bool = False  # SO_REUSEPORT: several gateway processes on one port (one per core)
 
     def _validate(self, p: list[str]) -> None:
         if not (0 <= self.port <= 65535):

@@ -481,3 +481,20 @@ async def test_two_workers_share_the_load(tmp_path: Path) -> None:
         assert all(r.status_code == 200 for r in results)
     finally:
         assert stop_gateway(g) == 0
+
+
+def test_unix_socket_listener_from_settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    sock = tmp_path / "gw.sock"
+    monkeypatch.setenv("QUICSERVE_SERVER__UNIX_SOCKET", str(sock))
+    g = start_gateway(tmp_path, "--no-tls")
+    try:
+        assert any(f"listening on unix:{sock}" in line for line in g.lines), g.lines
+        for http2 in (False, True):
+            transport = httpx.HTTPTransport(uds=str(sock), http1=not http2, http2=http2)
+            with httpx.Client(transport=transport, base_url="http://gw", timeout=20) as c:
+                r = c.post("/v1/chat/completions", json=CHAT)
+                assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 8
+                assert r.http_version == ("HTTP/2" if http2 else "HTTP/1.1")
+    finally:
+        assert stop_gateway(g) == 0
+    assert not sock.exists()  # removed on close
