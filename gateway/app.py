@@ -20,6 +20,7 @@ routed; the pool's routing policy picks the replica; a writer per wire format.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -28,7 +29,7 @@ import orjson
 
 from .api.call import CallContext
 from .api.deadlines import DeadlineSweeper
-from .api.generate import ANSWERED, AdmissionStage, Generations, NoAdmission
+from .api.generate import ANSWERED, AdmissionStage, Generations
 from .api.openai import MODELS_ROUTE, OpenAIApi, Parser
 from .api.render import JSON_HEADERS
 from .api.writers import writer_for
@@ -39,7 +40,7 @@ from .observability.metrics import CONTENT_TYPE_LATEST, GatewayMetrics
 from .routing.pool import ModelPool
 from .settings import ApiSettings
 
-__all__ = ["App", "AdmissionStage", "NoAdmission"]
+__all__ = ["App", "AdmissionStage"]
 
 log = logging.getLogger("quicserve.app")
 
@@ -56,8 +57,8 @@ _SHUTTING_DOWN = APIError(503, "The server is shutting down; retry on another in
 _CUT = APIError(503, "The server shut down before the response finished.", "server_error", None, "shutting_down")
 
 
-def _http_failure(sink: ResponseSink) -> Callable[[APIError], None]:
-    return lambda err: sink.respond(*render_http(err))
+def _http_failure(sink: ResponseSink, err: APIError) -> None:
+    sink.respond(*render_http(err))
 
 
 class App:
@@ -72,8 +73,7 @@ class App:
         self.deadlines = DeadlineSweeper()
         self.calls = CallContext(self.deadlines, self.api_settings.request_timeout, self.metrics.tokens,
                                  self.api_settings.write_timeout)
-        self.generations = Generations(pool, self.metrics, self.calls,
-                                       admission if admission is not None else NoAdmission())
+        self.generations = Generations(pool, self.metrics, self.calls, admission)
         self.metrics.watch_workers(pool.connections)
         self.draining = False
         self.worker_failure: Callable[[], str | None] = lambda: None  # serve.py: the supervisor's failure
@@ -84,6 +84,7 @@ class App:
             "/metrics": {"GET": self._metrics_page},
         }
         self.generation: dict[str, Parser] = dict(OpenAIApi.GENERATION)
+        self._parse = {path: functools.partial(self.openai.parse, parse) for path, parse in self.generation.items()}
         self.mounted: dict[str, Entrance] = {}  # other protocols' routes on the HTTP listeners (gRPC-Web)
         for methods in self.small.values():  # RFC 9110 9.1; the adapters send a HEAD response without its body
             methods["HEAD"] = methods["GET"]
@@ -102,11 +103,9 @@ class App:
         path = req.path
         parse = self.generation.get(path)
         if parse is not None and req.method == "POST":
-            fail = _http_failure(sink)
             if self.draining:
-                return self.generations.refuse(req, fail, done, path, _SHUTTING_DOWN, t0)
-            api = self.openai
-            return self.generations.start(req, lambda r: api.parse(parse, r), writer_for, fail, sink, done, path, t0)
+                return self.generations.refuse(req, _http_failure, sink, done, path, _SHUTTING_DOWN, t0)
+            return self.generations.start(req, self._parse[path], writer_for, _http_failure, sink, done, path, t0)
         mounted = self.mounted.get(path)
         if mounted is not None:
             return mounted(req, sink, done)

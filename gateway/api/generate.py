@@ -27,7 +27,7 @@ from .openai import prompt_estimate
 from .params import GenerationRequest
 from .writers import Writer
 
-__all__ = ["Generations", "AdmissionStage", "NoAdmission", "ANSWERED"]
+__all__ = ["Generations", "AdmissionStage", "Fail", "ANSWERED"]
 
 log = logging.getLogger("quicserve.api")
 _perf = time.perf_counter
@@ -45,14 +45,8 @@ class AdmissionStage(Protocol):
         ...
 
 
-class NoAdmission:
-    """Every request admitted (the default until keys, limits or shedding are configured)."""
-
-    def admit(self, req: Request, g: GenerationRequest, now: float) -> object:
-        return None
-
-    def release(self, grant: object, completion_tokens: int, now: float) -> None:
-        return None
+Fail = Callable[[ResponseSink, APIError], None]
+"""How a route renders a refusal on its sink (its wire format's error writer)."""
 
 
 class _Answered:
@@ -71,11 +65,11 @@ class Generations:
     """Admission, routing and the generation call, shared by every protocol."""
 
     def __init__(self, pool: ModelPool, metrics: GatewayMetrics, calls: CallContext,
-                 admission: AdmissionStage) -> None:
+                 admission: AdmissionStage | None) -> None:
         self.pool = pool
         self.metrics = metrics
         self.calls = calls
-        self.admission = admission
+        self.admission = admission  # None: every request admitted, at no cost
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def later(self, done: Callable[[], None]) -> None:
@@ -86,10 +80,10 @@ class Generations:
         loop.call_soon(done)
 
     def start(self, req: Request, parse: Callable[[Request], GenerationRequest],
-              writer_for: Callable[[GenerationRequest], Writer], fail: Callable[[APIError], None],
-              sink: ResponseSink, done: Callable[[], None], route: str, t0: float,
-              timeout: float | None = None) -> Call:
-        """Parse, admit, route and start one generation; a refusal goes to ``fail`` and ends it."""
+              writer_for: Callable[[GenerationRequest], Writer], fail: Fail, sink: ResponseSink,
+              done: Callable[[], None], route: str, t0: float, timeout: float | None = None) -> Call:
+        """Parse, admit, route and start one generation; a refusal goes to ``fail(sink, err)`` and
+        ends it."""
         metrics = self.metrics
         metrics.in_flight += 1
         admission = self.admission
@@ -97,40 +91,43 @@ class Generations:
         admitted = False
         try:
             g = parse(req)
-            grant = admission.admit(req, g, t0)
+            if admission is not None:
+                grant = admission.admit(req, g, t0)
             admitted = True
             routed = self.pool.open(RouteRequest(g.model, prompt_estimate(g), g.params.max_tokens), g.make_submit)
         except (APIError, RoutingError) as e:
             err = e if isinstance(e, APIError) else from_routing(e)
-            return self._refuse(req, fail, done, route, err, t0, grant if admitted else _NO_GRANT)
+            return self._refuse(req, fail, sink, done, route, err, t0, grant if admitted else _NO_GRANT)
         except Exception:
             log.exception("unhandled error in %s %s", req.method, req.path)
-            return self._refuse(req, fail, done, route, internal_error(), t0, grant if admitted else _NO_GRANT)
+            return self._refuse(req, fail, sink, done, route, internal_error(), t0,
+                                grant if admitted else _NO_GRANT)
         protocol = req.protocol
 
         def on_end(status: int, tokens: int) -> None:
             metrics.in_flight -= 1
             now = _perf()
             metrics.request_done(route, status, protocol, now - t0)
-            admission.release(grant, tokens, now)
+            if admission is not None:
+                admission.release(grant, tokens, now)
 
         call = GenerationCall(self.calls, routed, writer_for(g), sink, route, t0, g.logprobs, on_end, done,
                               timeout)
         call.start()
         return call
 
-    def refuse(self, req: Request, fail: Callable[[APIError], None], done: Callable[[], None], route: str,
+    def refuse(self, req: Request, fail: Fail, sink: ResponseSink, done: Callable[[], None], route: str,
                err: APIError, t0: float) -> Call:
         """A generation request refused before it was counted (e.g. while draining)."""
         self.metrics.in_flight += 1
-        return self._refuse(req, fail, done, route, err, t0, _NO_GRANT)
+        return self._refuse(req, fail, sink, done, route, err, t0, _NO_GRANT)
 
-    def _refuse(self, req: Request, fail: Callable[[APIError], None], done: Callable[[], None], route: str,
+    def _refuse(self, req: Request, fail: Fail, sink: ResponseSink, done: Callable[[], None], route: str,
                 err: APIError, t0: float, grant: object) -> Call:
-        if grant is not _NO_GRANT:
+        if grant is not _NO_GRANT and self.admission is not None:
             self.admission.release(grant, 0, _perf())
         self.metrics.in_flight -= 1
-        fail(err)
+        fail(sink, err)
         self.metrics.request_done(route, err.status, req.protocol, _perf() - t0)
         self.later(done)
         return ANSWERED

@@ -131,8 +131,8 @@ class PipelineBackend:
         req = Request("POST", GRPC_ROUTE, "", headers, body, self._protocol, "grpc")
         timeout = None if spec.deadline is None else max(0.0, spec.deadline - time.monotonic())
         writer = DeltaWriter(on_delta, on_end)
-        call = self._gen.start(req, lambda r: self._parse(chat, r), lambda g: writer, on_end, _SINK, _noop,
-                               GRPC_ROUTE, t0, timeout)
+        call = self._gen.start(req, lambda r: self._parse(chat, r), lambda g: writer,
+                               lambda sink, err: on_end(err), _SINK, _noop, GRPC_ROUTE, t0, timeout)
         return _Handle(call)
 
     def _parse(self, chat: bool, req: Request) -> GenerationRequest:
