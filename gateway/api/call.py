@@ -68,7 +68,8 @@ class GenerationCall:
     """One generation request (the :class:`~gateway.http.types.Call` the pipeline hands back)."""
 
     __slots__ = ("_ctx", "_routed", "_w", "_sink", "_route", "_t0", "_t_first", "_on_end", "_done", "_started",
-                 "_ended", "_starting", "_held", "_held_final", "_resumer", "_pull", "_whole", "_fut", "_timeout")
+                 "_ended", "_starting", "_held", "_held_final", "_resumer", "_pull", "_whole", "_fut", "_timeout",
+                 "_text", "_send_nowait")
 
     def __init__(self, ctx: CallContext, routed: RoutedStream, writer: Writer, sink: ResponseSink, route: str,
                  t0: float, logprobs: bool, on_end: EndHook, done: Callable[[], None],
@@ -92,6 +93,8 @@ class GenerationCall:
         self._whole = not writer.streaming and not logprobs
         self._fut: asyncio.Future[Any] | None = None  # what the call waits on now; others are stale
         self._timeout = ctx.timeout if timeout is None else min(timeout, ctx.timeout)
+        self._text = writer.text  # bound once: both run once per engine step
+        self._send_nowait = sink.send_nowait
 
     # -- start and read -------------------------------------------------------------------
     def start(self) -> None:
@@ -146,8 +149,8 @@ class GenerationCall:
         reading (the chunk is held; the listen future resolves to None)."""
         if not self._started:
             self._open()
-        chunk = self._w.text(delta)
-        if self._sink.send_nowait(chunk):
+        chunk = self._text(delta)
+        if self._send_nowait(chunk):
             return True
         self._held = chunk
         return False

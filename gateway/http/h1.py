@@ -327,7 +327,8 @@ class _H1Sink(SinkState):
             await conn._drain()
 
     def send_nowait(self, data: bytes) -> bool:
-        self._in_body("send_nowait")
+        if not self.started or self.ended:  # _in_body, inline: once per engine step of every stream
+            raise RuntimeError("send_nowait() outside start()..end()")
         conn = self._conn
         t = conn._transport
         if conn._write_paused or t is None:
