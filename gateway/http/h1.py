@@ -120,6 +120,7 @@ class H1Protocol(StreamAdapter):
         if self._call is not None:
             self._call.cancel()
         self._queue.clear()
+        self._core.release()
 
     # ---- server control ---------------------------------------------------
     def drain(self) -> None:
@@ -265,6 +266,7 @@ class H1Protocol(StreamAdapter):
         assert self._transport is not None
         self._stop_timer()
         self._srv.connections.discard(self)
+        self._core.release()
         proto = H2Protocol(self._srv, tls=self._tls)
         self._transport.set_protocol(proto)
         proto.connection_made(self._transport)

@@ -86,6 +86,13 @@ class _Stop(Exception):
     """Raised inside a parser callback to abandon the message."""
 
 
+class _NoCallbacks:
+    """The protocol of a parser that parses nothing (see :meth:`H1Core.release`)."""
+
+
+_DETACHED = httptools.HttpRequestParser(_NoCallbacks())
+
+
 class H1Core:
     """Request parsing for one HTTP/1.1 connection."""
 
@@ -117,6 +124,14 @@ class H1Core:
         self._query = ""
         self._hosts = 0
         self._fail_with: APIError | None = None
+
+    def release(self) -> None:
+        """The connection is gone: drop the parser, which holds bound methods of this core (a
+        reference cycle per connection that only the cyclic collector would free), and parse
+        nothing more."""
+        self.closed = True
+        self._parser = _DETACHED
+        self._events.clear()
 
     def receive(self, data: bytes, now: float) -> list[Event]:
         """Feed bytes from the client; the events they complete, in order."""

@@ -160,3 +160,26 @@ def test_output_framing() -> None:
 
 def test_inputs_cover_what_the_adapter_tests_use() -> None:
     assert all(x in PIPELINE for x in (GET, POST, CHUNKED, STREAM, HEAD))
+
+
+def test_a_released_core_is_freed_by_reference_counting() -> None:
+    """Its parser holds bound methods of the core: a cycle per connection until released."""
+    import gc
+    import weakref
+
+    from gateway.http.h1_core import H1Core
+
+    gc.disable()
+    try:
+        core = H1Core(FAST_LIMITS)
+        core.receive(GET, 0.0)
+        ref = weakref.ref(core)
+        del core
+        assert ref() is not None  # the cycle: only the collector would free it
+        core = ref()
+        assert core is not None
+        core.release()
+        del core
+        assert ref() is None
+    finally:
+        gc.enable()
