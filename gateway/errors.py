@@ -22,6 +22,7 @@ class APIError(Exception):
     param: str | None = None
     code: str | None = None
     retry_after: float | None = None
+    headers: tuple[tuple[bytes, bytes], ...] = ()
 
     def __str__(self) -> str:
         return f"{self.status} {self.type}: {self.message}"

@@ -1,0 +1,235 @@
+"""Rate-limit rules applied to a request: one limiter per (rule, scope value).
+
+How it works: a :class:`RateRule` names a scope (the API key, the client
+address, the model or the route), a unit (requests or tokens) and a limit per
+window. :class:`RateLimits` keeps, per rule, a :class:`LimiterTable` of
+limiters keyed by the scope's value (each key, each client...). ``check``
+asks every matching limiter how long the request would wait and only when
+all say 0 does it take the units from each -- a refused request consumes
+nothing anywhere. Token rules reserve prompt + max output tokens up front;
+the :class:`Reservation` returned remembers where, so ``settle`` can correct
+by the tokens actually used. Tables are LRU-bounded and drop idle limiters
+first, so memory stays bounded whatever the number of clients.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from .bucket import TokenBucketLimiter
+from .window import DEFAULT_SLICES, SlidingWindowLimiter
+
+__all__ = [
+    "Limiter", "RateRule", "LimiterTable", "RateLimits", "Reservation", "Verdict", "SCOPES", "UNITS",
+    "local_limiter", "format_reset",
+]
+
+SCOPES = ("key", "client", "model", "route")
+UNITS = ("requests", "tokens")
+ALGORITHMS = ("window", "bucket")
+
+
+class Limiter(Protocol):
+    """What :class:`RateLimits` needs of a limiter (local, or a Redis lease)."""
+
+    limit: float
+
+    def wait(self, cost: float, now: float) -> float: ...
+    def take(self, cost: float, now: float) -> None: ...
+    def refund(self, amount: float, at: float, now: float) -> None: ...
+    def remaining(self, now: float) -> float: ...
+    def reset_in(self, now: float) -> float: ...
+    def idle(self, now: float) -> bool: ...
+
+
+@dataclass(frozen=True, slots=True)
+class RateRule:
+    """``limit`` ``unit`` per ``window`` seconds for each value of ``scope`` (or only ``match``)."""
+
+    scope: str
+    unit: str
+    limit: float
+    window: float
+    algorithm: str = "window"
+    slices: int = DEFAULT_SLICES
+    burst: float = 0.0  # token bucket capacity; 0 = limit
+    match: str = "*"  # "*" = every value separately; else only this value
+
+    def __post_init__(self) -> None:
+        problems = self.problems()
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    def problems(self) -> list[str]:
+        p = []
+        if self.scope not in SCOPES:
+            p.append(f"scope {self.scope!r} is not one of {', '.join(SCOPES)}")
+        if self.unit not in UNITS:
+            p.append(f"unit {self.unit!r} is not one of {', '.join(UNITS)}")
+        if self.algorithm not in ALGORITHMS:
+            p.append(f"algorithm {self.algorithm!r} is not one of {', '.join(ALGORITHMS)}")
+        if not (self.limit > 0 and math.isfinite(self.limit)):
+            p.append(f"limit must be > 0, got {self.limit!r}")
+        if not (self.window > 0 and math.isfinite(self.window)):
+            p.append(f"window must be > 0 seconds, got {self.window!r}")
+        if self.slices < 1:
+            p.append(f"slices must be >= 1, got {self.slices!r}")
+        if self.burst < 0:
+            p.append(f"burst must be >= 0, got {self.burst!r}")
+        return p
+
+
+def local_limiter(rule: RateRule) -> Limiter:
+    """The in-process limiter a rule asks for."""
+    if rule.algorithm == "bucket":
+        return TokenBucketLimiter(rule.limit, rule.window, rule.burst or None)
+    return SlidingWindowLimiter(rule.limit, rule.window, rule.slices)
+
+
+class LimiterTable:
+    """Limiters by scope value, at most ``max_keys``; idle ones are dropped first, then the LRU."""
+
+    __slots__ = ("_make", "_max", "_items", "evicted_busy")
+
+    def __init__(self, make: Callable[[], Limiter], max_keys: int = 100_000) -> None:
+        if max_keys < 1:
+            raise ValueError("max_keys must be >= 1")
+        self._make = make
+        self._max = max_keys
+        self._items: OrderedDict[str, Limiter] = OrderedDict()
+        self.evicted_busy = 0  # limiters dropped while still counting (their clients got a fresh window)
+
+    def get(self, value: str, now: float) -> Limiter:
+        lim = self._items.get(value)
+        if lim is not None:
+            self._items.move_to_end(value)
+            return lim
+        self._sweep(now)
+        if len(self._items) >= self._max:
+            _, old = self._items.popitem(last=False)
+            if not old.idle(now):
+                self.evicted_busy += 1
+        lim = self._items[value] = self._make()
+        return lim
+
+    def _sweep(self, now: float, budget: int = 8) -> None:
+        """Drop up to ``budget`` idle limiters from the LRU end: amortised, no timer."""
+        items = self._items
+        while budget and items:
+            value, lim = next(iter(items.items()))
+            if not lim.idle(now):
+                return
+            del items[value]
+            budget -= 1
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """Token units taken at ``at`` from ``limiters``, to be settled by actual use."""
+
+    reserved: float
+    at: float
+    limiters: tuple[Limiter, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """The outcome of :meth:`RateLimits.check`: ``wait`` 0 means admitted.
+
+    ``requests`` and ``tokens`` are the tightest (limit, remaining, reset seconds) of each unit,
+    for OpenAI's ``x-ratelimit-*`` headers; ``None`` when no rule of that unit applied.
+    """
+
+    wait: float
+    unit: str  # the unit of the rule that refused ("" when admitted)
+    requests: tuple[float, float, float] | None
+    tokens: tuple[float, float, float] | None
+    reservation: Reservation | None
+
+
+class RateLimits:
+    """Every rule's limiters; ``check`` admits all-or-nothing, ``settle`` corrects tokens."""
+
+    __slots__ = ("rules", "_tables")
+
+    def __init__(self, rules: Sequence[RateRule], make: Callable[[RateRule], Limiter] = local_limiter,
+                 max_keys: int = 100_000) -> None:
+        self.rules = tuple(rules)
+        self._tables = tuple(LimiterTable(_bind(make, r), max_keys) for r in self.rules)
+
+    def check(self, values: dict[str, str | None], tokens: float, now: float,
+              extra: Sequence[tuple[RateRule, LimiterTable, str]] = ()) -> Verdict:
+        """Admit one request of ``tokens`` (prompt + max output) if every matching rule allows it.
+
+        ``values`` maps each scope to this request's value (``None``: the scope does not apply).
+        ``extra`` adds (rule, table, value) triples, e.g. a key's own limits.
+        """
+        picked: list[tuple[RateRule, Limiter, float]] = []
+        for rule, table in zip(self.rules, self._tables, strict=True):
+            value = values.get(rule.scope)
+            if value is not None and (rule.match == "*" or rule.match == value):
+                picked.append((rule, table.get(value, now), 1.0 if rule.unit == "requests" else tokens))
+        for rule, table, value in extra:
+            picked.append((rule, table.get(value, now), 1.0 if rule.unit == "requests" else tokens))
+        worst, unit = 0.0, ""
+        for rule, lim, cost in picked:
+            w = lim.wait(cost, now)
+            if w > worst:
+                worst, unit = w, rule.unit
+        if worst > 0.0:
+            return Verdict(worst, unit, *_tightest(picked, now), None)
+        held = []
+        for rule, lim, cost in picked:
+            lim.take(cost, now)
+            if rule.unit == "tokens":
+                held.append(lim)
+        res = Reservation(tokens, now, tuple(held)) if held else None
+        return Verdict(0.0, "", *_tightest(picked, now), res)
+
+    @staticmethod
+    def settle(reservation: Reservation | None, used_tokens: float, now: float) -> None:
+        """Correct a reservation by the tokens actually used (once, at the request's end)."""
+        if reservation is None:
+            return
+        over = reservation.reserved - used_tokens
+        if over != 0.0:
+            for lim in reservation.limiters:
+                lim.refund(over, reservation.at, now)
+
+    def sizes(self) -> tuple[int, ...]:
+        """Limiters held per rule (for the bounded-memory assertion and a gauge)."""
+        return tuple(len(t) for t in self._tables)
+
+
+def _bind(make: Callable[[RateRule], Limiter], rule: RateRule) -> Callable[[], Limiter]:
+    return lambda: make(rule)
+
+
+def _tightest(picked: list[tuple[RateRule, Limiter, float]], now: float
+              ) -> tuple[tuple[float, float, float] | None, tuple[float, float, float] | None]:
+    best: dict[str, tuple[float, float, float]] = {}
+    for rule, lim, _ in picked:
+        rem = lim.remaining(now)
+        cur = best.get(rule.unit)
+        if cur is None or rem < cur[1]:
+            best[rule.unit] = (rule.limit, rem, lim.reset_in(now))
+    return best.get("requests"), best.get("tokens")
+
+
+def format_reset(seconds: float) -> str:
+    """OpenAI's duration form for ``x-ratelimit-reset-*``: ``20ms``, ``1.5s``, ``6m0s``, ``1h2m3s``."""
+    if seconds < 1.0:
+        return f"{max(0, math.ceil(seconds * 1000))}ms"
+    if seconds < 60.0:
+        return f"{math.ceil(seconds * 1000) / 1000:g}s"
+    total = math.ceil(seconds)
+    h, rem = divmod(total, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m}m{s}s" if h else f"{m}m{s}s"
