@@ -80,7 +80,7 @@ class Admission:
 
     def __init__(self, keys: KeyStore | None, limits: RateLimits, shedder: LoadShedder, *,
                  auth_required: bool, default_priority: int = 1, key_max_concurrency: int = 0,
-                 make: Callable[[RateRule], Limiter] = local_limiter, max_keys: int = 100_000) -> None:
+                 make: Callable[[RateRule, str], Limiter] = local_limiter, max_keys: int = 100_000) -> None:
         if auth_required and keys is None:
             raise ValueError("auth_required needs a KeyStore")
         self.keys = keys
@@ -96,7 +96,7 @@ class Admission:
 
     @classmethod
     def from_settings(cls, s: AdmissionSettings,
-                      make: Callable[[RateRule], Limiter] = local_limiter) -> Admission:
+                      make: Callable[[RateRule, str], Limiter] = local_limiter) -> Admission:
         """Build from ``[admission]`` (already validated); ``make`` swaps in Redis-leased limiters."""
         keys = KeyStore(s.keys, s.keys_file, s.keys_check_interval) if (s.keys or s.keys_file) else None
         required = s.auth == "on" or (s.auth == "auto" and keys is not None)
@@ -152,7 +152,7 @@ class Admission:
     def _key_table(self, rule: RateRule) -> LimiterTable:
         table = self._key_tables.get(rule)
         if table is None:
-            table = self._key_tables[rule] = LimiterTable(lambda: self._make(rule), self._max_keys)
+            table = self._key_tables[rule] = LimiterTable(lambda value: self._make(rule, value), self._max_keys)
         return table
 
 

@@ -83,8 +83,9 @@ class RateRule:
         return p
 
 
-def local_limiter(rule: RateRule) -> Limiter:
-    """The in-process limiter a rule asks for."""
+def local_limiter(rule: RateRule, value: str) -> Limiter:
+    """The in-process limiter a rule asks for (``value``, the scope's value, is not needed locally)."""
+    del value
     if rule.algorithm == "bucket":
         return TokenBucketLimiter(rule.limit, rule.window, rule.burst or None)
     return SlidingWindowLimiter(rule.limit, rule.window, rule.slices)
@@ -95,7 +96,7 @@ class LimiterTable:
 
     __slots__ = ("_make", "_max", "_items", "evicted_busy")
 
-    def __init__(self, make: Callable[[], Limiter], max_keys: int = 100_000) -> None:
+    def __init__(self, make: Callable[[str], Limiter], max_keys: int = 100_000) -> None:
         if max_keys < 1:
             raise ValueError("max_keys must be >= 1")
         self._make = make
@@ -113,7 +114,7 @@ class LimiterTable:
             _, old = self._items.popitem(last=False)
             if not old.idle(now):
                 self.evicted_busy += 1
-        lim = self._items[value] = self._make()
+        lim = self._items[value] = self._make(value)
         return lim
 
     def _sweep(self, now: float, budget: int = 8) -> None:
@@ -159,7 +160,7 @@ class RateLimits:
 
     __slots__ = ("rules", "_tables")
 
-    def __init__(self, rules: Sequence[RateRule], make: Callable[[RateRule], Limiter] = local_limiter,
+    def __init__(self, rules: Sequence[RateRule], make: Callable[[RateRule, str], Limiter] = local_limiter,
                  max_keys: int = 100_000) -> None:
         self.rules = tuple(rules)
         self._tables = tuple(LimiterTable(_bind(make, r), max_keys) for r in self.rules)
@@ -208,8 +209,8 @@ class RateLimits:
         return tuple(len(t) for t in self._tables)
 
 
-def _bind(make: Callable[[RateRule], Limiter], rule: RateRule) -> Callable[[], Limiter]:
-    return lambda: make(rule)
+def _bind(make: Callable[[RateRule, str], Limiter], rule: RateRule) -> Callable[[str], Limiter]:
+    return lambda value: make(rule, value)
 
 
 def _tightest(picked: list[tuple[RateRule, Limiter, float]], now: float

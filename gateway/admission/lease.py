@@ -1,0 +1,215 @@
+"""A rate limiter that spends a local lease of a shared (Redis) quota; sans-I/O.
+
+How it works: the shared store keeps the same conservative sliding window as
+:mod:`.window` (slices with their latest admission) plus the *outstanding
+leases* of every gateway. A lease of ``g`` units granted at ``t`` counts in
+full until it is settled or until ``t + ttl + window``, whichever is first;
+the gateway may spend it until ``t + ttl`` only. Spending is local and
+synchronous (:meth:`wait`/:meth:`take`, no I/O); the units spent are kept per
+slice with their latest time, and the next renewal *settles* the lease: the
+spends go into the shared slices at their real times, the rest is returned,
+and a new lease is granted in the same atomic script. Token corrections at
+release are sent the same way, to the slice the tokens were spent in.
+
+Why the shared limit holds across gateways: every unit a gateway admits is
+counted in the store from before it is spent (inside its lease) until at
+least ``window`` after it was spent (its slice's latest time is no earlier),
+so the store's count is never below the true number admitted by all
+gateways in any window -- the local argument, unchanged. The exceptions are
+bounded and named: a limiter's very first request (a cold key has no lease
+yet) is admitted on credit and reported at once; and while the store is
+unreachable with ``fail_open`` nothing is counted (the adapter counts those).
+
+Why it still reaches the limit: the store says when capacity comes back
+(``retry_at``); the adapter renews at that moment, so recycled capacity is
+re-leased within a loop wake-up plus a round trip, and the per-slice
+settlement keeps the local 100-slice accuracy. Leases are small (a share of
+the limit, sized to recent demand), so units one gateway holds unspent come
+back within one renewal.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..errors import APIError
+from .limits import RateRule
+
+__all__ = ["LeasedLimiter", "Renewal", "Grant"]
+
+
+@dataclass(frozen=True, slots=True)
+class Renewal:
+    """One settle-and-lease call for the store: arguments of the script."""
+
+    now: float
+    old_lease: str  # "" when none
+    new_lease: str  # "" when the limiter is going idle (settle only)
+    want: float
+    need: float
+    deltas: tuple[tuple[int, float, float], ...]  # (slice, units, latest time or -1 for a correction)
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """The store's answer: units granted, when to retry if none, units counted after the call."""
+
+    granted: float
+    retry_at: float
+    used: float
+    reset_at: float
+
+
+class LeasedLimiter:
+    """One (rule, scope value): spends its lease, asks for renewals, settles spends by slice."""
+
+    __slots__ = ("rule", "limit", "key", "ttl", "cap", "fail_open", "_ids", "_on_hungry",
+                 "lease", "units", "until", "_spent", "_corrections", "_cold", "hungry", "retry_at",
+                 "_asked", "_need", "_asked_since", "_demand", "_used", "_reset_at", "down_until", "fail_open_admits",
+                 "_seen")
+
+    def __init__(self, rule: RateRule, key: str, ttl: float, lease_share: float, fail_open: bool,
+                 ids: Callable[[], str], on_hungry: Callable[[LeasedLimiter], None]) -> None:
+        if rule.algorithm != "window":
+            raise ValueError("shared limits use the sliding window (a bucket's refill has no shared clock)")
+        self.rule, self.limit, self.key, self.ttl = rule, rule.limit, key, ttl
+        self.cap = max(1.0, rule.limit * lease_share)
+        self.fail_open = fail_open
+        self._ids, self._on_hungry = ids, on_hungry
+        self.lease = ""  # current lease id
+        self.units = 0.0  # spendable now
+        self.until = -math.inf  # lease may be spent before this time
+        self._spent: dict[int, list[float]] = {}  # slice -> [units, latest time], since the last settle
+        self._corrections: dict[int, float] = {}  # slice -> units to give back
+        self._cold = True  # no answer from the store yet: the first request goes on credit
+        self.hungry = False
+        self.retry_at = -math.inf  # the store said: nothing before this time
+        self._asked = 0.0  # units asked since the last renewal (demand)
+        self._need = math.inf  # the smallest request that found no lease: a lease below it is useless
+        self._asked_since = -math.inf
+        self._demand = 0.0  # units per second, EWMA over renewals
+        self._used = 0.0  # store's count at the last answer (for headers)
+        self._reset_at = -math.inf
+        self.down_until = -math.inf  # store unreachable until then
+        self.fail_open_admits = 0
+        self._seen = -math.inf
+
+    # --- the Limiter protocol (hot path, no I/O) ------------------------------------------
+
+    def wait(self, cost: float, now: float) -> float:
+        if cost > self.limit:
+            return math.inf
+        self._seen = now
+        if now < self.down_until:
+            if self.fail_open:
+                return 0.0
+            raise APIError(503, "The shared rate-limit store is unreachable.", "server_error", None,
+                           "overloaded", 1.0)
+        if now < self.until and cost <= self.units:
+            return 0.0
+        self._asked += cost
+        self._need = min(self._need, cost)
+        if self._cold:
+            return 0.0
+        self._want(now)
+        return max(self.retry_at - now, self.ttl)
+
+    def take(self, cost: float, now: float) -> None:
+        if now < self.down_until:
+            self.fail_open_admits += 1
+            return
+        if self._cold:
+            self._cold = False
+            self._want(now)
+        else:
+            self.units -= cost
+        k = int(now // (self.rule.window / self.rule.slices))
+        cell = self._spent.get(k)
+        if cell is None:
+            self._spent[k] = [cost, now]
+        else:
+            cell[0] += cost
+            cell[1] = now
+
+    def refund(self, amount: float, at: float, now: float) -> None:
+        k = int(at // (self.rule.window / self.rule.slices))
+        cell = self._spent.get(k)
+        if cell is not None:  # not settled yet: correct locally
+            cell[0] = max(0.0, cell[0] - amount)
+        else:
+            self._corrections[k] = self._corrections.get(k, 0.0) + amount
+
+    def remaining(self, now: float) -> float:
+        return max(0.0, self.limit - self._used)
+
+    def reset_in(self, now: float) -> float:
+        return max(0.0, self._reset_at - now)
+
+    def idle(self, now: float) -> bool:
+        return not self.lease and not self._spent and not self._corrections and self._seen <= now - self.rule.window
+
+    # --- renewals (the adapter's side) ------------------------------------------------------
+
+    def _want(self, now: float) -> None:
+        if not self.hungry:
+            self.hungry = True
+            self._on_hungry(self)
+
+    def due(self, now: float, horizon: float) -> bool:
+        """Needs the store before ``now + horizon``: lease ending, hungry past ``retry_at``, or
+        spends/corrections to settle while holding no lease."""
+        if self.hungry and now >= self.retry_at:
+            return True
+        if self.lease:
+            return self.until - now <= horizon
+        return bool(self._spent or self._corrections)
+
+    def renewal(self, now: float) -> Renewal:
+        """The call to send now; the spends it carries are cleared (sent once)."""
+        elapsed = now - self._asked_since
+        if math.isfinite(elapsed) and elapsed > 0:
+            rate = self._asked / elapsed
+            self._demand = rate if self._demand == 0.0 else 0.5 * (self._demand + rate)
+        self._asked_since = now
+        need = 1.0 if math.isinf(self._need) else self._need
+        self._asked, self._need = 0.0, math.inf
+        active = (self.hungry and now >= self.retry_at) or (
+            not self.hungry and self._seen > now - self.rule.window)
+        want = min(max(self.cap, need), max(need, self._demand * self.ttl * 2.0)) if active else 0.0
+        deltas = tuple((k, c[0], c[1]) for k, c in self._spent.items()) + tuple(
+            (k, -a, -1.0) for k, a in self._corrections.items())
+        self._spent.clear()
+        self._corrections.clear()
+        call = Renewal(now, self.lease, self._ids() if want > 0 else "", want, min(need, want), deltas)
+        self.lease, self.units, self.until = "", 0.0, -math.inf  # the old lease ends with this call
+        return call
+
+    def granted(self, call: Renewal, grant: Grant) -> None:
+        """Apply the store's answer to ``call``."""
+        self._cold = False
+        self._used, self._reset_at = grant.used, grant.reset_at
+        if grant.granted > 0:
+            self.lease, self.units, self.until = call.new_lease, grant.granted, call.now + self.ttl
+            self.hungry = False
+            self.retry_at = -math.inf
+        elif call.new_lease:
+            self.retry_at = grant.retry_at  # stay hungry; the adapter comes back then
+
+    def failed(self, call: Renewal, now: float, backoff: float) -> None:
+        """The store did not answer: spends are lost to it (counted locally as fail-open admits)."""
+        self.down_until = now + backoff
+        self.hungry = False
+        self._cold = False
+        del call
+
+    def retire(self, now: float) -> None:
+        """Make the next renewal settle only (shutdown): no new lease, spends and leftovers sent."""
+        self.hungry = False
+        self._seen = -math.inf
+        if self.lease:
+            self.until = now
+
+    def __repr__(self) -> str:
+        return f"LeasedLimiter({self.rule.scope} {self.rule.unit} {self.limit:g}/{self.rule.window:g}s)"
