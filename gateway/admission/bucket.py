@@ -69,6 +69,10 @@ class TokenBucketLimiter:
     def reset_in(self, now: float) -> float:
         return (self.burst - self._refill(now)) / self._rate
 
+    def status(self, now: float) -> tuple[float, float]:
+        level = self._refill(now)
+        return max(0.0, level), (self.burst - level) / self._rate
+
     def idle(self, now: float) -> bool:
         return self._refill(now) >= self.burst
 

@@ -129,7 +129,7 @@ class Admission:
         headers = _headers(verdict)
         if verdict.wait > 0.0:
             raise _refusal(verdict, headers)
-        ticket = self.shedder.admit(ctx.model, key_id, cap, priority, ctx.deadline, now)
+        ticket = self.shedder.enter(ctx.model, key_id, cap, now)  # checked above; nothing ran since
         self._live.add(ticket)
         return Grant(key_id, priority, headers, verdict.reservation, ticket)
 
@@ -156,15 +156,31 @@ class Admission:
         return table
 
 
+_H_REQ = (b"x-ratelimit-limit-requests", b"x-ratelimit-remaining-requests", b"x-ratelimit-reset-requests")
+_H_TOK = (b"x-ratelimit-limit-tokens", b"x-ratelimit-remaining-tokens", b"x-ratelimit-reset-tokens")
+_RESETS: dict[int, bytes] = {}  # reset text by its resolution step: ms below a minute, s above
+
+
+def _reset_text(seconds: float) -> bytes:
+    step = math.ceil(seconds * 1000) if seconds < 60.0 else -math.ceil(seconds)
+    text = _RESETS.get(step)
+    if text is None:
+        if len(_RESETS) > 8192:
+            _RESETS.clear()
+        text = _RESETS[step] = format_reset(seconds).encode()
+    return text
+
+
 def _headers(v: Verdict) -> tuple[tuple[bytes, bytes], ...]:
-    out = []
-    for unit, t in (("requests", v.requests), ("tokens", v.tokens)):
-        if t is not None:
-            limit, remaining, reset = t
-            out += [(b"x-ratelimit-limit-" + unit.encode(), b"%d" % limit),
-                    (b"x-ratelimit-remaining-" + unit.encode(), b"%d" % math.floor(remaining)),
-                    (b"x-ratelimit-reset-" + unit.encode(), format_reset(reset).encode())]
-    return tuple(out)
+    req, tok = v.requests, v.tokens
+    if req is None and tok is None:
+        return ()
+    out: tuple[tuple[bytes, bytes], ...] = ()
+    if req is not None:
+        out = ((_H_REQ[0], b"%d" % req[0]), (_H_REQ[1], b"%d" % req[1]), (_H_REQ[2], _reset_text(req[2])))
+    if tok is not None:
+        out += ((_H_TOK[0], b"%d" % tok[0]), (_H_TOK[1], b"%d" % tok[1]), (_H_TOK[2], _reset_text(tok[2])))
+    return out
 
 
 def _refusal(v: Verdict, headers: tuple[tuple[bytes, bytes], ...]) -> APIError:

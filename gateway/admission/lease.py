@@ -107,9 +107,9 @@ class LeasedLimiter:
                 return 0.0
             raise APIError(503, "The shared rate-limit store is unreachable.", "server_error", None,
                            "overloaded", 1.0)
+        self._asked += cost  # demand, whether the lease covers it or not: sizes the next lease
         if now < self.until and cost <= self.units:
             return 0.0
-        self._asked += cost
         self._need = min(self._need, cost)
         if self._cold:
             return 0.0
@@ -146,6 +146,9 @@ class LeasedLimiter:
 
     def reset_in(self, now: float) -> float:
         return max(0.0, self._reset_at - now)
+
+    def status(self, now: float) -> tuple[float, float]:
+        return self.remaining(now), self.reset_in(now)
 
     def idle(self, now: float) -> bool:
         return not self.lease and not self._spent and not self._corrections and self._seen <= now - self.rule.window

@@ -18,7 +18,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from .bucket import TokenBucketLimiter
 from .window import DEFAULT_SLICES, SlidingWindowLimiter
@@ -43,6 +43,7 @@ class Limiter(Protocol):
     def refund(self, amount: float, at: float, now: float) -> None: ...
     def remaining(self, now: float) -> float: ...
     def reset_in(self, now: float) -> float: ...
+    def status(self, now: float) -> tuple[float, float]: ...  # (remaining, reset_in) in one pass
     def idle(self, now: float) -> bool: ...
 
 
@@ -140,9 +141,11 @@ class Reservation:
     limiters: tuple[Limiter, ...]
 
 
-@dataclass(frozen=True, slots=True)
-class Verdict:
+class Verdict(NamedTuple):
     """The outcome of :meth:`RateLimits.check`: ``wait`` 0 means admitted.
+
+    A NamedTuple rather than a frozen dataclass: one is built per request on the hot path, and a
+    frozen dataclass's ``__init__`` (one ``object.__setattr__`` per field) costs several times more.
 
     ``requests`` and ``tokens`` are the tightest (limit, remaining, reset seconds) of each unit,
     for OpenAI's ``x-ratelimit-*`` headers; ``None`` when no rule of that unit applied.
@@ -158,12 +161,15 @@ class Verdict:
 class RateLimits:
     """Every rule's limiters; ``check`` admits all-or-nothing, ``settle`` corrects tokens."""
 
-    __slots__ = ("rules", "_tables")
+    __slots__ = ("rules", "_tables", "_plan")
 
     def __init__(self, rules: Sequence[RateRule], make: Callable[[RateRule, str], Limiter] = local_limiter,
                  max_keys: int = 100_000) -> None:
         self.rules = tuple(rules)
         self._tables = tuple(LimiterTable(_bind(make, r), max_keys) for r in self.rules)
+        # what the hot loop needs per rule, without attribute lookups
+        self._plan = tuple((r.scope, r.match, r.unit == "tokens", r, t) for r, t in zip(
+            self.rules, self._tables, strict=True))
 
     def check(self, values: dict[str, str | None], tokens: float, now: float,
               extra: Sequence[tuple[RateRule, LimiterTable, str]] = ()) -> Verdict:
@@ -173,12 +179,14 @@ class RateLimits:
         ``extra`` adds (rule, table, value) triples, e.g. a key's own limits.
         """
         picked: list[tuple[RateRule, Limiter, float]] = []
-        for rule, table in zip(self.rules, self._tables, strict=True):
-            value = values.get(rule.scope)
-            if value is not None and (rule.match == "*" or rule.match == value):
-                picked.append((rule, table.get(value, now), 1.0 if rule.unit == "requests" else tokens))
+        for scope, match, on_tokens, rule, table in self._plan:
+            value = values.get(scope)
+            if value is not None and (match == "*" or match == value):
+                picked.append((rule, table.get(value, now), tokens if on_tokens else 1.0))
         for rule, table, value in extra:
-            picked.append((rule, table.get(value, now), 1.0 if rule.unit == "requests" else tokens))
+            picked.append((rule, table.get(value, now), tokens if rule.unit == "tokens" else 1.0))
+        if not picked:
+            return _NOTHING
         worst, unit = 0.0, ""
         for rule, lim, cost in picked:
             w = lim.wait(cost, now)
@@ -215,13 +223,19 @@ def _bind(make: Callable[[RateRule, str], Limiter], rule: RateRule) -> Callable[
 
 def _tightest(picked: list[tuple[RateRule, Limiter, float]], now: float
               ) -> tuple[tuple[float, float, float] | None, tuple[float, float, float] | None]:
-    best: dict[str, tuple[float, float, float]] = {}
+    req: tuple[float, float, float] | None = None
+    tok: tuple[float, float, float] | None = None
     for rule, lim, _ in picked:
-        rem = lim.remaining(now)
-        cur = best.get(rule.unit)
-        if cur is None or rem < cur[1]:
-            best[rule.unit] = (rule.limit, rem, lim.reset_in(now))
-    return best.get("requests"), best.get("tokens")
+        rem, reset = lim.status(now)
+        if rule.unit == "requests":
+            if req is None or rem < req[1]:
+                req = (rule.limit, rem, reset)
+        elif tok is None or rem < tok[1]:
+            tok = (rule.limit, rem, reset)
+    return req, tok
+
+
+_NOTHING = Verdict(0.0, "", None, None, None)
 
 
 def format_reset(seconds: float) -> str:

@@ -75,7 +75,7 @@ class _Pool:
 class LoadShedder:
     """Bounded pools, per-key concurrency and deadline checks; ``admit``/``release`` pair up."""
 
-    __slots__ = ("queue_limit", "classes", "headroom", "max_pools", "_pools", "_per_key", "shed")
+    __slots__ = ("queue_limit", "classes", "headroom", "max_pools", "_pools", "_per_key", "shed", "_bounds")
 
     def __init__(self, queue_limit: int = 256, classes: int = 3, headroom: float = 0.1,
                  max_pools: int = 1024) -> None:
@@ -90,11 +90,11 @@ class LoadShedder:
         self._pools: dict[str, _Pool] = {}
         self._per_key: dict[str, int] = {}
         self.shed = 0  # refusals, for a counter
+        self._bounds = tuple(max(1, int(queue_limit * (1.0 - headroom * (classes - 1 - p)))) for p in range(classes))
 
     def bound(self, priority: int) -> int:
         """Outstanding requests a pool may hold when one of class ``priority`` arrives."""
-        p = min(max(priority, 0), self.classes - 1)
-        return max(1, int(self.queue_limit * (1.0 - self.headroom * (self.classes - 1 - p))))
+        return self._bounds[min(max(priority, 0), self.classes - 1)]
 
     def check(self, pool: str, key_id: str | None, key_cap: int, priority: int,
               deadline: float | None) -> None:
@@ -122,6 +122,10 @@ class LoadShedder:
               now: float) -> ShedTicket:
         """Take a slot (after the same checks as :meth:`check`) and return the ticket to release."""
         self.check(pool, key_id, key_cap, priority, deadline)
+        return self.enter(pool, key_id, key_cap, now)
+
+    def enter(self, pool: str, key_id: str | None, key_cap: int, now: float) -> ShedTicket:
+        """Take a slot that :meth:`check` allowed (the caller ran nothing in between)."""
         st = self._pools.get(pool)
         if st is None:
             if len(self._pools) >= self.max_pools:

@@ -138,6 +138,12 @@ class SlidingWindowLimiter:
         self._expire(now)
         return max(0.0, self._last[-1] + self.window - now) if self._last else 0.0
 
+    def status(self, now: float) -> tuple[float, float]:
+        """(remaining, reset_in) after one expiry pass."""
+        self._expire(now)
+        reset = self._last[-1] + self.window - now if self._last else 0.0
+        return max(0.0, self.limit - self._total), max(0.0, reset)
+
     def idle(self, now: float) -> bool:
         """True when nothing is counted any more: the limiter can be dropped without loss."""
         return self._seen <= now - self.window
