@@ -15,7 +15,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .limits import RateRule
+from .keys import DEFAULT_CHECK_INTERVAL
+from .lease import DEFAULT_LEASE_SHARE, DEFAULT_TTL
+from .limits import DEFAULT_MAX_KEYS, RateRule
+from .shed import DEFAULT_CLASSES, DEFAULT_HEADROOM, DEFAULT_PRIORITY, DEFAULT_QUEUE_LIMIT
 
 __all__ = ["AdmissionSettings", "parse_rule", "parse_schema_entry"]
 
@@ -70,17 +73,17 @@ class AdmissionSettings:
     auth: str = "auto"  # "auto" (on when any key is configured) | "on" | "off"
     keys: list[str] = field(default_factory=list)  # "id:sha256hex" (all models, default policy)
     keys_file: str = ""  # TOML [[keys]] or JSON lines; reloaded on SIGHUP and when its mtime changes
-    keys_check_interval: float = 2.0  # seconds between mtime checks
+    keys_check_interval: float = DEFAULT_CHECK_INTERVAL  # seconds between mtime checks
     limits: list[str] = field(default_factory=list)  # rate rules, see the module docstring
-    limiter_max_keys: int = 100_000  # limiters kept per rule (idle ones evicted first)
+    limiter_max_keys: int = DEFAULT_MAX_KEYS  # limiters kept per rule (idle ones evicted first)
     redis_url: str = ""  # "redis://host:6379/0" shares the limits across gateways; "" = local only
     redis_fail: str = "open"  # Redis unreachable: "open" (admit, counted) | "closed" (503)
-    redis_lease_ttl: float = 0.01  # seconds a leased quota may be spent (bounds the accuracy loss)
-    redis_lease_share: float = 0.02  # most of a limit one lease takes at once
-    queue_limit: int = 256  # outstanding requests per model pool
-    priority_classes: int = 3  # 0 (lowest, shed first) .. classes-1
-    priority_headroom: float = 0.1  # share of queue_limit each higher class keeps for itself
-    default_priority: int = 1  # requests without a key (auth off)
+    redis_lease_ttl: float = DEFAULT_TTL  # seconds a leased quota may be spent
+    redis_lease_share: float = DEFAULT_LEASE_SHARE  # most of a limit one lease takes at once
+    queue_limit: int = DEFAULT_QUEUE_LIMIT  # outstanding requests per model pool
+    priority_classes: int = DEFAULT_CLASSES  # 0 (lowest, shed first) .. classes-1
+    priority_headroom: float = DEFAULT_HEADROOM  # share of queue_limit each higher class keeps for itself
+    default_priority: int = DEFAULT_PRIORITY  # requests without a key (auth off)
     key_max_concurrency: int = 0  # per key when its record sets none; 0 = no cap
     schemas: list[str] = field(default_factory=list)  # extra schemas per route/model, see above
     schema_engine: str = "auto"  # "auto" (fastest installed) | "jsonschema-rs" | "jsonschema"
@@ -92,9 +95,13 @@ class AdmissionSettings:
             p.append("admission.auth: 'on' but no keys and no keys_file")
         for i, text in enumerate(self.limits):
             try:
-                parse_rule(text)
+                rule = parse_rule(text)
             except ValueError as e:
                 p.append(f"admission.limits[{i}]: {e}")
+                continue
+            if self.redis_url and rule.algorithm == "bucket":
+                p.append(f"admission.limits[{i}]: {text!r}: a token bucket cannot be shared in Redis "
+                         "(use a sliding window, the default)")
         if self.redis_url and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
             p.append(f"admission.redis_url: {self.redis_url!r} is not a redis://, rediss:// or unix:// URL")
         if self.redis_fail not in ("open", "closed"):

@@ -27,6 +27,7 @@ from ..errors import APIError
 from .config import AdmissionSettings, parse_rule
 from .keys import KeyRecord, KeyStore
 from .limits import (
+    DEFAULT_MAX_KEYS,
     Limiter,
     LimiterTable,
     RateLimits,
@@ -36,7 +37,7 @@ from .limits import (
     format_reset,
     local_limiter,
 )
-from .shed import LoadShedder, ShedTicket
+from .shed import DEFAULT_PRIORITY, LoadShedder, ShedTicket
 
 __all__ = ["Admission", "AdmissionContext", "Grant"]
 
@@ -79,8 +80,9 @@ class Admission:
                  "_key_tables", "_max_keys", "_make", "_live")
 
     def __init__(self, keys: KeyStore | None, limits: RateLimits, shedder: LoadShedder, *,
-                 auth_required: bool, default_priority: int = 1, key_max_concurrency: int = 0,
-                 make: Callable[[RateRule, str], Limiter] = local_limiter, max_keys: int = 100_000) -> None:
+                 auth_required: bool, default_priority: int = DEFAULT_PRIORITY, key_max_concurrency: int = 0,
+                 make: Callable[[RateRule, str], Limiter] = local_limiter,
+                 max_keys: int = DEFAULT_MAX_KEYS) -> None:
         if auth_required and keys is None:
             raise ValueError("auth_required needs a KeyStore")
         self.keys = keys

@@ -30,7 +30,9 @@ from ..errors import APIError
 from .limits import RateRule
 
 __all__ = ["KeyRecord", "KeyStore", "KeyFileError", "hash_key", "parse_key_entries", "auth_warning",
-           "bearer_token"]
+           "bearer_token", "DEFAULT_CHECK_INTERVAL"]
+
+DEFAULT_CHECK_INTERVAL = 2.0  # seconds between key-file mtime checks
 
 
 class KeyFileError(ValueError):
@@ -175,7 +177,8 @@ class KeyStore:
     __slots__ = ("path", "_inline", "_by_digest", "_mtime", "_checked", "check_interval", "reloads",
                  "reload_failures")
 
-    def __init__(self, inline: Iterable[str] = (), path: str = "", check_interval: float = 2.0) -> None:
+    def __init__(self, inline: Iterable[str] = (), path: str = "",
+                 check_interval: float = DEFAULT_CHECK_INTERVAL) -> None:
         self.path = path
         self._inline = tuple(inline)
         self.check_interval = check_interval

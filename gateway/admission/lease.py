@@ -37,7 +37,10 @@ from dataclasses import dataclass
 from ..errors import APIError
 from .limits import RateRule
 
-__all__ = ["LeasedLimiter", "Renewal", "Grant"]
+__all__ = ["LeasedLimiter", "Renewal", "Grant", "DEFAULT_TTL", "DEFAULT_LEASE_SHARE"]
+
+DEFAULT_TTL = 0.05  # seconds a lease may be spent: how long unspent units can be held from others
+DEFAULT_LEASE_SHARE = 0.02  # the most of a limit one lease takes
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,10 +25,11 @@ from .window import DEFAULT_SLICES, SlidingWindowLimiter
 
 __all__ = [
     "Limiter", "RateRule", "LimiterTable", "RateLimits", "Reservation", "Verdict", "SCOPES", "UNITS",
-    "local_limiter", "format_reset",
+    "local_limiter", "format_reset", "DEFAULT_MAX_KEYS",
 ]
 
 SCOPES = ("key", "client", "model", "route")
+DEFAULT_MAX_KEYS = 100_000  # limiters kept per rule; idle ones are evicted first
 UNITS = ("requests", "tokens")
 ALGORITHMS = ("window", "bucket")
 
@@ -97,7 +98,7 @@ class LimiterTable:
 
     __slots__ = ("_make", "_max", "_items", "evicted_busy")
 
-    def __init__(self, make: Callable[[str], Limiter], max_keys: int = 100_000) -> None:
+    def __init__(self, make: Callable[[str], Limiter], max_keys: int = DEFAULT_MAX_KEYS) -> None:
         if max_keys < 1:
             raise ValueError("max_keys must be >= 1")
         self._make = make
@@ -164,7 +165,7 @@ class RateLimits:
     __slots__ = ("rules", "_tables", "_plan")
 
     def __init__(self, rules: Sequence[RateRule], make: Callable[[RateRule, str], Limiter] = local_limiter,
-                 max_keys: int = 100_000) -> None:
+                 max_keys: int = DEFAULT_MAX_KEYS) -> None:
         self.rules = tuple(rules)
         self._tables = tuple(LimiterTable(_bind(make, r), max_keys) for r in self.rules)
         # what the hot loop needs per rule, without attribute lookups

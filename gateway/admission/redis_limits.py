@@ -28,8 +28,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .lease import Grant, LeasedLimiter, Renewal
-from .limits import Limiter, RateRule
+from .config import AdmissionSettings
+from .lease import DEFAULT_LEASE_SHARE, DEFAULT_TTL, Grant, LeasedLimiter, Renewal
+from .limits import Limiter, RateRule, local_limiter
 
 __all__ = ["RedisLeases", "SCRIPT"]
 
@@ -106,8 +107,9 @@ def _rule_id(rule: RateRule) -> str:
 class RedisLeases:
     """Limiter factory + renewal loop for limits shared in Redis (``redis.asyncio`` client)."""
 
-    def __init__(self, client: Any, *, prefix: str = "quicserve:rl:", ttl: float = 0.05, tick: float = 0.005,
-                 lease_share: float = 0.02, fail_open: bool = True, backoff: float = 1.0,
+    def __init__(self, client: Any, *, prefix: str = "quicserve:rl:", ttl: float = DEFAULT_TTL,
+                 tick: float = 0.005, lease_share: float = DEFAULT_LEASE_SHARE, fail_open: bool = True,
+                 backoff: float = 1.0,
                  clock: Callable[[], float] = time.time) -> None:
         self.client = client
         self.prefix, self.ttl, self.tick, self.lease_share = prefix, ttl, tick, lease_share
@@ -132,12 +134,25 @@ class RedisLeases:
                                               retry=Retry(NoBackoff(), 0))
         return cls(client, **kw)
 
+    @classmethod
+    def from_settings(cls, s: AdmissionSettings) -> RedisLeases:
+        """From ``[admission]``: ``redis_url``, ``redis_lease_ttl``, ``redis_lease_share``, ``redis_fail``."""
+        return cls.from_url(s.redis_url, ttl=s.redis_lease_ttl, lease_share=s.redis_lease_share,
+                            fail_open=s.redis_fail == "open")
+
     @property
     def fail_open_admits(self) -> int:
         return sum(lim.fail_open_admits for lim in self._limiters)
 
     def make(self, rule: RateRule, value: str) -> Limiter:
-        """The factory for :class:`RateLimits`/:class:`Admission`: one leased limiter per scope value."""
+        """The factory for :class:`RateLimits`/:class:`Admission`: one leased limiter per scope value.
+
+        Token-bucket rules stay per gateway (a bucket's continuous refill has no shared slices);
+        ``config check`` refuses them in ``[admission] limits`` when ``redis_url`` is set, and a key
+        file's bucket rules are local by this rule.
+        """
+        if rule.algorithm != "window":
+            return local_limiter(rule, value)
         key = f"{self.prefix}{_rule_id(rule)}:{value}"
         lim = LeasedLimiter(rule, key, self.ttl, self.lease_share, self.fail_open, self._next_id, self._hungry)
         self._limiters.add(lim)

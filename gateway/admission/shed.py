@@ -24,7 +24,13 @@ from dataclasses import dataclass
 
 from ..errors import APIError
 
-__all__ = ["LoadShedder", "ShedTicket", "WaitEstimator"]
+__all__ = ["LoadShedder", "ShedTicket", "WaitEstimator", "DEFAULT_QUEUE_LIMIT", "DEFAULT_CLASSES",
+           "DEFAULT_HEADROOM", "DEFAULT_PRIORITY"]
+
+DEFAULT_QUEUE_LIMIT = 256  # outstanding requests per model pool
+DEFAULT_CLASSES = 3  # priority classes 0 (shed first) .. 2
+DEFAULT_HEADROOM = 0.1  # share of the bound each higher class keeps for itself
+DEFAULT_PRIORITY = 1  # the class of a request without a key
 
 
 class WaitEstimator:
@@ -77,7 +83,8 @@ class LoadShedder:
 
     __slots__ = ("queue_limit", "classes", "headroom", "max_pools", "_pools", "_per_key", "shed", "_bounds")
 
-    def __init__(self, queue_limit: int = 256, classes: int = 3, headroom: float = 0.1,
+    def __init__(self, queue_limit: int = DEFAULT_QUEUE_LIMIT, classes: int = DEFAULT_CLASSES,
+                 headroom: float = DEFAULT_HEADROOM,
                  max_pools: int = 1024) -> None:
         if queue_limit < 1 or classes < 1 or max_pools < 1:
             raise ValueError("queue_limit, classes and max_pools must be >= 1")

@@ -117,3 +117,12 @@ def test_settings_validation() -> None:
     with pytest.raises(ValueError, match="expected"):
         parse_schema_entry("route=/x")
     assert parse_schema_entry("model:tiny=/a=b.json") == ("model", "tiny=/a", "b.json")
+
+
+def test_buckets_cannot_be_shared_in_redis() -> None:
+    problems: list[str] = []
+    AdmissionSettings(redis_url="redis://127.0.0.1:6379/0", limits=["key requests 10/1s bucket"])._validate(problems)
+    assert problems and "cannot be shared in Redis" in problems[0]
+    problems = []
+    AdmissionSettings(limits=["key requests 10/1s bucket"])._validate(problems)
+    assert problems == []

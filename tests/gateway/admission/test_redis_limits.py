@@ -165,3 +165,15 @@ def test_loop_runs_and_stops(redis_url: str) -> None:
         return ok
 
     assert asyncio.run(go()) >= 150  # far below the limit: almost all admitted once leased
+
+
+async def test_from_settings_and_bucket_rules_stay_local(redis_url: str) -> None:
+    from gateway.admission.bucket import TokenBucketLimiter
+    from gateway.admission.lease import LeasedLimiter
+
+    leases = RedisLeases.from_settings(AdmissionSettings(redis_url=redis_url, redis_fail="closed",
+                                                         redis_lease_ttl=0.02))
+    assert (leases.ttl, leases.fail_open) == (0.02, False)
+    assert isinstance(leases.make(parse_rule("key requests 5/1s bucket"), "k"), TokenBucketLimiter)
+    assert isinstance(leases.make(parse_rule("key requests 5/1s"), "k"), LeasedLimiter)
+    await leases.close()

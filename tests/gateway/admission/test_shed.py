@@ -77,3 +77,75 @@ def test_memory_bounded_under_churn() -> None:
         s.release(t, float(i) + 0.5)
     pools, keys = s.tracked()
     assert pools <= 16 and keys == 0
+
+
+async def test_saturated_worker_sheds_at_once_and_admitted_finish() -> None:
+    """A worker serving 4 at a time for 10 ms each is offered 2.5x what it can do, with deadlines.
+
+    Refusals are synchronous (no await between arrival and 503): their latency is far below one
+    service time. Every admitted request finishes, and outstanding requests never pass the bound.
+    """
+    import asyncio
+    import statistics
+    import time
+
+    from gateway.admission import Admission, AdmissionContext, AdmissionSettings
+
+    service, slots, bound = 0.010, 4, 16
+    adm = Admission.from_settings(AdmissionSettings(queue_limit=bound, priority_classes=1))
+    worker = asyncio.Semaphore(slots)
+    finished, refused_latency, peak = 0, [], 0
+
+    async def serve(grant: object) -> None:
+        nonlocal finished
+        async with worker:
+            await asyncio.sleep(service)
+        adm.release(grant, 1, time.monotonic())  # type: ignore[arg-type]
+        finished += 1
+
+    tasks = []
+    for _ in range(250):
+        t = time.monotonic()
+        try:
+            grant = adm.admit(AdmissionContext(None, None, "tiny", "/v1/completions", 1, 1, deadline=0.5), t)
+        except APIError as e:
+            assert e.status == 503 and e.retry_after is not None
+            refused_latency.append(time.monotonic() - t)
+        else:
+            tasks.append(asyncio.ensure_future(serve(grant)))
+        peak = max(peak, adm.outstanding())
+        await asyncio.sleep(service / (2.5 * slots))  # arrivals at 2.5x the service rate
+    await asyncio.gather(*tasks)
+    assert refused_latency and tasks
+    assert finished == len(tasks) and adm.outstanding() == 0
+    assert peak <= bound
+    assert statistics.median(refused_latency) < service / 10
+
+
+def test_memory_does_not_grow_with_requests_under_overload() -> None:
+    """Peak traced memory of 8k overloaded requests, each from a new client, is that of 1k."""
+    import tracemalloc
+
+    from gateway.admission import Admission, AdmissionContext, AdmissionSettings
+
+    def run(n: int) -> int:
+        adm = Admission.from_settings(AdmissionSettings(limits=["client requests 100/1s"], queue_limit=64,
+                                                        limiter_max_keys=256))
+        live: list[object] = []
+        tracemalloc.start()
+        for i in range(n):
+            now = i * 0.001
+            client = f"10.{i >> 16}.{i >> 8 & 255}.{i & 255}"  # every request from a new address
+            ctx = AdmissionContext(None, client, "tiny", "/v1/completions", 1, 1)
+            try:
+                live.append(adm.admit(ctx, now))
+            except APIError:
+                pass
+            if len(live) > 48:  # a worker finishing the oldest
+                adm.release(live.pop(0), 1, now)  # type: ignore[arg-type]
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        return peak
+
+    small, large = run(1000), run(8000)
+    assert large < small * 1.5
