@@ -56,9 +56,10 @@ class TokenBucketLimiter:
         level = self._refill(now)
         return 0.0 if cost <= level else (cost - level) / self._rate
 
-    def take(self, cost: float, now: float) -> None:
+    def take(self, cost: float, now: float) -> tuple[float, float]:
         self._refill(now)
         self._level -= cost
+        return max(0.0, self._level), (self.burst - self._level) / self._rate
 
     def refund(self, amount: float, at: float, now: float) -> None:
         """Give back an over-reservation (negative: charge more); capped at a full bucket."""

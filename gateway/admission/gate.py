@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from ..errors import APIError
 from .config import AdmissionSettings, parse_rule
@@ -37,7 +38,7 @@ from .limits import (
     format_reset,
     local_limiter,
 )
-from .shed import DEFAULT_PRIORITY, LoadShedder, ShedTicket
+from .shed import DEFAULT_PRIORITY, LoadShedder
 
 __all__ = ["Admission", "AdmissionContext", "Grant"]
 
@@ -62,22 +63,27 @@ class AdmissionContext:
                 f"deadline={self.deadline!r}, priority={self.priority!r})")
 
 
-@dataclass(frozen=True, slots=True)
-class Grant:
-    """An admitted request: who (a key id, never the key), its class, and headers to send."""
+class Grant(NamedTuple):
+    """An admitted request: who (a key id, never the key), its class, and headers to send.
+
+    Immutable like a frozen dataclass but built several times faster, which matters once per
+    request. ``released`` is the one mutable cell: it makes a second ``release`` an error.
+    """
 
     key_id: str | None
     priority: int
     headers: tuple[tuple[bytes, bytes], ...]
     reservation: Reservation | None
-    ticket: ShedTicket
+    pool: str
+    capped_key: str | None  # the key id when its concurrency is capped
+    released: list[bool]
 
 
 class Admission:
     """Auth + rate limits + load shedding for the request pipeline; sans-I/O, ``now`` passed in."""
 
     __slots__ = ("keys", "auth_required", "limits", "shedder", "default_priority", "key_max_concurrency",
-                 "_key_tables", "_max_keys", "_make", "_live")
+                 "_key_tables", "_max_keys", "_make", "_outstanding")
 
     def __init__(self, keys: KeyStore | None, limits: RateLimits, shedder: LoadShedder, *,
                  auth_required: bool, default_priority: int = DEFAULT_PRIORITY, key_max_concurrency: int = 0,
@@ -94,7 +100,7 @@ class Admission:
         self._key_tables: dict[RateRule, LimiterTable] = {}  # per-key rules from key records
         self._max_keys = max_keys
         self._make = make
-        self._live: set[ShedTicket] = set()
+        self._outstanding = 0
 
     @classmethod
     def from_settings(cls, s: AdmissionSettings,
@@ -131,25 +137,26 @@ class Admission:
         headers = _headers(verdict)
         if verdict.wait > 0.0:
             raise _refusal(verdict, headers)
-        ticket = self.shedder.enter(ctx.model, key_id, cap, now)  # checked above; nothing ran since
-        self._live.add(ticket)
-        return Grant(key_id, priority, headers, verdict.reservation, ticket)
+        capped = key_id if cap > 0 else None
+        self.shedder.enter(ctx.model, capped, now)  # checked above; nothing ran since
+        self._outstanding += 1
+        return Grant(key_id, priority, headers, verdict.reservation, ctx.model, capped, [False])
 
     def release(self, grant: Grant, used_tokens: int, now: float) -> None:
         """At the request's end, exactly once: settle tokens by actual use, free the slot."""
-        try:
-            self._live.remove(grant.ticket)
-        except KeyError:
-            raise RuntimeError("admission grant released twice (or never granted here)") from None
+        if grant.released[0]:
+            raise RuntimeError("admission grant released twice")
+        grant.released[0] = True
+        self._outstanding -= 1
         RateLimits.settle(grant.reservation, float(used_tokens), now)
-        self.shedder.release(grant.ticket, now)
+        self.shedder.leave(grant.pool, grant.capped_key, now)
 
     def reload_keys(self) -> list[str]:
         """Re-read the key file now (SIGHUP); the problems, if any, with the old keys kept."""
         return [] if self.keys is None else self.keys.reload()
 
     def outstanding(self) -> int:
-        return len(self._live)
+        return self._outstanding
 
     def _key_table(self, rule: RateRule) -> LimiterTable:
         table = self._key_tables.get(rule)
@@ -160,6 +167,16 @@ class Admission:
 
 _H_REQ = (b"x-ratelimit-limit-requests", b"x-ratelimit-remaining-requests", b"x-ratelimit-reset-requests")
 _H_TOK = (b"x-ratelimit-limit-tokens", b"x-ratelimit-remaining-tokens", b"x-ratelimit-reset-tokens")
+_LIMITS: dict[tuple[bytes, float], tuple[bytes, bytes]] = {}  # the limit header pair, per rule limit
+
+
+def _limit_pair(name: bytes, limit: float) -> tuple[bytes, bytes]:
+    pair = _LIMITS.get((name, limit))
+    if pair is None:
+        if len(_LIMITS) > 4096:
+            _LIMITS.clear()
+        pair = _LIMITS[(name, limit)] = (name, b"%d" % limit)
+    return pair
 _RESETS: dict[int, bytes] = {}  # reset text by its resolution step: ms below a minute, s above
 
 
@@ -179,9 +196,9 @@ def _headers(v: Verdict) -> tuple[tuple[bytes, bytes], ...]:
         return ()
     out: tuple[tuple[bytes, bytes], ...] = ()
     if req is not None:
-        out = ((_H_REQ[0], b"%d" % req[0]), (_H_REQ[1], b"%d" % req[1]), (_H_REQ[2], _reset_text(req[2])))
+        out = (_limit_pair(_H_REQ[0], req[0]), (_H_REQ[1], b"%d" % req[1]), (_H_REQ[2], _reset_text(req[2])))
     if tok is not None:
-        out += ((_H_TOK[0], b"%d" % tok[0]), (_H_TOK[1], b"%d" % tok[1]), (_H_TOK[2], _reset_text(tok[2])))
+        out += (_limit_pair(_H_TOK[0], tok[0]), (_H_TOK[1], b"%d" % tok[1]), (_H_TOK[2], _reset_text(tok[2])))
     return out
 
 

@@ -40,7 +40,7 @@ class Limiter(Protocol):
     limit: float
 
     def wait(self, cost: float, now: float) -> float: ...
-    def take(self, cost: float, now: float) -> None: ...
+    def take(self, cost: float, now: float) -> tuple[float, float]: ...  # -> status() after taking
     def refund(self, amount: float, at: float, now: float) -> None: ...
     def remaining(self, now: float) -> float: ...
     def reset_in(self, now: float) -> float: ...
@@ -180,28 +180,40 @@ class RateLimits:
         ``extra`` adds (rule, table, value) triples, e.g. a key's own limits.
         """
         picked: list[tuple[RateRule, Limiter, float]] = []
+        worst, unit = 0.0, ""
         for scope, match, on_tokens, rule, table in self._plan:
             value = values.get(scope)
             if value is not None and (match == "*" or match == value):
-                picked.append((rule, table.get(value, now), tokens if on_tokens else 1.0))
+                lim = table.get(value, now)
+                cost = tokens if on_tokens else 1.0
+                w = lim.wait(cost, now)
+                if w > worst:
+                    worst, unit = w, rule.unit
+                picked.append((rule, lim, cost))
         for rule, table, value in extra:
-            picked.append((rule, table.get(value, now), tokens if rule.unit == "tokens" else 1.0))
-        if not picked:
-            return _NOTHING
-        worst, unit = 0.0, ""
-        for rule, lim, cost in picked:
+            lim = table.get(value, now)
+            cost = tokens if rule.unit == "tokens" else 1.0
             w = lim.wait(cost, now)
             if w > worst:
                 worst, unit = w, rule.unit
+            picked.append((rule, lim, cost))
+        if not picked:
+            return _NOTHING
         if worst > 0.0:
             return Verdict(worst, unit, *_tightest(picked, now), None)
+        req: tuple[float, float, float] | None = None
+        tok: tuple[float, float, float] | None = None
         held = []
-        for rule, lim, cost in picked:
-            lim.take(cost, now)
-            if rule.unit == "tokens":
+        for rule, lim, cost in picked:  # all allow it: take from each (take returns the status after)
+            rem, reset = lim.take(cost, now)
+            if rule.unit == "requests":
+                if req is None or rem < req[1]:
+                    req = (rule.limit, rem, reset)
+            else:
                 held.append(lim)
-        res = Reservation(tokens, now, tuple(held)) if held else None
-        return Verdict(0.0, "", *_tightest(picked, now), res)
+                if tok is None or rem < tok[1]:
+                    tok = (rule.limit, rem, reset)
+        return Verdict(0.0, "", req, tok, Reservation(tokens, now, tuple(held)) if held else None)
 
     @staticmethod
     def settle(reservation: Reservation | None, used_tokens: float, now: float) -> None:

@@ -36,9 +36,11 @@ __all__ = ["RedisLeases", "SCRIPT"]
 
 # KEYS[1]: the limiter's hash. ARGV: now, window, width, slices, limit, want, need, ttl, old lease,
 # new lease, then (slice, units, latest-or--1) triples. Fields: c<slice>/l<slice> count and latest
-# admission; L<lease> "units:expiry". Returns strings (Lua numbers would be truncated to integers).
+# admission; L<lease> "units:expiry". Returns granted, start (when the lease may be spent, or when
+# to retry if nothing was granted), used, reset -- as strings (Lua numbers become integers).
 SCRIPT = """
 local key = KEYS[1]
+local function str(x) return string.format('%.17g', x) end  -- tostring keeps 14 digits: not enough for epoch times
 local now, window, width = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local nslices, limit = tonumber(ARGV[4]), tonumber(ARGV[5])
 local want, need, ttl = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
@@ -50,9 +52,9 @@ while i + 2 <= #ARGV do
   local c = tonumber(redis.call('HGET', key, 'c' .. k) or '0')
   if last >= 0 then
     local l = tonumber(redis.call('HGET', key, 'l' .. k) or '-1')
-    redis.call('HSET', key, 'c' .. k, tostring(c + units), 'l' .. k, tostring(math.max(l, last)))
+    redis.call('HSET', key, 'c' .. k, str(c + units), 'l' .. k, str(math.max(l, last)))
   elseif c > 0 then
-    redis.call('HSET', key, 'c' .. k, tostring(math.max(0, c + units)))
+    redis.call('HSET', key, 'c' .. k, str(math.max(0, c + units)))
   end
   i = i + 3
 end
@@ -77,26 +79,28 @@ for k, c in pairs(counts) do
   if tonumber(k) < oldest or l <= start then redis.call('HDEL', key, 'c' .. k, 'l' .. k)
   else used = used + c; frees[#frees + 1] = {l + window, c}; reset = math.max(reset, l + window) end
 end
-local granted, retry = 0, now
+local granted, start = 0, now
 local free = limit - used
 if new ~= '' then
-  if free >= need then
-    granted = math.min(want, free)
-    local exp = now + ttl + window
-    redis.call('HSET', key, 'L' .. new, tostring(granted) .. ':' .. tostring(exp))
-    used = used + granted
-    reset = math.max(reset, exp)
-  else
+  if free < need then
+    -- full: lease what frees first, spendable from then (a future lease), counted from now
     table.sort(frees, function(a, b) return a[1] < b[1] end)
-    retry = now + window
+    start = now + window
     for _, e in ipairs(frees) do
       free = free + e[2]
-      if free >= need then retry = e[1]; break end
+      if free >= need then start = e[1]; break end
     end
+  end
+  if free >= need then
+    granted = math.min(want, free)
+    local exp = start + ttl + window
+    redis.call('HSET', key, 'L' .. new, str(granted) .. ':' .. str(exp))
+    used = used + granted
+    reset = math.max(reset, exp)
   end
 end
 redis.call('PEXPIRE', key, math.ceil((window + ttl) * 1000) + 1000)
-return {tostring(granted), tostring(retry), tostring(used), tostring(reset)}
+return {str(granted), str(start), str(used), str(reset)}
 """
 
 
@@ -174,7 +178,7 @@ class RedisLeases:
                 self._limiters.discard(lim)
         if not due:
             return 0
-        calls = [lim.renewal(now) for lim in due]
+        calls = [lim.renewal(now, self.tick * 2) for lim in due]
         try:
             if self._sha is None:
                 self._sha = await self.client.script_load(SCRIPT)
@@ -191,8 +195,8 @@ class RedisLeases:
                 lim.failed(call, now, self.backoff)
             return len(calls)
         for lim, call, reply in zip(due, calls, replies, strict=True):
-            g, retry, used, reset = (float(x) for x in reply)
-            lim.granted(call, Grant(g, retry, used, reset))
+            g, start, used, reset = (float(x) for x in reply)
+            lim.granted(call, Grant(g, start, used, reset))
         return len(calls)
 
     def _args(self, rule: RateRule, call: Renewal) -> list[str]:

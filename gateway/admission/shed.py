@@ -129,32 +129,38 @@ class LoadShedder:
               now: float) -> ShedTicket:
         """Take a slot (after the same checks as :meth:`check`) and return the ticket to release."""
         self.check(pool, key_id, key_cap, priority, deadline)
-        return self.enter(pool, key_id, key_cap, now)
+        capped = key_id if key_cap > 0 else None
+        self.enter(pool, capped, now)
+        return ShedTicket(pool, capped)
 
-    def enter(self, pool: str, key_id: str | None, key_cap: int, now: float) -> ShedTicket:
-        """Take a slot that :meth:`check` allowed (the caller ran nothing in between)."""
+    def enter(self, pool: str, capped_key: str | None, now: float) -> None:
+        """Take a slot that :meth:`check` allowed (the caller ran nothing in between); ``capped_key``
+        is the key id when the key has a concurrency cap, else None."""
         st = self._pools.get(pool)
         if st is None:
             if len(self._pools) >= self.max_pools:
                 self._drop_idle_pool()
             st = self._pools[pool] = _Pool(0, WaitEstimator())
-        if key_id is not None and key_cap > 0:
-            self._per_key[key_id] = self._per_key.get(key_id, 0) + 1
+        if capped_key is not None:
+            self._per_key[capped_key] = self._per_key.get(capped_key, 0) + 1
         st.estimator.started(now, st.outstanding)
         st.outstanding += 1
-        return ShedTicket(pool, key_id if key_cap > 0 else None)
 
     def release(self, ticket: ShedTicket, now: float) -> None:
-        st = self._pools.get(ticket.pool)
+        self.leave(ticket.pool, ticket.key_id, now)
+
+    def leave(self, pool: str, capped_key: str | None, now: float) -> None:
+        """Free what :meth:`enter` took."""
+        st = self._pools.get(pool)
         if st is not None and st.outstanding > 0:
             st.outstanding -= 1
             st.estimator.completed(now, st.outstanding)
-        if ticket.key_id is not None:
-            held = self._per_key.get(ticket.key_id, 0) - 1
+        if capped_key is not None:
+            held = self._per_key.get(capped_key, 0) - 1
             if held > 0:
-                self._per_key[ticket.key_id] = held
+                self._per_key[capped_key] = held
             else:
-                self._per_key.pop(ticket.key_id, None)
+                self._per_key.pop(capped_key, None)
 
     def outstanding(self, pool: str) -> int:
         st = self._pools.get(pool)

@@ -104,8 +104,9 @@ class SlidingWindowLimiter:
                 return max(last + self.window - now, 0.0) or math.ulp(now)
         return self.window  # unreachable while counts are non-negative; a safe upper bound
 
-    def take(self, cost: float, now: float) -> None:
-        """Record ``cost`` units admitted at ``now`` (the caller checked :meth:`wait`)."""
+    def take(self, cost: float, now: float) -> tuple[float, float]:
+        """Record ``cost`` units admitted at ``now`` (the caller checked :meth:`wait` at this ``now``,
+        which expired the old slices); returns :meth:`status` after it."""
         k = int(now // self._width)
         if self._k and self._k[-1] == k:
             self._count[-1] += cost
@@ -118,6 +119,7 @@ class SlidingWindowLimiter:
         self._total += cost
         if now > self._seen:
             self._seen = now
+        return max(0.0, self.limit - self._total), self._last[-1] + self.window - now
 
     def refund(self, amount: float, at: float, now: float) -> None:
         """Correct the units taken at ``at`` by ``-amount`` (a reservation larger than the use).

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["max_in_window", "throughput_share", "OVER", "UNDER"]
+__all__ = ["max_in_window", "throughput_share", "exact_admissions", "OVER", "UNDER"]
 
 OVER = 1.005  # Done-when: never more than 0.5% above the limit
 UNDER = 0.99  # ... and never below 99% of it under steady overload
@@ -29,6 +29,22 @@ def max_in_window(times: Sequence[float], window: float, weights: Sequence[float
             j += 1
         best = max(best, run)
     return best
+
+
+def exact_admissions(arrivals: Sequence[float], limit: int, window: float) -> list[float]:
+    """What a perfect limiter (an exact sliding log) admits of ``arrivals``: the reference for
+    real-time runs, where the machine decides when requests are offered."""
+    from collections import deque
+
+    log: deque[float] = deque()
+    out = []
+    for t in sorted(arrivals):
+        while log and log[0] <= t - window:
+            log.popleft()
+        if len(log) < limit:
+            log.append(t)
+            out.append(t)
+    return out
 
 
 def throughput_share(count: float, limit: float, window: float, duration: float) -> float:
