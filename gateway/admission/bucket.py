@@ -61,6 +61,16 @@ class TokenBucketLimiter:
         self._level -= cost
         return max(0.0, self._level), (self.burst - self._level) / self._rate
 
+    def try_take(self, cost: float, now: float) -> tuple[float, float, float]:
+        w = self.wait(cost, now)
+        if w > 0.0:
+            return w, 0.0, 0.0
+        rem, reset = self.take(cost, now)
+        return 0.0, rem, reset
+
+    def untake(self, cost: float, now: float) -> None:
+        self._level = min(self.burst, self._level + cost)
+
     def refund(self, amount: float, at: float, now: float) -> None:
         """Give back an over-reservation (negative: charge more); capped at a full bucket."""
         del at

@@ -146,6 +146,22 @@ class LeasedLimiter:
             cell[1] = now
         return self.status(now)
 
+    def try_take(self, cost: float, now: float) -> tuple[float, float, float]:
+        w = self.wait(cost, now)
+        if w > 0.0:
+            return w, 0.0, 0.0
+        rem, reset = self.take(cost, now)
+        return 0.0, rem, reset
+
+    def untake(self, cost: float, now: float) -> None:
+        """Undo the take just made: the units go back to the lease, the spend is forgotten."""
+        k = int(now // (self.rule.window / self.rule.slices))
+        cell = self._spent.get(k)
+        if cell is not None:
+            cell[0] = max(0.0, cell[0] - cost)
+            if now < self.until:
+                self.units += cost
+
     def refund(self, amount: float, at: float, now: float) -> None:
         k = int(at // (self.rule.window / self.rule.slices))
         cell = self._spent.get(k)

@@ -41,6 +41,8 @@ class Limiter(Protocol):
 
     def wait(self, cost: float, now: float) -> float: ...
     def take(self, cost: float, now: float) -> tuple[float, float]: ...  # -> status() after taking
+    def try_take(self, cost: float, now: float) -> tuple[float, float, float]: ...  # (wait, *status)
+    def untake(self, cost: float, now: float) -> None: ...  # undo the take just made at ``now``
     def refund(self, amount: float, at: float, now: float) -> None: ...
     def remaining(self, now: float) -> float: ...
     def reset_in(self, now: float) -> float: ...
@@ -133,9 +135,9 @@ class LimiterTable:
         return len(self._items)
 
 
-@dataclass(frozen=True, slots=True)
-class Reservation:
-    """Token units taken at ``at`` from ``limiters``, to be settled by actual use."""
+class Reservation(NamedTuple):
+    """Token units taken at ``at`` from ``limiters``, to be settled by actual use (a NamedTuple:
+    one per request, see :class:`Verdict`)."""
 
     reserved: float
     at: float
@@ -179,41 +181,61 @@ class RateLimits:
         ``values`` maps each scope to this request's value (``None``: the scope does not apply).
         ``extra`` adds (rule, table, value) triples, e.g. a key's own limits.
         """
-        picked: list[tuple[RateRule, Limiter, float]] = []
-        worst, unit = 0.0, ""
+        taken: list[tuple[Limiter, float]] = []
+        held: list[Limiter] = []
+        req: tuple[float, float, float] | None = None
+        tok: tuple[float, float, float] | None = None
         for scope, match, on_tokens, rule, table in self._plan:
             value = values.get(scope)
             if value is not None and (match == "*" or match == value):
                 lim = table.get(value, now)
                 cost = tokens if on_tokens else 1.0
-                w = lim.wait(cost, now)
-                if w > worst:
-                    worst, unit = w, rule.unit
-                picked.append((rule, lim, cost))
+                w, rem, reset = lim.try_take(cost, now)  # optimistic: the usual answer is yes
+                if w > 0.0:
+                    return self._refuse(taken, values, tokens, now, extra)
+                taken.append((lim, cost))
+                if on_tokens:
+                    held.append(lim)
+                    if tok is None or rem < tok[1]:
+                        tok = (rule.limit, rem, reset)
+                elif req is None or rem < req[1]:
+                    req = (rule.limit, rem, reset)
         for rule, table, value in extra:
             lim = table.get(value, now)
-            cost = tokens if rule.unit == "tokens" else 1.0
-            w = lim.wait(cost, now)
-            if w > worst:
-                worst, unit = w, rule.unit
-            picked.append((rule, lim, cost))
-        if not picked:
-            return _NOTHING
-        if worst > 0.0:
-            return Verdict(worst, unit, *_tightest(picked, now), None)
-        req: tuple[float, float, float] | None = None
-        tok: tuple[float, float, float] | None = None
-        held = []
-        for rule, lim, cost in picked:  # all allow it: take from each (take returns the status after)
-            rem, reset = lim.take(cost, now)
-            if rule.unit == "requests":
-                if req is None or rem < req[1]:
-                    req = (rule.limit, rem, reset)
-            else:
+            on_tokens = rule.unit == "tokens"
+            cost = tokens if on_tokens else 1.0
+            w, rem, reset = lim.try_take(cost, now)
+            if w > 0.0:
+                return self._refuse(taken, values, tokens, now, extra)
+            taken.append((lim, cost))
+            if on_tokens:
                 held.append(lim)
                 if tok is None or rem < tok[1]:
                     tok = (rule.limit, rem, reset)
+            elif req is None or rem < req[1]:
+                req = (rule.limit, rem, reset)
+        if not taken:
+            return _NOTHING
         return Verdict(0.0, "", req, tok, Reservation(tokens, now, tuple(held)) if held else None)
+
+    def _refuse(self, taken: list[tuple[Limiter, float]], values: dict[str, str | None], tokens: float,
+                now: float, extra: Sequence[tuple[RateRule, LimiterTable, str]]) -> Verdict:
+        """A rule said no: undo what was taken, then work out the longest wait and the headers."""
+        for lim, cost in taken:
+            lim.untake(cost, now)
+        picked: list[tuple[RateRule, Limiter, float]] = []
+        for scope, match, on_tokens, rule, table in self._plan:
+            value = values.get(scope)
+            if value is not None and (match == "*" or match == value):
+                picked.append((rule, table.get(value, now), tokens if on_tokens else 1.0))
+        picked += [(rule, table.get(value, now), tokens if rule.unit == "tokens" else 1.0)
+                   for rule, table, value in extra]
+        worst, unit = 0.0, ""
+        for rule, lim, cost in picked:
+            w = lim.wait(cost, now)
+            if w > worst:
+                worst, unit = w, rule.unit
+        return Verdict(worst, unit, *_tightest(picked, now), None)
 
     @staticmethod
     def settle(reservation: Reservation | None, used_tokens: float, now: float) -> None:

@@ -244,6 +244,15 @@ class SchemaRegistry:
         for kind, target, compiled in loaded:
             (self._by_route if kind == "route" else self._by_model).setdefault(target, []).append(compiled)
 
+    def checker(self, route: str) -> Callable[[Any], bool] | None:
+        """For a pipeline that binds its route once: a yes/no check of a body at the engine's own
+        cost, or None when a model may add schemas (then call :meth:`validate`). On False, call
+        :meth:`validate` for the 400 that says why."""
+        schemas = self._by_route.get(route, ())
+        if self._by_model or len(schemas) != 1:
+            return None
+        return schemas[0].fast
+
     def validate(self, route: str, model: str | None, body: Any) -> None:
         """Raise a 400 :class:`APIError` at the first schema the body fails (route's, then model's)."""
         for compiled in self._by_route.get(route, ()):

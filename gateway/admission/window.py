@@ -50,7 +50,7 @@ DEFAULT_SLICES = 100
 class SlidingWindowLimiter:
     """At most ``limit`` units in any ``window`` seconds; sans-I/O, ``now`` passed in."""
 
-    __slots__ = ("limit", "window", "slices", "_width", "_k", "_count", "_last", "_total", "_seen")
+    __slots__ = ("limit", "window", "slices", "_width", "_k", "_count", "_last", "_total", "_seen", "_horizon")
 
     def __init__(self, limit: float, window: float, slices: int = DEFAULT_SLICES) -> None:
         if not limit > 0:
@@ -69,6 +69,7 @@ class SlidingWindowLimiter:
         self._last: deque[float] = deque()
         self._total = 0.0
         self._seen = -math.inf  # latest admission, for idleness
+        self._horizon = math.inf  # no expiry can happen before this time (the oldest slice's earliest end)
 
     def _expire(self, now: float) -> None:
         """Drop, oldest first, the slices none of whose admissions is in (now - window, now]."""
@@ -79,8 +80,11 @@ class SlidingWindowLimiter:
             ks.popleft()
             lasts.popleft()
             self._total -= counts.popleft()
-        if not ks:
+        if ks:
+            self._horizon = min(lasts[0] + self.window, (ks[0] + self.slices + 1) * self._width)
+        else:
             self._total = 0.0  # no float residue once empty
+            self._horizon = math.inf
 
     def used(self, now: float) -> float:
         """Units counted against the window at ``now`` (never below the true number)."""
@@ -94,7 +98,8 @@ class SlidingWindowLimiter:
         """Seconds until ``cost`` units fit (0.0: now; ``inf``: never, cost exceeds the limit)."""
         if cost > self.limit:
             return math.inf
-        self._expire(now)
+        if now >= self._horizon:
+            self._expire(now)
         free = self.limit - self._total
         if cost <= free:
             return 0.0
@@ -113,26 +118,48 @@ class SlidingWindowLimiter:
             if now > self._last[-1]:
                 self._last[-1] = now
         else:
+            if not self._k:
+                self._horizon = min(now + self.window, (k + self.slices + 1) * self._width)
             self._k.append(k)
             self._count.append(cost)
             self._last.append(now)
         self._total += cost
         if now > self._seen:
             self._seen = now
-        return max(0.0, self.limit - self._total), self._last[-1] + self.window - now
+        rem = self.limit - self._total
+        return rem if rem > 0.0 else 0.0, self._last[-1] + self.window - now
+
+    def try_take(self, cost: float, now: float) -> tuple[float, float, float]:
+        """:meth:`wait` then, if it is 0, :meth:`take`, in one call: (wait, remaining, reset_in)."""
+        if now >= self._horizon:
+            self._expire(now)
+        if cost > self.limit - self._total:
+            return self.wait(cost, now), 0.0, 0.0
+        rem, reset = self.take(cost, now)
+        return 0.0, rem, reset
+
+    def untake(self, cost: float, now: float) -> None:
+        """Undo the :meth:`take` just made at ``now`` (another rule refused the request)."""
+        if self._k and self._k[-1] == int(now // self._width):
+            self._count[-1] -= cost
+            self._total -= cost
 
     def refund(self, amount: float, at: float, now: float) -> None:
         """Correct the units taken at ``at`` by ``-amount`` (a reservation larger than the use).
 
         A negative ``amount`` charges more. Nothing to correct once that slice has expired.
         """
-        self._expire(now)
+        if now >= self._horizon:
+            self._expire(now)
         k = int(at // self._width)
-        for i, held in enumerate(self._k):
-            if held == k:
+        ks = self._k
+        for i in range(len(ks) - 1, -1, -1):  # newest first: a request's end is usually soon after it
+            if ks[i] == k:
                 new = max(0.0, self._count[i] - amount)
                 self._total += new - self._count[i]
                 self._count[i] = new
+                return
+            if ks[i] < k:
                 return
 
     def reset_in(self, now: float) -> float:
@@ -142,7 +169,8 @@ class SlidingWindowLimiter:
 
     def status(self, now: float) -> tuple[float, float]:
         """(remaining, reset_in) after one expiry pass."""
-        self._expire(now)
+        if now >= self._horizon:
+            self._expire(now)
         reset = self._last[-1] + self.window - now if self._last else 0.0
         return max(0.0, self.limit - self._total), max(0.0, reset)
 

@@ -91,6 +91,16 @@ def test_config_check_reports_bad_entries(tmp_path: Path) -> None:
         SchemaRegistry([f"route:/x={bad_schema}"])
 
 
+def test_checker_is_the_engine_call_and_agrees(tmp_path: Path) -> None:
+    reg = SchemaRegistry()
+    check = reg.checker(CHAT)
+    assert check is not None and check(GOOD_CHAT) and not check({**GOOD_CHAT, "n": 0})
+    assert reg.checker("/v1/models") is None  # no schema: nothing to bind
+    f = tmp_path / "s.json"
+    f.write_text("{}")
+    assert SchemaRegistry([f"model:m={f}"]).checker(CHAT) is None  # per-model schemas: use validate
+
+
 def test_compiled_once_per_schema_hash() -> None:
     a = compile_schema({"type": "object", "required": ["a"]})
     b = compile_schema(json.loads('{"required": ["a"], "type": "object"}'))  # same schema, other key order

@@ -17,7 +17,7 @@ import pytest
 from gateway.admission.bucket import TokenBucketLimiter
 from gateway.admission.window import SlidingWindowLimiter
 
-from .accuracy import OVER, UNDER, max_in_window, throughput_share
+from .accuracy import OVER, UNDER, exact_admissions, max_in_window, throughput_share
 
 
 def _drive(lim: SlidingWindowLimiter | TokenBucketLimiter, arrivals: list[float], cost: float = 1.0
@@ -139,19 +139,25 @@ def test_bad_parameters_are_refused() -> None:
 
 
 def test_short_real_time_run() -> None:
-    """The real clock, 2x overload for 3 s: whatever the scheduling jitter, the bounds hold."""
+    """The real clock, 2x overload for 3 s: whatever the scheduling jitter, the bounds hold.
+
+    The lower bound is against a perfect limiter fed the same arrivals: a starved process offers
+    late and in bunches, and that is the machine's doing, not the limiter's."""
     limit, window, duration = 50, 0.5, 3.0
     lim = SlidingWindowLimiter(limit, window)
     adm: list[float] = []
+    arrivals: list[float] = []
     start = time.monotonic()
     offered = 0
     while (now := time.monotonic()) - start < duration:
         due = int((now - start) * 2 * limit / window) + 1
         while offered < due:  # arrivals a late wake-up missed are offered now, at the time they are seen
             offered += 1
+            arrivals.append(now)
             if lim.wait(1, now) == 0.0:
                 lim.take(1, now)
-                adm.append(now - start)
+                adm.append(now)
         time.sleep(0.001)
     assert max_in_window(adm, window) <= limit * OVER
-    assert throughput_share(len(adm), limit, window, duration) >= UNDER
+    assert len(adm) >= UNDER * len(exact_admissions(arrivals, limit, window))
+    assert throughput_share(len(adm), limit, window, duration) > 0.5  # it was overloaded, and admitting
