@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import math
 
+from .limiter import TakeAfterWait
+
 __all__ = ["TokenBucketLimiter"]
 
 
-class TokenBucketLimiter:
+class TokenBucketLimiter(TakeAfterWait):
     """``limit`` units per ``window`` seconds sustained, ``burst`` at once; sans-I/O."""
 
     __slots__ = ("limit", "window", "burst", "_rate", "_level", "_at")
@@ -60,13 +62,6 @@ class TokenBucketLimiter:
         self._refill(now)
         self._level -= cost
         return max(0.0, self._level), (self.burst - self._level) / self._rate
-
-    def try_take(self, cost: float, now: float) -> tuple[float, float, float]:
-        w = self.wait(cost, now)
-        if w > 0.0:
-            return w, 0.0, 0.0
-        rem, reset = self.take(cost, now)
-        return 0.0, rem, reset
 
     def untake(self, cost: float, now: float) -> None:
         self._level = min(self.burst, self._level + cost)

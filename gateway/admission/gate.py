@@ -27,9 +27,9 @@ from typing import NamedTuple
 from ..errors import APIError
 from .config import AdmissionSettings, parse_rule
 from .keys import KeyRecord, KeyStore
+from .limiter import Limiter
 from .limits import (
     DEFAULT_MAX_KEYS,
-    Limiter,
     LimiterTable,
     RateLimits,
     RateRule,

@@ -43,6 +43,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..errors import APIError
+from .limiter import TakeAfterWait
 from .limits import RateRule
 
 __all__ = ["LeasedLimiter", "Renewal", "Grant", "DEFAULT_TTL", "DEFAULT_LEASE_SHARE"]
@@ -73,7 +74,7 @@ class Grant:
     reset_at: float
 
 
-class LeasedLimiter:
+class LeasedLimiter(TakeAfterWait):
     """One (rule, scope value): spends its lease, asks for renewals, settles spends by slice."""
 
     __slots__ = ("rule", "limit", "key", "ttl", "cap", "fail_open", "_ids", "_on_hungry",
@@ -145,13 +146,6 @@ class LeasedLimiter:
             cell[0] += cost
             cell[1] = now
         return self.status(now)
-
-    def try_take(self, cost: float, now: float) -> tuple[float, float, float]:
-        w = self.wait(cost, now)
-        if w > 0.0:
-            return w, 0.0, 0.0
-        rem, reset = self.take(cost, now)
-        return 0.0, rem, reset
 
     def untake(self, cost: float, now: float) -> None:
         """Undo the take just made: the units go back to the lease, the spend is forgotten."""

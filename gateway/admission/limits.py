@@ -18,13 +18,14 @@ import math
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import NamedTuple
 
 from .bucket import TokenBucketLimiter
+from .limiter import Limiter
 from .window import DEFAULT_SLICES, SlidingWindowLimiter
 
 __all__ = [
-    "Limiter", "RateRule", "LimiterTable", "RateLimits", "Reservation", "Verdict", "SCOPES", "UNITS",
+    "RateRule", "LimiterTable", "RateLimits", "Reservation", "Verdict", "SCOPES", "UNITS",
     "local_limiter", "format_reset", "DEFAULT_MAX_KEYS",
 ]
 
@@ -32,22 +33,6 @@ SCOPES = ("key", "client", "model", "route")
 DEFAULT_MAX_KEYS = 100_000  # limiters kept per rule; idle ones are evicted first
 UNITS = ("requests", "tokens")
 ALGORITHMS = ("window", "bucket")
-
-
-class Limiter(Protocol):
-    """What :class:`RateLimits` needs of a limiter (local, or a Redis lease)."""
-
-    limit: float
-
-    def wait(self, cost: float, now: float) -> float: ...
-    def take(self, cost: float, now: float) -> tuple[float, float]: ...  # -> status() after taking
-    def try_take(self, cost: float, now: float) -> tuple[float, float, float]: ...  # (wait, *status)
-    def untake(self, cost: float, now: float) -> None: ...  # undo the take just made at ``now``
-    def refund(self, amount: float, at: float, now: float) -> None: ...
-    def remaining(self, now: float) -> float: ...
-    def reset_in(self, now: float) -> float: ...
-    def status(self, now: float) -> tuple[float, float]: ...  # (remaining, reset_in) in one pass
-    def idle(self, now: float) -> bool: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,8 +156,7 @@ class RateLimits:
         self.rules = tuple(rules)
         self._tables = tuple(LimiterTable(_bind(make, r), max_keys) for r in self.rules)
         # what the hot loop needs per rule, without attribute lookups
-        self._plan = tuple((r.scope, r.match, r.unit == "tokens", r, t) for r, t in zip(
-            self.rules, self._tables, strict=True))
+        self._plan = tuple((r.scope, r.match, r, t) for r, t in zip(self.rules, self._tables, strict=True))
 
     def check(self, values: dict[str, str | None], tokens: float, now: float,
               extra: Sequence[tuple[RateRule, LimiterTable, str]] = ()) -> Verdict:
@@ -185,28 +169,16 @@ class RateLimits:
         held: list[Limiter] = []
         req: tuple[float, float, float] | None = None
         tok: tuple[float, float, float] | None = None
-        for scope, match, on_tokens, rule, table in self._plan:
-            value = values.get(scope)
-            if value is not None and (match == "*" or match == value):
-                lim = table.get(value, now)
-                cost = tokens if on_tokens else 1.0
-                w, rem, reset = lim.try_take(cost, now)  # optimistic: the usual answer is yes
-                if w > 0.0:
-                    return self._refuse(taken, values, tokens, now, extra)
-                taken.append((lim, cost))
-                if on_tokens:
-                    held.append(lim)
-                    if tok is None or rem < tok[1]:
-                        tok = (rule.limit, rem, reset)
-                elif req is None or rem < req[1]:
-                    req = (rule.limit, rem, reset)
-        for rule, table, value in extra:
+        todo = [(rule, table, value) for scope, match, rule, table in self._plan
+                if (value := values.get(scope)) is not None and (match == "*" or match == value)]
+        todo += extra
+        for rule, table, value in todo:
             lim = table.get(value, now)
             on_tokens = rule.unit == "tokens"
             cost = tokens if on_tokens else 1.0
-            w, rem, reset = lim.try_take(cost, now)
+            w, rem, reset = lim.try_take(cost, now)  # optimistic: the usual answer is yes
             if w > 0.0:
-                return self._refuse(taken, values, tokens, now, extra)
+                return self._refuse(taken, todo, tokens, now)
             taken.append((lim, cost))
             if on_tokens:
                 held.append(lim)
@@ -218,18 +190,14 @@ class RateLimits:
             return _NOTHING
         return Verdict(0.0, "", req, tok, Reservation(tokens, now, tuple(held)) if held else None)
 
-    def _refuse(self, taken: list[tuple[Limiter, float]], values: dict[str, str | None], tokens: float,
-                now: float, extra: Sequence[tuple[RateRule, LimiterTable, str]]) -> Verdict:
+    @staticmethod
+    def _refuse(taken: list[tuple[Limiter, float]], todo: list[tuple[RateRule, LimiterTable, str]],
+                tokens: float, now: float) -> Verdict:
         """A rule said no: undo what was taken, then work out the longest wait and the headers."""
         for lim, cost in taken:
             lim.untake(cost, now)
-        picked: list[tuple[RateRule, Limiter, float]] = []
-        for scope, match, on_tokens, rule, table in self._plan:
-            value = values.get(scope)
-            if value is not None and (match == "*" or match == value):
-                picked.append((rule, table.get(value, now), tokens if on_tokens else 1.0))
-        picked += [(rule, table.get(value, now), tokens if rule.unit == "tokens" else 1.0)
-                   for rule, table, value in extra]
+        picked = [(rule, table.get(value, now), tokens if rule.unit == "tokens" else 1.0)
+                  for rule, table, value in todo]
         worst, unit = 0.0, ""
         for rule, lim, cost in picked:
             w = lim.wait(cost, now)

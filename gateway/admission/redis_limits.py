@@ -30,7 +30,8 @@ from typing import Any
 
 from .config import AdmissionSettings
 from .lease import DEFAULT_LEASE_SHARE, DEFAULT_TTL, Grant, LeasedLimiter, Renewal
-from .limits import Limiter, RateRule, local_limiter
+from .limiter import Limiter
+from .limits import RateRule, local_limiter
 
 __all__ = ["RedisLeases", "SCRIPT"]
 
