@@ -18,9 +18,10 @@ from dataclasses import dataclass, field
 from .keys import DEFAULT_CHECK_INTERVAL
 from .lease import DEFAULT_LEASE_SHARE, DEFAULT_TTL
 from .limits import DEFAULT_MAX_KEYS, RateRule
+from .schema import check_schema_entries
 from .shed import DEFAULT_CLASSES, DEFAULT_HEADROOM, DEFAULT_PRIORITY, DEFAULT_QUEUE_LIMIT
 
-__all__ = ["AdmissionSettings", "parse_rule", "parse_schema_entry"]
+__all__ = ["AdmissionSettings", "parse_rule"]
 
 _UNITS_S = {"s": 1.0, "m": 60.0, "h": 3600.0}
 
@@ -57,15 +58,6 @@ def parse_rule(text: str) -> RateRule:
             raise ValueError(f"{text!r}: unknown option {opt!r} (window, bucket, slices=N, burst=N)")
     return RateRule(scope, parts[1], _number(limit_s, "limit"), window, match=match or "*",
                     **kwargs)  # type: ignore[arg-type]
-
-
-def parse_schema_entry(text: str) -> tuple[str, str, str]:
-    """``"route:/v1/chat/completions=path.json"`` -> ("route", "/v1/chat/completions", "path.json")."""
-    kind, sep, rest = text.partition(":")
-    target, eq, path = rest.rpartition("=")
-    if not sep or not eq or kind not in ("route", "model") or not target or not path:
-        raise ValueError(f"{text!r}: expected 'route:<path>=<schema file>' or 'model:<name>=<schema file>'")
-    return kind, target, path
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +114,4 @@ class AdmissionSettings:
             p.append("admission.key_max_concurrency: must be >= 0")
         if self.schema_engine not in ("auto", "jsonschema-rs", "jsonschema"):
             p.append(f"admission.schema_engine: {self.schema_engine!r} is not one of auto, jsonschema-rs, jsonschema")
-        from .schema import check_schema_entries  # the schema engines load only when schemas are checked
-
         p.extend(f"admission.schemas: {msg}" for msg in check_schema_entries(self.schemas, self.schema_engine))

@@ -38,7 +38,8 @@ except ImportError:  # pragma: no cover - exercised where jsonschema-rs is not i
     pass
 
 __all__ = ["Violation", "CompiledSchema", "compile_schema", "SchemaRegistry", "check_schema_entries",
-           "available_engines", "default_engine", "builtin_schema", "BUILTIN_ROUTES", "json_param"]
+           "available_engines", "default_engine", "builtin_schema", "BUILTIN_ROUTES", "json_param",
+           "parse_schema_entry"]
 
 Retrieve = Callable[[str], Any]
 
@@ -184,6 +185,15 @@ def json_param(path: Sequence[str | int]) -> str | None:
     return out or None
 
 
+def parse_schema_entry(text: str) -> tuple[str, str, str]:
+    """``"route:/v1/chat/completions=path.json"`` -> ("route", "/v1/chat/completions", "path.json")."""
+    kind, sep, rest = text.partition(":")
+    target, eq, path = rest.rpartition("=")
+    if not sep or not eq or kind not in ("route", "model") or not target or not path:
+        raise ValueError(f"{text!r}: expected 'route:<path>=<schema file>' or 'model:<name>=<schema file>'")
+    return kind, target, path
+
+
 def _check_schema(schema: Any, engine: str) -> str | None:
     """Why ``schema`` is not a usable 2020-12 schema, or None."""
     import jsonschema
@@ -199,8 +209,6 @@ def _check_schema(schema: Any, engine: str) -> str | None:
 
 
 def _load_entries(entries: Sequence[str], engine: str) -> tuple[list[tuple[str, str, CompiledSchema]], list[str]]:
-    from .config import parse_schema_entry
-
     loaded, problems = [], []
     for i, text in enumerate(entries):
         try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gateway.admission import Admission, AdmissionContext, AdmissionSettings, parse_rule
-from gateway.admission.config import parse_schema_entry
+from gateway.admission.schema import parse_schema_entry
 from gateway.errors import APIError
 
 
