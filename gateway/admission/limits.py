@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from ..errors import APIError
 from .bucket import TokenBucketLimiter
 from .limiter import Limiter
 from .window import DEFAULT_SLICES, SlidingWindowLimiter
@@ -176,7 +177,12 @@ class RateLimits:
             lim = table.get(value, now)
             on_tokens = rule.unit == "tokens"
             cost = tokens if on_tokens else 1.0
-            w, rem, reset = lim.try_take(cost, now)  # optimistic: the usual answer is yes
+            try:
+                w, rem, reset = lim.try_take(cost, now)  # optimistic: the usual answer is yes
+            except APIError:  # a limiter that cannot decide (shared store down, fail-closed)
+                for done, c in taken:
+                    done.untake(c, now)
+                raise
             if w > 0.0:
                 return self._refuse(taken, todo, tokens, now)
             taken.append((lim, cost))

@@ -193,3 +193,20 @@ async def test_from_settings_and_bucket_rules_stay_local(redis_url: str) -> None
     assert isinstance(leases.make(parse_rule("key requests 5/1s bucket"), "k"), TokenBucketLimiter)
     assert isinstance(leases.make(parse_rule("key requests 5/1s"), "k"), LeasedLimiter)
     await leases.close()
+
+
+async def test_fail_closed_refusal_takes_nothing_from_other_rules() -> None:
+    """A local rule admits, then the shared one cannot decide: the local take is undone."""
+    client = redis.asyncio.Redis(host="127.0.0.1", port=free_port(), socket_connect_timeout=0.5,
+                                 retry=Retry(NoBackoff(), 0))
+    leases = RedisLeases(client, fail_open=False, backoff=5.0)
+    local = parse_rule("client requests 10/1s bucket")  # buckets stay local under Redis
+    limits = RateLimits([local, parse_rule("route requests 10/1s")], leases.make)
+    limits.check({"client": "c", "route": "/r"}, 0.0, 100.0)  # cold credit on the shared rule
+    await leases.step(100.0)  # the store is down: fail closed from now on
+    bucket = limits._tables[0].get("c", 100.0)
+    before = bucket.remaining(100.0)
+    with pytest.raises(APIError):
+        limits.check({"client": "c", "route": "/r"}, 0.0, 100.0)
+    assert bucket.remaining(100.0) == before
+    await client.aclose()
