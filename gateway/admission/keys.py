@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import ipaddress
+import logging
 import os
 import tomllib
 from collections.abc import Iterable, Mapping
@@ -33,6 +34,8 @@ __all__ = ["KeyRecord", "KeyStore", "KeyFileError", "hash_key", "parse_key_entri
            "bearer_token", "DEFAULT_CHECK_INTERVAL"]
 
 DEFAULT_CHECK_INTERVAL = 2.0  # seconds between key-file mtime checks
+
+log = logging.getLogger("quicserve.admission")
 
 
 class KeyFileError(ValueError):
@@ -212,9 +215,13 @@ class KeyStore:
                 ({"id": r.id, "sha256": r.digest.hex()} for r in records), "keys")  # ids unique across sources
         if problems:
             self.reload_failures += 1
+            # problems name files, lines and ids, never a key or its digest
+            log.warning("API keys not reloaded, keeping the %d current ones: %s", len(self._by_digest),
+                        "; ".join(problems))
             return problems
         self._by_digest = {r.digest: r for r in records}
         self.reloads += 1
+        log.info("API keys loaded: %d (ids: %s)", len(records), ", ".join(sorted(r.id for r in records)))
         return []
 
     def maybe_reload(self, now: float) -> list[str]:

@@ -124,6 +124,14 @@ def test_key_never_in_logs_or_reprs(tmp_path: Path, caplog: pytest.LogCaptureFix
                    'limit = 1\nwindow = 60\n')
     adm, _ = _admission(tmp_path, [entry], limits=["key tokens 1000/1m"])
     seen: list[object] = [adm, adm.keys, adm.limits, adm.shedder, _ctx(KEY_A)]
+    assert adm.keys is not None
+    broken = tmp_path / "keys.toml"
+    good = broken.read_text()
+    broken.write_text(good.replace("[[keys.limits]]", "[[keys.limits]]\nbogus = 1"))
+    seen.append(adm.reload_keys())  # a failed reload logs why ...
+    broken.write_text(good)
+    seen.append(adm.reload_keys())  # ... and a good one what it loaded
+    assert any("not reloaded" in r.getMessage() for r in caplog.records)
     grant = adm.admit(_ctx(KEY_A), 0.0)
     seen += [grant, grant.reservation]
     assert adm.keys is not None
