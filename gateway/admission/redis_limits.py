@@ -36,7 +36,8 @@ from .limits import RateRule, local_limiter
 __all__ = ["RedisLeases", "SCRIPT"]
 
 # KEYS[1]: the limiter's hash. ARGV: now, window, width, slices, limit, want, need, ttl, old lease,
-# new lease, then (slice, units, latest-or--1) triples. Fields: c<slice>/l<slice> count and latest
+# new lease, carry (unspent units of the old lease the gateway keeps spending: re-granted first, they
+# stay reserved), then (slice, units, latest-or--1) triples. Fields: c<slice>/l<slice> count and latest
 # admission; L<lease> "units:expiry". Returns granted, start (when the lease may be spent, or when
 # to retry if nothing was granted), used, reset -- as strings (Lua numbers become integers).
 SCRIPT = """
@@ -45,9 +46,9 @@ local function str(x) return string.format('%.17g', x) end  -- tostring keeps 14
 local now, window, width = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local nslices, limit = tonumber(ARGV[4]), tonumber(ARGV[5])
 local want, need, ttl = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
-local old, new = ARGV[9], ARGV[10]
+local old, new, carry = ARGV[9], ARGV[10], tonumber(ARGV[11])
 if old ~= '' then redis.call('HDEL', key, 'L' .. old) end
-local i = 11
+local i = 12
 while i + 2 <= #ARGV do
   local k, units, last = ARGV[i], tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])
   local c = tonumber(redis.call('HGET', key, 'c' .. k) or '0')
@@ -82,7 +83,15 @@ for k, c in pairs(counts) do
 end
 local granted, start = 0, now
 local free = limit - used
-if new ~= '' then
+if new ~= '' and carry > 0 then
+  -- the old lease goes on without a gap: its unspent units were counted and stay counted
+  granted = carry
+  if free - carry >= need then granted = carry + math.min(want, free - carry) end
+  local exp = now + ttl + window
+  redis.call('HSET', key, 'L' .. new, str(granted) .. ':' .. str(exp))
+  used = used - carry + granted
+  reset = math.max(reset, exp)
+elseif new ~= '' then
   if free < need then
     -- full: lease what frees first, spendable from then (a future lease), counted from now
     table.sort(frees, function(a, b) return a[1] < b[1] end)
@@ -202,7 +211,8 @@ class RedisLeases:
 
     def _args(self, rule: RateRule, call: Renewal) -> list[str]:
         out = [repr(call.now), repr(rule.window), repr(rule.window / rule.slices), str(rule.slices),
-               repr(rule.limit), repr(call.want), repr(call.need), repr(self.ttl), call.old_lease, call.new_lease]
+               repr(rule.limit), repr(call.want), repr(call.need), repr(self.ttl), call.old_lease, call.new_lease,
+               repr(call.carry)]
         for k, units, last in call.deltas:
             out += [str(k), repr(units), repr(last)]
         return out

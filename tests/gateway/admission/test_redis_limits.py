@@ -210,3 +210,29 @@ async def test_fail_closed_refusal_takes_nothing_from_other_rules() -> None:
         limits.check({"client": "c", "route": "/r"}, 0.0, 100.0)
     assert bucket.remaining(100.0) == before
     await client.aclose()
+
+
+def test_below_the_limit_nothing_is_refused_once_leased(redis_url: str) -> None:
+    """Half the limit, in real time: after the first lease, leases are renewed before they run dry
+    and spent while a renewal is out, so no request meets an empty lease (no false 429)."""
+    async def go() -> tuple[int, int]:
+        leases = _leases(redis_url, tick=0.002)
+        limits = RateLimits([parse_rule("client requests 1000/1s")], leases.make)
+        task = asyncio.create_task(leases.run())
+        start = time.monotonic()
+        offered = refused_late = late = 0
+        while (now := time.monotonic()) - start < 1.5:
+            due = int((now - start) * 500) + 1  # 500/s: half the limit
+            while offered < due:
+                offered += 1
+                ok = limits.check({"client": "c"}, 0.0, time.time()).wait == 0.0
+                if now - start > 0.75:
+                    late += 1
+                    refused_late += not ok
+            await asyncio.sleep(0.001)
+        task.cancel()
+        await leases.close()
+        return refused_late, late
+
+    refused, offered = asyncio.run(go())
+    assert offered > 100 and refused <= offered * 0.01, f"{refused} of {offered} refused below the limit"
