@@ -30,7 +30,7 @@ import orjson
 from .api.call import CallContext
 from .api.deadlines import DeadlineSweeper
 from .api.generate import ANSWERED, AdmissionStage, Generations
-from .api.openai import MODELS_ROUTE, OpenAIApi, Parser
+from .api.openai import MODELS_ROUTE, OpenAIApi, Parser, Validate
 from .api.render import JSON_HEADERS
 from .api.writers import writer_for
 from .errors import APIError, Headers, internal_error, render_http
@@ -65,11 +65,11 @@ class App:
     """Route table, the generation pipeline, and request metrics."""
 
     def __init__(self, pool: ModelPool, metrics: GatewayMetrics | None = None, api: ApiSettings | None = None,
-                 admission: AdmissionStage | None = None) -> None:
+                 admission: AdmissionStage | None = None, validate: Validate | None = None) -> None:
         self.pool = pool
         self.metrics = metrics if metrics is not None else GatewayMetrics()
         self.api_settings = api or ApiSettings()
-        self.openai = OpenAIApi(self.api_settings)
+        self.openai = OpenAIApi(self.api_settings, validate)
         self.deadlines = DeadlineSweeper()
         self.calls = CallContext(self.deadlines, self.api_settings.request_timeout, self.metrics.tokens,
                                  self.api_settings.write_timeout)

@@ -26,6 +26,7 @@ import signal
 import sys
 from typing import TextIO
 
+from .admission.setup import build_admission
 from .app import App
 from .grpc.mount import mount_grpc
 from .grpc.server import NativeServer
@@ -76,7 +77,11 @@ async def run_gateway(settings: Settings, *, out: TextIO | None = None,
     loop = asyncio.get_running_loop()
     metrics = GatewayMetrics()
     pool = ModelPool(retries=settings.api.retries)
-    app = App(pool, metrics, settings.api)
+    adm = build_admission(settings.admission, settings.server.host)
+    if adm.warning:
+        log.warning("%s", adm.warning)
+        _say(out, adm.warning)
+    app = App(pool, metrics, settings.api, admission=adm.stage, validate=adm.schemas.validate)
     lim = settings.limits
     limits = HttpLimits(max_body_bytes=lim.max_body_bytes, max_header_bytes=lim.max_header_bytes,
                         header_timeout=lim.header_timeout, body_timeout=lim.body_timeout,
@@ -123,6 +128,15 @@ async def run_gateway(settings: Settings, *, out: TextIO | None = None,
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
+    if adm.stage is not None:
+        admission = adm.stage.admission
+
+        def on_hup() -> None:
+            problems = admission.reload_keys()
+            log.info("SIGHUP: API keys reloaded%s", f" ({'; '.join(problems)})" if problems else "")
+
+        loop.add_signal_handler(signal.SIGHUP, on_hup)
+    leases_task = asyncio.create_task(adm.leases.run()) if adm.leases is not None else None
 
     async def announce_ready() -> None:
         if await supervisor.wait_ready():
@@ -135,7 +149,10 @@ async def run_gateway(settings: Settings, *, out: TextIO | None = None,
         ready_task.cancel()
         await _drain(app, servers, native, grace[0], deadline[0], now_, out)
         await supervisor.stop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        if adm.leases is not None and leases_task is not None:
+            leases_task.cancel()
+            await adm.leases.close()
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.remove_signal_handler(sig)
         _say(out, "stopped")
     return 0

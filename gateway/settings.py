@@ -23,6 +23,8 @@ from typing import Any
 
 from transport.worker_options import URL_SCHEMES, WorkerOptions, option_problems
 
+from .admission.config import AdmissionSettings
+
 __all__ = [
     "Settings",
     "ServerSettings",
@@ -198,6 +200,7 @@ class Settings:
     api: ApiSettings = field(default_factory=ApiSettings)
     shutdown: ShutdownSettings = field(default_factory=ShutdownSettings)
     grpc: GrpcSettings = field(default_factory=GrpcSettings)
+    admission: AdmissionSettings = field(default_factory=AdmissionSettings)
     log: LogSettings = field(default_factory=LogSettings)
 
 

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from transport.messages import Finish, TokenEntry
 
-from ..errors import APIError, from_wire_code, internal_error
+from ..errors import APIError, Headers, from_wire_code, internal_error
 from ..http.types import ResponseSink
 from ..routing.routed import RoutedStream
 from .writers import JsonWriter, Writer
@@ -69,11 +69,11 @@ class GenerationCall:
 
     __slots__ = ("_ctx", "_routed", "_w", "_sink", "_route", "_t0", "_t_first", "_on_end", "_done", "_started",
                  "_ended", "_starting", "_held", "_held_final", "_resumer", "_pull", "_whole", "_fut", "_timeout",
-                 "_text", "_send_nowait")
+                 "_text", "_send_nowait", "_headers")
 
     def __init__(self, ctx: CallContext, routed: RoutedStream, writer: Writer, sink: ResponseSink, route: str,
                  t0: float, logprobs: bool, on_end: EndHook, done: Callable[[], None],
-                 timeout: float | None = None) -> None:
+                 timeout: float | None = None, headers: Headers | None = None) -> None:
         self._ctx = ctx
         self._routed = routed
         self._w = writer
@@ -93,6 +93,7 @@ class GenerationCall:
         self._whole = not writer.streaming and not logprobs
         self._fut: asyncio.Future[Any] | None = None  # what the call waits on now; others are stale
         self._timeout = ctx.timeout if timeout is None else min(timeout, ctx.timeout)
+        self._headers = writer.headers if not headers else [*writer.headers, *headers]  # + x-ratelimit-*
         self._text = writer.text  # bound once: both run once per engine step
         self._send_nowait = sink.send_nowait
 
@@ -138,7 +139,7 @@ class GenerationCall:
             self._ctx.observe(self._route, None, None, fin.completion_tokens)
             w = self._w
             assert isinstance(w, JsonWriter)
-            self._sink.respond(200, w.headers, w.whole(res.text, fin))
+            self._sink.respond(200, self._headers, w.whole(res.text, fin))
             self._end(200, fin.completion_tokens)
         except Exception:
             self._crash()
@@ -213,7 +214,7 @@ class GenerationCall:
         w = self._w
         if w.streaming:
             self._started = True
-            self._sink.start(200, w.headers)
+            self._sink.start(200, self._headers)
             first = w.opening()
             if first:
                 self._sink.send_nowait(first)  # False only if the client is already gone
@@ -261,7 +262,7 @@ class GenerationCall:
             if w.streaming:
                 self._write_last(body, 200, n)
             else:
-                self._sink.respond(200, w.headers, body)
+                self._sink.respond(200, self._headers, body)
                 self._end(200, n)
         else:
             self._fail(from_wire_code(ev.code, ev.message))  # type: ignore[attr-defined]

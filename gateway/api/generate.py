@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from ..errors import APIError, from_routing, internal_error
+from ..errors import APIError, Headers, from_routing, internal_error
 from ..http.types import Call, Request, ResponseSink
 from ..observability.metrics import GatewayMetrics
 from ..routing.errors import RoutingError
@@ -38,6 +38,10 @@ class AdmissionStage(Protocol):
 
     def admit(self, req: Request, g: GenerationRequest, now: float) -> object:
         """A grant for this request, or raise :class:`APIError` (401/403/429/503) to refuse it."""
+        ...
+
+    def headers(self, grant: object) -> Headers:
+        """Headers an admitted request's response carries (``x-ratelimit-*``)."""
         ...
 
     def release(self, grant: object, completion_tokens: int, now: float) -> None:
@@ -112,7 +116,7 @@ class Generations:
                 admission.release(grant, tokens, now)
 
         call = GenerationCall(self.calls, routed, writer_for(g), sink, route, t0, g.logprobs, on_end, done,
-                              timeout)
+                              timeout, admission.headers(grant) if admission is not None else None)
         call.start()
         return call
 

@@ -18,7 +18,7 @@ import orjson
 from ..errors import APIError
 from ..http.types import Request
 from ..settings import ApiSettings
-from .params import GenerationRequest, parse_chat, parse_completion
+from .params import GenerationRequest, parse_chat, parse_completion, parse_json_body
 
 __all__ = ["OpenAIApi", "CHAT_ROUTE", "COMPLETIONS_ROUTE", "MODELS_ROUTE", "prompt_estimate"]
 
@@ -27,6 +27,9 @@ COMPLETIONS_ROUTE = "/v1/completions"
 MODELS_ROUTE = "/v1/models"
 
 Parser = Callable[..., GenerationRequest]
+Validate = Callable[[str, str | None, Any], None]
+"""A compiled JSON Schema check of a parsed body: (route, model, body), raising a 400 APIError
+(``gateway.admission.schema.SchemaRegistry.validate``)."""
 
 
 def prompt_estimate(g: GenerationRequest) -> int:
@@ -47,14 +50,21 @@ class OpenAIApi:
 
     GENERATION: dict[str, Parser] = {CHAT_ROUTE: parse_chat, COMPLETIONS_ROUTE: parse_completion}
 
-    def __init__(self, api: ApiSettings) -> None:
+    def __init__(self, api: ApiSettings, validate: Validate | None = None) -> None:
         self.api = api
         self.created = int(time.time())
         self._deadline_ms = int(api.request_timeout * 1000)
+        self.validate = validate
 
     def parse(self, parse: Parser, req: Request) -> GenerationRequest:
+        """Parse the JSON once, check it against the route's compiled schema (the model's too), then
+        what a schema cannot say (``params``)."""
         try:
-            return parse(req.body, default_max_tokens=self.api.default_max_tokens,
+            d = parse_json_body(req.body)
+            if self.validate is not None:
+                model = d.get("model")
+                self.validate(req.path, model if type(model) is str else None, d)
+            return parse(d, default_max_tokens=self.api.default_max_tokens,
                          max_tokens_limit=self.api.max_tokens_limit, deadline_ms=self._deadline_ms)
         except APIError:
             # Only now, off the success path: a compressed body fails to parse, and "not valid JSON"

@@ -50,6 +50,7 @@ class GenerationRequest:
     top_logprobs: int = 0
     user: str | None = None
     deadline_ms: int = 0
+    service_tier: str | None = None  # OpenAI's; admission reads it as a priority hint
 
     def make_submit(self, request_id: int) -> Submit:
         # A whole (non-streaming, no logprobs) response is delivered by the worker in one piece.
@@ -302,10 +303,10 @@ def _messages(d: dict[str, Any]) -> tuple[dict[str, Any], ...]:
     return tuple(out)
 
 
-def parse_chat(body: bytes, *, default_max_tokens: int, max_tokens_limit: int,
+def parse_chat(body: bytes | dict[str, Any], *, default_max_tokens: int, max_tokens_limit: int,
                deadline_ms: int = 0) -> GenerationRequest:
-    """``POST /v1/chat/completions`` body -> GenerationRequest."""
-    d = parse_json_body(body)
+    """``POST /v1/chat/completions`` body (bytes, or the JSON object already parsed) -> GenerationRequest."""
+    d = body if type(body) is dict else parse_json_body(body)  # type: ignore[arg-type]
     model, params, stream, include_usage, user, logprobs, top_n = _common(
         d, _CHAT_KEYS, max_tokens_limit, default_max_tokens, 20, chat=True)
     messages = _messages(d)
@@ -319,14 +320,16 @@ def parse_chat(body: bytes, *, default_max_tokens: int, max_tokens_limit: int,
         if rf is not None and rf != {"type": "text"}:
             raise _bad("Only response_format {\"type\": \"text\"} is supported.", "response_format",
                        "unsupported_parameter")
+    tier = d.get("service_tier")
     return GenerationRequest(True, model, params, stream, include_usage, None, None, messages, logprobs,
-                             top_n, user, deadline_ms)
+                             top_n, user, deadline_ms, tier if type(tier) is str else None)
 
 
-def parse_completion(body: bytes, *, default_max_tokens: int, max_tokens_limit: int,
+def parse_completion(body: bytes | dict[str, Any], *, default_max_tokens: int, max_tokens_limit: int,
                      deadline_ms: int = 0) -> GenerationRequest:
-    """``POST /v1/completions`` body -> GenerationRequest (one prompt: text or token ids)."""
-    d = parse_json_body(body)
+    """``POST /v1/completions`` body (bytes, or the JSON object already parsed) -> GenerationRequest
+    (one prompt: text or token ids)."""
+    d = body if type(body) is dict else parse_json_body(body)  # type: ignore[arg-type]
     model, params, stream, include_usage, user, logprobs, top_n = _common(
         d, _COMPLETION_KEYS, max_tokens_limit, default_max_tokens, 5, chat=False)
     prompt = d.get("prompt")

@@ -17,6 +17,7 @@ and the idle connection; output is flushed once per loop iteration.
 from __future__ import annotations
 
 import asyncio
+import logging
 from math import inf
 
 import h2.config
@@ -39,6 +40,10 @@ from gateway.http.h2_stream import (
     response_headers,
 )
 from gateway.http.types import Headers, Request
+
+# hpack logs every header it decodes at DEBUG, Authorization values included: API keys must never
+# reach a log, whatever the gateway's level.
+logging.getLogger("hpack").setLevel(logging.INFO)
 
 __all__ = ["H2Protocol"]
 

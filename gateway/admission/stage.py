@@ -1,0 +1,46 @@
+"""The admission stage of the request pipeline: :class:`~gateway.admission.gate.Admission`
+behind the pipeline's :class:`~gateway.api.generate.AdmissionStage` seam.
+
+The pipeline calls :meth:`AdmissionStageAdapter.admit` once per generation request, after
+parsing (admission needs the model, the prompt-size estimate and ``max_tokens``) and before
+routing, and :meth:`~AdmissionStageAdapter.release` exactly once when the request ends. A
+refusal is an :class:`~gateway.errors.APIError` (401/403/429/503, with ``Retry-After`` and the
+``x-ratelimit-*`` headers), rendered by the route's writer like any other error; an admitted
+request's ``x-ratelimit-*`` headers go on its response.
+"""
+
+from __future__ import annotations
+
+from ..api.openai import prompt_estimate
+from ..api.params import GenerationRequest
+from ..errors import Headers
+from ..http.types import Request
+from .gate import Admission, AdmissionContext, Grant
+
+__all__ = ["AdmissionStageAdapter", "PRIORITY_OF_TIER"]
+
+# OpenAI's service_tier as a priority hint (it may lower a key's class, never raise it)
+PRIORITY_OF_TIER = {"flex": 0, "default": 1, "auto": 1, "priority": 2}
+
+
+class AdmissionStageAdapter:
+    """``AdmissionStage`` over :class:`Admission`."""
+
+    __slots__ = ("admission",)
+
+    def __init__(self, admission: Admission) -> None:
+        self.admission = admission
+
+    def admit(self, req: Request, g: GenerationRequest, now: float) -> Grant:
+        client = req.client[0] if req.client is not None else None
+        ctx = AdmissionContext(req.header(b"authorization"), client, g.model, req.path, prompt_estimate(g),
+                               g.params.max_tokens, None, PRIORITY_OF_TIER.get(g.service_tier or "", None))
+        return self.admission.admit(ctx, now)
+
+    def headers(self, grant: object) -> Headers:
+        assert isinstance(grant, Grant)
+        return list(grant.headers)
+
+    def release(self, grant: object, completion_tokens: int, now: float) -> None:
+        assert isinstance(grant, Grant)
+        self.admission.release(grant, completion_tokens, now)
