@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +31,7 @@ from gateway.app import App
 from gateway.http.quic_listener import QuicListener, start_quic_listener
 from gateway.http.quic_settings import QuicSettings
 from gateway.http.tls import SELF_SIGNED_CERT, SELF_SIGNED_KEY, load_or_create_tls
+from gateway.http.types import Call, Request, ResponseSink
 from gateway.routing.pool import ModelPool
 from tests.gateway.doubles import ScriptedWorkerConnection
 
@@ -156,6 +157,7 @@ class Gateway:
     listener: QuicListener
     worker: ScriptedWorkerConnection
     app: App
+    seen: list[Request]  # every request that reached the pipeline, as the handlers saw it
 
     @property
     def port(self) -> int:
@@ -170,9 +172,15 @@ async def h3_gateway(cert: tuple[str, str], settings: QuicSettings | None = None
     w = worker or ScriptedWorkerConnection()
     pool.add(w)
     app = App(pool)
-    listener = await start_quic_listener(app.handle, "127.0.0.1", port, cert[0], cert[1], settings)
+    seen: list[Request] = []
+
+    def entrance(req: Request, sink: ResponseSink, done: Callable[[], None]) -> Call:
+        seen.append(req)
+        return app.handle(req, sink, done)
+
+    listener = await start_quic_listener(entrance, "127.0.0.1", port, cert[0], cert[1], settings)
     try:
-        yield Gateway(listener, w, app)
+        yield Gateway(listener, w, app, seen)
     finally:
         await listener.close()
 
