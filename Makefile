@@ -37,8 +37,9 @@ $(LIBTPU_STAMP): $(STAMP_TEST)
 # System packages: curl (with HTTP/2) for the curl tests; Debian's python3-pyverbs
 # so the RDMA probe/fallback path runs against the real bindings (tests that need
 # an RDMA device skip where none exists); g++ to build the native CPU decode
-# kernel (inference/kernels/cpu_ffi.py) the worker compiles on first use.
-APT_PKGS := curl python3-pyverbs g++
+# kernel (inference/kernels/cpu_ffi.py) the worker compiles on first use; chromium, an
+# independent HTTP/3 client (tests/integration/test_h3_chromium.py).
+APT_PKGS := curl python3-pyverbs g++ chromium
 $(SYSDEPS_STAMP): $(VENV)/bin/python Makefile
 	@missing=""; for p in $(APT_PKGS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \
