@@ -16,7 +16,10 @@ run's losses are the same on every machine.
   after the retransmission, ``rto = max(0.2 s, 2 * RTT)`` later (Linux's minimum
   RTO; a lost retransmission doubles it), and everything behind it waits
   (head-of-line blocking). ``rto`` is the relay's model, said here so a
-  benchmark's reader can weigh it.
+  benchmark's reader can weigh it. The client's connect completes at once (on
+  the relay's port), so the TCP handshake is modelled too: the first bytes
+  reach the server one RTT later than their own lag (SYN, SYN-ACK), plus Linux's
+  1 s initial RTO for each lost SYN or SYN-ACK (doubling).
 """
 
 from __future__ import annotations
@@ -176,13 +179,20 @@ class TcpRelay:
         except OSError:
             cw.close()
             return
+        loop = asyncio.get_running_loop()
+        established, rto = loop.time() + 2 * self.link.delay, 1.0  # when the client could first send: SYN, SYN-ACK
+        while self.link.loss and self.rng.random() < 1 - (1 - self.link.loss) ** 2:
+            self.lost += 1
+            established += rto
+            rto *= 2
         for r, w in ((cr, sw), (sr, cw)):
-            task = asyncio.get_running_loop().create_task(self._pump(r, w))
+            task = loop.create_task(self._pump(r, w, established))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """Deliver each read ``lag`` later, in order (a late segment holds back the ones behind it)."""
+    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, established: float) -> None:
+        """Deliver each read ``lag`` later, in order (a late segment holds back the ones behind it),
+        nothing before the modelled handshake has ``established`` the connection."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
 
@@ -203,7 +213,7 @@ class TcpRelay:
         try:
             while True:
                 data = await reader.read(65536)
-                due = loop.time() + self.link.lag(self.rng)
+                due = max(loop.time(), established) + self.link.lag(self.rng)
                 rto = self.rto
                 while data and self.link.loss and self.rng.random() < self.link.loss:
                     self.lost += 1

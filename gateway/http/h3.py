@@ -110,6 +110,8 @@ class H3Protocol(QuicConnectionProtocol):
         self._transmit_handle: asyncio.Handle | None = None
         self._waiters: dict[int, asyncio.Future[None]] = {}
         self._draining = False
+        self._closing = False
+        self._flushing: set[int] = set()  # ended responses whose bytes are not all acknowledged yet
         self.early_data_accepted = False
         self.session_resumed = False
         state.connections.add(self)
@@ -132,6 +134,8 @@ class H3Protocol(QuicConnectionProtocol):
                     del self._waiters[sid]
                     if not fut.done():
                         fut.set_result(None)
+        if self._draining:
+            self._close_when_flushed()
 
     def schedule_transmit(self) -> None:
         """Transmit once this loop iteration ends: every write of one step goes in one pass."""
@@ -242,8 +246,9 @@ class H3Protocol(QuicConnectionProtocol):
     def _done(self, st: _Stream) -> None:
         self._streams.pop(st.sid, None)
         self.state.request_done()
-        if self._draining and not self._streams:
-            self.close()
+        if self._draining:
+            self._flushing.add(st.sid)
+            self._close_when_flushed()
 
     def _client_address(self) -> tuple[str, int] | None:
         addr = self._quic.get_peer_address()
@@ -287,7 +292,16 @@ class H3Protocol(QuicConnectionProtocol):
     def drain(self) -> None:
         """Finish the requests in flight, refuse new ones, then close."""
         self._draining = True
-        if not self._streams:
+        self._close_when_flushed()
+
+    def _close_when_flushed(self) -> None:
+        """Close once no request is open and the peer has every byte of their responses
+        (closing a QUIC connection drops what is still unacknowledged)."""
+        if self._closing or self._streams:
+            return
+        self._flushing = {sid for sid in self._flushing if _unsent(self._quic, sid)}
+        if not self._flushing:
+            self._closing = True
             self.close()
 
     def abort(self) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["QuicSettings", "DEFAULT_EARLY_DATA_ROUTES", "early_data_safe"]
+__all__ = ["QuicSettings", "DEFAULT_EARLY_DATA_ROUTES", "early_data_safe", "alt_svc"]
 
 # Requests a replayed 0-RTT flight may repeat without harm (RFC 8470 5.1: safe,
 # idempotent, no side effect). Generation is not among them: a replay would run
@@ -58,3 +58,9 @@ def early_data_safe(routes: list[str] | tuple[str, ...], method: str, path: str)
         if p == path or (p.endswith("/*") and path.startswith(p[:-1]) and len(path) > len(p) - 1):
             return True
     return False
+
+
+def alt_svc(port: int, max_age: int = 86400) -> tuple[bytes, bytes]:
+    """The ``alt-svc`` header HTTP/1.1 and HTTP/2 TLS responses carry so browsers move to h3 on
+    ``port`` (RFC 7838; same host). ``max_age`` is how long a client may remember it."""
+    return b"alt-svc", b'h3=":%d"; ma=%d' % (port, max_age)

@@ -143,10 +143,11 @@ def client_config(ticket: SessionTicket | None = None, idle_timeout: float = 10.
 
 @asynccontextmanager
 async def h3_connect(port: int, *, ticket: SessionTicket | None = None, tickets: list[SessionTicket] | None = None,
-                     wait_connected: bool = True, host: str = "127.0.0.1") -> AsyncIterator[H3Client]:
+                     wait_connected: bool = True, host: str = "127.0.0.1",
+                     idle_timeout: float = 10.0) -> AsyncIterator[H3Client]:
     """A connected :class:`H3Client`; ``tickets`` collects the session tickets the server sends."""
     handler = tickets.append if tickets is not None else None
-    async with connect(host, port, configuration=client_config(ticket), create_protocol=H3Client,
+    async with connect(host, port, configuration=client_config(ticket, idle_timeout), create_protocol=H3Client,
                        session_ticket_handler=handler, wait_connected=wait_connected) as client:
         assert isinstance(client, H3Client)
         yield client

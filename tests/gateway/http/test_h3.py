@@ -91,3 +91,59 @@ async def test_client_reset_cancels_the_call(cert: tuple[str, str]) -> None:
             await asyncio.sleep(0.01)
         assert worker.cancels == [worker.submits[0].request_id]
         assert gw.listener.in_flight == 0
+
+
+class _CountingTransport:
+    """The listener's UDP transport, counting the datagrams it sends."""
+
+    def __init__(self, real: asyncio.DatagramTransport) -> None:
+        self.real = real
+        self.datagrams = 0
+
+    def sendto(self, data: bytes, addr: object = None) -> None:
+        self.datagrams += 1
+        self.real.sendto(data, addr)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.real, name)
+
+
+async def test_writes_of_one_step_share_datagrams(cert: tuple[str, str]) -> None:
+    """16 streams each get one token per engine step: a transmit per write would send at least
+    one datagram per SSE event; one transmit per loop iteration packs a step's 16 events (~150
+    bytes each) into a few datagrams (congestion control spreads some over the acks that open
+    its window), so far fewer datagrams than events leave."""
+    async with h3_gateway(cert) as gw:
+        counting = _CountingTransport(gw.listener._server._transport)  # type: ignore[arg-type]
+        gw.listener._server._transport = counting  # type: ignore[assignment]
+        async with h3_connect(gw.port) as client:
+            await client.request("GET", "/healthz")
+            before = counting.datagrams
+            resps = [client.start("POST", "/v1/chat/completions", chat_body(30, stream=True)) for _ in range(16)]
+            await asyncio.wait_for(asyncio.gather(*(r.done.wait() for r in resps)), 20)
+            sent = counting.datagrams - before
+        events = sum(len(sse_events(r.body)) for r in resps)
+        assert events >= 16 * 30
+        assert sent < events / 2, (sent, events)  # a transmit per write: at least one datagram each
+
+
+async def test_idle_connections_are_closed(cert: tuple[str, str]) -> None:
+    async with h3_gateway(cert, QuicSettings(idle_timeout=0.3)) as gw, h3_connect(gw.port) as client:
+        assert (await client.request("GET", "/healthz")).status == 200
+        assert gw.listener.connections == 1
+        await asyncio.wait_for(client.wait_closed(), 5)  # the server's idle timer ended it
+        assert gw.listener.connections == 0
+
+
+async def test_draining_finishes_requests_in_flight_and_takes_no_new_connection(cert: tuple[str, str]) -> None:
+    async with h3_gateway(cert) as gw:
+        async with h3_connect(gw.port) as client:
+            resp = client.start("POST", "/v1/chat/completions", chat_body(400, stream=True))
+            await asyncio.wait_for(resp.got_data.wait(), 10)
+            gw.listener.stop_accepting()
+            assert await gw.listener.wait_idle(10)
+            await asyncio.wait_for(resp.done.wait(), 10)
+            assert resp.status == 200 and sse_events(resp.body)[-1] == "[DONE]"
+        with pytest.raises(ConnectionError):  # ignored: the client gives up after its idle timeout
+            async with h3_connect(gw.port, idle_timeout=0.5):
+                pass

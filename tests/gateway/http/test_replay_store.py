@@ -9,6 +9,7 @@ from aioquic.tls import CipherSuite, SessionTicket
 from hypothesis import given
 from hypothesis import strategies as st
 
+from gateway.http.quic_settings import DEFAULT_EARLY_DATA_ROUTES, QuicSettings, alt_svc, early_data_safe
 from gateway.http.quic_tickets import TicketStore
 from gateway.http.replay import SingleUseStore
 
@@ -90,3 +91,16 @@ def test_a_tampered_or_unknown_ticket_resumes_nothing() -> None:
     store._blobs[lookup] = (exp, blob[:-1] + bytes([blob[-1] ^ 1]))
     assert store.take(t.ticket, 1.0) is None
     assert store.take(b"unknown", 1.0) is None and store.refused == 2
+
+
+def test_alt_svc_and_early_data_routes() -> None:
+    assert alt_svc(8443) == (b"alt-svc", b'h3=":8443"; ma=86400')
+    routes = list(DEFAULT_EARLY_DATA_ROUTES)
+    assert early_data_safe(routes, "GET", "/v1/models") and early_data_safe(routes, "HEAD", "/healthz")
+    assert early_data_safe(routes, "GET", "/v1/models/tiny")
+    assert not early_data_safe(routes, "GET", "/v1/models/")  # "/*" needs a name after the slash
+    assert not early_data_safe(routes, "POST", "/v1/chat/completions")
+    assert not early_data_safe(routes, "POST", "/v1/models")
+    problems: list[str] = []
+    QuicSettings(early_data_routes=["post /x", "GET x"], port=70000, max_streams=0)._validate(problems)
+    assert len(problems) == 4, problems
