@@ -39,7 +39,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from aioquic.asyncio.protocol import QuicConnectionProtocol
 from aioquic.h3.connection import H3_ALPN, ErrorCode, H3Connection
@@ -106,7 +106,6 @@ class H3Protocol(QuicConnectionProtocol):
         self._streams: dict[int, _Stream] = {}
         self._handshake_done = False
         self._early_bytes = 0
-        self._receiving = False
         self._transmit_handle: asyncio.Handle | None = None
         self._waiters: dict[int, asyncio.Future[None]] = {}
         self._draining = False
@@ -118,11 +117,11 @@ class H3Protocol(QuicConnectionProtocol):
 
     # -- feed, process events, transmit ----------------------------------------------------
     def datagram_received(self, data: bytes | str, addr: Any) -> None:
-        self._receiving = True
-        try:
-            super().datagram_received(data, addr)
-        finally:
-            self._receiving = False
+        # aioquic's own protocol transmits after every datagram; the datagrams one poll
+        # returned (a burst of acks) share one transmit at the end of this loop iteration
+        self._quic.receive_datagram(cast(bytes, data), addr, now=self._loop.time())
+        self._process_events()
+        self.schedule_transmit()
 
     def transmit(self) -> None:
         self._transmit_handle = None
@@ -139,7 +138,7 @@ class H3Protocol(QuicConnectionProtocol):
 
     def schedule_transmit(self) -> None:
         """Transmit once this loop iteration ends: every write of one step goes in one pass."""
-        if not self._receiving and self._transmit_handle is None:
+        if self._transmit_handle is None:
             self._transmit_handle = self._loop.call_soon(self.transmit)
 
     def quic_event_received(self, event: QuicEvent) -> None:

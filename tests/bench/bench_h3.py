@@ -51,8 +51,6 @@ TOKENS = 16
 
 # -- the gateway, in a child process ------------------------------------------------------------
 async def serve(state_dir: Path) -> None:
-    import uvloop  # noqa: F401  (the gateway's loop; the child is started with it)
-
     from gateway.app import App
     from gateway.http.quic_listener import start_quic_listener
     from gateway.http.quic_settings import DEFAULT_EARLY_DATA_ROUTES, QuicSettings
@@ -170,11 +168,10 @@ async def main() -> None:
     ap.add_argument("--losses", default="0,0.15")
     ap.add_argument("--streams", type=int, default=400)
     ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--only", choices=("ttfb", "cpu"))
     ap.add_argument("--serve", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve:
-        import uvloop
-        uvloop.install()
         await serve(Path(args.serve))
         return
     with tempfile.TemporaryDirectory() as state:
@@ -189,7 +186,7 @@ async def main() -> None:
             loop_ttfb = summary([await h3_ttfb(ports["quic"], tickets, resume=True) for _ in range(20)])[0]
             print(f"path: RTT {args.rtt * 1e3:.0f} ms via tests/netrelay.py; {args.samples} samples per kind; "
                   f"gateway loopback TTFB (h3 0-RTT, no relay) {loop_ttfb * 1e3:.1f} ms")
-            for loss in (float(x) for x in args.losses.split(",")):
+            for loss in (float(x) for x in args.losses.split(",") if args.only != "cpu"):
                 res = await ttfb_round(ports, args.rtt, loss, args.samples, args.seed)
                 base = summary(res["h2 fresh"])[0]
                 print(f"\nloss {loss:.0%}:            median    p95   (ms)   median / h2 fresh")
@@ -204,6 +201,8 @@ async def main() -> None:
                 else:
                     print(f"  0-RTT target: median <= 0.5x h2 fresh: {'met' if med0 <= 0.5 * base else 'MISSED'}"
                           f" ({med0 / base:.2f}x)")
+            if args.only == "ttfb":
+                return
             cpu = await cpu_round(ports, proc.pid, args.streams)
             h2c, h3c = min(cpu["h2"], cpu["h2 again"]), min(cpu["h3"], cpu["h3 again"])
             print(f"\ngateway CPU per {TOKENS}-token stream (child process user+sys, loopback, 8 streams at a time, "
@@ -215,4 +214,7 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
+    if "--serve" in sys.argv:  # the gateway runs on uvloop, as `quicserve serve` does
+        import uvloop
+        uvloop.install()
     asyncio.run(main())
