@@ -29,6 +29,12 @@ Early data (RFC 8470, RFC 9001 9.2). What aioquic gives us, and what we rely on:
   transport parameters the ticket remembers), so the budget is applied here:
   request bytes received before the handshake completed, per connection.
 
+Three aioquic internals are read or set, each where it is used (setup.cfg pins
+aioquic below 2): the peer's stream limit (``_local_max_streams_bidi``, no
+setting for it), a stream's unacknowledged bytes (``_streams[sid].sender``, no
+public size) and, in the listener, the server's connection table (``_protocols``,
+to ignore new connections while draining).
+
 An early request is answered ``425 Too Early`` unless replay protection is on,
 its route is listed as safe for early data and the connection is within its
 budget; the client repeats it after the handshake (RFC 8470 5.2).

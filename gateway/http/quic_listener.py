@@ -59,6 +59,11 @@ class QuicListener:
         self.address: tuple[str, int] = (host, port)
 
     @property
+    def url(self) -> str:
+        """``https://host:port`` (HTTP/3 over UDP on that port)."""
+        return f"https://{self.address[0]}:{self.address[1]}"
+
+    @property
     def in_flight(self) -> int:
         """Requests in the pipeline now."""
         return self.state.in_flight
