@@ -171,9 +171,14 @@ class H3Protocol(QuicConnectionProtocol):
             if st is not None:
                 return  # trailers: nothing we serve reads them
             st = self._streams[ev.stream_id] = _Stream(ev.stream_id, ev.headers)
+            size = sum(len(k) + len(v) for k, v in ev.headers)
             if not self._handshake_done:
-                st.early_bytes = sum(len(k) + len(v) for k, v in ev.headers)
-            if self._draining:
+                st.early_bytes = size
+            if size > self.state.settings.max_header_bytes:
+                self._quic.stop_stream(st.sid, ErrorCode.H3_REQUEST_REJECTED)
+                self._answer_error(st, APIError(431, "Request header fields too large.", "invalid_request_error",
+                                                None, "headers_too_large"))
+            elif self._draining:
                 self._refuse(st)
             elif ev.stream_ended:
                 self._dispatch(st)

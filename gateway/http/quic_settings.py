@@ -21,6 +21,7 @@ class QuicSettings:
     idle_timeout: float = 60.0  # seconds without a packet before a connection is dropped
     max_streams: int = 128  # concurrent request streams per connection (MAX_STREAMS)
     max_body_bytes: int = 1 << 20  # request body -> 413 beyond
+    max_header_bytes: int = 16 << 10  # request header names + values -> 431 beyond
     max_stream_buffer: int = 64 << 10  # unsent bytes per stream before send_nowait() says False
     retry: bool = False  # address validation with a Retry before any handshake work
     max_early_data: int = 16 << 10  # request bytes (headers + body) a connection may send in 0-RTT
@@ -36,7 +37,7 @@ class QuicSettings:
         for name in ("idle_timeout", "ticket_lifetime", "ticket_key_rotation"):
             if getattr(self, name) <= 0:
                 p.append(f"quic.{name}: must be > 0")
-        for name in ("max_streams", "max_body_bytes", "max_stream_buffer", "max_tickets"):
+        for name in ("max_streams", "max_body_bytes", "max_header_bytes", "max_stream_buffer", "max_tickets"):
             if getattr(self, name) < 1:
                 p.append(f"quic.{name}: must be >= 1")
         if self.max_early_data < 0:

@@ -54,6 +54,17 @@ async def test_errors_are_the_pipelines(cert: tuple[str, str]) -> None:
         assert head.status == 200 and head.body == b""
 
 
+async def test_protocol_limits_are_the_pipelines_errors(cert: tuple[str, str]) -> None:
+    settings = QuicSettings(max_body_bytes=1000, max_header_bytes=500)
+    async with h3_gateway(cert, settings) as gw, h3_connect(gw.port) as client:
+        big = await client.request("POST", "/v1/chat/completions", b"x" * 2000)
+        assert big.status == 413 and big.json()["error"]["code"] == "request_too_large"
+        fat = await client.request("GET", "/healthz", headers=[(b"x-pad", b"y" * 600)])
+        assert fat.status == 431 and fat.json()["error"]["type"] == "invalid_request_error"
+        assert (await client.request("GET", "/healthz")).status == 200  # the connection lives on
+    assert gw.seen == [gw.seen[-1]] and gw.worker.submits == []
+
+
 async def test_many_concurrent_streams_on_one_connection(cert: tuple[str, str]) -> None:
     """64 streamed completions at once on one connection; each gets its own whole answer."""
     async with h3_gateway(cert) as gw, h3_connect(gw.port) as client:
