@@ -32,7 +32,7 @@ from gateway.routing.pool import ModelPool
 from tests.gateway.doubles import ScriptedWorkerConnection
 from tests.gateway.http.h3_client import make_cert
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(600)  # room to install chromium where `make sysdeps` did not
 
 PAGE = b"""<!doctype html><html><body><pre id="out">pending</pre><script>
 fetch('/v1/chat/completions', {method: 'POST', headers: {'content-type': 'application/json'},
@@ -50,7 +50,8 @@ def chromium() -> str:
     found = shutil.which("chromium")
     if found is None and os.geteuid() == 0 and shutil.which("apt-get"):
         env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-        subprocess.run(["apt-get", "install", "-y", "-qq", "chromium"], env=env, capture_output=True, timeout=600)
+        subprocess.run(["apt-get", "update", "-qq"], env=env, capture_output=True, timeout=240)
+        subprocess.run(["apt-get", "install", "-y", "-qq", "chromium"], env=env, capture_output=True, timeout=240)
         found = shutil.which("chromium")
     if found is None:
         pytest.skip("Debian's chromium is not installed and could not be (apt-get install chromium)")
