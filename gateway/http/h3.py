@@ -74,10 +74,11 @@ class StreamGone(ConnectionError):
 
 
 class _Stream:
-    __slots__ = ("sid", "headers", "body", "call", "sink", "early_bytes", "dispatched", "gone", "ended")
+    __slots__ = ("sid", "headers", "body", "call", "sink", "early_bytes", "dispatched", "gone", "ended", "opened_at")
 
-    def __init__(self, sid: int, headers: Headers) -> None:
+    def __init__(self, sid: int, headers: Headers, now: float) -> None:
         self.sid = sid
+        self.opened_at = now
         self.headers = headers
         self.body = bytearray()
         self.call: Call | None = None
@@ -170,7 +171,7 @@ class H3Protocol(QuicConnectionProtocol):
             st = self._streams.get(ev.stream_id)
             if st is not None:
                 return  # trailers: nothing we serve reads them
-            st = self._streams[ev.stream_id] = _Stream(ev.stream_id, ev.headers)
+            st = self._streams[ev.stream_id] = _Stream(ev.stream_id, ev.headers, self._loop.time())
             size = sum(len(k) + len(v) for k, v in ev.headers)
             if not self._handshake_done:
                 st.early_bytes = size
@@ -245,6 +246,14 @@ class H3Protocol(QuicConnectionProtocol):
         sink = _H3Sink(self, st, False)
         sink.respond(*render_http(err))
         self._streams.pop(st.sid, None)
+
+    def expire_requests(self, now: float) -> None:
+        """Requests whose body has not ended ``body_timeout`` after their headers: 408."""
+        limit = now - self.state.settings.body_timeout
+        for st in [st for st in self._streams.values() if not st.dispatched and st.opened_at <= limit]:
+            self._quic.stop_stream(st.sid, ErrorCode.H3_REQUEST_REJECTED)
+            self._answer_error(st, APIError(408, "The request body did not arrive in time.",
+                                            "invalid_request_error", None, "request_timeout"))
 
     def _refuse(self, st: _Stream) -> None:
         """A stream opened while draining: the client may retry it elsewhere (RFC 9114 4.1.1)."""

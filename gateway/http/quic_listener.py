@@ -57,6 +57,16 @@ class QuicListener:
         self.tickets = tickets
         host, port = transport.get_extra_info("sockname")[:2]
         self.address: tuple[str, int] = (host, port)
+        # one timer for the listener, not one per request: incomplete requests -> 408
+        self._sweep_every = min(1.0, state.settings.body_timeout / 4)
+        self._loop = asyncio.get_running_loop()
+        self._sweeper = self._loop.call_later(self._sweep_every, self._sweep)
+
+    def _sweep(self) -> None:
+        now = self._loop.time()
+        for conn in list(self.state.connections):
+            conn.expire_requests(now)
+        self._sweeper = self._loop.call_later(self._sweep_every, self._sweep)
 
     @property
     def url(self) -> str:
@@ -94,6 +104,7 @@ class QuicListener:
         for conn in list(self.state.connections):
             conn.abort()
         await self.wait_idle(1.0)
+        self._sweeper.cancel()
         self._transport.close()
 
 

@@ -22,6 +22,7 @@ class QuicSettings:
     max_streams: int = 128  # concurrent request streams per connection (MAX_STREAMS)
     max_body_bytes: int = 1 << 20  # request body -> 413 beyond
     max_header_bytes: int = 16 << 10  # request header names + values -> 431 beyond
+    body_timeout: float = 30.0  # seconds from a request's headers to its end -> 408
     max_stream_buffer: int = 64 << 10  # unsent bytes per stream before send_nowait() says False
     retry: bool = False  # address validation with a Retry before any handshake work
     max_early_data: int = 16 << 10  # request bytes (headers + body) a connection may send in 0-RTT
@@ -34,7 +35,7 @@ class QuicSettings:
     def _validate(self, p: list[str]) -> None:
         if not (-1 <= self.port <= 65535):
             p.append(f"quic.port: {self.port} is not a UDP port (0..65535, -1 = off)")
-        for name in ("idle_timeout", "ticket_lifetime", "ticket_key_rotation"):
+        for name in ("idle_timeout", "body_timeout", "ticket_lifetime", "ticket_key_rotation"):
             if getattr(self, name) <= 0:
                 p.append(f"quic.{name}: must be > 0")
         for name in ("max_streams", "max_body_bytes", "max_header_bytes", "max_stream_buffer", "max_tickets"):

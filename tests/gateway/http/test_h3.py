@@ -9,7 +9,7 @@ import pytest
 
 from gateway.http.quic_settings import QuicSettings
 from tests.gateway.doubles import ScriptedWorkerConnection, sse_events
-from tests.gateway.http.h3_client import chat_body, h3_connect, h3_gateway, make_cert
+from tests.gateway.http.h3_client import H3Response, chat_body, h3_connect, h3_gateway, make_cert
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -63,6 +63,19 @@ async def test_protocol_limits_are_the_pipelines_errors(cert: tuple[str, str]) -
         assert fat.status == 431 and fat.json()["error"]["type"] == "invalid_request_error"
         assert (await client.request("GET", "/healthz")).status == 200  # the connection lives on
     assert gw.seen == [gw.seen[-1]] and gw.worker.submits == []
+
+
+async def test_a_request_body_that_stops_coming_gets_408(cert: tuple[str, str]) -> None:
+    async with h3_gateway(cert, QuicSettings(body_timeout=0.2)) as gw, h3_connect(gw.port) as client:
+        sid = client._quic.get_next_available_stream_id()
+        client.h3.send_headers(sid, [(b":method", b"POST"), (b":scheme", b"https"), (b":authority", b"x"),
+                                     (b":path", b"/v1/chat/completions")])
+        client.h3.send_data(sid, b'{"model": ', end_stream=False)  # and nothing more
+        resp = client.responses[sid] = H3Response(sid)
+        client.transmit()
+        await asyncio.wait_for(resp.done.wait(), 5)
+        assert resp.status == 408 and resp.json()["error"]["code"] == "request_timeout"
+        assert gw.seen == []
 
 
 async def test_many_concurrent_streams_on_one_connection(cert: tuple[str, str]) -> None:
