@@ -242,6 +242,7 @@ class H3Protocol(QuicConnectionProtocol):
         st.call = state.entrance(req, sink, lambda: self._done(st))
 
     def _answer_error(self, st: _Stream, err: APIError) -> None:
+        self.state.report(err.status, err.message)
         st.dispatched = True
         sink = _H3Sink(self, st, False)
         sink.respond(*render_http(err))

@@ -4,13 +4,17 @@ in-flight count for draining, and the early-data policy."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import urllib.parse
 from typing import Protocol
 
+from gateway.http.common import EventHook, ProtocolEvent
 from gateway.http.quic_settings import QuicSettings, early_data_safe
 from gateway.http.types import Entrance
 
 __all__ = ["H3ServerState", "LiveConnection"]
+
+log = logging.getLogger("gateway.http.h3")
 
 
 class LiveConnection(Protocol):
@@ -22,9 +26,10 @@ class LiveConnection(Protocol):
 class H3ServerState:
     """Listener-wide bookkeeping (one per :func:`~gateway.http.quic_listener.start_quic_listener`)."""
 
-    def __init__(self, entrance: Entrance, settings: QuicSettings) -> None:
+    def __init__(self, entrance: Entrance, settings: QuicSettings, on_event: EventHook | None = None) -> None:
         self.entrance = entrance
         self.settings = settings
+        self.on_event = on_event
         self.connections: set[LiveConnection] = set()
         self.in_flight = 0
         self.draining = False
@@ -38,6 +43,14 @@ class H3ServerState:
         s = self.settings
         return (s.replay_protection and early_bytes <= s.max_early_data
                 and early_data_safe(self._routes, method, path))
+
+    def report(self, status: int, reason: str) -> None:
+        """A request answered by the adapter (400/408/413/431/425), for the metrics hook."""
+        if self.on_event is not None:
+            try:
+                self.on_event(ProtocolEvent(status, "h3", reason))
+            except Exception:  # a metrics hook must never break serving
+                log.exception("on_event hook failed")
 
     @staticmethod
     def decode_path(raw: bytes) -> str:

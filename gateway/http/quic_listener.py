@@ -21,6 +21,7 @@ from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.packet import pull_quic_header
 from aioquic.tls import SessionTicket
 
+from gateway.http.common import EventHook
 from gateway.http.h3 import protocol_factory
 from gateway.http.h3_state import H3ServerState
 from gateway.http.quic_settings import QuicSettings
@@ -109,12 +110,13 @@ class QuicListener:
 
 
 async def start_quic_listener(entrance: Entrance, host: str, port: int, certfile: str, keyfile: str,
-                              settings: QuicSettings | None = None) -> QuicListener:
-    """Bind UDP ``host:port`` (0 picks a free port) and serve HTTP/3 into ``entrance``."""
+                              settings: QuicSettings | None = None, on_event: EventHook | None = None) -> QuicListener:
+    """Bind UDP ``host:port`` (0 picks a free port) and serve HTTP/3 into ``entrance``; ``on_event``
+    hears of requests the adapter answered itself (App.on_http_event: metrics)."""
     settings = settings or QuicSettings()
     config = QuicConfiguration(is_client=False, alpn_protocols=H3_ALPN, idle_timeout=settings.idle_timeout)
     config.load_cert_chain(certfile, keyfile)
-    state = H3ServerState(entrance, settings)
+    state = H3ServerState(entrance, settings, on_event)
     tickets = TicketStore(lifetime=settings.ticket_lifetime, rotation=settings.ticket_key_rotation,
                           capacity=settings.max_tickets, single_use=settings.replay_protection)
 

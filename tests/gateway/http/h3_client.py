@@ -179,7 +179,8 @@ async def h3_gateway(cert: tuple[str, str], settings: QuicSettings | None = None
         seen.append(req)
         return app.handle(req, sink, done)
 
-    listener = await start_quic_listener(entrance, "127.0.0.1", port, cert[0], cert[1], settings)
+    listener = await start_quic_listener(entrance, "127.0.0.1", port, cert[0], cert[1], settings,
+                                         on_event=app.on_http_event)
     try:
         yield Gateway(listener, w, app, seen)
     finally:

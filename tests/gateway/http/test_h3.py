@@ -63,6 +63,9 @@ async def test_protocol_limits_are_the_pipelines_errors(cert: tuple[str, str]) -
         assert fat.status == 431 and fat.json()["error"]["type"] == "invalid_request_error"
         assert (await client.request("GET", "/healthz")).status == 200  # the connection lives on
     assert gw.seen == [gw.seen[-1]] and gw.worker.submits == []
+    page = gw.app.metrics.render()
+    for status in (b"413", b"431"):  # counted by the pipeline's protocol-error metric
+        assert b'quicserve_protocol_errors_total{protocol="h3",status="%s"} 1.0' % status in page, page
 
 
 async def test_a_request_body_that_stops_coming_gets_408(cert: tuple[str, str]) -> None:
