@@ -16,7 +16,6 @@ DEFAULT_EARLY_DATA_ROUTES = ("GET /v1/models", "GET /v1/models/*", "GET /healthz
 class QuicSettings:
     """HTTP/3 over QUIC on UDP (same host, certificate and, by default, port number as TLS)."""
 
-    enabled: bool = True
     port: int = 8443  # UDP; 0 = any free port, -1 = off
     idle_timeout: float = 60.0  # seconds without a packet before a connection is dropped
     max_streams: int = 128  # concurrent request streams per connection (MAX_STREAMS)
