@@ -22,7 +22,7 @@ class QuicSettings:
     max_body_bytes: int = 1 << 20  # request body -> 413 beyond
     max_header_bytes: int = 16 << 10  # request header names + values -> 431 beyond
     body_timeout: float = 30.0  # seconds from a request's headers to its end -> 408
-    max_stream_buffer: int = 64 << 10  # unsent bytes per stream before send_nowait() says False
+    max_stream_buffer: int = 64 << 10  # bytes a stream holds unacknowledged before send_nowait() says False
     retry: bool = False  # address validation with a Retry before any handshake work
     max_early_data: int = 16 << 10  # request bytes (headers + body) a connection may send in 0-RTT
     replay_protection: bool = True  # single-use 0-RTT tickets; off = every early request gets 425
