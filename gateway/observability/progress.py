@@ -20,7 +20,7 @@ class ProgressDisplay:
     def __init__(self, mode: str = "auto", out: TextIO | None = None) -> None:
         self.out = out if out is not None else sys.stderr
         if mode == "auto":
-            mode = "bar" if getattr(self.out, "isatty", lambda: False)() else "lines"
+            mode = "bar" if self.out.isatty() else "lines"
         self.mode = mode
         self._last: dict[tuple[str, str], int] = {}  # (worker, stage) -> last quartile shown
         self._bar_open = False

@@ -15,17 +15,15 @@ name for it in :data:`POLICIES` (``[routing] policy`` picks it).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from transport.api import WorkerConnection
 
 __all__ = ["RouteRequest", "RoutingPolicy", "LeastLoaded", "load_score", "POLICIES"]
 
 
-@dataclass(frozen=True, slots=True)
-class RouteRequest:
-    """What a policy may look at."""
+class RouteRequest(NamedTuple):
+    """What a policy may look at (a tuple: built once per request on the hot path)."""
 
     model: str
     prompt_tokens: int = 0  # an estimate (bytes / 4 for text) until the gateway tokenizes

@@ -66,8 +66,11 @@ def start_gateway(state: str, worker_options: list[str], repo: Path = REPO) -> t
     """``quicserve serve --engine synthetic`` from the source tree ``repo`` (another checkout for A/B runs)."""
     cmd = [sys.executable, "-m", "gateway.cli", "serve", "--engine", "synthetic", "--port", "0", "--no-tls",
            "--progress", "off", "--log-level", "warning", "--state-dir", state]
-    cmd += [f"--worker-option={o}" for o in worker_options]
     env = {**os.environ, "PYTHONPATH": str(repo)}
+    if (repo / "gateway" / "grpc" / "mount.py").exists():  # a newer tree: no gRPC port, no drain grace
+        cmd += ["--grpc-port", "-1"]
+        env["QUICSERVE_SHUTDOWN__GRACE_PERIOD"] = "0"
+    cmd += [f"--worker-option={o}" for o in worker_options]
     proc = subprocess.Popen(cmd, cwd=repo, stdout=subprocess.PIPE, text=True, env=env)
     url = ""
     deadline = time.monotonic() + 120

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from gateway.http.common import HttpLimits, ServerState
 from gateway.http.h1 import H1Protocol
 
-from .conftest import FAST_LIMITS, FakeTransport, Recorder, error_of, make_handler, settle
+from .conftest import FAST_LIMITS, FakeTransport, Recorder, error_of, make_entrance, settle
 
 
 def make_conn(
@@ -24,7 +24,7 @@ def make_conn(
 ) -> tuple[H1Protocol, FakeTransport, Recorder, ServerState, list[Any]]:
     rec = Recorder()
     events: list[Any] = []
-    state = ServerState(make_handler(rec), limits, events.append)
+    state = ServerState(make_entrance(rec), limits, events.append)
     proto = H1Protocol(state)
     t = FakeTransport()
     t.protocol = proto
@@ -217,21 +217,21 @@ CL5 = b"Content-Length: 5"
 @pytest.mark.parametrize(
     ("raw", "status", "code"),
     [
-        (_req(b"1.1", CL5, body=b"hello"), 400, None),
-        (_req(b"1.1", b"Host: a", b"Host: a", CL5, body=b"hello"), 400, None),
-        (_req(b"1.0", b"Host: a", b"host: b", CL5, body=b"hello"), 400, None),
-        (_req(b"1.1", b"Host: a b", CL5, body=b"hello"), 400, None),
-        (_req(b"1.1", b"Host: user@evil", CL5, body=b"hello"), 400, None),
-        (_req(b"1.1", b"Host: x/y", CL5, body=b"hello"), 400, None),
+        (_req(b"1.1", CL5, body=b"hello"), 400, "invalid_request"),
+        (_req(b"1.1", b"Host: a", b"Host: a", CL5, body=b"hello"), 400, "invalid_request"),
+        (_req(b"1.0", b"Host: a", b"host: b", CL5, body=b"hello"), 400, "invalid_request"),
+        (_req(b"1.1", b"Host: a b", CL5, body=b"hello"), 400, "invalid_request"),
+        (_req(b"1.1", b"Host: user@evil", CL5, body=b"hello"), 400, "invalid_request"),
+        (_req(b"1.1", b"Host: x/y", CL5, body=b"hello"), 400, "invalid_request"),
         (_req(b"1.1", b"Host: x", b"Transfer-Encoding: gzip, chunked", body=CHUNKED_BODY), 501,
          "unsupported_transfer_encoding"),
         (_req(b"1.1", b"Host: x", b"Transfer-Encoding: gzip", b"Transfer-Encoding: chunked", body=CHUNKED_BODY),
          501, "unsupported_transfer_encoding"),
         (_req(b"1.1", b"Host: x", b"Transfer-Encoding: x-custom;a=1 , Chunked", body=CHUNKED_BODY), 501,
          "unsupported_transfer_encoding"),
-        (_req(b"1.1", b"Host: x", b"Transfer-Encoding: gzip", body=b"hello"), 400, None),
-        (_req(b"1.1", b"Host: x", b"Transfer-Encoding: chunked, gzip", body=CHUNKED_BODY), 400, None),
-        (_req(b"1.1", b"Host: x", b"Transfer-Encoding: chunked, chunked", body=CHUNKED_BODY), 400, None),
+        (_req(b"1.1", b"Host: x", b"Transfer-Encoding: gzip", body=b"hello"), 400, "invalid_request"),
+        (_req(b"1.1", b"Host: x", b"Transfer-Encoding: chunked, gzip", body=CHUNKED_BODY), 400, "invalid_request"),
+        (_req(b"1.1", b"Host: x", b"Transfer-Encoding: chunked, chunked", body=CHUNKED_BODY), 400, "invalid_request"),
     ],
     ids=["1.1-no-host", "two-hosts", "1.0-two-hosts", "host-space", "host-userinfo", "host-slash",
          "gzip-chunked", "gzip-then-chunked-lines", "custom-chunked", "gzip-alone", "chunked-not-last",
@@ -402,7 +402,7 @@ async def test_paused_reading_still_sees_the_client_leave() -> None:
     ours, theirs = socket.socketpair()
     try:
         rec = Recorder()
-        state = ServerState(make_handler(rec), FAST_LIMITS, None)
+        state = ServerState(make_entrance(rec), FAST_LIMITS, None)
         proto = H1Protocol(state)
         t = FakeTransport({"peername": ("127.0.0.1", 5555), "socket": ours})
         t.protocol = proto

@@ -1,0 +1,84 @@
+"""gRPC against a real gateway process and a real (synthetic) worker: native gRPC with the grpcio
+client, gRPC-Web over HTTP/1.1 and HTTP/2 on the gateway's HTTP port; a cancelled call frees the
+worker's request, as the worker's own stats (``quicserve_worker_running``) show."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from collections.abc import Iterator
+
+import grpc
+import httpx
+import pytest
+
+from gateway.grpc.quicserve.v1 import quicserve_pb2 as pb
+
+from .test_gateway_e2e import Gateway, start_gateway, stop_gateway
+
+pytestmark = pytest.mark.timeout(120)
+GENERATE = "/quicserve.v1.Inference/Generate"
+
+
+@pytest.fixture(scope="module")
+def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Gateway, str]]:
+    g = start_gateway(tmp_path_factory.mktemp("grpc"), "--no-tls", "--worker-option=synthetic_step_ms=5")
+    target = next(m.group(1) for line in g.lines if (m := re.search(r"listening on grpc://(\S+)", line)))
+    yield g, target
+    assert stop_gateway(g) == 0
+
+
+def _generate(target: str, max_tokens: int) -> list[pb.GenerateResponse]:
+    with grpc.insecure_channel(target) as ch:
+        call = ch.unary_stream(GENERATE, request_serializer=lambda m: m.SerializeToString(),
+                               response_deserializer=pb.GenerateResponse.FromString)
+        return list(call(pb.GenerateRequest(model="tiny", prompt="hello",
+                                            sampling=pb.Sampling(max_tokens=max_tokens)), timeout=30))
+
+
+def test_native_generate_streams_from_the_worker(gw: tuple[Gateway, str]) -> None:
+    _, target = gw
+    out = _generate(target, 12)
+    assert len(out) > 1 and out[-1].usage.completion_tokens == 12
+    assert sum(1 for r in out if r.text) >= 2  # deltas, not one block
+
+
+def test_a_cancelled_call_frees_the_workers_request(gw: tuple[Gateway, str]) -> None:
+    g, target = gw
+    with grpc.insecure_channel(target) as ch:
+        call = ch.unary_stream(GENERATE, request_serializer=lambda m: m.SerializeToString(),
+                               response_deserializer=pb.GenerateResponse.FromString)
+        stream = call(pb.GenerateRequest(model="tiny", prompt="x", sampling=pb.Sampling(max_tokens=4000)))
+        next(stream)
+        deadline = time.monotonic() + 10  # the worker's stats come with its heartbeat
+        while time.monotonic() < deadline and not g.metric("quicserve_worker_running"):
+            time.sleep(0.05)
+        assert g.metric("quicserve_worker_running") == 1  # the worker's stats: it is generating
+        stream.cancel()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and g.metric("quicserve_worker_running"):
+        time.sleep(0.05)
+    assert g.metric("quicserve_worker_running") == 0 and g.metric("quicserve_worker_in_flight") == 0
+
+
+@pytest.mark.parametrize("http2", [False, True], ids=["h1", "h2"])
+async def test_grpc_web_on_the_http_port(gw: tuple[Gateway, str], http2: bool) -> None:
+    g, _ = gw
+    msg = pb.GenerateRequest(model="tiny", prompt="hi", sampling=pb.Sampling(max_tokens=5)).SerializeToString()
+    frame = b"\x00" + len(msg).to_bytes(4, "big") + msg
+    async with httpx.AsyncClient(base_url=g.http, http1=not http2, http2=http2, timeout=30) as c:
+        r = await c.post(GENERATE, content=frame, headers={"content-type": "application/grpc-web+proto",
+                                                           "x-grpc-web": "1"})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("application/grpc-web")
+    body, texts, trailer = r.content, [], b""
+    while body:
+        flag, n = body[0], int.from_bytes(body[1:5], "big")
+        payload, body = body[5:5 + n], body[5 + n:]
+        if flag & 0x80:
+            trailer = payload
+        else:
+            texts.append(pb.GenerateResponse.FromString(payload))
+    assert b"grpc-status:0" in trailer.replace(b" ", b"")
+    assert texts[-1].usage.completion_tokens == 5
+    await asyncio.sleep(0)
