@@ -24,9 +24,8 @@ client, no relay). CPU: the child's user+system time (``/proc/<pid>/stat``)
 while serving ``--streams`` 16-token streams (8 at a time on one connection) over
 h3 and over h2, loopback: the gateway's CPU only, the clients' is not counted.
 
-Needs ``start_server(entrance, ...)`` (the listener rewrite, branch http). Last
-measured on main + http + h3, 30 samples per kind, 2-core box shared with others
-(gateway loopback TTFB, h3 0-RTT: 14.8 ms; h2 fresh on loopback ~42 ms):
+Last measured (main with the listener rewrite + h3), 30 samples per kind, 2-core box
+shared with others (gateway loopback TTFB, h3 0-RTT: 14.8 ms; h2 fresh on loopback ~42 ms):
 
   RTT 85 ms   loss  0%: median (p95) ms          loss 15%: median (p95) ms
   h2 fresh          360 (452)   1.00x                969 (4239)  1.00x
@@ -76,7 +75,7 @@ async def serve(state_dir: Path) -> None:
     pool.add(ScriptedWorkerConnection(tokens_per_batch=1))
     app = App(pool)
     ctx, _ = load_or_create_tls(None, None, state_dir)
-    tls = await start_server(app.handle, host="127.0.0.1", port=0, ssl_context=ctx)  # the Entrance API (#http)
+    tls = await start_server(app.handle, host="127.0.0.1", port=0, ssl_context=ctx)
     cert, key = make_cert(state_dir)
     quic = await start_quic_listener(app.handle, "127.0.0.1", 0, cert, key, QuicSettings(
         early_data_routes=[*DEFAULT_EARLY_DATA_ROUTES, f"POST {CHAT}"]))
