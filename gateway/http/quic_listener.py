@@ -135,7 +135,7 @@ async def start_quic_listener(entrance: Entrance, host: str, port: int, certfile
 
 if TYPE_CHECKING:  # mypy holds QuicListener to the listener interface serve.py drains
 
-    from gateway.http.listeners import Listener  # noqa: E402
+    from gateway.http.listeners import Listener
 
     def _is_a_listener(q: QuicListener) -> Listener:
         return q
