@@ -101,3 +101,26 @@ async def test_address_validation_with_retry(cert: tuple[str, str]) -> None:
         resp = await client.request("GET", "/v1/models")
         assert resp.status == 200
         assert client._quic._retry_count == 1  # the server made it prove its address first
+
+
+async def test_a_reset_while_the_writer_waits_cancels_the_call(cert: tuple[str, str]) -> None:
+    """The writer is blocked in send() (nothing reaches the client) when the client resets:
+    send raises, the call ends and its worker request is cancelled."""
+    async with h3_gateway(cert, QuicSettings(max_stream_buffer=4096)) as gw, relay_to(gw, Link()) as relay:
+        async with h3_connect(relay.address[1]) as client:
+            resp = client.start("POST", CHAT, chat_body(2000, stream=True))
+            await asyncio.wait_for(resp.got_data.wait(), 10)
+            relay.down_link = Link(loss=1.0)
+            conn = the_connection(gw)
+            for _ in range(200):
+                if conn._waiters:
+                    break
+                await asyncio.sleep(0.01)
+            assert conn._waiters
+            client.cancel(resp)
+            for _ in range(300):
+                if gw.worker.cancels and gw.listener.in_flight == 0:
+                    break
+                await asyncio.sleep(0.01)
+        assert gw.worker.cancels == [gw.worker.submits[0].request_id]
+        assert gw.listener.in_flight == 0 and not conn._waiters
