@@ -38,7 +38,6 @@ $(LIBTPU_STAMP): $(STAMP_TEST)
 # so the RDMA probe/fallback path runs against the real bindings (tests that need
 # an RDMA device skip where none exists); g++ to build the native CPU decode
 # kernel (inference/kernels/cpu_ffi.py) the worker compiles on first use; Node for the
-# kernel (inference/kernels/cpu_ffi.py) the worker compiles on first use; Node for the
 # gRPC-Web client from npm that tests/integration/test_grpc_web_http.py runs; redis-server for the
 # admission tests of Redis-shared rate limits (they start their own on a free loopback port);
 # chromium, an independent HTTP/3 client (tests/integration/test_h3_chromium.py).
