@@ -31,6 +31,9 @@ from .app import App
 from .grpc.mount import mount_grpc
 from .grpc.server import NativeServer
 from .http.listeners import Listener
+from .http.quic_listener import QuicListener, start_quic_listener
+from .http.quic_settings import alt_svc as alt_svc_header
+from .http.tls import SELF_SIGNED_CERT, SELF_SIGNED_KEY
 from .observability.metrics import GatewayMetrics
 from .observability.progress import ProgressDisplay
 from .routing.pool import ModelPool
@@ -89,13 +92,19 @@ async def run_gateway(settings: Settings, *, out: TextIO | None = None,
                         h2_max_concurrent_streams=lim.h2_max_concurrent_streams)
     srv = settings.server
     specs = [(ListenerSpec("tcp", srv.host, srv.port, reuse_port=srv.reuse_port), "(HTTP/1.1, h2c)")]
+    servers: list[Listener] = []
     if srv.tls_port >= 0:
         ctx, fingerprint = load_or_create_tls(srv.tls_cert or None, srv.tls_key or None, state_dir(settings))
-        specs.append((ListenerSpec("tls", srv.host, srv.tls_port, ssl=ctx, reuse_port=srv.reuse_port),
-                      f"(h2, HTTP/1.1) cert sha256 {fingerprint}"))
+        alt_svc: tuple[tuple[bytes, bytes], ...] = ()
+        if settings.quic.port >= 0:  # HTTP/3 first, so the TLS listener can advertise its port
+            quic = await _start_quic(app, settings)
+            servers.append(quic)
+            _say(out, f"listening on {quic.url} (h3, UDP)")
+            alt_svc = (alt_svc_header(quic.address[1]),)
+        specs.append((ListenerSpec("tls", srv.host, srv.tls_port, ssl=ctx, reuse_port=srv.reuse_port,
+                                   extra_headers=alt_svc), f"(h2, HTTP/1.1) cert sha256 {fingerprint}"))
     if srv.unix_socket:
         specs.append((ListenerSpec("unix", path=os.path.expanduser(srv.unix_socket)), "(HTTP/1.1, h2c)"))
-    servers: list[Listener] = []
     for spec, what in specs:
         servers.append(await start_listener(app.handle, spec, limits=limits, on_event=app.on_http_event))
         _say(out, f"listening on {servers[-1].url} {what}")
@@ -189,6 +198,15 @@ async def _drain(app: App, servers: list[Listener], native: NativeServer | None,
     if native is not None:
         await native.close()
     await asyncio.gather(*(s.close() for s in servers), return_exceptions=True)
+
+
+async def _start_quic(app: App, settings: Settings) -> QuicListener:
+    """The HTTP/3 listener on UDP, with the TLS listener's certificate (self-signed: made by now)."""
+    srv = settings.server
+    cert = srv.tls_cert or str(state_dir(settings) / SELF_SIGNED_CERT)
+    key = srv.tls_key or str(state_dir(settings) / SELF_SIGNED_KEY)
+    return await start_quic_listener(app.handle, srv.host, settings.quic.port, cert, key, settings.quic,
+                                     on_event=app.on_http_event)
 
 
 def _hostport(host: str, port: int) -> str:

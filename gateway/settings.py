@@ -24,6 +24,7 @@ from typing import Any
 from transport.worker_options import URL_SCHEMES, WorkerOptions, option_problems
 
 from .admission.config import AdmissionSettings
+from .http.quic_settings import QuicSettings
 
 __all__ = [
     "Settings",
@@ -201,6 +202,7 @@ class Settings:
     shutdown: ShutdownSettings = field(default_factory=ShutdownSettings)
     grpc: GrpcSettings = field(default_factory=GrpcSettings)
     admission: AdmissionSettings = field(default_factory=AdmissionSettings)
+    quic: QuicSettings = field(default_factory=QuicSettings)
     log: LogSettings = field(default_factory=LogSettings)
 
 

@@ -128,10 +128,13 @@ class Connection(Protocol):
 class ServerState:
     """Server-wide bookkeeping shared by all connections of one listener."""
 
-    __slots__ = ("entrance", "limits", "on_event", "in_flight", "draining", "connections", "_idle")
+    __slots__ = ("entrance", "limits", "on_event", "in_flight", "draining", "connections", "_idle",
+                 "extra_headers")
 
-    def __init__(self, entrance: Entrance, limits: HttpLimits, on_event: EventHook | None) -> None:
+    def __init__(self, entrance: Entrance, limits: HttpLimits, on_event: EventHook | None,
+                 extra_headers: Headers | None = None) -> None:
         self.entrance = entrance
+        self.extra_headers: Headers = extra_headers or []  # on every response (Alt-Svc on TLS)
         self.limits = limits
         self.on_event = on_event
         self.in_flight = 0  # requests handed to the entrance whose done() has not come yet

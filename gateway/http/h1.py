@@ -297,7 +297,8 @@ class _H1Sink(SinkState):
             end = wire.CLOSE
         else:
             end = wire.KEEP_ALIVE if self._http10 else wire.END_HEAD
-        return wire.response_head(status, headers, http_date(), framing, end)
+        extra = self._conn._srv.extra_headers
+        return wire.response_head(status, [*headers, *extra] if extra else headers, http_date(), framing, end)
 
     def respond(self, status: int, headers: Headers, body: bytes) -> None:
         buf = self._head_block(status, headers, b"content-length: %d\r\n" % len(body))

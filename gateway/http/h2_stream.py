@@ -152,6 +152,9 @@ class H2Sink(SinkState):
     def respond(self, status: int, headers: Headers, body: bytes) -> None:
         self._begin()
         self.ended = True
+        extra = self._conn._srv.extra_headers
+        if extra:
+            headers = [*headers, *extra]
         if not self._st.reset:
             self._conn._answer(
                 self._st, response_headers(status, headers, len(body)), b"" if self._head else body
@@ -159,6 +162,9 @@ class H2Sink(SinkState):
 
     def start(self, status: int, headers: Headers) -> None:
         self._begin()
+        extra = self._conn._srv.extra_headers
+        if extra:
+            headers = [*headers, *extra]
         if not self._st.reset:
             self._conn._send_headers(self._st, response_headers(status, headers, None), False)
 

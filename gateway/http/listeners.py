@@ -38,6 +38,7 @@ class ListenerSpec:
     ssl: ssl.SSLContext | None = None  # tls: with ALPN h2, http/1.1 (gateway.http.tls)
     reuse_port: bool = False  # tcp, tls: SO_REUSEPORT, one gateway process per core
     backlog: int = 1024
+    extra_headers: tuple[tuple[bytes, bytes], ...] = ()  # on every response (TLS: Alt-Svc for HTTP/3)
 
     def __post_init__(self) -> None:
         if (self.kind == "tls") != (self.ssl is not None):
@@ -155,7 +156,7 @@ async def start_listener(
     on_event: EventHook | None = None,
 ) -> StreamListener:
     """Bind ``spec`` and serve every request it accepts through ``entrance``."""
-    state = ServerState(entrance, limits or HttpLimits(), on_event)
+    state = ServerState(entrance, limits or HttpLimits(), on_event, list(spec.extra_headers))
     tls = spec.kind == "tls"
 
     def factory() -> asyncio.Protocol:

@@ -65,7 +65,7 @@ class Gateway:
 
 def start_gateway(tmp: Path, *extra: str) -> Gateway:
     cmd = [sys.executable, "-m", "gateway.cli", "serve", "--engine", "synthetic", "--port", "0", "--tls-port", "0",
-           "--grpc-port", "0",
+           "--grpc-port", "0", "--quic-port", "0",
            "--state-dir", str(tmp), "--progress", "lines", "--log-level", "warning", *extra]
     env = {"QUICSERVE_SHUTDOWN__GRACE_PERIOD": "0", **os.environ}  # a test that wants one sets it
     return wait_ready(subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, text=True, env=env))
@@ -498,3 +498,23 @@ def test_unix_socket_listener_from_settings(tmp_path: Path, monkeypatch: pytest.
     finally:
         assert stop_gateway(g) == 0
     assert not sock.exists()  # removed on close
+
+
+async def test_http3_from_serve_and_alt_svc_on_tls(tmp_path: Path) -> None:
+    """serve opens UDP beside TLS; TLS responses over h1 and h2 advertise it; h3 serves a completion."""
+    from tests.gateway.http.h3_client import h3_connect
+
+    g = start_gateway(tmp_path)
+    try:
+        quic = next(m.group(1) for line in g.lines if (m := re.search(r"listening on https://\S+:(\d+) \(h3", line)))
+        for http2 in (False, True):
+            async with httpx.AsyncClient(verify=False, http1=not http2, http2=http2) as c:
+                r = await c.get(g.https + "/v1/models")
+                assert r.status_code == 200 and r.headers["alt-svc"] == f'h3=":{quic}"; ma=86400'
+        async with h3_connect(int(quic)) as client:
+            r3 = await client.request("POST", "/v1/chat/completions", orjson.dumps(CHAT),
+                                      [(b"content-type", b"application/json")])
+        assert r3.status == 200 and r3.json()["usage"]["completion_tokens"] <= 8
+        assert httpx.get(g.http + "/v1/models").headers.get("alt-svc") is None  # cleartext: no h3 to offer
+    finally:
+        assert stop_gateway(g) == 0
