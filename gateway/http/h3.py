@@ -5,7 +5,7 @@ How it works: aioquic's asyncio protocol feeds each datagram to the
 (:meth:`H3Protocol.quic_event_received`) and transmits. We pass them through
 :class:`~aioquic.h3.connection.H3Connection`; a request stream collects its
 headers and body and, once the client ends it, becomes a
-:class:`~gateway.http.types.Request` for the entrance with an :class:`_H3Sink`.
+:class:`~gateway.http.types.Request` for the entrance with an :class:`~gateway.http.h3_sink.H3Sink`.
 The sink writes into aioquic's per-stream send buffers (which QUIC flow control
 and congestion control drain) and asks for one transmit per loop iteration, so
 the tokens every stream got in one engine step leave together, in as few packets
@@ -61,41 +61,13 @@ from aioquic.quic.events import (
 )
 
 from gateway.errors import APIError, render_http
+from gateway.http.h3_sink import H3Sink, H3Stream, StreamGone, unsent
 from gateway.http.h3_state import H3ServerState
-from gateway.http.types import Call, Headers, Request
+from gateway.http.types import Headers, Request
 
 __all__ = ["H3Protocol", "StreamGone"]
 
 log = logging.getLogger("gateway.http.h3")
-
-
-class StreamGone(ConnectionError):
-    """The client reset the stream or the connection closed while a response was being written."""
-
-
-class _Stream:
-    __slots__ = ("sid", "headers", "body", "call", "sink", "early_bytes", "dispatched", "gone", "ended", "opened_at")
-
-    def __init__(self, sid: int, headers: Headers, now: float) -> None:
-        self.sid = sid
-        self.opened_at = now
-        self.headers = headers
-        self.body = bytearray()
-        self.call: Call | None = None
-        self.sink: _H3Sink | None = None
-        self.early_bytes = 0
-        self.dispatched = False
-        self.gone = False
-        self.ended = False  # the response has been completed (or cut)
-
-
-def _unsent(quic: QuicConnection, sid: int) -> int:
-    """Bytes written to a stream that the peer has not acknowledged yet.
-
-    aioquic has no public per-stream buffer size: this reads the stream table and
-    the sender's buffer (aioquic 1.x internals; the one place we do)."""
-    stream = quic._streams.get(sid)
-    return 0 if stream is None else len(stream.sender._buffer)
 
 
 class H3Protocol(QuicConnectionProtocol):
@@ -110,7 +82,7 @@ class H3Protocol(QuicConnectionProtocol):
         limit = quic._local_max_streams_bidi
         limit.value = limit.sent = state.settings.max_streams
         self._h3: H3Connection | None = None
-        self._streams: dict[int, _Stream] = {}
+        self._streams: dict[int, H3Stream] = {}
         self._handshake_done = False
         self._early_bytes = 0
         self._transmit_handle: asyncio.Handle | None = None
@@ -136,7 +108,7 @@ class H3Protocol(QuicConnectionProtocol):
         if self._waiters:  # acknowledgements and sends free send buffers
             bound = self.state.settings.max_stream_buffer
             for sid, fut in list(self._waiters.items()):
-                if _unsent(self._quic, sid) <= bound:
+                if unsent(self._quic, sid) <= bound:
                     del self._waiters[sid]
                     if not fut.done():
                         fut.set_result(None)
@@ -171,7 +143,7 @@ class H3Protocol(QuicConnectionProtocol):
             st = self._streams.get(ev.stream_id)
             if st is not None:
                 return  # trailers: nothing we serve reads them
-            st = self._streams[ev.stream_id] = _Stream(ev.stream_id, ev.headers, self._loop.time())
+            st = self._streams[ev.stream_id] = H3Stream(ev.stream_id, ev.headers, self._loop.time())
             size = sum(len(k) + len(v) for k, v in ev.headers)
             if not self._handshake_done:
                 st.early_bytes = size
@@ -197,7 +169,7 @@ class H3Protocol(QuicConnectionProtocol):
             elif ev.stream_ended:
                 self._dispatch(st)
 
-    def _dispatch(self, st: _Stream) -> None:
+    def _dispatch(self, st: H3Stream) -> None:
         st.dispatched = True
         state = self.state
         method = path = authority = b""
@@ -237,14 +209,14 @@ class H3Protocol(QuicConnectionProtocol):
         req = Request(m, decoded, query.decode("latin-1"), headers, bytes(st.body), "h3", "https",
                       self._client_address(), early_data=early)
         st.body = bytearray()
-        sink = st.sink = _H3Sink(self, st, m == "HEAD")
+        sink = st.sink = H3Sink(self, st, m == "HEAD")
         state.request_started()
         st.call = state.entrance(req, sink, lambda: self._done(st))
 
-    def _answer_error(self, st: _Stream, err: APIError) -> None:
+    def _answer_error(self, st: H3Stream, err: APIError) -> None:
         self.state.report(err.status, err.message)
         st.dispatched = True
-        sink = _H3Sink(self, st, False)
+        sink = H3Sink(self, st, False)
         sink.respond(*render_http(err))
         self._streams.pop(st.sid, None)
 
@@ -256,14 +228,14 @@ class H3Protocol(QuicConnectionProtocol):
             self._answer_error(st, APIError(408, "The request body did not arrive in time.",
                                             "invalid_request_error", None, "request_timeout"))
 
-    def _refuse(self, st: _Stream) -> None:
+    def _refuse(self, st: H3Stream) -> None:
         """A stream opened while draining: the client may retry it elsewhere (RFC 9114 4.1.1)."""
         self._streams.pop(st.sid, None)
         self._quic.reset_stream(st.sid, ErrorCode.H3_REQUEST_REJECTED)
         self._quic.stop_stream(st.sid, ErrorCode.H3_REQUEST_REJECTED)
         self.schedule_transmit()
 
-    def _done(self, st: _Stream) -> None:
+    def _done(self, st: H3Stream) -> None:
         self._streams.pop(st.sid, None)
         self.state.request_done()
         if self._draining:
@@ -319,7 +291,7 @@ class H3Protocol(QuicConnectionProtocol):
         (closing a QUIC connection drops what is still unacknowledged)."""
         if self._closing or self._streams:
             return
-        self._flushing = {sid for sid in self._flushing if _unsent(self._quic, sid)}
+        self._flushing = {sid for sid in self._flushing if unsent(self._quic, sid)}
         if not self._flushing:
             self._closing = True
             self.close()
@@ -334,79 +306,6 @@ class H3Protocol(QuicConnectionProtocol):
         if fut is None:
             fut = self._waiters[sid] = self._loop.create_future()
         return fut
-
-
-class _H3Sink:
-    """:class:`~gateway.http.types.ResponseSink` for one HTTP/3 request stream."""
-
-    __slots__ = ("_conn", "_st", "_head", "_h3", "_quic", "_bound")
-
-    def __init__(self, conn: H3Protocol, st: _Stream, head: bool) -> None:
-        self._conn = conn
-        self._st = st
-        self._head = head
-        assert conn._h3 is not None
-        self._h3 = conn._h3
-        self._quic = conn._quic
-        self._bound = conn.state.settings.max_stream_buffer
-
-    def _headers(self, status: int, headers: Headers, end: bool) -> None:
-        self._h3.send_headers(self._st.sid, [(b":status", b"%d" % status), *headers], end_stream=end)
-
-    def respond(self, status: int, headers: Headers, body: bytes) -> None:
-        st = self._st
-        if st.gone or st.ended:
-            return
-        st.ended = True
-        if self._head:  # no content-length: aioquic's client checks it against the (empty) body
-            self._headers(status, headers, True)
-        elif not body:
-            self._headers(status, [*headers, (b"content-length", b"0")], True)
-        else:
-            self._headers(status, [*headers, (b"content-length", b"%d" % len(body))], False)
-            self._h3.send_data(st.sid, body, True)
-        self._conn.schedule_transmit()
-
-    def start(self, status: int, headers: Headers) -> None:
-        if self._st.gone or self._st.ended:
-            return
-        self._headers(status, headers, False)
-        self._conn.schedule_transmit()
-
-    def send_nowait(self, data: bytes) -> bool:
-        st = self._st
-        if st.gone or _unsent(self._quic, st.sid) > self._bound:
-            return False
-        if not self._head:
-            self._h3.send_data(st.sid, data, False)
-            self._conn.schedule_transmit()
-        return True
-
-    async def send(self, data: bytes) -> None:
-        st = self._st
-        while not st.gone and _unsent(self._quic, st.sid) > self._bound:
-            await self._conn.wait_writable(st.sid)
-        if st.gone:
-            raise StreamGone("the client went away")
-        if not self._head:
-            self._h3.send_data(st.sid, data, False)
-            self._conn.schedule_transmit()
-
-    def end(self) -> None:
-        st = self._st
-        if st.gone or st.ended:
-            return
-        st.ended = True
-        self._h3.send_data(st.sid, b"", True)
-        self._conn.schedule_transmit()
-
-    def abort(self) -> None:
-        st = self._st
-        if st.gone or st.ended:
-            return
-        st.ended = True
-        self._quic.reset_stream(st.sid, ErrorCode.H3_INTERNAL_ERROR)
-        self._conn.schedule_transmit()
 
 
 def protocol_factory(state: H3ServerState) -> Callable[..., H3Protocol]:

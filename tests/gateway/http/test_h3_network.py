@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from gateway.http.h3 import H3Protocol, _unsent
+from gateway.http.h3 import H3Protocol
+from gateway.http.h3_sink import unsent as _unsent
 from gateway.http.quic_settings import QuicSettings
-from tests.gateway.doubles import sse_events
+from tests.gateway.doubles import ScriptedWorkerConnection, sse_events
 from tests.gateway.http.h3_client import Gateway, chat_body, h3_connect, h3_gateway, make_cert
 from tests.netrelay import Link, UdpRelay
 
@@ -106,7 +107,10 @@ async def test_address_validation_with_retry(cert: tuple[str, str]) -> None:
 async def test_a_reset_while_the_writer_waits_cancels_the_call(cert: tuple[str, str]) -> None:
     """The writer is blocked in send() (nothing reaches the client) when the client resets:
     send raises, the call ends and its worker request is cancelled."""
-    async with h3_gateway(cert, QuicSettings(max_stream_buffer=4096)) as gw, relay_to(gw, Link()) as relay:
+    # the worker stops after 1,500 of 2,000 tokens: its request is still open when the client resets
+    # (a double that had produced them all would leave nothing to cancel)
+    worker = ScriptedWorkerConnection(hang_after=1500)
+    async with h3_gateway(cert, QuicSettings(max_stream_buffer=4096), worker) as gw, relay_to(gw, Link()) as relay:
         async with h3_connect(relay.address[1]) as client:
             resp = client.start("POST", CHAT, chat_body(2000, stream=True))
             await asyncio.wait_for(resp.got_data.wait(), 10)
