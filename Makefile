@@ -11,7 +11,7 @@ LIBTPU_DIR := $(VENV)/libtpu
 LIBTPU_STAMP := $(VENV)/.stamp-libtpu
 ARGS ?=
 
-.PHONY: run test venv sysdeps lint bench clean
+.PHONY: run test venv sysdeps lint bench clean proto
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -37,14 +37,23 @@ $(LIBTPU_STAMP): $(STAMP_TEST)
 # System packages: curl (with HTTP/2) for the curl tests; Debian's python3-pyverbs
 # so the RDMA probe/fallback path runs against the real bindings (tests that need
 # an RDMA device skip where none exists); g++ to build the native CPU decode
-# kernel (inference/kernels/cpu_ffi.py) the worker compiles on first use.
-APT_PKGS := curl python3-pyverbs g++
+# kernel (inference/kernels/cpu_ffi.py) the worker compiles on first use; Node for the
+# gRPC-Web client from npm that tests/integration/test_grpc_web_http.py runs.
+APT_PKGS := curl python3-pyverbs g++ nodejs
 $(SYSDEPS_STAMP): $(VENV)/bin/python Makefile
 	@missing=""; for p in $(APT_PKGS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing system packages:$$missing"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
 	fi
+	touch $@
+
+# The npm packages of tests/grpc_web, exactly as package-lock.json pins them. Debian's
+# nodejs comes without npm (NodeSource's bundles it), hence the fallback.
+NODE_STAMP := tests/grpc_web/node_modules/.stamp
+$(NODE_STAMP): tests/grpc_web/package.json tests/grpc_web/package-lock.json $(SYSDEPS_STAMP)
+	command -v npm >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq npm)
+	cd tests/grpc_web && npm ci --no-audit --no-fund
 	touch $@
 
 venv: $(STAMP_RUN)
@@ -54,7 +63,7 @@ sysdeps: $(SYSDEPS_STAMP)
 run: $(STAMP_RUN) $(SYSDEPS_STAMP)
 	$(VENV)/bin/quicserve serve $(ARGS)
 
-test: $(STAMP_TEST) $(SYSDEPS_STAMP) $(LIBTPU_STAMP)
+test: $(STAMP_TEST) $(SYSDEPS_STAMP) $(LIBTPU_STAMP) $(NODE_STAMP)
 	$(VENV)/bin/ruff check gateway transport inference tests
 	$(VENV)/bin/mypy --strict gateway transport
 	$(PY) -m pytest -q -p no:cacheprovider tests
@@ -65,6 +74,13 @@ lint: $(STAMP_TEST)
 
 bench: $(STAMP_TEST)
 	for f in tests/bench/bench_*.py tests/bench/gpu_kernels.py; do m=$$(basename $$f .py); echo "== $$m"; $(PY) -m tests.bench.$$m || exit 1; done
+
+# Regenerates the committed protobuf + grpclib code from the .proto (grpcio-tools is in
+# the test extra; the generated code needs only protobuf and grpclib at run time).
+PROTO := gateway/grpc/quicserve/v1/quicserve.proto
+proto: $(STAMP_TEST)
+	$(PY) -m grpc_tools.protoc -I . --python_out=. --pyi_out=. \
+	  --plugin=protoc-gen-grpclib_python=$(VENV)/bin/protoc-gen-grpclib_python --grpclib_python_out=. $(PROTO)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -20,26 +20,22 @@ routed; the pool's routing policy picks the replica; a writer per wire format.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
-from collections.abc import Callable
-from typing import Protocol
+from collections.abc import Callable, Iterable
 
 import orjson
 
-from .api.call import CallContext, GenerationCall
+from .api.call import CallContext
 from .api.deadlines import DeadlineSweeper
-from .api.openai import MODELS_ROUTE, OpenAIApi, Parser, prompt_estimate
-from .api.params import GenerationRequest
+from .api.generate import ANSWERED, AdmissionStage, Generations, NoAdmission
+from .api.openai import MODELS_ROUTE, OpenAIApi, Parser
 from .api.render import JSON_HEADERS
 from .api.writers import writer_for
-from .errors import APIError, Headers, from_routing, internal_error, render_http
+from .errors import APIError, Headers, internal_error, render_http
 from .http.common import ProtocolEvent
-from .http.types import Call, Request, ResponseSink
+from .http.types import Call, Entrance, Request, ResponseSink
 from .observability.metrics import CONTENT_TYPE_LATEST, GatewayMetrics
-from .routing.errors import RoutingError
-from .routing.policy import RouteRequest
 from .routing.pool import ModelPool
 from .settings import ApiSettings
 
@@ -55,38 +51,13 @@ Answer = tuple[int, Headers, bytes]
 SmallRoute = Callable[[Request], Answer]
 
 
-class AdmissionStage(Protocol):
-    """What runs after parsing and before routing: auth, limits, shedding (``gateway.admission``)."""
-
-    def admit(self, req: Request, g: GenerationRequest, now: float) -> object:
-        """A grant for this request, or raise :class:`APIError` (401/403/429/503) to refuse it."""
-        ...
-
-    def release(self, grant: object, completion_tokens: int, now: float) -> None:
-        """The request ended (exactly once per grant)."""
-        ...
+_SHUTTING_DOWN = APIError(503, "The server is shutting down; retry on another instance.", "server_error", None,
+                          "shutting_down", retry_after=1.0, headers=((b"connection", b"close"),))
+_CUT = APIError(503, "The server shut down before the response finished.", "server_error", None, "shutting_down")
 
 
-class NoAdmission:
-    """Every request admitted (the default until keys, limits or shedding are configured)."""
-
-    def admit(self, req: Request, g: GenerationRequest, now: float) -> object:
-        return None
-
-    def release(self, grant: object, completion_tokens: int, now: float) -> None:
-        return None
-
-
-class _Answered:
-    """The :class:`Call` of a request answered at once: nothing to cancel."""
-
-    __slots__ = ()
-
-    def cancel(self) -> bool:
-        return False
-
-
-_ANSWERED = _Answered()
+def _http_failure(sink: ResponseSink) -> Callable[[APIError], None]:
+    return lambda err: sink.respond(*render_http(err))
 
 
 class App:
@@ -98,13 +69,14 @@ class App:
         self.metrics = metrics if metrics is not None else GatewayMetrics()
         self.api_settings = api or ApiSettings()
         self.openai = OpenAIApi(self.api_settings)
-        self.admission: AdmissionStage = admission if admission is not None else NoAdmission()
         self.deadlines = DeadlineSweeper()
-        self.calls = CallContext(self.deadlines, self.api_settings.request_timeout, self.metrics.tokens)
+        self.calls = CallContext(self.deadlines, self.api_settings.request_timeout, self.metrics.tokens,
+                                 self.api_settings.write_timeout)
+        self.generations = Generations(pool, self.metrics, self.calls,
+                                       admission if admission is not None else NoAdmission())
         self.metrics.watch_workers(pool.connections)
         self.draining = False
         self.worker_failure: Callable[[], str | None] = lambda: None  # serve.py: the supervisor's failure
-        self._loop: asyncio.AbstractEventLoop | None = None
         self.small: dict[str, dict[str, SmallRoute]] = {
             MODELS_ROUTE: {"GET": self._models},
             "/healthz": {"GET": self._healthz},
@@ -112,6 +84,7 @@ class App:
             "/metrics": {"GET": self._metrics_page},
         }
         self.generation: dict[str, Parser] = dict(OpenAIApi.GENERATION)
+        self.mounted: dict[str, Entrance] = {}  # other protocols' routes on the HTTP listeners (gRPC-Web)
         for methods in self.small.values():  # RFC 9110 9.1; the adapters send a HEAD response without its body
             methods["HEAD"] = methods["GET"]
         allowed = {path: sorted(m) for path, m in self.small.items()}
@@ -119,6 +92,8 @@ class App:
         self._allow = {path: ", ".join(m) for path, m in allowed.items()}
         if pool.on_retry is None:
             pool.on_retry = self.metrics.retries.inc
+        if pool.on_move is None:
+            pool.on_move = self.metrics.rebalanced.inc
 
     # -- the entrance ---------------------------------------------------------------------
     def handle(self, req: Request, sink: ResponseSink, done: Callable[[], None]) -> Call:
@@ -127,7 +102,14 @@ class App:
         path = req.path
         parse = self.generation.get(path)
         if parse is not None and req.method == "POST":
-            return self._generate(req, sink, done, path, parse, t0)
+            fail = _http_failure(sink)
+            if self.draining:
+                return self.generations.refuse(req, fail, done, path, _SHUTTING_DOWN, t0)
+            api = self.openai
+            return self.generations.start(req, lambda r: api.parse(parse, r), writer_for, fail, sink, done, path, t0)
+        mounted = self.mounted.get(path)
+        if mounted is not None:
+            return mounted(req, sink, done)
         route = path
         try:
             methods = self.small.get(path)
@@ -152,56 +134,8 @@ class App:
             answer = render_http(internal_error())
         sink.respond(*answer)
         self.metrics.request_done(route, answer[0], req.protocol, _perf() - t0)
-        self._later(done)
-        return _ANSWERED
-
-    def _later(self, done: Callable[[], None]) -> None:
-        loop = self._loop
-        if loop is None:
-            loop = self._loop = asyncio.get_running_loop()
-        loop.call_soon(done)
-
-    def _generate(self, req: Request, sink: ResponseSink, done: Callable[[], None], route: str, parse: Parser,
-                  t0: float) -> Call:
-        metrics = self.metrics
-        metrics.in_flight += 1
-        admission = self.admission
-        grant: object = None
-        admitted = False
-        try:
-            g = self.openai.parse(parse, req)
-            grant = admission.admit(req, g, t0)
-            admitted = True
-            routed = self.pool.open(RouteRequest(g.model, prompt_estimate(g), g.params.max_tokens), g.make_submit)
-        except (APIError, RoutingError) as e:
-            err = e if isinstance(e, APIError) else from_routing(e)
-            if admitted:
-                admission.release(grant, 0, _perf())
-            return self._refuse(req, sink, done, route, err, t0)
-        except Exception:
-            log.exception("unhandled error in %s %s", req.method, req.path)
-            if admitted:
-                admission.release(grant, 0, _perf())
-            return self._refuse(req, sink, done, route, internal_error(), t0)
-        protocol = req.protocol
-
-        def on_end(status: int, tokens: int) -> None:
-            metrics.in_flight -= 1
-            now = _perf()
-            metrics.request_done(route, status, protocol, now - t0)
-            admission.release(grant, tokens, now)
-
-        call = GenerationCall(self.calls, routed, writer_for(g), sink, route, t0, g.logprobs, on_end, done)
-        call.start()
-        return call
-
-    def _refuse(self, req: Request, sink: ResponseSink, done: Callable[[], None], route: str, err: APIError,
-                t0: float) -> Call:
-        self.metrics.in_flight -= 1
-        sink.respond(*render_http(err))
-        self.metrics.request_done(route, err.status, req.protocol, _perf() - t0)
-        self._later(done)
-        return _ANSWERED
+        self.generations.later(done)
+        return ANSWERED
 
     def _method_error(self, req: Request, allow: str) -> APIError:
         return APIError(405, f"Method {req.method} is not allowed for {req.path}; allowed: {allow}.",
@@ -209,6 +143,21 @@ class App:
 
     def _not_allowed(self, req: Request) -> Answer:
         raise self._method_error(req, self._allow.get(req.path, "GET, HEAD"))
+
+    def mount(self, paths: Iterable[str], entrance: Entrance) -> None:
+        """Serve ``paths`` through another protocol's entrance (gRPC-Web methods)."""
+        for path in paths:
+            self.mounted[path] = entrance
+
+    def end_all(self) -> int:
+        """Drain deadline: every open generation call ends now with an explicit 503 (an error
+        response, or its stream's terminal event). Returns how many were cut."""
+        calls = self.deadlines.tracked()
+        for call in calls:
+            call.shut_down(_CUT)
+        if calls:
+            self.metrics.drain_cut.inc(len(calls))
+        return len(calls)
 
     # -- small routes ------------------------------------------------------------------------
     def _models(self, req: Request) -> Answer:

@@ -37,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, help="cleartext HTTP/1.1 + h2c port (default 8080; 0 = any)")
     s.add_argument("--tls-port", type=int, help="TLS port (default 8443; 0 = any)")
     s.add_argument("--no-tls", action="store_true", help="do not open the TLS listener")
+    s.add_argument("--grpc-port", type=int, help="native gRPC port (default 50051; 0 = any, -1 = off)")
     s.add_argument("--tls-cert", help="PEM certificate (default: self-signed in the state dir)")
     s.add_argument("--tls-key", help="PEM private key")
     s.add_argument("--state-dir", help="where the self-signed certificate is kept")
@@ -70,14 +71,15 @@ def _serve_overrides(a: argparse.Namespace) -> tuple[dict[str, dict[str, Any]], 
     from .settings import assignments
 
     workers, problems = assignments("workers", a.worker_option)
-    o: dict[str, dict[str, Any]] = {"server": {}, "workers": workers, "log": {}}
+    o: dict[str, dict[str, Any]] = {"server": {}, "workers": workers, "log": {}, "grpc": {}}
     for flag, section, key in [("host", "server", "host"), ("port", "server", "port"),
                                ("tls_port", "server", "tls_port"), ("tls_cert", "server", "tls_cert"),
                                ("tls_key", "server", "tls_key"), ("state_dir", "server", "state_dir"),
                                ("engine", "workers", "engine"), ("model", "workers", "model"),
                                ("served_name", "workers", "served_name"), ("workers", "workers", "local"),
                                ("worker_url", "workers", "remote"),
-                               ("log_level", "log", "level"), ("progress", "log", "progress")]:
+                               ("log_level", "log", "level"), ("progress", "log", "progress"),
+                               ("grpc_port", "grpc", "port")]:
         v = getattr(a, flag)
         if v is not None:
             o[section][key] = v

@@ -23,9 +23,12 @@ import gc
 import logging
 import signal
 import sys
-from typing import Any, TextIO
+from typing import TextIO
 
 from .app import App
+from .grpc.mount import mount_grpc
+from .grpc.server import NativeServer
+from .http.listeners import Listener
 from .observability.metrics import GatewayMetrics
 from .observability.progress import ProgressDisplay
 from .routing.pool import ModelPool
@@ -64,7 +67,8 @@ def _say(out: TextIO, text: str) -> None:
 async def run_gateway(settings: Settings, *, out: TextIO | None = None,
                       stop: asyncio.Event | None = None) -> int:
     """Serve until SIGTERM/SIGINT (or ``stop`` is set); return the exit status."""
-    from .http.server import HttpLimits, start_server
+    from .http.common import HttpLimits
+    from .http.listeners import ListenerSpec, start_listener
     from .http.tls import load_or_create_tls
 
     out = out if out is not None else sys.stdout
@@ -78,16 +82,17 @@ async def run_gateway(settings: Settings, *, out: TextIO | None = None,
                         keepalive_timeout=lim.keepalive_timeout,
                         h2_max_concurrent_streams=lim.h2_max_concurrent_streams)
     srv = settings.server
-    servers: list[Any] = []
-    plain = await start_server(app, host=srv.host, port=srv.port, limits=limits, on_event=app.on_http_event)
-    servers.append(plain)
-    _say(out, f"listening on http://{_hostport(srv.host, plain.port)} (HTTP/1.1, h2c)")
+    specs = [(ListenerSpec("tcp", srv.host, srv.port), "(HTTP/1.1, h2c)")]
     if srv.tls_port >= 0:
         ctx, fingerprint = load_or_create_tls(srv.tls_cert or None, srv.tls_key or None, state_dir(settings))
-        tls = await start_server(app, host=srv.host, port=srv.tls_port, ssl_context=ctx, limits=limits,
-                                 on_event=app.on_http_event)
-        servers.append(tls)
-        _say(out, f"listening on https://{_hostport(srv.host, tls.port)} (h2, HTTP/1.1) cert sha256 {fingerprint}")
+        specs.append((ListenerSpec("tls", srv.host, srv.tls_port, ssl=ctx), f"(h2, HTTP/1.1) cert sha256 {fingerprint}"))
+    servers: list[Listener] = []
+    for spec, what in specs:
+        servers.append(await start_listener(app.handle, spec, limits=limits, on_event=app.on_http_event))
+        _say(out, f"listening on {servers[-1].url} {what}")
+    native = await mount_grpc(app, settings.grpc, srv.host)
+    if native is not None:
+        _say(out, f"listening on grpc://{_hostport(settings.grpc.host or srv.host, native.port)} (gRPC, h2c)")
 
     supervisor = WorkerSupervisor(settings.workers, pool, metrics, ProgressDisplay(settings.log.progress))
     app.worker_failure = lambda: supervisor.failure
@@ -96,16 +101,20 @@ async def run_gateway(settings: Settings, *, out: TextIO | None = None,
 
     stop = stop if stop is not None else asyncio.Event()
     deadline = [settings.shutdown.drain_timeout]
+    grace = [settings.shutdown.grace_period]
     signals = [0]
+    now_ = asyncio.Event()  # a second signal: skip what is left of the grace period and the drain
 
     def on_signal(sig: signal.Signals) -> None:
         signals[0] += 1
         if signals[0] > 1:
-            deadline[0] = 0.0
+            deadline[0] = grace[0] = 0.0
+            now_.set()
             log.warning("second signal: stopping now")
         elif sig == signal.SIGINT:
             deadline[0] = settings.shutdown.sigint_drain_timeout
-        log.info("%s: draining (up to %g s)", sig.name, deadline[0])
+            grace[0] = 0.0
+        log.info("%s: draining (up to %g s)", sig.name, grace[0] + deadline[0])
         stop.set()
 
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -120,20 +129,45 @@ async def run_gateway(settings: Settings, *, out: TextIO | None = None,
         await stop.wait()
     finally:
         ready_task.cancel()
-        app.draining = True
-        for s in servers:
-            s.stop_accepting()
-        in_flight = sum(s.in_flight for s in servers)
-        if in_flight:
-            _say(out, f"draining {in_flight} request(s), up to {deadline[0]:g} s")
-        with contextlib.suppress(Exception):
-            await asyncio.gather(*(s.wait_idle(deadline[0]) for s in servers))
-        await asyncio.gather(*(s.close() for s in servers), return_exceptions=True)
+        await _drain(app, servers, native, grace[0], deadline[0], now_, out)
         await supervisor.stop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
         _say(out, "stopped")
     return 0
+
+
+async def _drain(app: App, servers: list[Listener], native: NativeServer | None, grace: float, deadline: float,
+                 now: asyncio.Event, out: TextIO) -> None:
+    """Stop serving without losing a request or cutting one silently.
+
+    1. Grace period: keep listening while ``/readyz`` answers 503 "draining" and new generation
+       requests get 503 + Retry-After + Connection: close, so a load balancer (Kubernetes' endpoint
+       removal) takes this instance out before its listeners close.
+    2. Stop accepting; in-flight requests get until ``deadline`` to finish.
+    3. At the deadline every request still open ends with an explicit error (its stream's terminal
+       event), counted in ``quicserve_drain_cut_requests``; then connections close.
+    """
+    app.draining = True
+    if grace > 0:
+        _say(out, f"draining: /readyz 503 for {grace:g} s before the listeners close")
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(now.wait(), grace)
+    for s in servers:
+        s.stop_accepting()
+    in_flight = sum(s.in_flight for s in servers)
+    if in_flight:
+        _say(out, f"draining {in_flight} request(s), up to {deadline:g} s")
+    with contextlib.suppress(Exception):
+        await asyncio.gather(*(s.wait_idle(deadline) for s in servers))
+    cut = app.end_all()
+    if cut:
+        _say(out, f"drain deadline: {cut} request(s) ended with a shutting_down error")
+        with contextlib.suppress(Exception):
+            await asyncio.gather(*(s.wait_idle(1.0) for s in servers))  # let their last bytes go out
+    if native is not None:
+        await native.close()
+    await asyncio.gather(*(s.close() for s in servers), return_exceptions=True)
 
 
 def _hostport(host: str, port: int) -> str:

@@ -30,6 +30,7 @@ __all__ = [
     "WorkersSettings",
     "ApiSettings",
     "ShutdownSettings",
+    "GrpcSettings",
     "LogSettings",
     "SettingsError",
     "load_settings",
@@ -128,6 +129,7 @@ class ApiSettings:
     max_tokens_limit: int = 4096  # larger requests get a 400
     request_timeout: float = 600.0  # whole request, seconds
     retries: int = 1  # resubmits on another worker if one dies before the first token
+    write_timeout: float = 60.0  # a streaming client that reads nothing this long is cut off
 
     def _validate(self, p: list[str]) -> None:
         if self.default_max_tokens < 1:
@@ -138,15 +140,39 @@ class ApiSettings:
             p.append("api.request_timeout: must be > 0")
         if self.retries < 0:
             p.append("api.retries: must be >= 0")
+        if self.write_timeout <= 0:
+            p.append("api.write_timeout: must be > 0")
+
+
+@dataclass(frozen=True, slots=True)
+class GrpcSettings:
+    port: int = 50051  # native gRPC (h2c); -1 disables, 0 = any free port
+    host: str = ""  # "" = server.host
+    web: bool = True  # gRPC-Web on the HTTP listeners
+    allowed_origins: list[str] = field(default_factory=list)  # gRPC-Web CORS; empty = any origin
+    zstd_level: int = 3
+    gzip_level: int = 6
+    max_message_bytes: int = 4 << 20
+
+    def _validate(self, p: list[str]) -> None:
+        if not (-1 <= self.port <= 65535):
+            p.append(f"grpc.port: {self.port} is not a TCP port (0..65535, -1 = off)")
+        if not (-7 <= self.zstd_level <= 22):
+            p.append(f"grpc.zstd_level: {self.zstd_level} is not a zstd level (-7..22)")
+        if not (0 <= self.gzip_level <= 9):
+            p.append(f"grpc.gzip_level: {self.gzip_level} is not a gzip level (0..9)")
+        if self.max_message_bytes < 1024:
+            p.append("grpc.max_message_bytes: must be >= 1024")
 
 
 @dataclass(frozen=True, slots=True)
 class ShutdownSettings:
     drain_timeout: float = 30.0  # SIGTERM: finish in-flight requests for up to this long
     sigint_drain_timeout: float = 3.0  # SIGINT: the same, faster
+    grace_period: float = 5.0  # SIGTERM: keep listening this long, /readyz 503 and new work refused, first
 
     def _validate(self, p: list[str]) -> None:
-        if self.drain_timeout < 0 or self.sigint_drain_timeout < 0:
+        if self.drain_timeout < 0 or self.sigint_drain_timeout < 0 or self.grace_period < 0:
             p.append("shutdown: timeouts must be >= 0")
 
 
@@ -169,6 +195,7 @@ class Settings:
     workers: WorkersSettings = field(default_factory=WorkersSettings)
     api: ApiSettings = field(default_factory=ApiSettings)
     shutdown: ShutdownSettings = field(default_factory=ShutdownSettings)
+    grpc: GrpcSettings = field(default_factory=GrpcSettings)
     log: LogSettings = field(default_factory=LogSettings)
 
 

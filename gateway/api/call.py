@@ -50,16 +50,17 @@ EndHook = Callable[[int, int], None]
 class CallContext:
     """What every call of one app shares: the deadline sweeper, the timeout, the token metrics."""
 
-    __slots__ = ("deadlines", "timeout", "observe")
+    __slots__ = ("deadlines", "timeout", "write_timeout", "observe")
 
     def __init__(self, deadlines: DeadlineSweeper, timeout: float,
-                 observe: Callable[[str, float | None, float | None, int], None]) -> None:
+                 observe: Callable[[str, float | None, float | None, int], None], write_timeout: float = 60.0) -> None:
         self.deadlines = deadlines
         self.timeout = timeout
+        self.write_timeout = write_timeout  # a client that reads nothing this long is cut off
         self.observe = observe  # (route, ttft, tpot, completion tokens)
 
-    def timeout_error(self) -> APIError:
-        return APIError(504, f"The request did not finish within {self.timeout:g} s.", "server_error", None,
+    def timeout_error(self, timeout: float) -> APIError:
+        return APIError(504, f"The request did not finish within {timeout:g} s.", "server_error", None,
                         "timeout")
 
 
@@ -67,10 +68,11 @@ class GenerationCall:
     """One generation request (the :class:`~gateway.http.types.Call` the pipeline hands back)."""
 
     __slots__ = ("_ctx", "_routed", "_w", "_sink", "_route", "_t0", "_t_first", "_on_end", "_done", "_started",
-                 "_ended", "_starting", "_held", "_held_final", "_resumer", "_pull", "_whole", "_fut")
+                 "_ended", "_starting", "_held", "_held_final", "_resumer", "_pull", "_whole", "_fut", "_timeout")
 
     def __init__(self, ctx: CallContext, routed: RoutedStream, writer: Writer, sink: ResponseSink, route: str,
-                 t0: float, logprobs: bool, on_end: EndHook, done: Callable[[], None]) -> None:
+                 t0: float, logprobs: bool, on_end: EndHook, done: Callable[[], None],
+                 timeout: float | None = None) -> None:
         self._ctx = ctx
         self._routed = routed
         self._w = writer
@@ -89,12 +91,13 @@ class GenerationCall:
         self._pull = logprobs
         self._whole = not writer.streaming and not logprobs
         self._fut: asyncio.Future[Any] | None = None  # what the call waits on now; others are stale
+        self._timeout = ctx.timeout if timeout is None else min(timeout, ctx.timeout)
 
     # -- start and read -------------------------------------------------------------------
     def start(self) -> None:
         self._starting = True
         try:
-            self._ctx.deadlines.add(self, self._ctx.timeout)
+            self._ctx.deadlines.add(self, self._timeout)
             self._routed.on_moved = self._read  # a rebalance moved the request before its first token
             self._read()
         except Exception:
@@ -219,7 +222,13 @@ class GenerationCall:
         chunk, self._held = self._held, None
         try:
             if chunk:
-                await self._sink.send(chunk)
+                await asyncio.wait_for(self._sink.send(chunk), self._ctx.write_timeout)
+        except TimeoutError:  # the client reads nothing: it cannot take an error event either
+            self._resumer = None
+            log.info("%s: the client read nothing for %g s; cutting the stream", self._route, self._ctx.write_timeout)
+            self._sink.abort()
+            self._end(408, 0)
+            return
         except (ConnectionError, asyncio.CancelledError):
             return  # the adapter cancels the call
         self._resumer = None
@@ -310,7 +319,20 @@ class GenerationCall:
             self._sink.abort()
             self._end(504, 0)
             return
-        self._fail(self._ctx.timeout_error())
+        self._fail(self._ctx.timeout_error(self._timeout))
+
+    def shut_down(self, err: APIError) -> None:
+        """The gateway is stopping: end now with ``err``, explicitly (an error response, or the
+        stream's terminal event; a client that is not reading is cut off)."""
+        if self._ended:
+            return
+        if self._resumer is not None:
+            self._resumer.cancel()
+            self._resumer = None
+            self._sink.abort()
+            self._end(err.status, 0)
+            return
+        self._fail(err)
 
     def _end(self, status: int, tokens: int) -> None:
         self._ended = True

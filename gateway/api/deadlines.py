@@ -15,12 +15,18 @@ import asyncio
 import time
 from typing import Protocol
 
+from ..errors import APIError
+
 __all__ = ["DeadlineSweeper", "Expirable"]
 
 
 class Expirable(Protocol):
     def expire(self) -> None:
         """The deadline passed: end with a timeout (the sweeper has already forgotten it)."""
+        ...
+
+    def shut_down(self, err: APIError) -> None:
+        """The gateway is stopping: end now with ``err``."""
         ...
 
 
@@ -40,6 +46,10 @@ class DeadlineSweeper:
 
     def discard(self, call: Expirable) -> None:
         self._deadlines.pop(call, None)
+
+    def tracked(self) -> list[Expirable]:
+        """Every call not yet ended (oldest first)."""
+        return list(self._deadlines)
 
     def _sweep(self) -> None:
         self._timer = None

@@ -1,12 +1,11 @@
-"""What every protocol adapter shares: limits, the server-wide state, the
-per-request handler runner and protocol-level error responses.
+"""What every protocol adapter shares: limits, the server-wide state, protocol errors,
+and :func:`task_entrance`, which makes a coroutine route an :data:`~gateway.http.types.Entrance`.
 
-The adapters (:mod:`gateway.http.h1`, :mod:`gateway.http.h2`) own parsing and
-framing; this module owns the rules that must be the same for both: how a
-handler's outcome becomes a response (APIError -> its status and JSON body,
-any other exception -> 500 JSON, nothing written -> 500), how in-flight
-requests are counted for draining, and how protocol-level errors are reported
-to the optional ``on_event`` hook (metrics).
+The adapters (:mod:`gateway.http.h1`, :mod:`gateway.http.h2`) own parsing and framing; this
+module owns the rules that must be the same for both: how in-flight requests are counted for
+draining, how a protocol-level rejection (400/408/413/431/501) becomes an :class:`APIError`
+(rendered by :mod:`gateway.errors` like every other error) and is reported to the optional
+``on_event`` hook (metrics).
 """
 
 from __future__ import annotations
@@ -21,8 +20,8 @@ from dataclasses import dataclass
 from email.utils import formatdate
 from typing import Any, Protocol
 
-from gateway.errors import APIError, render_json
-from gateway.http.types import Handler, Headers, Request, ResponseSink
+from gateway.errors import APIError, error_headers, render_json
+from gateway.http.types import Call, Entrance, Handler, Headers, Request, ResponseSink
 
 __all__ = [
     "HttpLimits",
@@ -31,12 +30,10 @@ __all__ = [
     "ServerState",
     "Connection",
     "ClientDisconnected",
-    "HandlerSink",
-    "run_request",
+    "task_entrance",
     "spawn",
-    "error_body",
+    "protocol_error",
     "decode_target",
-    "ERROR_HEADERS",
     "HOST_CHARS",
     "http_date",
 ]
@@ -71,7 +68,7 @@ class HttpLimits:
 
 @dataclass(frozen=True, slots=True)
 class ProtocolEvent:
-    """A request that ended at the protocol layer and never reached the handler."""
+    """A request that ended at the protocol layer and never reached the pipeline."""
 
     status: int  # 400, 408, 413, 431, 501
     protocol: str  # "http/1.1" | "h2"
@@ -80,17 +77,21 @@ class ProtocolEvent:
 
 EventHook = Callable[[ProtocolEvent], None]
 
-ERROR_HEADERS: Headers = [(b"content-type", b"application/json")]
-
 # The bytes of a Host / :authority value (RFC 9110 7.2, RFC 3986 uri-host [":" port]): unreserved,
 # pct-encoded, sub-delims, ":" and the brackets of an IP literal. ``value.translate(None,
 # HOST_CHARS)`` leaves what does not belong (empty is a valid Host).
 HOST_CHARS = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~%!$&'()*+,;=:[]"
 
 
-def error_body(status: int, message: str, code: str | None = None) -> bytes:
-    typ = "server_error" if status >= 500 else "invalid_request_error"
-    return render_json(APIError(status, message, typ, None, code))
+_CODES = {400: "invalid_request", 408: "request_timeout", 413: "request_too_large",
+          431: "request_headers_too_large", 501: "not_implemented"}
+
+
+def protocol_error(status: int, message: str, code: str | None = None) -> APIError:
+    """The error of a request an adapter refuses itself (rendered by :mod:`gateway.errors`), with a
+    code a client can branch on whatever protocol carried it."""
+    return APIError(status, message, "server_error" if status >= 500 else "invalid_request_error", None,
+                    code or _CODES.get(status))
 
 
 _date_cache: list[Any] = [0, b""]
@@ -125,16 +126,15 @@ class Connection(Protocol):
 
 
 class ServerState:
-    """Server-wide bookkeeping shared by all connections of one ``start_server``."""
+    """Server-wide bookkeeping shared by all connections of one listener."""
 
-    __slots__ = ("handler", "fast", "limits", "on_event", "in_flight", "draining", "connections", "_idle")
+    __slots__ = ("entrance", "limits", "on_event", "in_flight", "draining", "connections", "_idle")
 
-    def __init__(self, handler: Handler, limits: HttpLimits, on_event: EventHook | None) -> None:
-        self.handler = handler
-        self.fast: Any = getattr(handler, "fast", None)
+    def __init__(self, entrance: Entrance, limits: HttpLimits, on_event: EventHook | None) -> None:
+        self.entrance = entrance
         self.limits = limits
         self.on_event = on_event
-        self.in_flight = 0
+        self.in_flight = 0  # requests handed to the entrance whose done() has not come yet
         self.draining = False
         self.connections: set[Connection] = set()
         self._idle: list[asyncio.Future[None]] = []
@@ -165,43 +165,99 @@ class ServerState:
                 log.exception("on_event hook failed")
 
 
-class HandlerSink(ResponseSink, Protocol):
-    """An adapter's response sink, plus the two outcomes :func:`run_request` reports."""
-
-    def fail(self, err: APIError) -> None:
-        """Turn a handler error into a response (or an abort once bytes are out)."""
-        ...
-
-    def finish(self) -> None:
-        """The handler returned: end a started stream, or 500 if nothing was sent."""
-        ...
-
-
-async def run_request(handler: Handler, request: Request, sink: HandlerSink) -> None:
-    """Run one handler to completion; the request ends exactly once."""
-    try:
-        await handler(request, sink)
-    except APIError as err:
-        sink.fail(err)
-    except ClientDisconnected:
-        pass  # the adapter has already cancelled or reset this request
-    except Exception:
-        log.exception("handler failed: %s %s", request.method, request.path)
-        sink.fail(APIError(500, "internal server error", "server_error", None, "internal_error"))
-    else:
-        sink.finish()
-
-
 if sys.version_info >= (3, 12):
 
     def spawn(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
-        """Start a handler task eagerly: it runs up to its first real suspension
-        right now, saving a loop iteration per request (done callbacks still run
-        via ``call_soon``, so adapters see completion later, never re-entrantly)."""
+        """Start a task eagerly: it runs up to its first real suspension right now, saving a
+        loop iteration per request (done callbacks still run via ``call_soon``, so adapters
+        see completion later, never re-entrantly)."""
         return asyncio.Task(coro, loop=loop, eager_start=True)
 
 else:
 
     def spawn(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
-        """Start a handler task (eager start needs Python 3.12)."""
+        """Start a task (eager start needs Python 3.12)."""
         return loop.create_task(coro)
+
+
+def task_entrance(handler: Handler) -> Entrance:
+    """A coroutine route as an :data:`Entrance`: each request runs ``handler`` in a task.
+
+    An :class:`APIError` raised before the response started is rendered by
+    :mod:`gateway.errors`; any other exception is a 500; an exception after the start
+    aborts the response; a handler that returns without responding gets a 500, one that
+    returns mid-stream has its response ended. ``done()`` comes once, from the task's done
+    callback (so never from inside the entrance call).
+    """
+
+    def entrance(request: Request, sink: ResponseSink, done: Callable[[], None]) -> Call:
+        tracked = _Tracked(sink, done)
+        task = spawn(asyncio.get_running_loop(), _run(handler, request, tracked))
+        task.add_done_callback(tracked.task_done)
+        return task
+
+    return entrance
+
+
+_NO_RESPONSE = protocol_error(500, "handler returned without a response")
+_INTERNAL = APIError(500, "internal server error", "server_error", None, "internal_error")
+
+
+async def _run(handler: Handler, request: Request, sink: _Tracked) -> None:
+    try:
+        await handler(request, sink)
+    except ClientDisconnected:
+        pass  # the adapter cancels the request or has reset its stream
+    except APIError as err:
+        sink.fail(err)
+    except Exception:
+        log.exception("handler failed: %s %s", request.method, request.path)
+        sink.fail(_INTERNAL)
+    else:
+        if not sink.started:
+            sink.fail(_NO_RESPONSE)
+        elif not sink.ended:
+            sink.end()
+
+
+class _Tracked:
+    """The sink :func:`task_entrance` hands its handler: notes how far the response got."""
+
+    __slots__ = ("_sink", "_done", "started", "ended")
+
+    def __init__(self, sink: ResponseSink, done: Callable[[], None]) -> None:
+        self._sink = sink
+        self._done = done
+        self.started = False
+        self.ended = False
+
+    def task_done(self, _: object) -> None:
+        self._done()
+
+    def respond(self, status: int, headers: Headers, body: bytes) -> None:
+        self.started = self.ended = True
+        self._sink.respond(status, headers, body)
+
+    def start(self, status: int, headers: Headers) -> None:
+        self.started = True
+        self._sink.start(status, headers)
+
+    def send_nowait(self, data: bytes) -> bool:
+        return self._sink.send_nowait(data)
+
+    async def send(self, data: bytes) -> None:
+        await self._sink.send(data)
+
+    def end(self) -> None:
+        self.ended = True
+        self._sink.end()
+
+    def abort(self) -> None:
+        self.ended = True
+        self._sink.abort()
+
+    def fail(self, err: APIError) -> None:
+        if not self.started:
+            self.respond(err.status, error_headers(err), render_json(err))
+        elif not self.ended:  # bytes are out: cut the response so the client sees it broke
+            self.abort()

@@ -67,6 +67,11 @@ class GatewayMetrics:
                                        registry=r)
         self.retries = Counter("quicserve_request_retries",
                                "Requests resubmitted to another worker before their first token", registry=r)
+        self.drain_cut = Counter("quicserve_drain_cut_requests",
+                                 "Requests ended with a shutting_down error at the drain deadline", registry=r)
+        self.rebalanced = Counter("quicserve_rebalanced_requests",
+                                  "Requests moved before their first token to a replica that became ready",
+                                  registry=r)
         r.register(_RequestCollector(self))
 
     def request_done(self, route: str, status: int, protocol: str, seconds: float) -> None:

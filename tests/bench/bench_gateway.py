@@ -65,9 +65,9 @@ def children(pid: int) -> list[int]:
 def start_gateway(state: str, worker_options: list[str], repo: Path = REPO) -> tuple[subprocess.Popen[str], str]:
     """``quicserve serve --engine synthetic`` from the source tree ``repo`` (another checkout for A/B runs)."""
     cmd = [sys.executable, "-m", "gateway.cli", "serve", "--engine", "synthetic", "--port", "0", "--no-tls",
-           "--progress", "off", "--log-level", "warning", "--state-dir", state]
+           "--progress", "off", "--log-level", "warning", "--state-dir", state, "--grpc-port", "-1"]
     cmd += [f"--worker-option={o}" for o in worker_options]
-    env = {**os.environ, "PYTHONPATH": str(repo)}
+    env = {**os.environ, "PYTHONPATH": str(repo), "QUICSERVE_SHUTDOWN__GRACE_PERIOD": "0"}
     proc = subprocess.Popen(cmd, cwd=repo, stdout=subprocess.PIPE, text=True, env=env)
     url = ""
     deadline = time.monotonic() + 120

@@ -143,7 +143,7 @@ async def _setup(concurrency: int) -> tuple[App, ClientConnection, _WorkerDouble
     pool = ModelPool()
     pool.add(conn)
     app = App(pool, GatewayMetrics(), ApiSettings())
-    state = ServerState(app, HttpLimits(), None)
+    state = ServerState(app.handle, HttpLimits(), None)
     clients = []
     for _ in range(concurrency):
         proto = H1Protocol(state)

@@ -362,3 +362,43 @@ async def test_readyz_says_why_no_worker_will_come() -> None:
     assert s.status == 503 and s.json()["reason"].startswith("worker-0 exited with status 2")
     app.draining = True
     assert (await call(app, req("/readyz", method="GET"))).json()["reason"] == "draining"
+
+
+async def test_draining_refuses_new_generations_and_cuts_open_ones_explicitly() -> None:
+    conn = ScriptedWorkerConnection(hang_after=2)
+    app = make_app(conn)
+    open_sinks = [RecordingSink() for _ in range(3)]
+    ended: list[int] = []
+    for i, (sink, body) in enumerate(zip(open_sinks, [{**CHAT, "stream": True}, CHAT, {**CHAT, "stream": True,
+                                                                                       "logprobs": True}],
+                                         strict=True)):
+        app.handle(req("/v1/chat/completions", body), sink, lambda i=i: ended.append(i))
+    for _ in range(10):
+        await asyncio.sleep(0)
+    app.draining = True
+    s, h = RecordingSink(), RecordingSink()
+    app.handle(req("/v1/chat/completions", CHAT), s, lambda: None)
+    app.handle(req("/healthz", method="GET"), h, lambda: None)
+    assert s.status == 503 and s.json()["error"]["code"] == "shutting_down"
+    assert s.header(b"retry-after") == b"1" and s.header(b"connection") == b"close"
+    assert h.status == 200  # the small routes still answer
+    assert app.metrics.in_flight == 3
+    assert app.end_all() == 3
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert sorted(ended) == [0, 1, 2] and app.metrics.in_flight == 0
+    stream, whole, lp = open_sinks
+    assert sse_events(stream.body)[-1]["error"]["code"] == "shutting_down" and stream.ended
+    assert sse_events(lp.body)[-1]["error"]["code"] == "shutting_down" and lp.ended
+    assert whole.status == 503 and whole.json()["error"]["code"] == "shutting_down"
+    assert sorted(conn.cancels) == [1, 2, 3]
+    assert app.metrics.drain_cut._value.get() == 3
+
+
+async def test_a_client_that_reads_nothing_is_cut_off_after_the_write_timeout() -> None:
+    conn = ScriptedWorkerConnection(hang_after=20)
+    app = make_app(conn, api=ApiSettings(write_timeout=0.05))
+    sink = RecordingSink(block_after_chunks=2)
+    s = await call(app, req("/v1/chat/completions", {**CHAT, "stream": True, "max_tokens": 50}), sink)
+    assert s.aborted and conn.cancels == [1]
+    assert app.metrics.requests[("/v1/chat/completions", "408", "http/1.1")] == 1

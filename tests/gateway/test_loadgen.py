@@ -17,7 +17,7 @@ async def test_run_load_counts_requests(stream: bool) -> None:
     pool = ModelPool()
     conn = ScriptedWorkerConnection()
     pool.add(conn)
-    server = await start_server(App(pool), host="127.0.0.1", port=0)
+    server = await start_server(App(pool).handle, host="127.0.0.1", port=0)
     try:
         r = await run_load(f"http://127.0.0.1:{server.port}", concurrency=4, duration=0.3, stream=stream,
                            max_tokens=16)
@@ -29,7 +29,7 @@ async def test_run_load_counts_requests(stream: bool) -> None:
 
 
 async def test_run_load_counts_errors() -> None:
-    server = await start_server(App(ModelPool()), host="127.0.0.1", port=0)
+    server = await start_server(App(ModelPool()).handle, host="127.0.0.1", port=0)
     try:
         r = await run_load(f"http://127.0.0.1:{server.port}", concurrency=2, duration=0.2, stream=False,
                            max_tokens=16)

@@ -9,7 +9,7 @@ from gateway.api.params import parse_chat, parse_completion
 from gateway.errors import APIError
 
 from .doubles import RecordingSink, ScriptedWorkerConnection
-from .test_app import CHAT, make_app, req
+from .test_app import CHAT, call, make_app, req
 
 LIMITS = {"default_max_tokens": 16, "max_tokens_limit": 100}
 
@@ -136,11 +136,11 @@ async def test_bad_input_then_next_request_served() -> None:
            orjson.dumps({**CHAT, "n": 3}), orjson.dumps({**CHAT, "temperature": "x"})]
     for raw in bad:
         s = RecordingSink()
-        await app(req("/v1/chat/completions", raw=raw), s)
+        await call(app, req("/v1/chat/completions", raw=raw), s)
         assert s.status == 400
         err = s.json()["error"]
         assert set(err) == {"message", "type", "param", "code"} and err["message"]
         s = RecordingSink()
-        await app(req("/v1/chat/completions", CHAT), s)
+        await call(app, req("/v1/chat/completions", CHAT), s)
         assert s.status == 200 and s.json()["choices"][0]["message"]["content"] == "abcde"
     assert len(conn.submits) == len(bad)

@@ -55,7 +55,7 @@ async def gw() -> AsyncIterator[Gw]:
     pool = ModelPool()
     pool.add(conn)
     app = App(pool)
-    server = await start_server(app, host="127.0.0.1", port=0, limits=LIMITS, on_event=app.on_http_event)
+    server = await start_server(app.handle, host="127.0.0.1", port=0, limits=LIMITS, on_event=app.on_http_event)
     yield Gw(app, conn, server)
     await server.close()
 
@@ -328,9 +328,9 @@ async def test_smuggling_shapes_get_an_error_and_the_server_lives(gw: Gw, raw: b
 @pytest.mark.parametrize(
     "raw, status, code",
     [
-        (chat().replace(b"Host: x\r\n", b""), 400, None),
-        (chat().replace(b"Host: x\r\n", b"Host: x\r\nHost: y\r\n"), 400, None),
-        (chat().replace(b"Host: x\r\n", b"Host: x y\r\n"), 400, None),
+        (chat().replace(b"Host: x\r\n", b""), 400, "invalid_request"),
+        (chat().replace(b"Host: x\r\n", b"Host: x\r\nHost: y\r\n"), 400, "invalid_request"),
+        (chat().replace(b"Host: x\r\n", b"Host: x y\r\n"), 400, "invalid_request"),
         (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\ntransfer-encoding: gzip, chunked\r\n\r\n"
          b"%x\r\n%s\r\n0\r\n\r\n" % (len(BODY), BODY), 501, "unsupported_transfer_encoding"),
     ],
@@ -625,7 +625,7 @@ async def test_h2_request_body_larger_than_the_window(gw: Gw) -> None:
     """A 300 KB body over a stream (and connection) whose 64 KiB receive window the server must
     reopen as it reads; a second stream's whole request comes in the middle of it."""
     limits = HttpLimits(max_body_bytes=1 << 20, h2_initial_window_size=65535)
-    server = await start_server(gw.app, host="127.0.0.1", port=0, limits=limits)
+    server = await start_server(gw.app.handle, host="127.0.0.1", port=0, limits=limits)
     big = orjson.dumps({**CHAT, "messages": [{"role": "user", "content": "x" * 300_000}]})
     c = await H2Client.open(Gw(gw.app, gw.conn, server))
     try:
@@ -782,7 +782,7 @@ async def real() -> AsyncIterator[Gw]:
     pool = ModelPool()
     pool.add(conn)
     app = App(pool)
-    server = await start_server(app, host="127.0.0.1", port=0, limits=LIMITS, on_event=app.on_http_event)
+    server = await start_server(app.handle, host="127.0.0.1", port=0, limits=LIMITS, on_event=app.on_http_event)
     yield Gw(app, conn, server)  # type: ignore[arg-type]
     await server.close()
     await conn.close()

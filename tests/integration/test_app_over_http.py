@@ -39,9 +39,9 @@ async def gw(tmp_path: Path) -> AsyncIterator[Gw]:
     pool.add(conn)
     app = App(pool)
     limits = HttpLimits(max_body_bytes=4096, max_header_bytes=2048)
-    plain = await start_server(app, host="127.0.0.1", port=0, limits=limits, on_event=app.on_http_event)
+    plain = await start_server(app.handle, host="127.0.0.1", port=0, limits=limits, on_event=app.on_http_event)
     ctx, _ = load_or_create_tls(None, None, tmp_path)
-    tls = await start_server(app, host="127.0.0.1", port=0, ssl_context=ctx, limits=limits,
+    tls = await start_server(app.handle, host="127.0.0.1", port=0, ssl_context=ctx, limits=limits,
                              on_event=app.on_http_event)
     yield Gw(app, conn, f"http://127.0.0.1:{plain.port}", f"https://127.0.0.1:{tls.port}")
     await plain.close()

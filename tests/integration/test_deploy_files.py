@@ -138,7 +138,7 @@ def test_image_install_step_replayed(tmp_path: Path) -> None:
                             "print(gateway.__file__, inference.__file__, transport.__file__)"],
                            cwd=run_dir, env=env, capture_output=True, text=True, check=True).stdout
     assert all(p.startswith(str(target)) for p in where.split()), where
-    proc = subprocess.Popen([str(script), "serve", "--engine", "synthetic", "--port", "0", "--no-tls",
+    proc = subprocess.Popen([str(script), "serve", "--engine", "synthetic", "--port", "0", "--no-tls", "--grpc-port", "0",
                              "--progress", "lines", "--log-level", "warning"],
                             cwd=run_dir, env=env, stdout=subprocess.PIPE, text=True)
     try:

@@ -21,6 +21,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import h2.config
+import h2.connection
+import h2.events
 import httpx
 import openai
 import orjson
@@ -62,8 +65,10 @@ class Gateway:
 
 def start_gateway(tmp: Path, *extra: str) -> Gateway:
     cmd = [sys.executable, "-m", "gateway.cli", "serve", "--engine", "synthetic", "--port", "0", "--tls-port", "0",
+           "--grpc-port", "0",
            "--state-dir", str(tmp), "--progress", "lines", "--log-level", "warning", *extra]
-    return wait_ready(subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, text=True))
+    env = {"QUICSERVE_SHUTDOWN__GRACE_PERIOD": "0", **os.environ}  # a test that wants one sets it
+    return wait_ready(subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, text=True, env=env))
 
 
 def wait_ready(proc: subprocess.Popen[str]) -> Gateway:
@@ -316,19 +321,93 @@ def test_signal_drains_in_flight_then_stops_workers(tmp_path: Path, sig: signal.
         httpx.get(g.http + "/healthz")
 
 
-def test_drain_deadline_cuts_long_requests(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_drain_deadline_ends_every_stream_with_an_error_event(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("QUICSERVE_SHUTDOWN__DRAIN_TIMEOUT", "0.5")
     g = start_gateway(tmp_path, "--worker-option=synthetic_step_ms=5", "--no-tls")
     t0 = time.monotonic()
-    with httpx.Client(base_url=g.http, timeout=20) as c:
-        with c.stream("POST", "/v1/chat/completions", json={**CHAT, "max_tokens": 4000, "stream": True}) as s:
-            it = s.iter_bytes()
-            next(it)
-            os.kill(g.proc.pid, signal.SIGTERM)
-            with pytest.raises(httpx.RemoteProtocolError):  # cut at the deadline: no terminating chunk
-                for _ in it:
-                    pass
-    assert time.monotonic() - t0 < 10  # 4000 x 5 ms would have been 20 s
+    started = asyncio.Event()
+    n = 0
+
+    async def one(c: httpx.AsyncClient) -> bytes:
+        nonlocal n
+        async with c.stream("POST", "/v1/chat/completions", json={**CHAT, "max_tokens": 4000, "stream": True}) as s:
+            parts = []
+            async for part in s.aiter_bytes():
+                parts.append(part)
+                n += 1
+                if n >= 20:
+                    started.set()
+            return b"".join(parts)
+
+    async def h2_streams(k: int) -> list[bytes]:
+        """k streams on one raw h2 connection (httpx fails a stream once GOAWAY arrives, however the
+        server goes on to finish it: httpcore reads GOAWAY as the end of every stream)."""
+        host, port = g.http.removeprefix("http://").rsplit(":", 1)
+        reader, writer = await asyncio.open_connection(host, int(port))
+        conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+        conn.initiate_connection()
+        body = orjson.dumps({**CHAT, "max_tokens": 4000, "stream": True})
+        data: dict[int, list[bytes]] = {}
+        for _ in range(k):
+            sid = conn.get_next_available_stream_id()
+            conn.send_headers(sid, [(":method", "POST"), (":path", "/v1/chat/completions"), (":scheme", "http"),
+                                    (":authority", "x"), ("content-type", "application/json")])
+            conn.send_data(sid, body, end_stream=True)
+            data[sid] = []
+        writer.write(conn.data_to_send())
+        open_ = set(data)
+        while open_:
+            chunk = await asyncio.wait_for(reader.read(65536), 20)
+            assert chunk, "connection closed with streams open"
+            for ev in conn.receive_data(chunk):
+                if isinstance(ev, h2.events.DataReceived):
+                    data[ev.stream_id].append(ev.data)
+                    conn.acknowledge_received_data(ev.flow_controlled_length, ev.stream_id)
+                elif isinstance(ev, h2.events.StreamEnded | h2.events.StreamReset):
+                    open_.discard(ev.stream_id)
+                elif isinstance(ev, h2.events.ConnectionTerminated):
+                    # A graceful GOAWAY (RFC 9113 6.8: streams up to last_stream_id go on), which h2's
+                    # client state machine takes as the end of everything: keep reading.
+                    assert ev.error_code == 0 and ev.last_stream_id >= max(data)
+                    conn.state_machine.state = h2.connection.ConnectionState.CLIENT_OPEN
+            writer.write(conn.data_to_send())
+        writer.close()
+        return [b"".join(v) for v in data.values()]
+
+    async with httpx.AsyncClient(base_url=g.http, timeout=20) as h1:
+        tasks = [asyncio.create_task(one(h1)) for _ in range(10)]
+        h2_task = asyncio.create_task(h2_streams(10))
+        await asyncio.wait_for(started.wait(), 20)
+        await asyncio.sleep(0.3)
+        os.kill(g.proc.pid, signal.SIGTERM)
+        bodies = [*await asyncio.gather(*tasks), *await h2_task]
+    assert time.monotonic() - t0 < 15  # 4000 x 5 ms would have been 20 s
+    for body in bodies:  # every stream ends with an explicit error event, none silently
+        last = body.rstrip(b"\n").rsplit(b"\n\n", 1)[-1]
+        err = orjson.loads(last.removeprefix(b"data: "))["error"]
+        assert err["code"] == "shutting_down" and b"[DONE]" not in body
+    assert stop_gateway(g) == 0
+    rest = g.proc.stdout.read() if g.proc.stdout else ""
+    assert "20 request(s) ended with a shutting_down error" in rest
+
+
+async def test_readiness_turns_503_during_the_grace_period(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("QUICSERVE_SHUTDOWN__GRACE_PERIOD", "3")
+    g = start_gateway(tmp_path, "--no-tls")
+    async with httpx.AsyncClient(base_url=g.http, timeout=10) as c:
+        assert (await c.get("/readyz")).status_code == 200
+        os.kill(g.proc.pid, signal.SIGTERM)
+        for _ in range(100):
+            r = await c.get("/readyz")
+            if r.status_code == 503:
+                break
+            await asyncio.sleep(0.02)
+        assert r.status_code == 503 and r.json()["reason"] == "draining"
+        r = await c.post("/v1/chat/completions", json=CHAT)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
+        assert r.headers["retry-after"] == "1" and r.headers["connection"] == "close"
+        assert (await c.get("/healthz")).status_code == 200  # still listening
     assert stop_gateway(g) == 0
 
 

@@ -14,9 +14,10 @@ import orjson
 import pytest
 
 from gateway.errors import APIError
+from gateway.http.common import task_entrance
 from gateway.http.server import HttpLimits, HttpServer, ProtocolEvent, start_server
 from gateway.http.tls import SELF_SIGNED_CERT, load_or_create_tls
-from gateway.http.types import Request, ResponseSink
+from gateway.http.types import Entrance, Handler, Request, ResponseSink
 
 FAST_LIMITS = HttpLimits(
     max_body_bytes=4096,
@@ -41,7 +42,12 @@ class Recorder:
     sent: int = 0
 
 
-def make_handler(rec: Recorder) -> Any:
+def make_entrance(rec: Recorder) -> Entrance:
+    """:func:`make_handler` as the adapters see it (through :func:`task_entrance`)."""
+    return task_entrance(make_handler(rec))
+
+
+def make_handler(rec: Recorder) -> Handler:
     """A small app: /echo, /stream?n=K, /big?n=BYTES, /hold, /flood, /apierror, /boom, /silent."""
 
     async def handler(req: Request, sink: ResponseSink) -> None:
@@ -61,26 +67,26 @@ def make_handler(rec: Recorder) -> Any:
                         "host": (req.header(b"host") or b"").decode(),
                     }
                 )
-                await sink.respond(200, [(b"content-type", b"application/json")], body)
+                sink.respond(200, [(b"content-type", b"application/json")], body)
             elif req.path == "/stream":
-                await sink.start(200, [(b"content-type", b"text/plain")])
+                sink.start(200, [(b"content-type", b"text/plain")])
                 for i in range(int(q.get("n", "3"))):
                     await sink.send(b"line %d\n" % i)
                     if "delay" in q:
                         await asyncio.sleep(float(q["delay"]))
-                await sink.end()
+                sink.end()
             elif req.path == "/big":
                 n = int(q.get("n", "100000"))
-                await sink.respond(200, [], bytes(i % 251 for i in range(n)))
+                sink.respond(200, [], bytes(i % 251 for i in range(n)))
             elif req.path == "/hold":
                 rec.started.set()
-                await sink.start(200, [(b"content-type", b"text/plain")])
+                sink.start(200, [(b"content-type", b"text/plain")])
                 await sink.send(b"first\n")
                 await rec.release.wait()
                 await sink.send(b"second\n")
-                await sink.end()
+                sink.end()
             elif req.path == "/flood":  # 64 KiB chunks until cancelled; counts what send() accepted
-                await sink.start(200, [])
+                sink.start(200, [])
                 chunk = b"f" * 65536
                 while True:
                     await sink.send(chunk)
@@ -200,7 +206,7 @@ class Live:
 async def live(tmp_path: Path) -> AsyncIterator[Live]:
     rec = Recorder()
     events: list[ProtocolEvent] = []
-    handler = make_handler(rec)
+    handler = make_entrance(rec)
     ctx, _fp = load_or_create_tls(None, None, tmp_path)
     srv = await start_server(handler, host="127.0.0.1", port=0, limits=FAST_LIMITS, on_event=events.append)
     tls = await start_server(

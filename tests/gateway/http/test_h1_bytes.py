@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from gateway.http.common import HttpLimits, ServerState
 from gateway.http.h1 import H1Protocol
 
-from .conftest import FAST_LIMITS, FakeTransport, Recorder, error_of, make_handler, settle
+from .conftest import FAST_LIMITS, FakeTransport, Recorder, error_of, make_entrance, settle
 
 
 def make_conn(
@@ -24,7 +24,7 @@ def make_conn(
 ) -> tuple[H1Protocol, FakeTransport, Recorder, ServerState, list[Any]]:
     rec = Recorder()
     events: list[Any] = []
-    state = ServerState(make_handler(rec), limits, events.append)
+    state = ServerState(make_entrance(rec), limits, events.append)
     proto = H1Protocol(state)
     t = FakeTransport()
     t.protocol = proto
@@ -402,7 +402,7 @@ async def test_paused_reading_still_sees_the_client_leave() -> None:
     ours, theirs = socket.socketpair()
     try:
         rec = Recorder()
-        state = ServerState(make_handler(rec), FAST_LIMITS, None)
+        state = ServerState(make_entrance(rec), FAST_LIMITS, None)
         proto = H1Protocol(state)
         t = FakeTransport({"peername": ("127.0.0.1", 5555), "socket": ours})
         t.protocol = proto

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from gateway.http.common import ServerState
+from gateway.http.common import ServerState, task_entrance
 from gateway.http.h1 import H1Protocol
 from gateway.http.types import Request, ResponseSink
 
@@ -17,7 +17,7 @@ HTTP10 = b"GET /s HTTP/1.0\r\nHost: x\r\n\r\n"
 
 
 def serve(handler: Any) -> tuple[H1Protocol, FakeTransport]:
-    proto = H1Protocol(ServerState(handler, FAST_LIMITS, None))
+    proto = H1Protocol(ServerState(task_entrance(handler), FAST_LIMITS, None))
     t = FakeTransport()
     t.protocol = proto
     proto.connection_made(t)  # type: ignore[arg-type]
@@ -26,14 +26,14 @@ def serve(handler: Any) -> tuple[H1Protocol, FakeTransport]:
 
 async def test_send_nowait_chunks_in_order_with_send() -> None:
     async def handler(req: Request, sink: ResponseSink) -> None:
-        await sink.start(200, [(b"content-type", b"text/plain")])
-        assert sink.send_nowait(b"a")  # type: ignore[attr-defined]
+        sink.start(200, [(b"content-type", b"text/plain")])
+        assert sink.send_nowait(b"a")
         await sink.send(b"bb")
-        assert sink.send_nowait(b"ccc")  # type: ignore[attr-defined]
+        assert sink.send_nowait(b"ccc")
         await asyncio.sleep(0)
-        assert sink.send_nowait(b"dddd")  # type: ignore[attr-defined]
-        assert sink.send_nowait(b"")  # type: ignore[attr-defined]
-        await sink.end()
+        assert sink.send_nowait(b"dddd")
+        assert sink.send_nowait(b"")
+        sink.end()
 
     proto, t = serve(handler)
     proto.data_received(GET + GET)
@@ -48,17 +48,17 @@ async def test_send_nowait_refuses_while_paused_and_outside_the_body() -> None:
 
     async def handler(req: Request, sink: ResponseSink) -> None:
         try:
-            sink.send_nowait(b"x")  # type: ignore[attr-defined]
+            sink.send_nowait(b"x")
         except RuntimeError as e:
             seen.append(e)
-        await sink.start(200, [])
+        sink.start(200, [])
         proto.pause_writing()
-        seen.append(sink.send_nowait(b"held"))  # type: ignore[attr-defined]
+        seen.append(sink.send_nowait(b"held"))
         proto.resume_writing()
-        seen.append(sink.send_nowait(b"ok"))  # type: ignore[attr-defined]
-        await sink.end()
+        seen.append(sink.send_nowait(b"ok"))
+        sink.end()
         try:
-            sink.send_nowait(b"late")  # type: ignore[attr-defined]
+            sink.send_nowait(b"late")
         except RuntimeError as e:
             seen.append(e)
 
@@ -73,10 +73,10 @@ async def test_send_nowait_refuses_while_paused_and_outside_the_body() -> None:
 
 async def test_send_nowait_http10_unframed_body() -> None:
     async def handler(req: Request, sink: ResponseSink) -> None:
-        await sink.start(200, [])
-        assert sink.send_nowait(b"one ")  # type: ignore[attr-defined]
-        assert sink.send_nowait(b"two")  # type: ignore[attr-defined]
-        await sink.end()
+        sink.start(200, [])
+        assert sink.send_nowait(b"one ")
+        assert sink.send_nowait(b"two")
+        sink.end()
 
     proto, t = serve(handler)
     proto.data_received(HTTP10)

@@ -16,10 +16,10 @@ from h2.errors import ErrorCodes
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gateway.http.common import HttpLimits, ServerState
+from gateway.http.common import HttpLimits, ServerState, task_entrance
 from gateway.http.h2 import H2Protocol
 
-from .conftest import FAST_LIMITS, FakeTransport, Recorder, error_of, make_handler, settle
+from .conftest import FAST_LIMITS, FakeTransport, Recorder, error_of, make_entrance, settle
 
 
 class Client:
@@ -30,7 +30,7 @@ class Client:
     ) -> None:
         self.rec = Recorder()
         self.events: list[Any] = []
-        self.state = ServerState(make_handler(self.rec), limits, self.events.append)
+        self.state = ServerState(make_entrance(self.rec), limits, self.events.append)
         self.proto = H2Protocol(self.state)
         self.t = FakeTransport()
         self.t.protocol = self.proto
@@ -342,7 +342,7 @@ async def test_send_nowait_frames_within_windows_and_refuses_beyond() -> None:
     async def handler(req: Any, sink: Any) -> None:
         with pytest.raises(RuntimeError):
             sink.send_nowait(b"early")
-        await sink.start(200, [(b"content-type", b"text/plain")])
+        sink.start(200, [(b"content-type", b"text/plain")])
         seen.append(sink.send_nowait(b"a" * 600))
         seen.append(sink.send_nowait(b"b" * 600))  # 1024-byte stream window: does not fit
         await sink.send(b"b" * 600)  # waits for the client to open the window
@@ -350,15 +350,86 @@ async def test_send_nowait_frames_within_windows_and_refuses_beyond() -> None:
         c.proto.pause_writing()
         seen.append(sink.send_nowait(b"c"))
         c.proto.resume_writing()
-        await sink.end()
+        sink.end()
         with pytest.raises(RuntimeError):
             sink.send_nowait(b"late")
 
     c = Client(window=1024)
-    c.state.handler = handler
-    c.state.fast = None
+    c.state.entrance = task_entrance(handler)
     sid = c.request("/s")
     await c.wait(lambda: c.done(sid))
     assert seen == [True, False, True, False]
     assert c.status(sid) == 200 and bytes(c.responses[sid]["body"]) == b"a" * 600 + b"b" * 600
+    c.close()
+
+
+@pytest.mark.parametrize(
+    ("extra", "body"),
+    [
+        ([(b"connection", b"keep-alive")], None),
+        ([(b"te", b"gzip")], None),
+        ([(b"X-Upper", b"1")], None),
+        ([(b"content-length", b"abc")], None),
+        ([(b"content-length", b"3")], b"hello"),  # the body is longer
+        ([(b"content-length", b"500")], b"hello"),  # the body is shorter
+        ([(b":foo", b"b")], None),
+        ([(b"host", b"y")], None),  # differs from :authority
+    ],
+    ids=[
+        "connection",
+        "te",
+        "uppercase",
+        "cl-not-a-number",
+        "cl-short",
+        "cl-long",
+        "unknown-pseudo",
+        "host-not-authority",
+    ],
+)
+async def test_malformed_request_is_a_400_on_its_stream(extra: Any, body: bytes | None) -> None:
+    """RFC 9113 8.1.1: a malformed request is a stream error; the stream beside it runs on."""
+    c = Client()
+    c.h2.config.validate_outbound_headers = c.h2.config.normalize_outbound_headers = False
+    running = c.request("/hold")
+    await c.rec.started.wait()
+    sid = c.h2.get_next_available_stream_id()
+    base = [(b":method", b"POST"), (b":path", b"/echo"), (b":scheme", b"http"), (b":authority", b"x")]
+    c.h2.send_headers(sid, base + extra, end_stream=body is None)
+    if body is not None:  # in two DATA frames: a length error may show on each
+        c.h2.send_data(sid, body[:2])
+        c.h2.send_data(sid, body[2:], end_stream=True)
+    c.pump()
+    await c.wait(lambda: c.done(sid))
+    assert (
+        c.status(sid) == 400 and "malformed request" in error_of(bytes(c.responses[sid]["body"]))["message"]
+    )
+    assert [e.status for e in c.events] == [400] and [r.path for r in c.rec.seen] == ["/hold"]
+    ok = c.request("/echo")
+    await c.wait(lambda: c.done(ok))
+    assert c.status(ok) == 200 and not c.done(running) and not c.rec.cancelled
+    c.close()
+
+
+@pytest.mark.parametrize("path", ["/apierror", "/echo-413"])
+async def test_error_larger_than_the_window_waits_for_it(path: str) -> None:
+    """An error body (the route's 404, the adapter's own 413) that does not fit the client's
+    16-byte stream window arrives whole once the window opens: respond() never waits, the
+    adapter holds the rest back."""
+    c = Client(window=16)
+    c.ack_data = False
+    if path == "/apierror":
+        sid = c.request(path)
+    else:
+        sid = c.request("/echo", extra=[(b"content-length", b"999999")], end=False)
+    await c.wait(lambda: sid in c.responses and len(c.responses[sid]["body"]) == 16)
+    await asyncio.sleep(0.05)
+    c.pump()
+    assert not c.responses[sid]["ended"] and len(c.responses[sid]["body"]) == 16
+    c.ack_data = True
+    c.open_window(4096, sid)
+    await c.wait(lambda: c.done(sid))
+    assert c.status(sid) == (404 if path == "/apierror" else 413)
+    body = bytes(c.responses[sid]["body"])
+    assert int(c.responses[sid]["headers"][b"content-length"]) == len(body) and error_of(body)
+    assert c.state.in_flight == 0 and not c.proto._streams  # forgotten once sent
     c.close()

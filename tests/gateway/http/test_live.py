@@ -13,7 +13,7 @@ import pytest
 
 from gateway.http.server import start_server
 
-from .conftest import FAST_LIMITS, Live, Recorder, error_of, make_handler
+from .conftest import FAST_LIMITS, Live, Recorder, error_of, make_entrance
 from .test_h1_bytes import parse_responses
 
 pytestmark = pytest.mark.timeout(60)
@@ -58,7 +58,7 @@ async def test_many_concurrent_h2_streams() -> None:
     # default limits: with 200 streams from one slow client a stream can wait
     # longer than FAST_LIMITS' 1 s body timeout between HEADERS and DATA
     rec = Recorder()
-    srv = await start_server(make_handler(rec), host="127.0.0.1", port=0)
+    srv = await start_server(make_entrance(rec), host="127.0.0.1", port=0)
     try:
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{srv.port}", http1=False, http2=True) as c:
             rs = await asyncio.gather(*(c.post(f"/echo/{i}", content=b"x" * i) for i in range(200)))

@@ -1,4 +1,5 @@
-"""Server lifecycle: draining, wait_idle, in_flight, close, the event hook; TLS files."""
+"""Listener lifecycle: draining, wait_idle, in_flight, close, the event hook; the Unix socket
+listener; TLS files."""
 
 from __future__ import annotations
 
@@ -12,10 +13,11 @@ import httpx
 import pytest
 from cryptography import x509
 
+from gateway.http.listeners import ListenerSpec, start_listener
 from gateway.http.server import HttpLimits, start_server
 from gateway.http.tls import SELF_SIGNED_CERT, SELF_SIGNED_KEY, load_or_create_tls
 
-from .conftest import Recorder, make_handler
+from .conftest import FAST_LIMITS, Recorder, error_of, make_entrance
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -25,7 +27,7 @@ async def test_drain_finishes_in_flight_then_refuses() -> None:
     """h1 and h2 requests in flight finish after stop_accepting (h2 via GOAWAY;
     curl, since httpcore treats any GOAWAY as fatal to open streams)."""
     rec = Recorder()
-    srv = await start_server(make_handler(rec), host="127.0.0.1", port=0)
+    srv = await start_server(make_entrance(rec), host="127.0.0.1", port=0)
     url = f"http://127.0.0.1:{srv.port}"
     async with httpx.AsyncClient(base_url=url) as c1:
         idle = await c1.get("/echo")  # leaves an idle keep-alive connection
@@ -66,7 +68,7 @@ async def test_drain_finishes_in_flight_then_refuses() -> None:
 
 async def test_close_cancels_handlers() -> None:
     rec = Recorder()
-    srv = await start_server(make_handler(rec), host="127.0.0.1", port=0)
+    srv = await start_server(make_entrance(rec), host="127.0.0.1", port=0)
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{srv.port}") as c:
         task = asyncio.create_task(c.get("/hold"))
         await rec.started.wait()
@@ -81,7 +83,7 @@ async def test_event_hook_failure_does_not_break_serving() -> None:
         raise RuntimeError("metrics down")
 
     srv = await start_server(
-        make_handler(Recorder()),
+        make_entrance(Recorder()),
         host="127.0.0.1",
         port=0,
         on_event=hook,
@@ -132,3 +134,42 @@ def test_configured_files(tmp_path: Path) -> None:
         load_or_create_tls(str(tmp_path / SELF_SIGNED_CERT), None, tmp_path)
     with pytest.raises(FileNotFoundError):
         load_or_create_tls(str(tmp_path / "nope.pem"), str(tmp_path / SELF_SIGNED_KEY), tmp_path)
+
+
+@pytest.mark.parametrize("http2", [False, True], ids=["h1", "h2c"])
+async def test_unix_socket_listener(tmp_path: Path, http2: bool) -> None:
+    """httpx over a Unix domain socket: HTTP/1.1 and h2c prior knowledge, whole and streamed
+    responses, errors; draining refuses new connections; close removes the socket file."""
+    rec = Recorder()
+    path = str(tmp_path / "gw.sock")
+    listener = await start_listener(make_entrance(rec), ListenerSpec("unix", path=path), limits=FAST_LIMITS)
+    assert listener.address == path and listener.url == f"unix:{path}" and listener.port == 0
+    transport = httpx.AsyncHTTPTransport(uds=path, http1=not http2, http2=http2)
+    async with httpx.AsyncClient(transport=transport, base_url="http://gw") as c:
+        r = await c.post("/echo?q=1", content=b"hello")
+        assert r.status_code == 200 and r.http_version == ("HTTP/2" if http2 else "HTTP/1.1")
+        doc = r.json()
+        assert (doc["body_len"], doc["query"], doc["host"], doc["scheme"]) == (5, "q=1", "gw", "http")
+        assert rec.seen[0].client is None  # no peer address on a Unix socket
+        async with c.stream("GET", "/stream?n=3") as s:
+            assert [line async for line in s.aiter_lines()] == ["line 0", "line 1", "line 2"]
+        r = await c.get("/apierror")
+        assert r.status_code == 404 and error_of(r.content)["code"] == "model_not_found"
+    listener.stop_accepting()
+    assert await listener.wait_idle(1.0) and listener.in_flight == 0
+    with pytest.raises(httpx.ConnectError):
+        async with httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=path)) as c:
+            await c.get("http://gw/echo")
+    await listener.close()
+    assert not Path(path).exists()
+
+
+def test_listener_spec_validated() -> None:
+    with pytest.raises(ValueError, match="ssl"):
+        ListenerSpec("tls")
+    with pytest.raises(ValueError, match="ssl"):
+        ListenerSpec("tcp", ssl=ssl.create_default_context())
+    with pytest.raises(ValueError, match="path"):
+        ListenerSpec("unix")
+    with pytest.raises(ValueError, match="path"):
+        ListenerSpec("tcp", path="/tmp/x.sock")

@@ -1,0 +1,157 @@
+"""The gRPC service's :class:`~gateway.grpc.backend.Backend`, bound to the one pipeline.
+
+A :class:`GenerateSpec` becomes the same :class:`~gateway.api.params.GenerationRequest`
+an OpenAI body would (validated by the same parser, so the two protocols accept
+and refuse the same things), then goes through
+:meth:`~gateway.api.generate.Generations.start`: admission, routing, the
+generation call with its deadline (``grpc-timeout`` capped by the request
+timeout), retries, metrics and its one end. :class:`DeltaWriter` is the gRPC
+writer: instead of bytes for an HTTP sink it hands each engine step's text to
+the service, which frames protobuf messages itself (grpclib natively, the
+gRPC-Web core over HTTP), and ends with :class:`Finished` or the
+:class:`APIError` the service maps to a gRPC status.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import orjson
+
+from transport.messages import Finish, TokenEntry
+
+from ..api.generate import Generations
+from ..api.openai import OpenAIApi
+from ..api.params import GenerationRequest, parse_chat, parse_completion
+from ..errors import APIError, Headers
+from ..http.types import Call, Request
+from ..routing.pool import ModelPool
+from .backend import Finished, GenerateSpec, OnDelta, OnEnd
+
+__all__ = ["PipelineBackend", "DeltaWriter", "GRPC_ROUTE"]
+
+GRPC_ROUTE = "grpc:quicserve.v1.Inference"  # the metrics route of every RPC
+_perf = time.perf_counter
+
+
+class DeltaWriter:
+    """The gRPC writer: text deltas and the outcome to the service's callbacks (no bytes)."""
+
+    __slots__ = ("_on_delta", "_on_end")
+    streaming = True
+    headers: Headers = []
+
+    def __init__(self, on_delta: OnDelta, on_end: OnEnd) -> None:
+        self._on_delta = on_delta
+        self._on_end = on_end
+
+    def opening(self) -> bytes:
+        return b""
+
+    def text(self, delta: bytes) -> bytes:
+        self._on_delta(bytes(delta).decode("utf-8", "replace"))
+        return b""
+
+    def entries(self, events: list[TokenEntry]) -> bytes:
+        self._on_delta(b"".join(bytes(ev.text) for ev in events).decode("utf-8", "replace"))
+        return b""
+
+    def finish(self, fin: Finish) -> bytes:
+        self._on_end(Finished(fin.reason, fin.prompt_tokens, fin.completion_tokens, fin.cached_tokens))
+        return b""
+
+    def error(self, err: APIError) -> tuple[int, Headers, bytes]:
+        self._on_end(err)
+        return err.status, [], b""
+
+    def stream_error(self, err: APIError) -> bytes:
+        self._on_end(err)
+        return b""
+
+
+class _CallbackSink:
+    """The sink under a :class:`DeltaWriter`: the service does its own framing and flow control."""
+
+    __slots__ = ()
+
+    def respond(self, status: int, headers: Headers, body: bytes) -> None:
+        pass
+
+    def start(self, status: int, headers: Headers) -> None:
+        pass
+
+    def send_nowait(self, data: bytes) -> bool:
+        return True
+
+    async def send(self, data: bytes) -> None:
+        pass
+
+    def end(self) -> None:
+        pass
+
+    def abort(self) -> None:
+        pass
+
+
+_SINK = _CallbackSink()
+
+
+class _Handle:
+    __slots__ = ("call",)
+
+    def __init__(self, call: Call) -> None:
+        self.call = call
+
+    def cancel(self) -> None:
+        self.call.cancel()
+
+
+def _noop() -> None:
+    pass
+
+
+class PipelineBackend:
+    """``Backend`` over :class:`Generations` (the pipeline every protocol shares)."""
+
+    def __init__(self, pool: ModelPool, generations: Generations, api: OpenAIApi, protocol: str = "grpc") -> None:
+        self._pool = pool
+        self._gen = generations
+        self._api = api
+        self._protocol = protocol
+
+    def models(self) -> Sequence[str]:
+        return self._pool.models()
+
+    def generate(self, spec: GenerateSpec, on_delta: OnDelta, on_end: OnEnd) -> _Handle:
+        t0 = _perf()
+        headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in spec.metadata]
+        body = _body(spec)
+        chat = spec.messages is not None
+        req = Request("POST", GRPC_ROUTE, "", headers, body, self._protocol, "grpc")
+        timeout = None if spec.deadline is None else max(0.0, spec.deadline - time.monotonic())
+        writer = DeltaWriter(on_delta, on_end)
+        call = self._gen.start(req, lambda r: self._parse(chat, r), lambda g: writer, on_end, _SINK, _noop,
+                               GRPC_ROUTE, t0, timeout)
+        return _Handle(call)
+
+    def _parse(self, chat: bool, req: Request) -> GenerationRequest:
+        g = self._api.parse(parse_chat if chat else parse_completion, req)
+        g.stream = True  # the service streams deltas whatever the RPC; whole replies are joined there
+        return g
+
+
+def _body(spec: GenerateSpec) -> bytes:
+    """The spec as the OpenAI body it means: one parser validates both protocols."""
+    d: dict[str, object] = {"model": spec.model}
+    if spec.messages is not None:
+        d["messages"] = [{"role": m.role, "content": m.content} for m in spec.messages]
+    else:
+        d["prompt"] = spec.prompt or ""
+    for key in ("max_tokens", "temperature", "top_p", "seed"):
+        v = getattr(spec, key)
+        if v is not None:
+            d[key] = v
+    if spec.stop:
+        d["stop"] = list(spec.stop)
+    return orjson.dumps(d)

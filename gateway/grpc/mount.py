@@ -1,0 +1,33 @@
+"""gRPC in the gateway process: the service bound to the pipeline, on its own port and as
+gRPC-Web on the HTTP listeners (the app's mounted routes)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..http.common import task_entrance
+from ..settings import GrpcSettings
+from .binding import PipelineBackend
+from .compression import Codecs
+from .server import NativeServer, start_native
+from .service import InferenceService
+from .web_route import GrpcWebRoute
+
+if TYPE_CHECKING:
+    from ..app import App
+
+__all__ = ["mount_grpc"]
+
+
+async def mount_grpc(app: App, settings: GrpcSettings, host: str) -> NativeServer | None:
+    """Mount gRPC-Web on ``app`` (if enabled) and start native gRPC (if its port is not -1)."""
+    backend = PipelineBackend(app.pool, app.generations, app.openai)
+    if settings.web:
+        handlers = InferenceService(backend).__mapping__()
+        origins = [o.encode() for o in settings.allowed_origins] or None
+        route = GrpcWebRoute(handlers, Codecs(settings.zstd_level, settings.gzip_level), settings.max_message_bytes,
+                             origins)
+        app.mount(handlers, task_entrance(route))
+    if settings.port < 0:
+        return None
+    return await start_native(backend, settings.host or host, settings.port)

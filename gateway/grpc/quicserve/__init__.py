@@ -1,0 +1,1 @@
+"""Protobuf packages under ``quicserve.*`` (see ``v1``)."""

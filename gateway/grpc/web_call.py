@@ -1,0 +1,140 @@
+"""gRPC-Web calls on the HTTP listeners: the thin asyncio adapter over :mod:`.web`.
+
+How it works: the HTTP adapter hands :func:`serve_web_call` the request path
+and headers, the request body as an async iterator of chunks, and a
+:class:`WebSink`. It opens the call (codec negotiation), finds the handler in
+a grpclib ``__mapping__()`` table -- the same handlers native gRPC runs -- and
+runs it on a :class:`WebStream`, which feeds body chunks to the sans-I/O
+reader only when the handler asks for a message (so a bidi ``Chat`` over
+HTTP/2 or HTTP/3 reads turns while it streams replies) and writes replies
+through the sink. Whatever happens -- a malformed body, an unknown method, an
+expired ``grpc-timeout``, a handler bug -- the response ends with exactly one
+trailer frame and nothing propagates into the adapter.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Any, Protocol
+
+from google.protobuf.message import DecodeError
+from grpclib.const import Handler
+from grpclib.metadata import Deadline
+
+from ..errors import APIError
+from .compression import Codecs
+from .status import Status, grpc_status, parse_grpc_timeout
+from .web import CallFailed, MessageReceived, Rejection, WebCall, WebEvent, open_call
+
+__all__ = ["WebSink", "WebStream", "serve_web_call"]
+
+log = logging.getLogger(__name__)
+
+
+class WebSink(Protocol):
+    """Where a gRPC-Web response goes: HTTP 200 with ``headers``, then body bytes."""
+
+    async def start(self, headers: list[tuple[bytes, bytes]]) -> None: ...
+
+    async def write(self, data: bytes) -> None: ...
+
+
+class _Abort(Exception):
+    def __init__(self, status: Status, message: str) -> None:
+        self.status = status
+        self.message = message
+
+
+class WebStream:
+    """A :class:`~gateway.grpc.service.CallStream` over one gRPC-Web call."""
+
+    def __init__(self, call: WebCall, request_type: Any, body: AsyncIterator[bytes], sink: WebSink,
+                 deadline: Deadline | None, headers: Mapping[bytes, bytes]) -> None:
+        self.deadline = deadline
+        # Call metadata as grpclib presents it: request headers but the pseudo and grpc-* ones.
+        self.metadata: Mapping[str, str | bytes] = {
+            k.decode("latin-1"): v.decode("latin-1") for k, v in headers.items()
+            if not k.startswith((b":", b"grpc-"))}
+        self._call = call
+        self._request_type = request_type
+        self._body = body
+        self._sink = sink
+        self._events: deque[WebEvent] = deque()
+        self._body_done = False
+        self._started = False
+        self.finished = False  # the trailer frame has been written
+
+    async def recv_message(self) -> Any:
+        while not self._events:
+            if self._body_done:
+                return None
+            chunk = await anext(self._body, None)
+            if chunk is None:
+                self._body_done = True
+                self._events.extend(self._call.reader.end_of_stream())
+            else:
+                self._events.extend(self._call.reader.receive_data(chunk))
+        event = self._events.popleft()
+        if isinstance(event, MessageReceived):
+            try:
+                return self._request_type.FromString(event.data)
+            except DecodeError as e:
+                raise _Abort(Status.INTERNAL, f"cannot parse the request message: {e}") from None
+        if isinstance(event, CallFailed):
+            raise _Abort(event.status, event.message)
+        self._body_done = True  # RequestEnded
+        return None
+
+    async def send_message(self, message: Any) -> None:
+        await self._start()
+        await self._sink.write(self._call.writer.message(message.SerializeToString()))
+
+    async def send_trailing_metadata(self, *, status: Status = Status.OK, status_message: str | None = None,
+                                     metadata: Sequence[tuple[str, str]] | None = None) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        await self._start()
+        await self._sink.write(self._call.writer.trailers(status, status_message or "", metadata or ()))
+
+    async def _start(self) -> None:
+        if not self._started:
+            self._started = True
+            await self._sink.start(self._call.writer.headers())
+
+
+async def serve_web_call(handlers: Mapping[str, Handler], path: str, headers: Mapping[bytes, bytes],
+                         body: AsyncIterator[bytes], sink: WebSink, codecs: Codecs, max_message: int) -> None:
+    """Run one gRPC-Web call to its trailer frame (headers: lower-case names)."""
+    opened = open_call(headers, codecs, max_message)
+    if isinstance(opened, Rejection):
+        await sink.start(opened.writer.headers())
+        await sink.write(opened.writer.trailers(opened.status, opened.message))
+        return
+    handler = handlers.get(path)
+    timeout: float | None = None
+    status, message = Status.OK, ""
+    if handler is None:
+        status, message = Status.UNIMPLEMENTED, f"unknown method {path}"
+    elif (raw := headers.get(b"grpc-timeout")) is not None:
+        try:
+            timeout = parse_grpc_timeout(raw)
+        except APIError as e:
+            status, message = grpc_status(e), e.message
+    stream = WebStream(opened, handler.request_type if handler else None, body, sink,
+                       Deadline.from_timeout(timeout) if timeout is not None else None, headers)
+    if handler is not None and status is Status.OK:
+        try:
+            async with asyncio.timeout(timeout):
+                await handler.func(stream)
+        except _Abort as a:
+            status, message = a.status, a.message
+        except TimeoutError:
+            status, message = Status.DEADLINE_EXCEEDED, "Deadline exceeded"
+        except Exception:
+            log.exception("gRPC-Web handler for %s failed", path)
+            status, message = Status.INTERNAL, "Internal Server Error"
+    await stream.send_trailing_metadata(status=status, status_message=message)

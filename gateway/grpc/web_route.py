@@ -1,0 +1,74 @@
+"""The gRPC-Web route for the HTTP listeners (h1, h2, later h3).
+
+The one piece the HTTP side needs: :meth:`GrpcWebRoute.matches` picks the
+requests (a gRPC-Web content type, or a CORS preflight for a gRPC method) and
+calling the route answers them on the adapter's ``ResponseSink`` through
+:func:`~gateway.grpc.web_call.serve_web_call`. The request body is read
+through ``Request.stream`` where the adapter streams it (full duplex: bidi
+``Chat`` over HTTP/2 and HTTP/3), else it is the one ``Request.body`` (turns
+sent at once, replies streamed: what HTTP/1.1 browsers can do).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Collection, Mapping
+
+from grpclib.const import Handler
+
+from ..http.types import Request, ResponseSink
+from .compression import Codecs
+from .cors import preflight_headers, response_headers
+from .web import is_grpc_web
+from .web_call import serve_web_call
+
+__all__ = ["GrpcWebRoute"]
+
+
+class _SinkAdapter:
+    """``WebSink`` over an HTTP ``ResponseSink`` (HTTP 200, CORS headers added)."""
+
+    def __init__(self, sink: ResponseSink, extra: list[tuple[bytes, bytes]]) -> None:
+        self._sink = sink
+        self._extra = extra
+
+    async def start(self, headers: list[tuple[bytes, bytes]]) -> None:
+        self._sink.start(200, headers + self._extra)
+
+    async def write(self, data: bytes) -> None:
+        await self._sink.send(data)
+
+
+async def _body(request: Request) -> AsyncIterator[bytes]:
+    if request.stream is None:
+        if request.body:
+            yield request.body
+        return
+    while chunk := await request.stream.read():
+        yield chunk
+
+
+class GrpcWebRoute:
+    def __init__(self, handlers: Mapping[str, Handler], codecs: Codecs, max_message: int,
+                 allowed_origins: Collection[bytes] | None = None) -> None:
+        self._handlers = handlers
+        self._codecs = codecs
+        self._max_message = max_message
+        self._origins = allowed_origins
+
+    def matches(self, request: Request) -> bool:
+        if request.method == "OPTIONS":
+            return request.path in self._handlers and request.header(b"access-control-request-method") is not None
+        return is_grpc_web(request.header(b"content-type", b"") or b"")
+
+    async def __call__(self, request: Request, sink: ResponseSink) -> None:
+        origin = request.header(b"origin")
+        if request.method == "OPTIONS":
+            sink.respond(204, preflight_headers(origin, self._origins), b"")
+            return
+        if request.method != "POST":
+            sink.respond(405, [(b"allow", b"POST, OPTIONS")], b"")
+            return
+        out = _SinkAdapter(sink, response_headers(origin, self._origins))
+        await serve_web_call(self._handlers, request.path, dict(request.headers), _body(request), out,
+                             self._codecs, self._max_message)
+        sink.end()

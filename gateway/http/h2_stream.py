@@ -1,0 +1,208 @@
+"""HTTP/2 pieces below the protocol class: h2's connection (with malformed requests made
+stream errors), one stream's record with its held-back output, and its response sink.
+
+How output works: a stream frames what the smaller of its and the connection's windows
+allows; the rest waits in :attr:`H2Stream.out` (with END_STREAM, and maybe a RST_STREAM, to
+follow it) and :meth:`H2Output.pump` sends more as WINDOW_UPDATEs arrive. Only ``send``
+waits: until its data has left the queue, and while the transport is paused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING
+
+import h2.config
+import h2.connection
+import h2.events
+import h2.exceptions
+import h2.settings
+from h2.errors import ErrorCodes
+from hyperframe.frame import DataFrame, Frame, HeadersFrame
+
+from gateway.http.adapter import SinkState
+from gateway.http.common import ClientDisconnected, HttpLimits, http_date
+from gateway.http.types import Call, Headers
+
+if TYPE_CHECKING:
+    from gateway.http.h2 import H2Protocol
+
+__all__ = [
+    "H2ServerConnection",
+    "H2Stream",
+    "H2Sink",
+    "local_settings",
+    "response_headers",
+    "RECEIVING",
+    "RUNNING",
+    "FINISHED",
+]
+
+_HOP_BY_HOP = frozenset((b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding", b"upgrade"))
+RECEIVING, RUNNING, FINISHED = 0, 1, 2  # H2Stream.phase: request arriving, call running, call done
+
+
+class H2ServerConnection(h2.connection.H2Connection):
+    """h2's connection, with a malformed request a stream error (RFC 9113 8.1.1) as it should be.
+
+    h2 raises a connection error for a request whose header block breaks its rules (field names
+    or values, connection-specific fields, pseudo-headers, content-length) or whose body does not
+    match its content-length, which takes every other stream of the connection down with it.
+    Here such a request is noted in ``malformed`` as (stream id, why, END_STREAM seen, DATA bytes
+    left to acknowledge) for the adapter to answer with a 400; its stream is open.
+
+    Why this overrides two private methods: h2's public API has no way to make these stream
+    errors. ``H2Configuration(validate_inbound_headers=False)`` would skip the field checks (we
+    would then re-implement h2's validation per stream), but the content-length checks are not
+    governed by any option: ``H2Stream._initialize_content_length`` (bad or conflicting
+    content-length on HEADERS) and ``_track_content_length`` (a body longer or shorter than
+    declared, on DATA) always raise out of ``receive_data``, after h2 has moved its state past
+    the frame and with the rest of the read unprocessed. Only here, per frame, can the error be
+    caught with the stream's state intact. Pinned by tests/integration/test_adversarial.py
+    (``test_h2_malformed_request_is_a_400_on_its_stream_not_the_connection``).
+    """
+
+    def __init__(self, config: h2.config.H2Configuration) -> None:
+        super().__init__(config)
+        self.malformed: list[tuple[int, str, bool, int]] = []
+
+    def _receive_headers_frame(self, frame: HeadersFrame) -> tuple[list[Frame], list[h2.events.Event]]:
+        sid = frame.stream_id
+        new = sid not in self.streams
+        try:
+            return super()._receive_headers_frame(frame)
+        except h2.exceptions.ProtocolError as e:
+            # Only a new request whose block decoded and opened its stream: h2 checks the fields
+            # after that. HPACK, framing, state and subclassed errors stay connection errors.
+            if not new or sid not in self.streams or type(e) is not h2.exceptions.ProtocolError:
+                raise
+            self.malformed.append((sid, str(e), "END_STREAM" in frame.flags, 0))
+            return [], []
+
+    def _receive_data_frame(self, frame: DataFrame) -> tuple[list[Frame], list[h2.events.Event]]:
+        try:
+            return super()._receive_data_frame(frame)
+        except h2.exceptions.InvalidBodyLengthError as e:  # raised before END_STREAM is taken
+            self.malformed.append((frame.stream_id, str(e), False, frame.flow_controlled_length))
+            return [], []
+
+
+def local_settings(limits: HttpLimits, max_streams: int) -> h2.settings.Settings:
+    return h2.settings.Settings(
+        client=False,
+        initial_values={
+            h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: max_streams,
+            h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: limits.h2_initial_window_size,
+        },
+    )
+
+
+def response_headers(status: int, headers: Headers, length: int | None) -> Headers:
+    out: Headers = [(b":status", b"%d" % status), (b"date", http_date())]
+    for k, v in headers:
+        if k not in _HOP_BY_HOP:
+            out.append((k, v))
+    if length is not None:
+        out.append((b"content-length", b"%d" % length))
+    return out
+
+
+class H2Stream:
+    __slots__ = (
+        "id", "method", "path", "query", "headers", "body", "body_len", "last_rx", "phase",
+        "client_done", "reset", "call", "sink", "out", "out_off", "out_end", "rst_after", "waiter",
+    )  # fmt: skip
+
+    def __init__(self, stream_id: int, now: float) -> None:
+        self.id = stream_id
+        self.method = ""
+        self.path = ""
+        self.query = ""
+        self.headers: Headers = []
+        self.body: list[bytes] = []
+        self.body_len = 0
+        self.last_rx = now
+        self.phase = RECEIVING
+        self.client_done = False  # the client ended its side
+        self.reset = False  # closed for output: reset by either side, or the connection is gone
+        self.call: Call | None = None
+        self.sink: H2Sink | None = None
+        self.out: list[bytes] = []  # DATA held back by flow control
+        self.out_off = 0  # how much of out[0] is sent
+        self.out_end = False  # END_STREAM after out (set once the response has ended)
+        self.rst_after = False  # then RST_STREAM(NO_ERROR): stop an upload we answered early
+        self.waiter: asyncio.Future[None] | None = None  # a send() waiting for out to empty
+
+    def wake(self) -> None:
+        w, self.waiter = self.waiter, None
+        if w is not None and not w.done():
+            w.set_result(None)
+
+
+class H2Sink(SinkState):
+    """:class:`~gateway.http.types.ResponseSink` for one HTTP/2 stream."""
+
+    __slots__ = ("_conn", "_st")
+
+    def __init__(self, conn: H2Protocol, st: H2Stream, head: bool) -> None:
+        super().__init__(head)
+        self._conn = conn
+        self._st = st
+
+    def respond(self, status: int, headers: Headers, body: bytes) -> None:
+        self._begin()
+        self.ended = True
+        if not self._st.reset:
+            self._conn._answer(
+                self._st, response_headers(status, headers, len(body)), b"" if self._head else body
+            )
+
+    def start(self, status: int, headers: Headers) -> None:
+        self._begin()
+        if not self._st.reset:
+            self._conn._send_headers(self._st, response_headers(status, headers, None), False)
+
+    async def send(self, data: bytes) -> None:
+        self._in_body("send")
+        conn, st = self._conn, self._st
+        if st.reset:
+            raise ClientDisconnected("stream closed by client")
+        if data and not self._head:
+            st.out.append(data)
+            conn._pump(st)
+            conn._schedule_flush()
+            while st.out:  # what the windows hold back goes as WINDOW_UPDATEs come
+                if st.reset:
+                    raise ClientDisconnected("stream closed by client")
+                st.waiter = conn._loop.create_future()
+                await st.waiter
+            if st.reset:  # woken because the stream was reset, its queue dropped
+                raise ClientDisconnected("stream closed by client")
+        if conn._write_paused or conn._transport is None:
+            await conn._drain()
+
+    def send_nowait(self, data: bytes) -> bool:
+        self._in_body("send_nowait")
+        conn, st = self._conn, self._st
+        if st.reset or st.out or conn._write_paused:
+            return False
+        if not data or self._head:
+            return True
+        h2c = conn._h2
+        if len(data) > min(h2c.local_flow_control_window(st.id), h2c.max_outbound_frame_size):
+            return False
+        h2c.send_data(st.id, data, end_stream=False)
+        conn._schedule_flush()
+        return True
+
+    def end(self) -> None:
+        st = self._st
+        if not self._ending() or st.reset:
+            return
+        st.out_end = True
+        if not st.out:
+            self._conn._end_stream(st)
+
+    def abort(self) -> None:
+        self.started = self.ended = True
+        self._conn._reset(self._st, ErrorCodes.INTERNAL_ERROR)
