@@ -14,10 +14,12 @@ How it works: every ``interval`` seconds :meth:`CycleSweeper.due` asks whether
 objects outlived refcounting since the last full collection (``gc.get_count()``:
 ``min_growth`` net tracked allocations in generation 0, or a young collection
 that promoted some) and whether the budget allows another; :meth:`sweep` runs
-``gc.collect()`` and spaces the next one by its cost, so collections take at
-most ``budget`` of the process's time (one that walks many live objects under
-load runs less often). Idle, the counts stand still and nothing runs. Clock
-and collector are arguments.
+``gc.collect()``. One that found garbage allows the next after ``interval``
+(freeing it costs the same whenever it happens, and a pile left to grow makes
+one long pause); one that found little, having walked live objects for
+nothing, spaces the next by its cost, so such collections take at most
+``budget`` of the process's time. Idle, the counts stand still and nothing
+runs. Clock and collector are arguments.
 """
 
 from __future__ import annotations
@@ -59,10 +61,15 @@ class CycleSweeper:
 
     def sweep(self) -> None:
         start = self._clock()
-        self.collected += self._collect()
+        found = self._collect()
         took = self._clock() - start
         self.sweeps += 1
-        self._next = start + max(self.interval, took / self.budget)
+        self.collected += found
+        # Freeing garbage costs the same whenever it happens; walking live objects for nothing is
+        # the waste to bound. A sweep that found garbage allows the next after ``interval``, and
+        # one that found little spaces the next by its cost.
+        spacing = self.interval if found >= self.min_growth else max(self.interval, took / self.budget)
+        self._next = start + spacing
 
     async def run(self) -> None:
         """Check every ``interval`` seconds until cancelled."""
