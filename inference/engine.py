@@ -4,24 +4,46 @@ How it works. Requests wait in ``_waiting`` (FIFO) and run in ``_running``
 (admission order). A step is two calls so the runner can execute off-thread:
 
   ``schedule(now)`` -> (StepPlan | None, events)
-      1. fail requests past their deadline;
-      2. give every running, un-paused sequence room for one more position;
-         when the KV cache is full, preempt the *newest* running sequence
-         (free its blocks, requeue it at the front; it is recomputed from its
-         prompt + generated tokens later, usually from the prefix cache);
-      3. if the batch window says so, admit waiting requests in order while
-         there are batch slots, free blocks and prefill-token budget (the
-         prefill holds at most ``max_prefill_tokens`` new tokens and what the
-         window's ``prefill_fits`` allows; the first request always fits).
+      1. fail requests past their deadline, and paused ones stalled past
+         ``stall_timeout``;
+      2. move resumed sequences that kept their KV back into free batch
+         slots (they need no prefill), ahead of any waiting request;
+      3. give every running sequence room for one more position; when the KV
+         cache is full, drop the KV of a paused sequence first, then of a
+         resumed one waiting for a slot, and only then preempt the *newest*
+         running sequence (free its blocks, requeue it at the front; it is
+         recomputed from its prompt + generated tokens later, usually from
+         the prefix cache);
+      4. if the batch window says so, admit waiting requests in order while
+         there are batch slots, free blocks (dropping paused sequences' KV
+         if that makes room) and prefill-token budget (the prefill holds at
+         most ``max_prefill_tokens`` new tokens and what the window's
+         ``prefill_fits`` allows; the first request always fits).
   ``commit(plan, outputs, now)`` -> events
       feeds each sampled token to its sequence (text delta, stop checks),
       finishes the done ones, registers newly full blocks in the prefix cache
       and tells the batch window how long the step took.
 
 Cancelling frees a request's blocks at once; a result for it that arrives
-later is dropped. Paused sequences (the client is not reading) keep their
-blocks but are skipped until resumed. Every request added ends exactly once:
-a :class:`Finished` or :class:`Failed` event (or the return of :meth:`cancel`).
+later is dropped. Every request added ends exactly once: a :class:`Finished`
+or :class:`Failed` event (or the return of :meth:`cancel`).
+
+Pausing (the client stopped reading: the worker has no credit to send its
+tokens) takes a sequence off the batch: RUNNING/WAITING -> PAUSED, in
+``_paused`` (pause order). Its batch slot goes to other work at once. Its KV
+blocks are *kept*, not swapped out: a stalled reader usually catches up within
+a round trip, and keeping costs nothing until memory is short, while a swap
+needs a device->host copy API no runner has and costs a transfer both ways
+even when the client comes back a moment later. The blocks stay referenced,
+so admission counts them (``kv.num_free`` excludes them); when the cache runs
+short a paused sequence is the first whose KV is dropped (it is recomputed
+after resuming, from prompt + generated tokens, often from the prefix cache).
+:meth:`resume` makes it RESUMING (kept KV: back into the first free slot, no
+prefill) or, without KV, WAITING at the front of the queue; either way ahead
+of new work. A sequence paused for ``stall_timeout`` seconds ends with
+``TIMEOUT`` and frees everything. Pausing while a step that includes the
+sequence runs drops that step's token for it; it is sampled again, the same,
+after resuming (seeded by position).
 """
 
 from __future__ import annotations
@@ -62,6 +84,7 @@ class EngineConfig:
     # Admissions that make a full prefill (the window stops waiting): the runner's max_prefill_batch.
     prefill_batch: int = _DEFAULTS.max_prefill_batch
     enable_prefix_cache: bool = _DEFAULTS.prefix_cache
+    stall_timeout: float = _DEFAULTS.stall_timeout  # seconds a paused request may wait (0 = no limit)
     seed: int = 0  # draws the seeds of unseeded requests
 
 
@@ -90,6 +113,8 @@ class Engine:
         self._by_id: dict[int, Sequence] = {}
         self._waiting: list[Sequence] = []
         self._running: list[Sequence] = []
+        self._paused: dict[Hashable, Sequence] = {}  # PAUSED, in pause order (oldest first)
+        self._resuming: list[Sequence] = []  # RESUMING: kept KV, waiting for a batch slot
         self._next_id = 1
         self._step_started: float | None = None
         self._last_admit = float("-inf")
@@ -148,15 +173,32 @@ class Engine:
             self._retire(s)
         return out
 
-    def pause(self, key: Hashable) -> None:
-        seq = self._by_key.get(key)
-        if seq is not None:
-            seq.paused = True
+    def pause(self, key: Hashable, now: float) -> None:
+        """Take a request off the batch (its client is not reading); it keeps its KV blocks."""
+        s = self._by_key.get(key)
+        if s is None or s.status is SeqStatus.PAUSED:
+            return
+        if s.status is SeqStatus.RUNNING:
+            self._running.remove(s)
+        elif s.status is SeqStatus.WAITING:
+            self._waiting.remove(s)
+        elif s.status is SeqStatus.RESUMING:
+            self._resuming.remove(s)
+        s.status = SeqStatus.PAUSED
+        s.paused_at = now
+        self._paused[key] = s
 
     def resume(self, key: Hashable) -> None:
-        seq = self._by_key.get(key)
-        if seq is not None:
-            seq.paused = False
+        """Its client reads again: back into the batch ahead of new work."""
+        s = self._paused.pop(key, None)
+        if s is None:
+            return
+        if self.kv.has_seq(s.seq_id):
+            s.status = SeqStatus.RESUMING
+            self._resuming.append(s)
+        else:
+            s.status = SeqStatus.WAITING
+            self._waiting.insert(0, s)
 
     # -- queries -------------------------------------------------------------
     @property
@@ -166,6 +208,11 @@ class Engine:
     @property
     def num_running(self) -> int:
         return len(self._running)
+
+    @property
+    def num_paused(self) -> int:
+        """Requests off the batch because their client is not reading (resumed ones waiting included)."""
+        return len(self._paused) + len(self._resuming)
 
     def has_unfinished(self) -> bool:
         return bool(self._by_key)
@@ -180,7 +227,9 @@ class Engine:
     def next_wakeup(self) -> float | None:
         """When a step could next do something if nothing else happens."""
         times = [s.deadline for s in self._by_key.values() if s.deadline is not None]
-        ready = [s for s in self._waiting if not s.paused]
+        if self.config.stall_timeout > 0 and self._paused:
+            times.append(next(iter(self._paused.values())).paused_at + self.config.stall_timeout)
+        ready = self._waiting
         free = self.config.max_batch - len(self._running)
         if ready and free > 0:
             times.append(self._admit_at(ready, free))
@@ -211,6 +260,15 @@ class Engine:
         for s in [s for s in self._by_key.values() if s.deadline is not None and now >= s.deadline]:
             self._retire(s)
             events.append(Failed(s.key, ErrorCode.TIMEOUT, "deadline exceeded"))
+        limit = self.config.stall_timeout
+        if limit > 0:
+            for s in [s for s in self._paused.values() if now - s.paused_at >= limit]:
+                self._retire(s)
+                events.append(Failed(s.key, ErrorCode.TIMEOUT, f"client stopped reading for {limit:g} s"))
+        while self._resuming and len(self._running) < self.config.max_batch:
+            s = self._resuming.pop(0)
+            s.status = SeqStatus.RUNNING
+            self._running.append(s)
         decodes = self._plan_decodes()
         prefills = self._plan_prefills(now)
         if not decodes and not prefills:
@@ -221,9 +279,11 @@ class Engine:
     def _plan_decodes(self) -> list[SeqWork]:
         work: list[SeqWork] = []
         for s in list(self._running):
-            if s.status is not SeqStatus.RUNNING or s.paused:
+            if s.status is not SeqStatus.RUNNING:
                 continue
             while not self.kv.ensure_capacity(s.seq_id, len(s.tokens)):
+                if self._drop_idle_kv(resuming_too=True):
+                    continue
                 victim = self._running[-1]
                 self._preempt(victim)
                 if victim is s:
@@ -238,7 +298,7 @@ class Engine:
 
     def _plan_prefills(self, now: float) -> list[SeqWork]:
         free_slots = self.config.max_batch - len(self._running)
-        ready = [s for s in self._waiting if not s.paused]
+        ready = list(self._waiting)
         if free_slots <= 0 or not ready:
             return []
         if now < self._admit_at(ready, free_slots):
@@ -254,6 +314,8 @@ class Engine:
                          or not self.window.prefill_fits([*lengths, len(s.tokens) - cached])):  # fmt: skip
                 break
             alloc = self.kv.allocate(s.seq_id, s.tokens)
+            while alloc is None and self._drop_idle_kv(resuming_too=False):
+                alloc = self.kv.allocate(s.seq_id, s.tokens)
             if alloc is None:
                 break
             budget -= len(s.tokens) - alloc.num_cached_tokens
@@ -308,6 +370,25 @@ class Engine:
         return events
 
     # -- internals -----------------------------------------------------------
+    def _drop_idle_kv(self, *, resuming_too: bool) -> bool:
+        """Free the KV of the longest-paused sequence that holds any (or, with ``resuming_too``,
+        of the newest resumed one still waiting for a slot); False if none holds KV."""
+        for s in self._paused.values():
+            if self.kv.has_seq(s.seq_id):
+                self.kv.free(s.seq_id)
+                s.num_computed = 0
+                self.num_preemptions += 1
+                return True
+        if resuming_too and self._resuming:
+            s = self._resuming.pop()
+            self.kv.free(s.seq_id)
+            s.num_computed = 0
+            s.status = SeqStatus.WAITING
+            self._waiting.insert(0, s)
+            self.num_preemptions += 1
+            return True
+        return False
+
     def _preempt(self, s: Sequence) -> None:
         self.kv.free(s.seq_id)
         self._running.remove(s)
@@ -322,6 +403,10 @@ class Engine:
             self._running.remove(s)
         elif s.status is SeqStatus.WAITING:
             self._waiting.remove(s)
+        elif s.status is SeqStatus.PAUSED:
+            del self._paused[s.key]
+        elif s.status is SeqStatus.RESUMING:
+            self._resuming.remove(s)
         s.status = SeqStatus.DONE
         self._by_key.pop(s.key, None)
         self._by_id.pop(s.seq_id, None)

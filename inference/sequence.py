@@ -57,9 +57,11 @@ EngineEvent = Delta | Finished | Failed
 
 
 class SeqStatus(enum.Enum):
-    WAITING = 1
-    RUNNING = 2
-    DONE = 3
+    WAITING = 1  # queued for a prefill (no KV blocks)
+    RUNNING = 2  # in the batch
+    PAUSED = 3  # off the batch: its client is not reading (KV kept until memory is short)
+    RESUMING = 4  # its client reads again; kept KV, waiting for a batch slot
+    DONE = 5
 
 
 class Sequence:
@@ -67,7 +69,7 @@ class Sequence:
 
     __slots__ = (
         "key", "seq_id", "prompt_len", "tokens", "params", "seed", "arrival", "deadline",
-        "return_text", "status", "paused", "num_computed", "cached_tokens", "admitted",
+        "return_text", "status", "paused_at", "num_computed", "cached_tokens", "admitted",
         "_decoder", "_stop", "_stop_ids", "_want_text",
     )  # fmt: skip
 
@@ -94,7 +96,7 @@ class Sequence:
         self.deadline = deadline
         self.return_text = return_text
         self.status = SeqStatus.WAITING
-        self.paused = False
+        self.paused_at = 0.0  # when it was last paused
         self.num_computed = 0  # positions whose K/V the runner has written
         self.cached_tokens = -1  # prefix-cache hit at first admission
         self.admitted = 0.0

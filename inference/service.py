@@ -7,8 +7,10 @@ the loop. :meth:`WorkerService.run` repeats: schedule a step, run the runner
 (in a one-thread executor so the loop keeps answering heartbeats during a
 long step), commit, and send what the step produced — one ``TokenBatch`` per
 connection for all its requests, then a ``Finish``/``Error`` per ended
-request. A request whose credit reaches 0 is paused in the engine until the
-gateway grants more. Stats go to every connection every ``stats_interval``.
+request. A request whose credit reaches 0 (its client is not reading) is
+paused off the engine's batch until the gateway grants more; past the
+engine's ``stall_timeout`` it ends with a TIMEOUT error. Stats go to every
+connection every ``stats_interval``.
 """
 
 from __future__ import annotations
@@ -221,6 +223,7 @@ class WorkerService:
                 ntok += len(ev.token_ids)
             else:
                 ends.append(ev)
+        now = self._clock()
         for cid, deltas in per_conn.items():
             conn = self._conns.get(cid)
             if conn is None or conn.closed:
@@ -228,7 +231,7 @@ class WorkerService:
             conn.send_tokens(pack_tokens(deltas))
             for rid, _ in deltas:
                 if conn.credit(rid) <= 0:
-                    self.engine.pause((cid, rid))
+                    self.engine.pause((cid, rid), now)
         for ev in ends:
             cid, rid = ev.key  # type: ignore[misc]
             conn = self._conns.get(cid)
@@ -239,7 +242,7 @@ class WorkerService:
             else:
                 conn.send_error(Error(rid, ev.code, ev.message))
         if ntok:
-            self._tokens_window.append((self._clock(), ntok))
+            self._tokens_window.append((now, ntok))
 
     @staticmethod
     def _finish(rid: int, f: Finished) -> Finish:

@@ -124,7 +124,8 @@ def build_service(args: argparse.Namespace) -> WorkerService:
             args.batch_window.calls = bucket_calls(runner.buckets)
         served = args.served_name or (args.model if args.model == "tiny" else Path(args.model).name)
     cfg = EngineConfig(max_batch=args.max_batch, max_prefill_tokens=args.max_prefill_tokens,
-                       prefill_batch=args.max_prefill_batch, enable_prefix_cache=args.prefix_cache)  # fmt: skip
+                       prefill_batch=args.max_prefill_batch, enable_prefix_cache=args.prefix_cache,
+                       stall_timeout=args.stall_timeout)  # fmt: skip
     engine = Engine(runner, tokenizer, cfg, window=args.batch_window)
     # A step runs in a one-thread executor so the loop keeps serving frames during it; a synthetic step
     # with no sleep takes microseconds, and the hand-off to a thread would cost more than the step.

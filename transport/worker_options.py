@@ -110,6 +110,10 @@ class WorkerOptions:
     batch_window: str = _opt("adaptive", "how long admission waits to batch prompts: adaptive | fixed:<ms>")
     prefix_cache: bool = _opt(True, "share the KV blocks of common prompt prefixes between requests")
     stats_interval: float = _opt(0.5, "seconds between load reports to the gateway")
+    # A request whose client stops reading is paused off the batch (its slot goes to other work) and
+    # ends with a TIMEOUT error after this long; a minute outlasts any reader that is merely slow.
+    stall_timeout: float = _opt(60.0, "seconds a request may wait for its client to read before it ends with "
+                                      "an error (0 = no limit; a paused request holds no batch slot)")
     synthetic_step_ms: float = _opt(0.0, "synthetic engine only: sleep per step, imitating model latency")
     cpus: str = _opt("", "pin the worker to these CPUs, e.g. '0-3,6' ('' = no pinning)")
     numa_node: int = _opt(-1, "pin the worker to this NUMA node's CPUs (-1 = none)")
@@ -178,6 +182,8 @@ def option_problems(o: WorkerOptions) -> list[tuple[str, str]]:
         p.append(("batch_window", str(exc)))
     if not o.stats_interval > 0:
         p.append(("stats_interval", f"must be > 0, got {o.stats_interval}"))
+    if not (math.isfinite(o.stall_timeout) and o.stall_timeout >= 0):
+        p.append(("stall_timeout", f"must be >= 0 (0 = no limit), got {o.stall_timeout}"))
     if not (math.isfinite(o.synthetic_step_ms) and o.synthetic_step_ms >= 0):
         p.append(("synthetic_step_ms", f"must be >= 0, got {o.synthetic_step_ms}"))
     if o.cpus:

@@ -189,7 +189,7 @@ def test_paused_sequence_skips_decode_until_resumed() -> None:
     eng.add("b", [65], SamplingParams(max_tokens=6, seed=2), 0.0)
     col = Collector()
     col.feed(eng.step(0.0))
-    eng.pause("a")
+    eng.pause("a", 0.05)
     for i in range(3):
         col.feed(eng.step(0.1 * (i + 1)))
     assert len(col.tokens("a")) == 1 and len(col.tokens("b")) == 4
@@ -284,3 +284,104 @@ def test_batch_window_delays_admission_to_batch_prefills() -> None:
     eng.add(3, [65], SamplingParams(max_tokens=16, seed=3), 0.8)
     eng.step(0.8)
     assert len(runner.plans[-1].prefills) == 2  # 2 and 3 make a full batch
+
+
+def _synthetic(max_batch: int, num_blocks: int = 64, stall_timeout: float = 5.0) -> Engine:
+    runner = SyntheticRunner(block_size=4, num_blocks=num_blocks, max_model_len=64)
+    return Engine(runner, TOK, EngineConfig(max_batch=max_batch, stall_timeout=stall_timeout))
+
+
+def _alone(prompt: list[int], max_tokens: int, seed: int) -> list[int]:
+    eng = _synthetic(1)
+    eng.add("x", prompt, SamplingParams(max_tokens=max_tokens, seed=seed), 0.0)
+    col = Collector()
+    run_until_done(eng, col)
+    return col.tokens("x")
+
+
+def test_paused_sequences_leave_the_batch_and_resume_ahead_of_new_work() -> None:
+    """Two slots. a and b run a step, then their clients stop reading: both leave the
+    batch (KV kept), c and d take the slots. When a and b resume they wait for a slot
+    ahead of e (added before they resumed), and every request streams exactly the tokens
+    it would have alone."""
+    eng = _synthetic(2)
+    p = SamplingParams(max_tokens=6, seed=1)
+    for k in "ab":
+        eng.add(k, b("prompt " + k), p, 0.0)
+    col = Collector()
+    col.feed(eng.step(0.0))
+    held = eng.kv.num_free
+    eng.pause("a", 0.0)
+    eng.pause("b", 0.0)
+    assert (eng.num_running, eng.num_paused) == (0, 2) and eng.kv.num_free == held  # slots free, KV kept
+    eng.add("c", b("prompt c"), SamplingParams(max_tokens=2, seed=1), 0.01)
+    eng.add("d", b("prompt d"), SamplingParams(max_tokens=8, seed=1), 0.01)
+    col.feed(eng.step(0.01))
+    assert eng.num_running == 2 and len(col.tokens("c")) == len(col.tokens("d")) == 1
+    eng.add("e", b("prompt e"), p, 0.02)
+    eng.resume("a")
+    eng.resume("b")
+    col.feed(eng.step(0.02))  # c finishes; its slot goes to a (kept KV, no prefill), not to e
+    assert "c" in col.ends and eng.num_running == 1
+    col.feed(eng.step(0.03))
+    assert len(col.tokens("a")) == 2 and not col.tokens("e") and eng.num_running == 2
+    assert (eng.num_paused, eng.num_waiting) == (1, 1)  # b resumed, waiting for a slot ahead of e
+    run_until_done(eng, col, t0=0.04)
+    for k in "abcde":
+        n = 2 if k == "c" else 8 if k == "d" else 6
+        assert col.tokens(k) == _alone(b("prompt " + k), n, 1), k
+    assert eng.kv.num_free == 64
+
+
+def test_a_stalled_request_ends_with_timeout_and_frees_everything() -> None:
+    eng = _synthetic(2, stall_timeout=5.0)
+    eng.add("a", b("stalled"), SamplingParams(max_tokens=20, seed=1), 0.0)
+    eng.add("b", b("reader"), SamplingParams(max_tokens=20, seed=1), 0.0)
+    col = Collector()
+    col.feed(eng.step(0.0))
+    eng.pause("a", 1.0)
+    assert eng.next_wakeup() == 6.0
+    for t in (2.0, 4.0, 5.9):
+        col.feed(eng.step(t))
+    assert "a" not in col.ends
+    col.feed(eng.step(6.0))
+    assert col.ends["a"] == Failed("a", ErrorCode.TIMEOUT, "client stopped reading for 5 s")
+    assert eng.num_paused == 0 and "a" not in eng
+    eng.resume("a")  # too late: nothing happens
+    run_until_done(eng, col, t0=6.1)
+    assert col.tokens("b") == _alone(b("reader"), 20, 1) and eng.kv.num_free == 64
+    eng.kv.check_invariants()
+
+
+def test_a_resumed_request_gets_a_fresh_stall_timer() -> None:
+    eng = _synthetic(1, stall_timeout=5.0)
+    eng.add("a", b("x"), SamplingParams(max_tokens=30, seed=1), 0.0)
+    col = Collector()
+    col.feed(eng.step(0.0))
+    eng.pause("a", 0.0)
+    eng.resume("a")
+    col.feed(eng.step(4.0))
+    eng.pause("a", 4.0)
+    col.feed(eng.step(8.0))  # 8 s since the first pause, 4 since the second
+    assert "a" not in col.ends and eng.next_wakeup() == 9.0
+
+
+def test_when_kv_runs_short_a_paused_sequence_is_recomputed_first() -> None:
+    """Ten blocks of 4. a (prompt 14 + 1 token: 4 blocks) pauses; b needs 7 blocks, more
+    than the 6 free: a's KV is dropped (not b refused, not a running sequence preempted).
+    a resumes without KV, is recomputed from prompt + generated tokens ahead of new work,
+    and streams what it would have alone."""
+    eng = _synthetic(2, num_blocks=10)
+    eng.add("a", b("a" * 14), SamplingParams(max_tokens=6, seed=1), 0.0)
+    col = Collector()
+    col.feed(eng.step(0.0))
+    eng.pause("a", 0.0)
+    assert eng.kv.num_free == 6
+    eng.add("b", b("b" * 26), SamplingParams(max_tokens=2, seed=1), 0.0)
+    col.feed(eng.step(0.01))
+    assert eng.num_running == 1 and len(col.tokens("b")) == 1 and eng.num_preemptions == 1
+    eng.resume("a")
+    eng.add("c", b("c"), SamplingParams(max_tokens=2, seed=1), 0.02)
+    run_until_done(eng, col, t0=0.02)
+    assert col.tokens("a") == _alone(b("a" * 14), 6, 1)
+    assert col.tokens("b") == _alone(b("b" * 26), 2, 1) and eng.kv.num_free == 10

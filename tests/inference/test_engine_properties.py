@@ -1,9 +1,10 @@
 """Hypothesis: random workloads against a small paged cache (preemption, prefix
-sharing, cancels, pauses). Every request ends exactly once, the block
-bookkeeping stays consistent, every block comes back, and each uncancelled
-request streams exactly the tokens and text an unconstrained reference run
-gives (the synthetic runner reads its paged KV back, so a wrong block would
-change the output)."""
+sharing, cancels, pauses, stall timeouts). Every request ends exactly once, the
+block bookkeeping stays consistent, every block comes back, and each
+uncancelled request streams exactly the tokens and text an unconstrained
+reference run gives (the synthetic runner reads its paged KV back, so a wrong
+block would change the output) — or, paused past the stall timeout, a prefix of
+them and a TIMEOUT."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from inference.sequence import Failed, Finished
 from inference.synthetic import SyntheticRunner, expected_token
 from inference.tokenizer import ByteTokenizer
 from tests.inference.doubles import Collector
-from transport.messages import FinishReason, SamplingParams
+from transport.messages import ErrorCode, FinishReason, SamplingParams
 
 TOK = ByteTokenizer()
 BASES = [list(b"shared system prompt: "), list(b"another base text"), list(b"zz")]
@@ -59,8 +60,9 @@ def test_random_workloads_end_once_and_match_reference(
     reqs: list[dict], num_blocks: int, max_batch: int, prefix_cache: bool, verify: bool
 ) -> None:
     runner = SyntheticRunner(block_size=4, num_blocks=num_blocks, max_model_len=64, verify=verify)
+    # Paused for 5 steps (resumed at the 5th, before it runs) is past the timeout; 1-4 is not.
     eng = Engine(runner, TOK, EngineConfig(max_batch=max_batch, max_prefill_tokens=24,
-                                           enable_prefix_cache=prefix_cache))  # fmt: skip
+                                           enable_prefix_cache=prefix_cache, stall_timeout=4.0))  # fmt: skip
     col = Collector()
     added: dict[int, tuple[list[int], SamplingParams]] = {}
     refused: set[int] = set()
@@ -83,7 +85,7 @@ def test_random_workloads_end_once_and_match_reference(
             if r["pause"] and i in added:
                 at, length = r["pause"]
                 if step == at:
-                    eng.pause(i)
+                    eng.pause(i, float(step))
                 elif step == at + length:
                     eng.resume(i)
         col.feed(eng.step(float(step)))
@@ -96,12 +98,15 @@ def test_random_workloads_end_once_and_match_reference(
     assert eng.kv.num_free == num_blocks
     for i, (prompt, p) in added.items():
         end = col.ends[i]
+        toks, text, reason = reference(prompt, p)
+        if isinstance(end, Failed):
+            assert reqs[i]["pause"] and reqs[i]["pause"][1] == 5 and end.code is ErrorCode.TIMEOUT
+            assert toks[: len(col.tokens(i))] == col.tokens(i)
+            continue
         assert isinstance(end, Finished), end
         if i in cancelled:
             assert end.reason is FinishReason.CANCELLED
             continue
-        toks, text, reason = reference(prompt, p)
         assert col.tokens(i) == toks
         assert col.text(i) == text
         assert end.reason is reason and end.completion_tokens == len(toks)
-        assert not isinstance(end, Failed)

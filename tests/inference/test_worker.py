@@ -361,3 +361,43 @@ async def test_jax_worker_with_int8_serves_what_the_float_worker_does(
     assert logged in caplog.text
     assert all(len(t) == 8 for t in quantized)
     assert quantized == await _serve_two([flags[0], "auto"], caplog)
+
+
+async def test_streams_whose_client_never_reads_do_not_hold_the_batch() -> None:
+    """Four batch slots; eight streams from a gateway that never grants credit (8 tokens
+    each) pause once their credit is spent, so another gateway's stream runs and finishes
+    while they wait. Past the stall timeout each stalled stream ends with TIMEOUT and the
+    engine holds nothing."""
+    svc = build_service(parse_args(["--engine", "synthetic", "--synthetic-step-ms", "2", "--max-batch", "4",
+                                    "--stall-timeout", "3", "--stats-interval", "0.05"]))  # fmt: skip
+    server = await serve("tcp://127.0.0.1:0", svc)
+    loop_task = asyncio.create_task(svc.run())
+    stalled_conn = await connect(server.address, initial_credit=8)
+    reader = await connect(server.address)
+    try:
+        p = SamplingParams(max_tokens=1000, seed=1)
+        stalled = [stalled_conn.submit(Submit(stalled_conn.next_request_id(), "tiny", p, prompt=f"s{i}"))
+                   for i in range(8)]  # fmt: skip
+        async with asyncio.timeout(10):
+            while svc.engine.num_paused < 8:
+                await asyncio.sleep(0.01)
+        assert svc.engine.num_running == 0
+        p = SamplingParams(max_tokens=40)
+        stream = reader.submit(Submit(reader.next_request_id(), "tiny", p, prompt="hi"))
+        _, _, end = await asyncio.wait_for(collect(stream), 10)
+        assert isinstance(end, Finish) and end.completion_tokens == 40
+        assert svc.engine.num_paused == 8  # served while every stalled stream was still there
+        async with asyncio.timeout(10):
+            while svc.engine.has_unfinished():
+                await asyncio.sleep(0.02)
+        for s in stalled:
+            _, toks, end = await asyncio.wait_for(collect(s), 5)
+            assert len(toks) == 8
+            assert end == Error(s.request_id, ErrorCode.TIMEOUT, "client stopped reading for 3 s")  # type: ignore[attr-defined]
+        assert svc.engine.kv.num_free == svc.engine.kv.num_blocks
+    finally:
+        await stalled_conn.close()
+        await reader.close()
+        svc.abort()
+        await loop_task
+        await server.close()
