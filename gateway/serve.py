@@ -91,7 +91,7 @@ async def run_gateway(settings: Settings, *, out: TextIO | None = None,
     limits = HttpLimits(max_body_bytes=lim.max_body_bytes, max_header_bytes=lim.max_header_bytes,
                         header_timeout=lim.header_timeout, body_timeout=lim.body_timeout,
                         keepalive_timeout=lim.keepalive_timeout,
-                        h2_max_concurrent_streams=lim.h2_max_concurrent_streams)
+                        h2_max_concurrent_streams=lim.h2_max_concurrent_streams, send_buffer=lim.send_buffer_bytes)
     srv = settings.server
     specs = [(ListenerSpec("tcp", srv.host, srv.port, reuse_port=srv.reuse_port), "(HTTP/1.1, h2c)")]
     servers: list[Listener] = []

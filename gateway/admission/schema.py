@@ -272,10 +272,15 @@ class SchemaRegistry:
                     raise _invalid(compiled, body)
 
 
+# The failed keyword as the error code a client can branch on (the codes params.py's own checks use)
+_CODES = {"type": "invalid_type", "required": "missing_required_parameter",
+          "additionalProperties": "unknown_parameter", "unevaluatedProperties": "unknown_parameter"}
+
+
 def _invalid(compiled: CompiledSchema, body: Any) -> APIError:
     v = compiled.first_error(body)
     if v is None:  # an engine disagreeing with itself; still a clear error
         v = Violation((), "unknown", "the body does not match the schema")
     param = json_param(v.path)
     return APIError(400, f"Invalid request body at '{param or '$'}': {v.message} (failed keyword: {v.keyword}).",
-                    "invalid_request_error", param, "invalid_request")
+                    "invalid_request_error", param, _CODES.get(v.keyword, "invalid_value"))

@@ -27,7 +27,7 @@ from ..errors import APIError
 __all__ = ["LoadShedder", "ShedTicket", "WaitEstimator", "DEFAULT_QUEUE_LIMIT", "DEFAULT_CLASSES",
            "DEFAULT_HEADROOM", "DEFAULT_PRIORITY"]
 
-DEFAULT_QUEUE_LIMIT = 256  # outstanding requests per model pool
+DEFAULT_QUEUE_LIMIT = 1024  # outstanding requests per model pool
 DEFAULT_CLASSES = 3  # priority classes 0 (shed first) .. 2
 DEFAULT_HEADROOM = 0.1  # share of the bound each higher class keeps for itself
 DEFAULT_PRIORITY = 1  # the class of a request without a key

@@ -13,6 +13,7 @@ means (:meth:`_deadline_passed`) and what losing the connection cancels (:meth:`
 from __future__ import annotations
 
 import asyncio
+import socket
 from math import inf
 from typing import cast
 
@@ -65,6 +66,10 @@ class StreamAdapter(asyncio.Protocol):
             self._client = (str(peer[0]), int(peer[1]))
         if register:
             self._srv.connections.add(self)
+        if self._srv.limits.send_buffer:  # bound what a client that stops reading leaves in the kernel
+            sock = t.get_extra_info("socket")
+            if sock is not None:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self._srv.limits.send_buffer)
         return t
 
     def connection_lost(self, exc: Exception | None) -> None:

@@ -54,6 +54,7 @@ class HttpLimits:
     h2_initial_window_size: int = 1 << 20  # per-stream receive window we advertise
     max_pipelined: int = 16  # parsed-but-unanswered h1 requests before reading pauses
     linger_timeout: float = 2.0  # after an error response, drain input this long before closing
+    send_buffer: int = 0  # SO_SNDBUF of accepted sockets (0: the kernel's autotuning, up to MBs a client)
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "max_header_bytes", "h2_max_concurrent_streams", "max_pipelined"):

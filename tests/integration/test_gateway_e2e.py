@@ -357,20 +357,25 @@ async def test_drain_deadline_ends_every_stream_with_an_error_event(tmp_path: Pa
             data[sid] = []
         writer.write(conn.data_to_send())
         open_ = set(data)
+        buf = b""
         while open_:
             chunk = await asyncio.wait_for(reader.read(65536), 20)
             assert chunk, "connection closed with streams open"
-            for ev in conn.receive_data(chunk):
-                if isinstance(ev, h2.events.DataReceived):
-                    data[ev.stream_id].append(ev.data)
-                    conn.acknowledge_received_data(ev.flow_controlled_length, ev.stream_id)
-                elif isinstance(ev, h2.events.StreamEnded | h2.events.StreamReset):
-                    open_.discard(ev.stream_id)
-                elif isinstance(ev, h2.events.ConnectionTerminated):
-                    # A graceful GOAWAY (RFC 9113 6.8: streams up to last_stream_id go on), which h2's
-                    # client state machine takes as the end of everything: keep reading.
-                    assert ev.error_code == 0 and ev.last_stream_id >= max(data)
-                    conn.state_machine.state = h2.connection.ConnectionState.CLIENT_OPEN
+            buf += chunk
+            while len(buf) >= 9 and len(buf) >= 9 + int.from_bytes(buf[:3], "big"):
+                n = 9 + int.from_bytes(buf[:3], "big")
+                frame, buf = buf[:n], buf[n:]  # one frame at a time: see ConnectionTerminated below
+                for ev in conn.receive_data(frame):
+                    if isinstance(ev, h2.events.DataReceived):
+                        data[ev.stream_id].append(ev.data)
+                        conn.acknowledge_received_data(ev.flow_controlled_length, ev.stream_id)
+                    elif isinstance(ev, h2.events.StreamEnded | h2.events.StreamReset):
+                        open_.discard(ev.stream_id)
+                    elif isinstance(ev, h2.events.ConnectionTerminated):
+                        # A graceful GOAWAY (RFC 9113 6.8: streams up to last_stream_id go on), which h2's
+                        # client state machine takes as the end of everything: keep reading.
+                        assert ev.error_code == 0 and ev.last_stream_id >= max(data)
+                        conn.state_machine.state = h2.connection.ConnectionState.CLIENT_OPEN
             writer.write(conn.data_to_send())
         writer.close()
         return [b"".join(v) for v in data.values()]
