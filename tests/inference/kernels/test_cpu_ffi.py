@@ -36,13 +36,40 @@ def fresh(monkeypatch: pytest.MonkeyPatch, tmp_path) -> Iterator[None]:
     cpu_ffi.available.cache_clear()  # the next caller asks again (registration itself happens once)
 
 
-def test_builds_into_the_cache_dir_once(fresh: None, tmp_path) -> None:
-    lv = cpu_isa.level()
+@pytest.fixture
+def tiny_sources(fresh: None, monkeypatch: pytest.MonkeyPatch, tmp_path) -> list:
+    """Two one-line sources in place of the kernels: the build's mechanics (a compiler per source, one
+    link, the rename, the cache) in a second, where the kernels take half a minute a level. The level
+    fixture builds the real ones."""
+    src = tmp_path / "src"
+    src.mkdir()
+    files = [src / "a.cc", src / "b.cc"]
+    files[0].write_text('extern "C" int quicserve_a() { return 7; }\n')
+    files[1].write_text('extern "C" int quicserve_b() { return 11; }\n')
+    monkeypatch.setattr(cpu_isa, "SOURCES", tuple(files))
+    monkeypatch.setattr(cpu_isa, "HEADERS", ())
+    monkeypatch.setenv("QUICSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    return files
+
+
+def test_builds_into_the_cache_dir_once(tiny_sources: list, tmp_path) -> None:
+    lv = cpu_isa.LEVELS[-1]
     lib = cpu_isa.build(lv)
-    assert lib.parent == tmp_path and lib.name.startswith(f"cpu_kernels-{lv.name}-") and lib.stat().st_size > 0
+    assert lib.parent == tmp_path / "cache" and lib.name.startswith(f"cpu_kernels-{lv.name}-")
+    loaded = ctypes.CDLL(str(lib))
+    assert loaded.quicserve_a() == 7 and loaded.quicserve_b() == 11  # both sources, one library
     mtime = lib.stat().st_mtime_ns
     assert cpu_isa.build(lv) == lib and lib.stat().st_mtime_ns == mtime  # reused, not rebuilt
-    assert list(tmp_path.iterdir()) == [lib]  # no build leftovers
+    assert list(lib.parent.iterdir()) == [lib]  # no build leftovers
+    tiny_sources[1].write_text('extern "C" int quicserve_b() { return 12; }\n')
+    assert cpu_isa.build(lv) != lib  # another source, another library
+
+
+def test_a_compile_error_is_a_clear_error(tiny_sources: list) -> None:
+    tiny_sources[1].write_text("int broken( {\n")
+    with pytest.raises(RuntimeError, match=r"building the CPU kernels \(generic\) failed: .*b\.cc"):
+        cpu_isa.build(cpu_isa.LEVELS[-1])
+    assert not list(cpu_isa._cache_dir().glob("*.so"))
 
 
 def test_no_compiler_is_a_clear_error(fresh: None, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -107,15 +134,6 @@ def test_exp_matches_float64_on_every_level(level: str) -> None:
     assert edge.tolist() == [1.0, 1.0, 0.0, 0.0, 0.0]
 
 
-def _assert_within(got: np.ndarray, want: np.ndarray, bound: np.ndarray, what: str) -> None:
-    """|got - want| <= bound everywhere; on failure, where and by how much (error / bound)."""
-    err = np.abs(got.astype(np.float64) - want)
-    worst = np.unravel_index(np.argmax(err / np.maximum(bound, np.finfo(np.float64).tiny)), err.shape)
-    assert (err <= bound).all(), (f"{what}: error {err[worst]:.3g} > bound {bound[worst]:.3g} at {worst} "
-                                  f"(got {got[worst]!r}, float64 {want[worst]!r}); "
-                                  f"{int((err > bound).sum())} of {err.size} outside")
-
-
 @pytest.mark.parametrize("d,h,kv,bs", [(64, 8, 4, 16), (128, 8, 1, 16), (12, 4, 4, 8), (8, 6, 2, 5), (72, 2, 2, 16)])
 def test_native_decode_matches_float64_attention(level: str, d: int, h: int, kv: int, bs: int) -> None:
     """Head dims on and off the 8-wide path, GQA 1/2/4/8, ragged contexts ending mid-block, blocks
@@ -133,11 +151,8 @@ def test_native_decode_matches_float64_attention(level: str, d: int, h: int, kv:
     for scale in (d ** -0.5, 4.0):
         got = np.asarray(cpu_ffi.paged_decode_cpu(*map(jnp.asarray, (q, kc, vc, tables, ctx)), scale=scale,
                                                   level=level))
-        for row in range(4):
-            keys, values = (c[tables[row]].reshape(m * bs, kv, d)[: ctx[row]].repeat(h // kv, axis=1)
-                            for c in (kc, vc))
-            want, bound = f64.attention(q[row], keys, values, scale, tile=bs)  # online over the blocks
-            _assert_within(got[row], want, bound, f"scale {scale:.3g} row {row}")
+        want, bound = f64.paged_decode(q, kc, vc, tables, ctx, scale, tile=bs)  # online over the blocks
+        f64.assert_within(got, want, bound, f"scale {scale:.3g}")
         assert not got[4].any()  # no context: zeros
 
 
@@ -168,14 +183,9 @@ def test_native_prefill_matches_float64_attention(level: str, d: int, h: int, kv
     for scale in (d ** -0.5, 4.0):
         got = np.asarray(cpu_ffi.prefill_attention_cpu(*map(jnp.asarray, (q, k, v, q_off, kv_len)), scale=scale,
                                                        level=level))
-        for row in range(b):
-            real = max(0, min(t, kv_len[row] - q_off[row]))
-            keys, values = (x[row].repeat(h // kv, axis=1) for x in (k, v))
-            for i in range(real):
-                seen = q_off[row] + i + 1  # causal: keys at positions <= the query's
-                want, bound = f64.attention(q[row, i], keys[:seen], values[:seen], scale, tile=_PREFILL_KEY_TILE)
-                _assert_within(got[row, i], want, bound, f"scale {scale:.3g} row {row} query {i}")
-            assert not got[row, real:].any(), f"row {row}: padding queries must be zeros"
+        want, bound, real = f64.prefill(q, k, v, q_off, kv_len, scale, tile=_PREFILL_KEY_TILE)
+        f64.assert_within(got[real], want[real], bound[real], f"scale {scale:.3g}")
+        assert not got[~real].any(), "padding queries must be zeros"
 
 
 def test_native_prefill_never_reads_keys_past_the_sequence(level: str) -> None:
@@ -261,7 +271,7 @@ def test_packed_matmul_matches_float64(level: str, m: int, n: int, k: int) -> No
     packed = pack_weight(w)
     assert packed.panels.shape == (-(-n // 16), k, 16) and packed.shape == (n, k)
     got = np.asarray(cpu_ffi.matmul_packed_cpu(jnp.asarray(x), packed.panels, n, level=level))
-    _assert_within(got, x.astype(np.float64) @ w.T.astype(np.float64), f64.matmul_bound(x, w), "x @ W.T")
+    f64.assert_within(got, x.astype(np.float64) @ w.T.astype(np.float64), f64.matmul_bound(x, w), "x @ W.T")
 
 
 def test_packed_matmul_rejects_inconsistent_shapes() -> None:
@@ -301,14 +311,14 @@ def test_native_rope_write_matches_float64_rotation_and_scatter(level: str, r: i
     q, k2, v2 = (np.asarray(x) for x in cpu_ffi.rope_write_kv_cpu(
         *map(jnp.asarray, (qkv, cos, sin, slots, kc, vc)), heads=h, level=level))
     want_q, bound_q = f64.rope(qkv[:, : h * d].reshape(r, h, d), cos, sin)
-    _assert_within(q, want_q, bound_q, "q")
+    f64.assert_within(q, want_q, bound_q, "q")
     want_k, bound_k = f64.rope(qkv[:, h * d: (h + kv) * d].reshape(r, kv, d), cos, sin)
     want_kc, bound_kc, want_vc = kc.astype(np.float64), np.zeros(kc.shape), vc.copy()
     for i, at in enumerate(slots):
         if 0 <= at < n * bs:
             want_kc[at // bs, at % bs], bound_kc[at // bs, at % bs] = want_k[i], bound_k[i]
             want_vc[at // bs, at % bs] = qkv[i, (h + kv) * d:].reshape(kv, d)
-    _assert_within(k2, want_kc, bound_kc, "k cache")
+    f64.assert_within(k2, want_kc, bound_kc, "k cache")
     np.testing.assert_array_equal(v2, want_vc)
 
 
@@ -383,7 +393,7 @@ def test_packed_matmul_fusions_match_float64(level: str, m: int, n: int, k: int)
     }
     for name, (got, want, bound) in cases.items():
         got = np.asarray(got)
-        _assert_within(got[real], want[real], bound[real], name)
+        f64.assert_within(got[real], want[real], bound[real], name)
         assert not got[~real].any(), f"{name}: padding rows must be zeros"
 
 
