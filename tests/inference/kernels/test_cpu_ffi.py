@@ -29,11 +29,17 @@ def level(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture
-def fresh(monkeypatch: pytest.MonkeyPatch, tmp_path) -> Iterator[None]:
-    monkeypatch.setenv("QUICSERVE_CACHE_DIR", str(tmp_path))
+def uncached() -> Iterator[None]:
+    """available() asks again (its answer is cached per level name, None included)."""
     cpu_ffi.available.cache_clear()
     yield
-    cpu_ffi.available.cache_clear()  # the next caller asks again (registration itself happens once)
+    cpu_ffi.available.cache_clear()
+
+
+@pytest.fixture
+def fresh(monkeypatch: pytest.MonkeyPatch, tmp_path, uncached: None) -> None:
+    """An empty build cache (registration itself still happens once per process and level)."""
+    monkeypatch.setenv("QUICSERVE_CACHE_DIR", str(tmp_path))
 
 
 @pytest.fixture
@@ -93,6 +99,23 @@ def test_a_failed_build_means_the_reference_with_a_warning(
 def test_switched_off_by_environment(fresh: None, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("QUICSERVE_CPU_KERNELS", "0")
     assert not cpu_ffi.available()
+
+
+def test_the_environment_picks_the_level_that_runs(uncached: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """QUICSERVE_CPU_ISA decides which level's handlers a traced call binds; a bad value is a clear error."""
+    import jax
+    import jax.numpy as jnp
+
+    q = jnp.zeros((1, 2, 8), jnp.float32)
+    kc = jnp.zeros((2, 4, 1, 8), jnp.float32)
+    args = (q, kc, kc, jnp.zeros((1, 2), jnp.int32), jnp.ones(1, jnp.int32))
+    for lv in _HOST:
+        monkeypatch.setenv(cpu_isa.ENV_VAR, lv.name)
+        hlo = jax.jit(lambda *a: cpu_ffi.paged_decode_cpu(*a, scale=0.5)).lower(*args).as_text()
+        assert f"quicserve_paged_decode_f32_{lv.name}" in hlo
+    monkeypatch.setenv(cpu_isa.ENV_VAR, "sse9")
+    with pytest.raises(ValueError, match="QUICSERVE_CPU_ISA='sse9'"):
+        cpu_ffi.available()
 
 
 def test_a_block_id_outside_the_cache_is_an_error_not_a_wild_read() -> None:
