@@ -218,3 +218,7 @@ ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QuicservePagedDecodeF32, PagedDecodeImpl, quicserve::attention_binding());
+
+// The softmax's exp as the kernels compile it, for the tests: they hold it to its error bound on
+// every instruction-set level (the compiler may contract and vectorize it differently on each).
+extern "C" void QuicserveExpNonpositive(float* x, int64_t n) { exp_nonpositive(x, n); }

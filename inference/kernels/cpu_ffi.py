@@ -32,13 +32,12 @@ evaluated them per head element; as this call's operands they are computed once 
 call, and the rotated k and v go straight to their slots (no reshape copies, no
 scatters). bench_decode's batch-32 run 2.59 -> 2.48 s, decode step 17.9 -> 17.0 ms.
 
-How: the sources are compiled with the system ``g++`` against jaxlib's FFI
-headers (``jax.ffi.include_dir()``) into one library in a cache directory
-keyed by a hash of the sources, the flags, the jaxlib version and the CPU
-(``-march=native``) (``$QUICSERVE_CACHE_DIR`` or ``~/.cache/quicserve``),
-loaded with ctypes and registered as FFI targets for the CPU platform.
-Anything missing (no compiler, a failed build) logs once and
-:func:`available` returns False, so callers fall back.
+How: the sources are compiled with the system ``g++`` for one instruction-set level
+(:mod:`inference.kernels.cpu_isa`: ``avx512``, ``avx2`` or ``generic``, the best this CPU executes
+unless ``$QUICSERVE_CPU_ISA`` names one) into a cached library, loaded with ctypes, and each handler
+registered as an FFI target for the CPU platform under a name that carries the level, so one process
+can hold several levels (the tests compare them). Anything missing (no compiler, a failed build)
+logs once and :func:`available` returns False, so callers fall back.
 ``QUICSERVE_CPU_KERNELS=0`` turns them off.
 """
 
@@ -46,28 +45,20 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import jaxlib
 import numpy as np
 
+from inference.kernels import cpu_isa
+
 __all__ = ["available", "serves", "paged_decode_cpu", "prefill_attention_cpu", "matmul_packed_cpu",
-           "rope_write_kv_cpu", "THREADS"]
+           "rope_write_kv_cpu", "gather_live_cpu", "THREADS"]
 
 log = logging.getLogger(__name__)
 
-_DIR = Path(__file__).parent
-_SOURCES = (_DIR / "cpu_decode.cc", _DIR / "cpu_prefill.cc", _DIR / "cpu_matmul.cc", _DIR / "cpu_rope.cc")
-_HEADERS = (_DIR / "cpu_parallel.h", _DIR / "cpu_simd.h")
 _TARGETS = {"quicserve_paged_decode_f32": "QuicservePagedDecodeF32",
             "quicserve_prefill_f32": "QuicservePrefillF32",
             "quicserve_gather_live_f32": "QuicserveGatherLiveF32",
@@ -75,62 +66,36 @@ _TARGETS = {"quicserve_paged_decode_f32": "QuicservePagedDecodeF32",
             "quicserve_matmul_packed_norm_f32": "QuicserveMatmulPackedNormF32",
             "quicserve_matmul_packed_residual_f32": "QuicserveMatmulPackedResidualF32",
             "quicserve_rope_write_kv_f32": "QuicserveRopeWriteKvF32"}
-_FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
-          "-fno-trapping-math", "-shared", "-fPIC", "-std=c++17", "-w")
 THREADS = max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
 
 
-def _cache_dir() -> Path:
-    return Path(os.environ.get("QUICSERVE_CACHE_DIR") or Path.home() / ".cache" / "quicserve")
-
-
-def _cpu_id() -> bytes:
-    """The CPU's model and feature flags: ``-march=native`` code must not be reused on another CPU."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.processor().encode()
-    return "".join(x for x in lines if x.startswith(("model name", "flags")))[:4096].encode()
-
-
-def _build() -> Path:
-    src = b"".join(p.read_bytes() for p in (*_SOURCES, *_HEADERS))
-    key = hashlib.sha256(src + " ".join(_FLAGS).encode() + jaxlib.__version__.encode() + _cpu_id()).hexdigest()[:16]
-    lib = _cache_dir() / f"cpu_kernels-{key}.so"
-    if lib.exists():
-        return lib
-    cxx = shutil.which(os.environ.get("CXX", "g++"))
-    if cxx is None:
-        raise RuntimeError("no C++ compiler (g++) on PATH")
-    lib.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:  # build aside, then rename: safe with concurrent builds
-        out = Path(tmp) / lib.name
-        cmd = [cxx, *_FLAGS, "-I", jax.ffi.include_dir(), "-I", str(_DIR), *map(str, _SOURCES), "-o", str(out),
-               "-lpthread"]
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        if res.returncode:
-            raise RuntimeError(f"building the CPU kernels failed: {res.stderr[-2000:]}")
-        os.replace(out, lib)
-    log.info("built the native CPU kernels: %s", lib)
-    return lib
-
-
 @functools.cache
-def _load_and_register() -> None:
-    """Build (or find) the library and register its handlers, once per process: XLA refuses a second
-    registration of the same target from another address, and then fails to start its CPU backend."""
-    lib = ctypes.cdll.LoadLibrary(str(_build()))
+def _load_and_register(level: str) -> None:
+    """Build (or find) one level's library and register its handlers, once per process and level: XLA
+    refuses a second registration of the same target from another address, and then fails to start
+    its CPU backend."""
+    lib = ctypes.cdll.LoadLibrary(str(cpu_isa.build(cpu_isa.level(level))))
     for target, symbol in _TARGETS.items():
-        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+        jax.ffi.register_ffi_target(f"{target}_{level}", jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+    log.info("native CPU kernels loaded for %s (%s picks another level)", level, cpu_isa.ENV_VAR)
+
+
+def _target(name: str, level: str | None) -> str:
+    """The registered FFI target of ``name`` at ``level`` (default: :func:`cpu_isa.level`), loading it first."""
+    lv = cpu_isa.level(level).name
+    _load_and_register(lv)
+    return f"{name}_{lv}"
 
 
 @functools.cache
-def available() -> bool:
-    """Whether the kernels are built and registered (False, logged once, if they cannot be)."""
+def available(level: str | None = None) -> bool:
+    """Whether the kernels are built and registered for ``level`` (default: the chosen one), False and
+    logged once if they cannot be. An unknown level, or one this CPU cannot run, is a ValueError."""
     if os.environ.get("QUICSERVE_CPU_KERNELS", "1") == "0":
         return False
+    name = cpu_isa.level(level).name
     try:
-        _load_and_register()
+        _load_and_register(name)
     except Exception as exc:  # noqa: BLE001 -- any failure means "use the reference"
         log.warning("native CPU kernels unavailable, using the jnp reference: %s", exc)
         return False
@@ -144,42 +109,43 @@ def serves(*dtypes: object) -> bool:
 
 
 def paged_decode_cpu(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, block_tables: jax.Array,
-                     context_lens: jax.Array, *, scale: float, threads: int = THREADS) -> jax.Array:
+                     context_lens: jax.Array, *, scale: float, threads: int = THREADS,
+                     level: str | None = None) -> jax.Array:
     """``inference.model.attention.paged_decode_attention`` for float32 caches, as one native call.
 
     Call only when :func:`available` is True. Context lengths past the block table are clamped to it.
     """
-    call = jax.ffi.ffi_call("quicserve_paged_decode_f32", jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    call = jax.ffi.ffi_call(_target("quicserve_paged_decode_f32", level), jax.ShapeDtypeStruct(q.shape, jnp.float32))
     return call(q.astype(jnp.float32), k_cache, v_cache, block_tables.astype(jnp.int32),
                 context_lens.astype(jnp.int32), scale=np.float32(scale), threads=np.int64(threads))
 
 
 def prefill_attention_cpu(q: jax.Array, k: jax.Array, v: jax.Array, q_offsets: jax.Array, kv_lens: jax.Array,
-                          *, scale: float, threads: int = THREADS) -> jax.Array:
+                          *, scale: float, threads: int = THREADS, level: str | None = None) -> jax.Array:
     """``inference.model.attention.prefill_attention`` for float32, as one native call.
 
     Call only when :func:`available` is True. Queries at or past ``kv_lens`` (padding) get zeros.
     """
-    call = jax.ffi.ffi_call("quicserve_prefill_f32", jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    call = jax.ffi.ffi_call(_target("quicserve_prefill_f32", level), jax.ShapeDtypeStruct(q.shape, jnp.float32))
     return call(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), q_offsets.astype(jnp.int32),
                 kv_lens.astype(jnp.int32), scale=np.float32(scale), threads=np.int64(threads))
 
 
 def gather_live_cpu(k_cache: jax.Array, v_cache: jax.Array, block_tables: jax.Array, kv_lens: jax.Array, *,
-                    threads: int = THREADS) -> tuple[jax.Array, jax.Array]:
+                    threads: int = THREADS, level: str | None = None) -> tuple[jax.Array, jax.Array]:
     """Each row's blocks of the float32 caches ``[NB, BS, KV, D]`` as ``k, v [B, M * BS, KV, D]``, copying
     only the blocks that hold its first ``kv_lens[b]`` keys: the rest is left unwritten, so only
     :func:`prefill_attention_cpu` (which reads no key past ``kv_lens``) may consume them."""
     b, m = block_tables.shape
     shape = jax.ShapeDtypeStruct((b, m * k_cache.shape[1], *k_cache.shape[2:]), jnp.float32)
-    call = jax.ffi.ffi_call("quicserve_gather_live_f32", (shape, shape))
+    call = jax.ffi.ffi_call(_target("quicserve_gather_live_f32", level), (shape, shape))
     return call(k_cache, v_cache, block_tables.astype(jnp.int32), kv_lens.astype(jnp.int32),
                 threads=np.int64(threads))
 
 
 def matmul_packed_cpu(x: jax.Array, panels: jax.Array, n: int, *, live: jax.Array | None = None,
                       norm: jax.Array | None = None, eps: float = 0.0, residual: jax.Array | None = None,
-                      swiglu: bool = False, threads: int = THREADS) -> jax.Array:
+                      swiglu: bool = False, threads: int = THREADS, level: str | None = None) -> jax.Array:
     """``x [M, K] @ W.T -> [M, n]`` for float32 ``W [n, K]`` stored as ``panels [ceil(n/16), K, 16]``
     (``inference.model.llama.pack_weight``), as one native call. Call only when :func:`available` is True.
 
@@ -193,26 +159,26 @@ def matmul_packed_cpu(x: jax.Array, panels: jax.Array, n: int, *, live: jax.Arra
     x = x.astype(jnp.float32)
     live = jnp.full((1,), x.shape[0], jnp.int32) if live is None else live.astype(jnp.int32)
     if norm is not None:
-        call = jax.ffi.ffi_call("quicserve_matmul_packed_norm_f32", out)
+        call = jax.ffi.ffi_call(_target("quicserve_matmul_packed_norm_f32", level), out)
         return call(x, panels, live, norm.astype(jnp.float32), eps=np.float32(eps), threads=np.int64(threads))
     if residual is not None:
-        call = jax.ffi.ffi_call("quicserve_matmul_packed_residual_f32", out)
+        call = jax.ffi.ffi_call(_target("quicserve_matmul_packed_residual_f32", level), out)
         return call(x, panels, live, residual.astype(jnp.float32), swiglu=np.int64(swiglu),
                     threads=np.int64(threads))
     if swiglu:
         raise ValueError("swiglu is fused only with a residual")
-    return jax.ffi.ffi_call("quicserve_matmul_packed_f32", out)(x, panels, live, threads=np.int64(threads))
+    return jax.ffi.ffi_call(_target("quicserve_matmul_packed_f32", level), out)(x, panels, live, threads=np.int64(threads))
 
 
 def rope_write_kv_cpu(qkv: jax.Array, cos: jax.Array, sin: jax.Array, slots: jax.Array, k_cache: jax.Array,
                       v_cache: jax.Array, *, heads: int,
-                      threads: int = THREADS) -> tuple[jax.Array, jax.Array, jax.Array]:
+                      threads: int = THREADS, level: str | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One layer's RoPE and K/V cache write (``cpu_rope.cc``): ``qkv [R, (heads + 2 KV) D]`` (q | k | v),
     ``cos``/``sin [R, D/2]``, ``slots [R]`` (outside the cache: dropped) -> rotated ``q [R, heads, D]`` and
     the caches with rotated k and v written, in place (aliased). Call only when :func:`available` is True."""
     r, d = qkv.shape[0], k_cache.shape[-1]
     f32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.float32)
     results = (f32((r, heads, d)), f32(k_cache.shape), f32(v_cache.shape))
-    call = jax.ffi.ffi_call("quicserve_rope_write_kv_f32", results, input_output_aliases={4: 1, 5: 2})
+    call = jax.ffi.ffi_call(_target("quicserve_rope_write_kv_f32", level), results, input_output_aliases={4: 1, 5: 2})
     return call(qkv.astype(jnp.float32), cos, sin, slots.astype(jnp.int32), k_cache, v_cache,
                 threads=np.int64(threads))

@@ -11,12 +11,17 @@ from inference.kernels.quant import quantize_blocks
 from inference.model import attention
 from inference.model.attention import (
     dense_paged_decode_attention,
-    dense_prefill_attention,
     get_attention_backend,
     paged_decode_attention,
     prefill_attention,
     set_attention_backend,
 )
+from tests.inference.kernels import float64_bounds as f64
+
+# The fewest keys either path folds into its online softmax per step (a block of 8 here; the jnp loops
+# take whole blocks or 64-key chunks, the native kernels a block or 64 keys): the float64 bounds grow
+# with the number of steps, so counting the finest steps keeps them valid for both.
+_FEWEST_KEYS_PER_STEP = 8
 
 
 @pytest.fixture(autouse=True, params=["native", "jnp"])
@@ -66,10 +71,10 @@ def test_prefill_matches_dense_with_offsets_gqa_and_padding():
     q, k, v = randn(rng, b, t, h, d), randn(rng, b, s, kv, d), randn(rng, b, s, kv, d)
     q_off = jnp.asarray([0, 290, 570], jnp.int32)
     kv_len = jnp.asarray([13, 310, 590], jnp.int32)  # row 0 has only 13 real queries
-    got = prefill_attention(q, k, v, q_off, kv_len, scale=0.25)
-    ref = dense_prefill_attention(q, k, v, q_off, kv_len, scale=0.25)
-    np.testing.assert_allclose(np.asarray(got)[0, :13], np.asarray(ref)[0, :13], atol=1e-5)
-    np.testing.assert_allclose(np.asarray(got)[1:], np.asarray(ref)[1:], atol=1e-5)
+    got = np.asarray(prefill_attention(q, k, v, q_off, kv_len, scale=0.25))
+    want, bound, real = f64.prefill(q, k, v, q_off, kv_len, 0.25, tile=_FEWEST_KEYS_PER_STEP)
+    assert real[0].sum() == 13 and real[1:].all()
+    f64.assert_within(got[real], want[real], bound[real], "prefill")
 
 
 def test_first_query_sees_only_itself():
@@ -87,8 +92,7 @@ def test_paged_decode_matches_dense_and_padding_rows_are_zero():
     ctx = jnp.asarray([1, 129, 300, 0], jnp.int32)  # crosses several decode chunks; row 3 is padding
     q = randn(rng, 4, h, d)
     got = np.asarray(paged_decode_attention(q, kc, vc, tables, ctx, scale=0.3))
-    ref = np.asarray(dense_paged_decode_attention(q, kc, vc, tables, ctx, scale=0.3))
-    np.testing.assert_allclose(got[:3], ref[:3], atol=1e-5)
+    f64.assert_within(got, *f64.paged_decode(q, kc, vc, tables, ctx, 0.3, tile=_FEWEST_KEYS_PER_STEP), "decode")
     assert np.all(got[3] == 0) and np.all(np.isfinite(got))
 
 
@@ -110,8 +114,7 @@ def test_paged_decode_chunk_edges_match_dense(b: int, h: int, kv: int):
     q, kc, vc, tables = _paged_inputs(3, b, h, kv)
     ctx = jnp.asarray([EDGE_LENS[i % len(EDGE_LENS)] for i in range(b)], jnp.int32)
     got = np.asarray(paged_decode_attention(q, kc, vc, tables, ctx, scale=0.25))
-    ref = np.asarray(dense_paged_decode_attention(q, kc, vc, tables, ctx, scale=0.25))
-    np.testing.assert_allclose(got, ref, atol=2e-5, rtol=0)
+    f64.assert_within(got, *f64.paged_decode(q, kc, vc, tables, ctx, 0.25, tile=_FEWEST_KEYS_PER_STEP), "decode")
 
 
 def test_paged_decode_chunk_size_follows_batch():
@@ -164,9 +167,8 @@ def test_paged_decode_compiles_once_for_any_context():
     fn = jax.jit(f)
     for ctx in ([1] * 8, [192] * 8, [17, 64, 65, 3, 100, 150, 2, 191]):
         lens = jnp.asarray(ctx, jnp.int32)
-        np.testing.assert_allclose(np.asarray(fn(q, kc, vc, tables, lens)),
-                                   np.asarray(dense_paged_decode_attention(q, kc, vc, tables, lens, scale=0.25)),
-                                   atol=2e-5, rtol=0)
+        f64.assert_within(fn(q, kc, vc, tables, lens),
+                          *f64.paged_decode(q, kc, vc, tables, lens, 0.25, tile=_FEWEST_KEYS_PER_STEP), f"ctx {ctx}")
     assert len(traces) == 1
 
 
