@@ -35,7 +35,7 @@ from .http.quic_listener import QuicListener, start_quic_listener
 from .http.quic_settings import alt_svc as alt_svc_header
 from .http.tls import SELF_SIGNED_CERT, SELF_SIGNED_KEY
 from .observability.metrics import GatewayMetrics
-from .observability.progress import ProgressDisplay
+from .observability.systemd import SystemdNotifier, required_models
 from .routing.pool import ModelPool
 from .routing.supervisor import WorkerSupervisor
 from .settings import Settings, state_dir
@@ -112,9 +112,11 @@ async def run_gateway(settings: Settings, *, out: TextIO | None = None,
     if native is not None:
         _say(out, f"listening on grpc://{_hostport(settings.grpc.host or srv.host, native.port)} (gRPC, h2c)")
 
-    supervisor = WorkerSupervisor(settings.workers, pool, metrics, ProgressDisplay(settings.log.progress))
+    notifier = SystemdNotifier.from_environ()  # systemd hook: READY/STATUS/STOPPING + watchdog pings
+    supervisor = WorkerSupervisor(settings.workers, pool, metrics, notifier.progress_display(settings.log.progress))
     app.worker_failure = lambda: supervisor.failure
     supervisor.start()
+    notifier.start(required_models(settings.workers), pool.models)
     tune_gc()
 
     stop = stop if stop is not None else asyncio.Event()
@@ -156,6 +158,7 @@ async def run_gateway(settings: Settings, *, out: TextIO | None = None,
         await stop.wait()
     finally:
         ready_task.cancel()
+        notifier.stopping()
         await _drain(app, servers, native, grace[0], deadline[0], now_, out)
         await supervisor.stop()
         if adm.leases is not None and leases_task is not None:
@@ -163,6 +166,7 @@ async def run_gateway(settings: Settings, *, out: TextIO | None = None,
             await adm.leases.close()
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.remove_signal_handler(sig)
+        await notifier.close()
         _say(out, "stopped")
     return 0
 

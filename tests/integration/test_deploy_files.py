@@ -105,6 +105,24 @@ def test_systemd_unit_matches_the_code() -> None:
     assert env, "the unit sets no environment"
     state = env_settings(env).server.state_dir
     assert f"ReadWritePaths={state}" in lines  # the one writable path is where the state goes
+    keys = dict(ln.split("=", 1) for ln in lines if "=" in ln)
+    # readiness and watchdog are spoken by gateway/observability/systemd.py (tests/integration/test_systemd_notify.py)
+    assert keys["Type"] == "notify" and keys["NotifyAccess"] == "main"
+    assert 0 < int(keys["WatchdogSec"]) and int(keys["TimeoutStartSec"]) > load_settings().workers.ready_timeout
+    for hardening in ("DynamicUser", "NoNewPrivileges", "ProtectHome", "PrivateTmp", "RestrictSUIDSGID"):
+        assert keys[hardening] == "yes", hardening
+    assert keys["ProtectSystem"] == "strict" and "MemoryDenyWriteExecute" not in keys  # XLA's JIT needs W+X
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed (APT_PKGS has it)")
+def test_systemd_unit_verifies(tmp_path: Path) -> None:
+    """systemd itself parses the unit: no unknown keys or bad values (it warns and goes on, so: no output)."""
+    script = shutil.which("quicserve", path=str(Path(sys.executable).parent))
+    assert script, "the quicserve console script is not installed next to this interpreter"
+    unit = tmp_path / UNIT.name
+    unit.write_text(UNIT.read_text().replace("/opt/quicserve/.venv/bin/quicserve", script))
+    r = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and not r.stderr.strip() and not r.stdout.strip(), r.stderr + r.stdout
 
 
 def _get(url: str, body: dict | None = None) -> tuple[int, dict]:
