@@ -34,6 +34,7 @@ from .http.listeners import Listener
 from .http.quic_listener import QuicListener, start_quic_listener
 from .http.quic_settings import alt_svc as alt_svc_header
 from .http.tls import SELF_SIGNED_CERT, SELF_SIGNED_KEY
+from .observability.logs import configure_logging
 from .observability.metrics import GatewayMetrics
 from .observability.systemd import SystemdNotifier, required_models
 from .routing.pool import ModelPool
@@ -219,7 +220,7 @@ def _hostport(host: str, port: int) -> str:
 
 def serve_forever(settings: Settings) -> int:
     """Run :func:`run_gateway` on uvloop (unless ``server.uvloop = false``)."""
-    logging.basicConfig(level=settings.log.level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(settings.log.level)  # logs hook: text/JSON formatter; the level reaches the workers
     try:
         if settings.server.uvloop:
             import uvloop
