@@ -162,6 +162,16 @@ class _WorkerCollector:
                                              labels=["worker"]),
             "kv_blocks_free": GaugeMetricFamily("quicserve_worker_kv_blocks_free", "Free KV blocks (worker Stats)",
                                                 labels=["worker"]),
+            "kv_blocks_total": GaugeMetricFamily("quicserve_worker_kv_blocks", "KV blocks in the cache (worker Stats)",
+                                                 labels=["worker"]),
+            "kv_usage": GaugeMetricFamily("quicserve_worker_kv_usage_ratio",
+                                          "Fraction of KV blocks in use, 0-1 (worker Stats)", labels=["worker"]),
+            "prefix_hit_rate": GaugeMetricFamily("quicserve_worker_prefix_hit_ratio",
+                                                 "Fraction of prompt tokens served from the prefix cache since the worker started, 0-1 "
+                                                 "(worker Stats)", labels=["worker"]),
+            "tokens_per_s": GaugeMetricFamily("quicserve_worker_tokens_per_second",
+                                              "Tokens generated per second, recent average (worker Stats)",
+                                              labels=["worker"]),
         }
         for i, conn in enumerate(self._connections()):
             name = conn.peer_hello.identity or f"worker-{i}"
@@ -171,4 +181,9 @@ class _WorkerCollector:
                 fams["running"].add_metric([name], st.running)
                 fams["queue_depth"].add_metric([name], st.queue_depth)
                 fams["kv_blocks_free"].add_metric([name], st.kv_blocks_free)
+                fams["kv_blocks_total"].add_metric([name], st.kv_blocks_total)
+                if st.kv_blocks_total > 0:
+                    fams["kv_usage"].add_metric([name], 1.0 - st.kv_blocks_free / st.kv_blocks_total)
+                fams["prefix_hit_rate"].add_metric([name], st.prefix_hit_rate)
+                fams["tokens_per_s"].add_metric([name], st.tokens_per_s)
         yield from fams.values()
