@@ -252,7 +252,8 @@ class WorkerService:
         span = now - win[0][0] if len(win) > 1 else 0.0
         rate = sum(n for _, n in win) / span if span > 0 else 0.0
         return Stats(eng.num_waiting, eng.num_running, eng.kv.num_free, eng.kv.num_blocks,
-                     eng.kv.hit_rate, eng.kv.prefix_hashes(), rate)  # fmt: skip
+                     eng.kv.hit_rate, eng.kv.prefix_hashes(), rate, eng.steps, eng.step_seconds,
+                     eng.step_sequences, eng.num_preemptions, eng.window.window)  # fmt: skip
 
     async def _stats_loop(self) -> None:
         while True:

@@ -19,6 +19,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from transport.messages import Stats
+
 __all__ = ["GatewayMetrics", "FastHistogram", "CONTENT_TYPE_LATEST"]
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -143,8 +145,36 @@ class _RequestCollector:
             yield fam
 
 
+# Series read from each worker's latest Stats: (name, kind, help, value or None to leave out).
+# Counters are the worker's own cumulative counts (they restart at 0 with the worker, which
+# Prometheus' rate() treats as a reset); rates of steps, step time and step sequences give
+# the mean step time and batch size over any window.
+_STATS_SERIES: tuple[tuple[str, str, str, Callable[[Stats], float | None]], ...] = (
+    ("quicserve_worker_running", "gauge", "Sequences running, the batch size (worker Stats)", lambda s: s.running),
+    ("quicserve_worker_queue_depth", "gauge", "Requests waiting (worker Stats)", lambda s: s.queue_depth),
+    ("quicserve_worker_kv_blocks_free", "gauge", "Free KV blocks (worker Stats)", lambda s: s.kv_blocks_free),
+    ("quicserve_worker_kv_blocks", "gauge", "KV blocks in the cache (worker Stats)", lambda s: s.kv_blocks_total),
+    ("quicserve_worker_kv_usage_ratio", "gauge", "Fraction of KV blocks in use, 0-1 (worker Stats)",
+     lambda s: 1.0 - s.kv_blocks_free / s.kv_blocks_total if s.kv_blocks_total > 0 else None),
+    ("quicserve_worker_prefix_hit_ratio", "gauge",
+     "Fraction of prompt tokens served from the prefix cache since the worker started, 0-1 (worker Stats)",
+     lambda s: s.prefix_hit_rate),
+    ("quicserve_worker_tokens_per_second", "gauge", "Tokens generated per second, recent average (worker Stats)",
+     lambda s: s.tokens_per_s),
+    ("quicserve_worker_batch_window_seconds", "gauge", "Batch window in effect (worker Stats)",
+     lambda s: s.batch_window_s),
+    ("quicserve_worker_steps", "counter", "Engine steps run (worker Stats)", lambda s: s.steps),
+    ("quicserve_worker_step_seconds", "counter", "Wall time of engine steps, schedule to commit (worker Stats)",
+     lambda s: s.step_seconds),
+    ("quicserve_worker_step_sequences", "counter", "Sequences carried by engine steps (worker Stats)",
+     lambda s: s.step_sequences),
+    ("quicserve_worker_preemptions", "counter", "Sequences preempted for KV space (worker Stats)",
+     lambda s: s.preemptions),
+)
+
+
 class _WorkerCollector:
-    """Per-worker gauges read from ``WorkerConnection.latest_stats`` when scraped."""
+    """Per-worker series read from ``WorkerConnection.latest_stats`` when scraped."""
 
     def __init__(self, connections: Callable[[], Iterable[Any]]) -> None:
         self._connections = connections
@@ -153,37 +183,24 @@ class _WorkerCollector:
         return []
 
     def collect(self) -> Iterator[Metric]:
-        fams = {
-            "in_flight": GaugeMetricFamily("quicserve_worker_in_flight", "Requests this gateway has open on the worker",
-                                           labels=["worker"]),
-            "running": GaugeMetricFamily("quicserve_worker_running", "Sequences running (worker Stats)",
-                                         labels=["worker"]),
-            "queue_depth": GaugeMetricFamily("quicserve_worker_queue_depth", "Requests waiting (worker Stats)",
-                                             labels=["worker"]),
-            "kv_blocks_free": GaugeMetricFamily("quicserve_worker_kv_blocks_free", "Free KV blocks (worker Stats)",
-                                                labels=["worker"]),
-            "kv_blocks_total": GaugeMetricFamily("quicserve_worker_kv_blocks", "KV blocks in the cache (worker Stats)",
-                                                 labels=["worker"]),
-            "kv_usage": GaugeMetricFamily("quicserve_worker_kv_usage_ratio",
-                                          "Fraction of KV blocks in use, 0-1 (worker Stats)", labels=["worker"]),
-            "prefix_hit_rate": GaugeMetricFamily("quicserve_worker_prefix_hit_ratio",
-                                                 "Fraction of prompt tokens served from the prefix cache since the worker started, 0-1 "
-                                                 "(worker Stats)", labels=["worker"]),
-            "tokens_per_s": GaugeMetricFamily("quicserve_worker_tokens_per_second",
-                                              "Tokens generated per second, recent average (worker Stats)",
-                                              labels=["worker"]),
-        }
+        in_flight = GaugeMetricFamily("quicserve_worker_in_flight", "Requests this gateway has open on the worker",
+                                      labels=["worker"])
+        info = GaugeMetricFamily("quicserve_worker_info", "1 per worker and model it serves (join on worker)",
+                                 labels=["worker", "model"])
+        fams = [(CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(name, doc, labels=["worker"])
+                for name, kind, doc, _ in _STATS_SERIES]
         for i, conn in enumerate(self._connections()):
             name = conn.peer_hello.identity or f"worker-{i}"
-            fams["in_flight"].add_metric([name], conn.in_flight)
+            in_flight.add_metric([name], conn.in_flight)
+            for model in conn.peer_hello.models:
+                info.add_metric([name, model], 1)
             st = conn.latest_stats
-            if st is not None:
-                fams["running"].add_metric([name], st.running)
-                fams["queue_depth"].add_metric([name], st.queue_depth)
-                fams["kv_blocks_free"].add_metric([name], st.kv_blocks_free)
-                fams["kv_blocks_total"].add_metric([name], st.kv_blocks_total)
-                if st.kv_blocks_total > 0:
-                    fams["kv_usage"].add_metric([name], 1.0 - st.kv_blocks_free / st.kv_blocks_total)
-                fams["prefix_hit_rate"].add_metric([name], st.prefix_hit_rate)
-                fams["tokens_per_s"].add_metric([name], st.tokens_per_s)
-        yield from fams.values()
+            if st is None:
+                continue
+            for fam, (_, _, _, value) in zip(fams, _STATS_SERIES, strict=True):
+                v = value(st)
+                if v is not None:
+                    fam.add_metric([name], v)
+        yield in_flight
+        yield info
+        yield from fams
