@@ -88,6 +88,8 @@ class WorkerService:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine-step") if threaded else None
         self._tokens_window: list[tuple[float, int]] = []
         self.server: Any = None  # a transport server with ``connections``, if attached
+        # The Stats last sent, for the worker's own /metrics (read from its HTTP thread: one reference swap).
+        self.last_stats: Stats | None = None
 
     # -- WorkerHandler ------------------------------------------------------
     def hello(self) -> Hello:
@@ -258,7 +260,7 @@ class WorkerService:
     async def _stats_loop(self) -> None:
         while True:
             await asyncio.sleep(self.stats_interval)
-            st = self.stats()
+            st = self.last_stats = self.stats()
             conns = {id(c): c for c in self._conns.values()}
             conns.update((id(c), c) for c in getattr(self.server, "connections", ()))
             for conn in conns.values():

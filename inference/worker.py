@@ -142,8 +142,19 @@ async def _serve(args: argparse.Namespace, service: WorkerService) -> int:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    ready: dict[str, Any] = {"event": "ready", "url": server.address, "models": [service.served_name]}
+    if args.metrics_listen:
+        from .metrics_http import serve_metrics
+
+        try:
+            ready["metrics_url"] = serve_metrics(args.metrics_listen, lambda: service.last_stats,
+                                                 (service.served_name,))
+        except OSError as exc:  # the port is taken: a restart would not help
+            await server.close()
+            return _fatal(f"cannot serve metrics on {args.metrics_listen}: {exc}")
+        log.info("metrics on %s", ready["metrics_url"])
     engine_task = asyncio.create_task(service.run())
-    emit({"event": "ready", "url": server.address, "models": [service.served_name]})
+    emit(ready)
     stopper = asyncio.create_task(stop.wait())
     await asyncio.wait({engine_task, stopper}, return_when=asyncio.FIRST_COMPLETED)
     rc = 0

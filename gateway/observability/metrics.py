@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from transport.messages import Stats
+from transport.stats_series import STATS_SERIES
 
 __all__ = ["GatewayMetrics", "FastHistogram", "CONTENT_TYPE_LATEST"]
 
@@ -145,34 +145,6 @@ class _RequestCollector:
             yield fam
 
 
-# Series read from each worker's latest Stats: (name, kind, help, value or None to leave out).
-# Counters are the worker's own cumulative counts (they restart at 0 with the worker, which
-# Prometheus' rate() treats as a reset); rates of steps, step time and step sequences give
-# the mean step time and batch size over any window.
-_STATS_SERIES: tuple[tuple[str, str, str, Callable[[Stats], float | None]], ...] = (
-    ("quicserve_worker_running", "gauge", "Sequences running, the batch size (worker Stats)", lambda s: s.running),
-    ("quicserve_worker_queue_depth", "gauge", "Requests waiting (worker Stats)", lambda s: s.queue_depth),
-    ("quicserve_worker_kv_blocks_free", "gauge", "Free KV blocks (worker Stats)", lambda s: s.kv_blocks_free),
-    ("quicserve_worker_kv_blocks", "gauge", "KV blocks in the cache (worker Stats)", lambda s: s.kv_blocks_total),
-    ("quicserve_worker_kv_usage_ratio", "gauge", "Fraction of KV blocks in use, 0-1 (worker Stats)",
-     lambda s: 1.0 - s.kv_blocks_free / s.kv_blocks_total if s.kv_blocks_total > 0 else None),
-    ("quicserve_worker_prefix_hit_ratio", "gauge",
-     "Fraction of prompt tokens served from the prefix cache since the worker started, 0-1 (worker Stats)",
-     lambda s: s.prefix_hit_rate),
-    ("quicserve_worker_tokens_per_second", "gauge", "Tokens generated per second, recent average (worker Stats)",
-     lambda s: s.tokens_per_s),
-    ("quicserve_worker_batch_window_seconds", "gauge", "Batch window in effect (worker Stats)",
-     lambda s: s.batch_window_s),
-    ("quicserve_worker_steps", "counter", "Engine steps run (worker Stats)", lambda s: s.steps),
-    ("quicserve_worker_step_seconds", "counter", "Wall time of engine steps, schedule to commit (worker Stats)",
-     lambda s: s.step_seconds),
-    ("quicserve_worker_step_sequences", "counter", "Sequences carried by engine steps (worker Stats)",
-     lambda s: s.step_sequences),
-    ("quicserve_worker_preemptions", "counter", "Sequences preempted for KV space (worker Stats)",
-     lambda s: s.preemptions),
-)
-
-
 class _WorkerCollector:
     """Per-worker series read from ``WorkerConnection.latest_stats`` when scraped."""
 
@@ -188,7 +160,7 @@ class _WorkerCollector:
         info = GaugeMetricFamily("quicserve_worker_info", "1 per worker and model it serves (join on worker)",
                                  labels=["worker", "model"])
         fams = [(CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(name, doc, labels=["worker"])
-                for name, kind, doc, _ in _STATS_SERIES]
+                for name, kind, doc, _ in STATS_SERIES]
         for i, conn in enumerate(self._connections()):
             name = conn.peer_hello.identity or f"worker-{i}"
             in_flight.add_metric([name], conn.in_flight)
@@ -197,7 +169,7 @@ class _WorkerCollector:
             st = conn.latest_stats
             if st is None:
                 continue
-            for fam, (_, _, _, value) in zip(fams, _STATS_SERIES, strict=True):
+            for fam, (_, _, _, value) in zip(fams, STATS_SERIES, strict=True):
                 v = value(st)
                 if v is not None:
                     fam.add_metric([name], v)

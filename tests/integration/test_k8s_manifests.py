@@ -21,6 +21,7 @@ from gateway.cli import build_parser
 from gateway.discovery import parse_worker_dns
 from gateway.settings import load_settings
 from inference.worker import parse_args as parse_worker_args
+from transport.worker_options import parse_host_port
 
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "config" / "k8s"
@@ -144,7 +145,12 @@ def test_workers_are_guaranteed_qos_with_whole_cpus(docs: list[dict[str, Any]]) 
     assert svc["spec"]["selector"].items() <= sts["spec"]["template"]["metadata"]["labels"].items()
     args = parse_worker_args(_container(sts)["args"][1:])
     port = int(re.fullmatch(r"tcp://0\.0\.0\.0:(\d+)", args.listen).group(1))  # type: ignore[union-attr]
-    assert {p["containerPort"] for p in _container(sts)["ports"]} == {port} == {p["port"] for p in svc["spec"]["ports"]}
+    ports = {p["name"]: p["containerPort"] for p in _container(sts)["ports"]}
+    assert ports["transport"] == port and {p["port"] for p in svc["spec"]["ports"]} == {port}
+    # the worker's own /metrics, where the scrape annotations point
+    metrics_port = parse_host_port(args.metrics_listen)[1]
+    annotations = sts["spec"]["template"]["metadata"]["annotations"]
+    assert ports["metrics"] == metrics_port == int(annotations["prometheus.io/port"])
 
 
 def test_overlay_changes_what_it_says(tmp_path: Path) -> None:
