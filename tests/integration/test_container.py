@@ -117,7 +117,7 @@ def container(image: str) -> Iterator[tuple[str, str]]:
     """(name, base URL) of a running container whose gateway is ready."""
     name = f"quicserve-test-{uuid.uuid4().hex[:8]}"
     podman("run", "-d", "--name", name, "-p", "127.0.0.1::8080", image, "serve", "--engine", "synthetic",
-           "--progress", "lines", f"--worker-arg=--synthetic-step-ms={STEP_MS}")
+           "--progress", "lines", "--worker-option", f"synthetic_step_ms={STEP_MS}")
     try:
         port = podman("port", name, "8080/tcp").stdout.strip().rsplit(":", 1)[1]
         url = f"http://127.0.0.1:{port}"
