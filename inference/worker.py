@@ -39,6 +39,7 @@ from .batch_window import AdaptiveWindow, bucket_calls, parse_batch_window
 from .engine import Engine, EngineConfig
 from .service import WorkerService
 from .tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+from .tracing import WorkerTracer
 
 __all__ = ["main", "parse_args", "parse_cpus", "numa_cpus", "build_service"]
 
@@ -129,8 +130,9 @@ def build_service(args: argparse.Namespace) -> WorkerService:
     # A step runs in a one-thread executor so the loop keeps serving frames during it; a synthetic step
     # with no sleep takes microseconds, and the hand-off to a thread would cost more than the step.
     threaded = args.engine != "synthetic" or args.synthetic_step_ms > 0
+    tracer = WorkerTracer(args.otlp_endpoint, service_name="quicserve-worker")
     return WorkerService(engine, tokenizer, served_name=served, model_id=args.model, identity=args.identity,
-                         stats_interval=args.stats_interval, threaded=threaded)  # fmt: skip
+                         stats_interval=args.stats_interval, threaded=threaded, tracer=tracer)  # fmt: skip
 
 
 async def _serve(args: argparse.Namespace, service: WorkerService) -> int:
@@ -176,6 +178,7 @@ async def _serve(args: argparse.Namespace, service: WorkerService) -> int:
         goodbye.cancel()
     stopper.cancel()
     await server.close()
+    service.tracer.shutdown()  # flush the last spans
     return rc
 
 

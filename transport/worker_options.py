@@ -116,6 +116,8 @@ class WorkerOptions:
     numa_node: int = _opt(-1, "pin the worker to this NUMA node's CPUs (-1 = none)")
     metrics_listen: str = _opt("", "serve the worker's own Prometheus /metrics on HOST:PORT, for workers "
                                    "no local gateway scrapes ('' = off; port 0 = any)")
+    otlp_endpoint: str = _opt("", "OTLP/HTTP URL for the spans (queue, prefill, decode) of requests that arrive "
+                                  "with a traceparent, e.g. http://collector:4318/v1/traces ('' = off)")
 
 
 _FIELDS = dataclasses.fields(WorkerOptions)
@@ -190,6 +192,8 @@ def option_problems(o: WorkerOptions) -> list[tuple[str, str]]:
             p.append(("cpus", str(exc)))
     if o.numa_node < -1:
         p.append(("numa_node", f"must be a node number or -1 (none), got {o.numa_node}"))
+    if o.otlp_endpoint and not o.otlp_endpoint.startswith(("http://", "https://")):
+        p.append(("otlp_endpoint", f"{o.otlp_endpoint!r} is not an http(s) URL"))
     if o.metrics_listen:
         try:
             parse_host_port(o.metrics_listen)
