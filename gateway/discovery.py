@@ -10,6 +10,14 @@ every worker out of the pool -- while "no such name" (the Service has no ready
 pod) empties it. :func:`watch_workers` is the asyncio adapter: resolve, feed,
 call back, sleep until the core's next deadline; resolver and sleep are
 arguments so tests drive it with a stub and a fake clock.
+
+Hooks (the lead wires them): mount :class:`DiscoverySettings` as ``[discovery]``, the CLI's
+``--worker-dns NAME:PORT`` (repeatable) filling ``discovery.worker_dns``, and let
+``workers.local = 0`` with only ``worker_dns`` pass validation; in serve, one task per entry:
+``watch_workers(spec, supervisor.add_remote, supervisor.remove_remote,
+interval=settings.discovery.interval)``, cancelled at drain -- the supervisor gains
+``add_remote(url)`` (a :class:`RemoteWorker` started like the configured ones) and
+``remove_remote(url)`` (stop it and take it out of the pool).
 """
 
 from __future__ import annotations
