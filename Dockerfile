@@ -4,13 +4,14 @@
 #   docker run --rm -p 8080:8080 quicserve serve --engine synthetic   # no model compute
 # podman takes the same commands (podman build --format docker keeps the HEALTHCHECK).
 # Build arguments: BASE (any Debian-like image with python3 >= 3.11 and python3-venv),
-# EXTRAS (pip extras; "" for a gateway-only image without JAX), RUNTIME_PKGS (apt packages
-# of the final image; g++ lets workers build their native CPU decode kernel, without it the
-# jnp version runs). tests/integration/test_container.py builds and runs this file.
+# EXTRAS (pip extras, comma-separated: worker = JAX, tracing = OpenTelemetry; "" for a
+# gateway-only image), RUNTIME_PKGS (apt packages of the final image; g++ lets workers build
+# their native CPU decode kernel, without it the jnp version runs).
+# tests/integration/test_container.py builds and runs this file.
 ARG BASE=python:3.11-slim
 
 FROM ${BASE} AS build
-ARG EXTRAS=worker
+ARG EXTRAS=worker,tracing
 # Behind a private index or a TLS-inspecting proxy: --build-arg PIP_INDEX_URL=... and
 # PIP_CERT=<a CA bundle mounted into the build with -v> (unset: pip's own index and CAs).
 ARG PIP_INDEX_URL=https://pypi.org/simple

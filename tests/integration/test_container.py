@@ -142,6 +142,8 @@ def test_image_serves_reports_health_and_drains_on_sigterm(container: tuple[str,
     user = podman("inspect", "--format", "{{.Config.User}}", name).stdout.strip()
     assert user and user not in ("root", "0")
     assert podman("healthcheck", "run", name, check=False).returncode == 0  # the image's HEALTHCHECK passes
+    # the default extras are in: JAX for the workers, OpenTelemetry for traces
+    assert podman("exec", name, "python3", "-c", "import jax, opentelemetry.sdk", check=False).returncode == 0
 
     chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     r = httpx.post(url + "/v1/chat/completions", json=chat, timeout=30)
