@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
+from transport.logfmt import install
 from transport.worker_options import (
     EXIT_CONFIG,
     JAX_NUM_BLOCKS,
@@ -191,8 +192,10 @@ def _fatal(message: str) -> int:
 
 def main(argv: list[str]) -> int:
     """Entry point of ``quicserve worker``; returns the exit status."""
-    logging.basicConfig(level=os.environ.get("QUICSERVE_LOG", "INFO"), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
+    # The gateway that started us exports its level and format: our lines join its log. Like
+    # basicConfig, nothing changes where logging is already set up (main() called in a test).
+    if not logging.getLogger().handlers:
+        install(os.environ.get("QUICSERVE_LOG", "INFO"), os.environ.get("QUICSERVE_LOG_FORMAT", "text"), sys.stderr)
     args = parse_args(argv)
     if args.numa_node >= 0:
         try:

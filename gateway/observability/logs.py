@@ -9,9 +9,10 @@ line per finished request on the ``quicserve.access`` logger (silence it with
 that logger's level); it is called by the request pipeline's end-of-request hook
 with explicit arguments, so it costs nothing the pipeline does not already know.
 
-:func:`configure_logging` also exports the level as ``$QUICSERVE_LOG``, which
-local workers -- child processes -- inherit and read at start-up: one
-``--log-level`` governs the whole service.
+:func:`configure_logging` also exports the level and format as ``$QUICSERVE_LOG``
+and ``$QUICSERVE_LOG_FORMAT``, which local workers -- child processes writing to
+the same stderr -- inherit and read at start-up: one setting governs the whole
+service, and a JSON log stays JSON when a worker's lines join it.
 """
 
 from __future__ import annotations
@@ -19,18 +20,16 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import time
-from collections.abc import Mapping, MutableMapping
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 from typing import Any, TextIO
 
-import orjson
+from transport.logfmt import FORMATS, JsonFormatter, TextFormatter, install
 
 __all__ = ["ACCESS_LOGGER", "JsonFormatter", "LogFormatSettings", "TextFormatter", "access_log", "access_record",
-           "configure_logging"]
+           "configure_logging"]  # the formatters live in transport.logfmt, shared with the workers
 
 ACCESS_LOGGER = "quicserve.access"
-_TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,67 +40,17 @@ class LogFormatSettings:
     access_log: bool = True  # one line per finished request on the quicserve.access logger
 
     def _validate(self, p: list[str]) -> None:
-        if self.format not in ("text", "json"):
-            p.append(f"log.format: {self.format!r} is not one of text, json")
-
-
-def _fields(record: logging.LogRecord) -> Mapping[str, Any]:
-    f = getattr(record, "fields", None)
-    return f if isinstance(f, Mapping) else {}
-
-
-class JsonFormatter(logging.Formatter):
-    """``{"ts", "level", "logger", "msg", ...fields, "exc"}`` on one line (orjson: no per-record dict copies)."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        obj: dict[str, Any] = {
-            "ts": _rfc3339(record.created),
-            "level": record.levelname.lower(),
-            "logger": record.name,
-            "msg": record.getMessage(),
-        }
-        obj.update(_fields(record))
-        if record.exc_info:
-            obj["exc"] = self.formatException(record.exc_info)
-        return orjson.dumps(obj, default=str).decode()
-
-
-class TextFormatter(logging.Formatter):
-    """The usual ``time LEVEL logger: message`` line, then the record's fields as ``key=value``."""
-
-    def __init__(self) -> None:
-        super().__init__(_TEXT_FORMAT)
-
-    def format(self, record: logging.LogRecord) -> str:
-        line = super().format(record)
-        fields = _fields(record)
-        if not fields:
-            return line
-        return line + " " + " ".join(f"{k}={_text_value(v)}" for k, v in fields.items() if v is not None)
-
-
-def _text_value(v: Any) -> str:
-    s = f"{v:.6g}" if isinstance(v, float) else str(v)
-    return f'"{s}"' if (" " in s or not s) else s
-
-
-def _rfc3339(t: float) -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int(t % 1 * 1e6):06d}Z"
+        if self.format not in FORMATS:
+            p.append(f"log.format: {self.format!r} is not one of {', '.join(FORMATS)}")
 
 
 def configure_logging(level: str, fmt: str = "text", *, stream: TextIO | None = None,
                       environ: MutableMapping[str, str] | None = None) -> logging.Handler:
-    """Root handler with the chosen formatter; the level is exported to child workers."""
-    handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
-    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
-    root = logging.getLogger()
-    for h in list(root.handlers):
-        root.removeHandler(h)
-    root.addHandler(handler)
-    root.setLevel(level.upper())
+    """Root handler with the chosen formatter; the level and format are exported to child workers."""
     env = os.environ if environ is None else environ
     env["QUICSERVE_LOG"] = level.upper()
-    return handler
+    env["QUICSERVE_LOG_FORMAT"] = fmt
+    return install(level, fmt, stream if stream is not None else sys.stderr)
 
 
 def access_record(*, method: str, path: str, protocol: str, status: int, duration_s: float,

@@ -15,9 +15,7 @@ import pytest
 
 from gateway.observability.logs import (
     ACCESS_LOGGER,
-    JsonFormatter,
     LogFormatSettings,
-    TextFormatter,
     access_log,
     access_record,
     configure_logging,
@@ -39,33 +37,6 @@ def root_logging() -> Iterator[None]:
     root.setLevel(level)
 
 
-def _record(msg: str = "hello %s", args: tuple[object, ...] = ("world",), **fields: object) -> logging.LogRecord:
-    r = logging.LogRecord("quicserve.x", logging.WARNING, __file__, 1, msg, args, None)
-    r.created = 1_700_000_000.25
-    if fields:
-        r.fields = fields
-    return r
-
-
-def test_json_lines_carry_the_fields() -> None:
-    line = JsonFormatter().format(_record(request_id="r-1", status=200, ttft_ms=12.5))
-    assert "\n" not in line
-    assert orjson.loads(line) == {"ts": "2023-11-14T22:13:20.250000Z", "level": "warning", "logger": "quicserve.x",
-                                  "msg": "hello world", "request_id": "r-1", "status": 200, "ttft_ms": 12.5}
-    try:
-        raise ValueError("boom")
-    except ValueError:
-        r = _record()
-        r.exc_info = sys.exc_info()
-    assert "ValueError: boom" in orjson.loads(JsonFormatter().format(r))["exc"]
-
-
-def test_text_lines_append_key_values() -> None:
-    line = TextFormatter().format(_record(model="tiny", error="no worker", ttft_ms=None, took=0.1234567))
-    assert line.endswith('WARNING quicserve.x: hello world model=tiny error="no worker" took=0.123457')
-    assert TextFormatter().format(_record()).endswith("quicserve.x: hello world")
-
-
 def test_access_record_leaves_out_what_is_unknown() -> None:
     rec = access_record(method="POST", path="/v1/chat/completions", protocol="h2", status=200, duration_s=0.25,
                         request_id="r-7", model="tiny", ttft_s=0.0125, prompt_tokens=5, completion_tokens=0)
@@ -79,7 +50,7 @@ def test_access_log_through_the_configured_json_handler() -> None:
     out = io.StringIO()
     env: dict[str, str] = {}
     configure_logging("info", "json", stream=out, environ=env)
-    assert env == {"QUICSERVE_LOG": "INFO"}
+    assert env == {"QUICSERVE_LOG": "INFO", "QUICSERVE_LOG_FORMAT": "json"}
     access_log(method="GET", path="/v1/models", protocol="http/1.1", status=404, duration_s=0.001,
                request_id="r-9", trace_id="4bf92f3577b34da6a3ce929d0e0e4736", peer="10.0.0.9", error="not found")
     (line,) = out.getvalue().splitlines()
@@ -117,3 +88,14 @@ def test_the_gateway_log_level_reaches_the_worker(tmp_path: Path, level: str, wo
         _, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err
     assert ("pinned to CPUs" in err) is worker_says_info, err
+
+
+def test_a_worker_logs_in_the_format_the_gateway_exports(tmp_path: Path) -> None:
+    """configure_logging's environment, given to a worker: its lines come out as JSON objects."""
+    env: dict[str, str] = {k: v for k, v in os.environ.items() if not k.startswith("QUICSERVE_LOG")}
+    configure_logging("info", "json", stream=io.StringIO(), environ=env)
+    logging.getLogger().handlers.clear()
+    r = subprocess.run([sys.executable, "-m", "gateway.cli", "worker", "--engine", "synthetic", "--numa-node", "4095"],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=60)  # no such node: one error line
+    (line,) = [orjson.loads(x) for x in r.stderr.splitlines()]  # every line is one JSON object
+    assert line["logger"] == "inference.worker" and line["level"] == "error" and "NUMA node 4095" in line["msg"]
