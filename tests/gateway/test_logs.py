@@ -79,7 +79,7 @@ def test_the_gateway_log_level_reaches_the_worker(tmp_path: Path, level: str, wo
     cpu = min(os.sched_getaffinity(0))
     env = {k: v for k, v in os.environ.items() if k != "QUICSERVE_LOG"}
     cmd = [sys.executable, "-m", "gateway.cli", "serve", "--engine", "synthetic", "--port", "0", "--no-tls",
-           "--state-dir", str(tmp_path), "--progress", "off", "--log-level", level, "--worker-option", f"cpus={cpu}"]
+           "--grpc-port", "0", "--state-dir", str(tmp_path), "--progress", "off", "--log-level", level, "--worker-option", f"cpus={cpu}"]
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         wait_ready(proc)  # type: ignore[arg-type]

@@ -51,7 +51,7 @@ def test_notify_ready_watchdog_stopping(tmp_path: Path) -> None:
     sock.bind(str(path))
     env = {**os.environ, "NOTIFY_SOCKET": str(path), "WATCHDOG_USEC": str(WATCHDOG_USEC)}
     # systemd sets WATCHDOG_PID to the main process: the shell's pid is the gateway's after exec
-    cmd = (f"WATCHDOG_PID=$$ exec {sys.executable} -m gateway.cli serve --engine synthetic --port 0 --no-tls"
+    cmd = (f"WATCHDOG_PID=$$ exec {sys.executable} -m gateway.cli serve --engine synthetic --port 0 --no-tls --grpc-port 0"
            f" --state-dir {tmp_path} --progress lines --log-level warning")
     proc = subprocess.Popen(["sh", "-c", cmd], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
     try:
