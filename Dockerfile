@@ -20,13 +20,14 @@ ENV PYTHONDONTWRITEBYTECODE=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN python3 -m venv /opt/quicserve/venv
 ENV PATH=/opt/quicserve/venv/bin:$PATH
 WORKDIR /src
-COPY setup.cfg pyproject.toml README.md ./
+COPY setup.cfg ./
 # Dependencies first, from setup.cfg alone: this layer is reused until setup.cfg changes.
 RUN python3 -c "import configparser, sys; c = configparser.ConfigParser(); c.read('setup.cfg'); \
 extras = [e for e in sys.argv[1].split(',') if e]; \
 print('\n'.join(c['options']['install_requires'].split() + [r for e in extras for r in c['options.extras_require'][e].split()]))" \
     "${EXTRAS}" > /tmp/requirements.txt \
  && pip install -q -r /tmp/requirements.txt
+COPY pyproject.toml README.md ./
 COPY gateway ./gateway
 COPY transport ./transport
 COPY inference ./inference
