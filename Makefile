@@ -40,8 +40,10 @@ $(LIBTPU_STAMP): $(STAMP_TEST)
 # kernel (inference/kernels/cpu_ffi.py) the worker compiles on first use; Node for the
 # gRPC-Web client from npm that tests/integration/test_grpc_web_http.py runs; redis-server for the
 # admission tests of Redis-shared rate limits (they start their own on a free loopback port);
-# chromium, an independent HTTP/3 client (tests/integration/test_h3_chromium.py).
-APT_PKGS := curl python3-pyverbs g++ nodejs redis-server chromium
+# chromium, an independent HTTP/3 client (tests/integration/test_h3_chromium.py); systemd for
+# systemd-analyze, which checks config/quicserve.service; podman, runc and debootstrap to
+# build and run the Dockerfile's image (tests/integration/test_container.py).
+APT_PKGS := curl python3-pyverbs g++ nodejs redis-server chromium systemd podman runc debootstrap
 $(SYSDEPS_STAMP): $(VENV)/bin/python Makefile
 	@missing=""; for p in $(APT_PKGS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \

@@ -35,8 +35,9 @@ from .http.listeners import Listener
 from .http.quic_listener import QuicListener, start_quic_listener
 from .http.quic_settings import alt_svc as alt_svc_header
 from .http.tls import SELF_SIGNED_CERT, SELF_SIGNED_KEY
+from .observability.logs import configure_logging
 from .observability.metrics import GatewayMetrics
-from .observability.progress import ProgressDisplay
+from .observability.systemd import SystemdNotifier, required_models
 from .routing.pool import ModelPool
 from .routing.supervisor import WorkerSupervisor
 from .settings import Settings, state_dir
@@ -114,9 +115,11 @@ async def run_gateway(settings: Settings, *, out: TextIO | None = None,
     if native is not None:
         _say(out, f"listening on grpc://{_hostport(settings.grpc.host or srv.host, native.port)} (gRPC, h2c)")
 
-    supervisor = WorkerSupervisor(settings.workers, pool, metrics, ProgressDisplay(settings.log.progress))
+    notifier = SystemdNotifier.from_environ()  # systemd hook: READY/STATUS/STOPPING + watchdog pings
+    supervisor = WorkerSupervisor(settings.workers, pool, metrics, notifier.progress_display(settings.log.progress))
     app.worker_failure = lambda: supervisor.failure
     supervisor.start()
+    notifier.start(required_models(settings.workers), pool.models)
     tune_gc()
     sweeper = asyncio.create_task(CycleSweeper().run())  # a burst's garbage cycles do not outlive it
 
@@ -160,6 +163,7 @@ async def run_gateway(settings: Settings, *, out: TextIO | None = None,
     finally:
         ready_task.cancel()
         sweeper.cancel()
+        notifier.stopping()
         await _drain(app, servers, native, grace[0], deadline[0], now_, out)
         await supervisor.stop()
         if adm.leases is not None and leases_task is not None:
@@ -167,6 +171,7 @@ async def run_gateway(settings: Settings, *, out: TextIO | None = None,
             await adm.leases.close()
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.remove_signal_handler(sig)
+        await notifier.close()
         _say(out, "stopped")
     return 0
 
@@ -219,7 +224,7 @@ def _hostport(host: str, port: int) -> str:
 
 def serve_forever(settings: Settings) -> int:
     """Run :func:`run_gateway` on uvloop (unless ``server.uvloop = false``)."""
-    logging.basicConfig(level=settings.log.level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(settings.log.level)  # logs hook: text/JSON formatter; the level reaches the workers
     try:
         if settings.server.uvloop:
             import uvloop

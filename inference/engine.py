@@ -120,6 +120,10 @@ class Engine:
         self._last_admit = float("-inf")
         self.num_preemptions = 0
         self.tokens_generated = 0
+        # Step counters for the worker's Stats (cumulative: rates are the scraper's business).
+        self.steps = 0
+        self.step_seconds = 0.0
+        self.step_sequences = 0
 
     # -- intake --------------------------------------------------------------
     def add(
@@ -359,6 +363,9 @@ class Engine:
             load = min(1.0, (len(self._running) + len(self._waiting)) / self.config.max_batch)
             lengths = [len(w.token_ids) for w in plan.prefills]
             self.window.observe(now - self._step_started, load, prefill_lengths=lengths)
+            self.steps += 1
+            self.step_seconds += now - self._step_started
+            self.step_sequences += len(works)
             self._step_started = None
         return events
 

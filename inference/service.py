@@ -29,6 +29,7 @@ from transport.messages import Error, ErrorCode, Finish, Hello, Stats, Submit, T
 
 from .engine import Delta, Engine, EngineError, EngineEvent, Failed, Finished
 from .tokenizer import Tokenizer, TokenizerError
+from .tracing import WorkerTracer
 
 __all__ = ["WorkerService", "pack_tokens"]
 
@@ -73,6 +74,7 @@ class WorkerService:
         stats_interval: float = 0.5,
         clock: Callable[[], float] = time.monotonic,
         threaded: bool = True,
+        tracer: WorkerTracer | None = None,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
@@ -90,6 +92,9 @@ class WorkerService:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine-step") if threaded else None
         self._tokens_window: list[tuple[float, int]] = []
         self.server: Any = None  # a transport server with ``connections``, if attached
+        self.tracer = tracer if tracer is not None else WorkerTracer()  # off unless given an exporter
+        # The Stats last sent, for the worker's own /metrics (read from its HTTP thread: one reference swap).
+        self.last_stats: Stats | None = None
 
     # -- WorkerHandler ------------------------------------------------------
     def hello(self) -> Hello:
@@ -122,6 +127,7 @@ class WorkerService:
             deadline = now + submit.deadline_ms / 1e3 if submit.deadline_ms > 0 else None
             self.engine.add((cid, rid), ids, submit.params, now, deadline=deadline,
                             return_text=submit.return_text)  # fmt: skip
+            self.tracer.submitted((cid, rid), submit.trace)
         except EngineError as exc:
             conn.send_error(Error(rid, exc.code, exc.message))
             return
@@ -141,7 +147,9 @@ class WorkerService:
         return list(s.prompt_token_ids or ())
 
     def on_cancel(self, conn: ServerConnection, request_id: int) -> None:
-        fin = self.engine.cancel((self._key(conn), request_id))
+        key = (self._key(conn), request_id)
+        fin = self.engine.cancel(key)
+        self.tracer.ended(key, error="cancelled")
         if fin is not None:
             conn.send_finish(self._finish(request_id, fin))
 
@@ -156,8 +164,10 @@ class WorkerService:
         self._conns.pop(cid, None)
         for rid in open_requests:
             self.engine.cancel((cid, rid))
+            self.tracer.ended((cid, rid), error="gateway disconnected")
         for key in [k for k in self.engine.keys() if isinstance(k, tuple) and k[0] == cid]:
             self.engine.cancel(key)
+            self.tracer.ended(key, error="gateway disconnected")
 
     # -- loop -----------------------------------------------------------------
     async def run(self) -> None:
@@ -181,6 +191,7 @@ class WorkerService:
                     except TimeoutError:
                         pass
                     continue
+                self.tracer.step_started()
                 try:
                     if self._executor is not None:
                         outputs = await loop.run_in_executor(self._executor, self.engine.runner.execute, plan)
@@ -217,12 +228,21 @@ class WorkerService:
         per_conn: dict[int, list[tuple[int, Delta]]] = {}
         ends: list[Finished | Failed] = []
         ntok = 0
+        traced = self.tracer.open  # empty unless traced requests run: then one lookup per event
         for ev in events:
             if isinstance(ev, Delta):
                 per_conn.setdefault(ev.key[0], []).append((ev.key[1], ev))  # type: ignore[index]
                 ntok += len(ev.token_ids)
+                if traced:
+                    self.tracer.token(ev.key)
             else:
                 ends.append(ev)
+                if traced:
+                    if isinstance(ev, Finished):
+                        self.tracer.ended(ev.key, completion_tokens=ev.completion_tokens,
+                                          cached_tokens=ev.cached_tokens)
+                    else:
+                        self.tracer.ended(ev.key, error=ev.message)
         now = self._clock()
         for cid, deltas in per_conn.items():
             conn = self._conns.get(cid)
@@ -255,12 +275,13 @@ class WorkerService:
         span = now - win[0][0] if len(win) > 1 else 0.0
         rate = sum(n for _, n in win) / span if span > 0 else 0.0
         return Stats(eng.num_waiting, eng.num_running, eng.kv.num_free, eng.kv.num_blocks,
-                     eng.kv.hit_rate, eng.kv.prefix_hashes(), rate)  # fmt: skip
+                     eng.kv.hit_rate, eng.kv.prefix_hashes(), rate, eng.steps, eng.step_seconds,
+                     eng.step_sequences, eng.num_preemptions, eng.window.window)  # fmt: skip
 
     async def _stats_loop(self) -> None:
         while True:
             await asyncio.sleep(self.stats_interval)
-            st = self.stats()
+            st = self.last_stats = self.stats()
             conns = {id(c): c for c in self._conns.values()}
             conns.update((id(c), c) for c in getattr(self.server, "connections", ()))
             for conn in conns.values():

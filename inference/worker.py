@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
+from transport.logfmt import install
 from transport.worker_options import (
     EXIT_CONFIG,
     JAX_NUM_BLOCKS,
@@ -39,6 +40,7 @@ from .batch_window import AdaptiveWindow, bucket_calls, parse_batch_window
 from .engine import Engine, EngineConfig
 from .service import WorkerService
 from .tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+from .tracing import WorkerTracer
 
 __all__ = ["main", "parse_args", "parse_cpus", "numa_cpus", "build_service"]
 
@@ -130,8 +132,9 @@ def build_service(args: argparse.Namespace) -> WorkerService:
     # A step runs in a one-thread executor so the loop keeps serving frames during it; a synthetic step
     # with no sleep takes microseconds, and the hand-off to a thread would cost more than the step.
     threaded = args.engine != "synthetic" or args.synthetic_step_ms > 0
+    tracer = WorkerTracer(args.otlp_endpoint, service_name="quicserve-worker")
     return WorkerService(engine, tokenizer, served_name=served, model_id=args.model, identity=args.identity,
-                         stats_interval=args.stats_interval, threaded=threaded)  # fmt: skip
+                         stats_interval=args.stats_interval, threaded=threaded, tracer=tracer)  # fmt: skip
 
 
 async def _serve(args: argparse.Namespace, service: WorkerService) -> int:
@@ -143,8 +146,19 @@ async def _serve(args: argparse.Namespace, service: WorkerService) -> int:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    ready: dict[str, Any] = {"event": "ready", "url": server.address, "models": [service.served_name]}
+    if args.metrics_listen:
+        from .metrics_http import serve_metrics
+
+        try:
+            ready["metrics_url"] = serve_metrics(args.metrics_listen, lambda: service.last_stats,
+                                                 (service.served_name,))
+        except OSError as exc:  # the port is taken: a restart would not help
+            await server.close()
+            return _fatal(f"cannot serve metrics on {args.metrics_listen}: {exc}")
+        log.info("metrics on %s", ready["metrics_url"])
     engine_task = asyncio.create_task(service.run())
-    emit({"event": "ready", "url": server.address, "models": [service.served_name]})
+    emit(ready)
     stopper = asyncio.create_task(stop.wait())
     await asyncio.wait({engine_task, stopper}, return_when=asyncio.FIRST_COMPLETED)
     rc = 0
@@ -166,6 +180,7 @@ async def _serve(args: argparse.Namespace, service: WorkerService) -> int:
         goodbye.cancel()
     stopper.cancel()
     await server.close()
+    service.tracer.shutdown()  # flush the last spans
     return rc
 
 
@@ -178,8 +193,10 @@ def _fatal(message: str) -> int:
 
 def main(argv: list[str]) -> int:
     """Entry point of ``quicserve worker``; returns the exit status."""
-    logging.basicConfig(level=os.environ.get("QUICSERVE_LOG", "INFO"), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
+    # The gateway that started us exports its level and format: our lines join its log. Like
+    # basicConfig, nothing changes where logging is already set up (main() called in a test).
+    if not logging.getLogger().handlers:
+        install(os.environ.get("QUICSERVE_LOG", "INFO"), os.environ.get("QUICSERVE_LOG_FORMAT", "text"), sys.stderr)
     args = parse_args(argv)
     if args.numa_node >= 0:
         try:

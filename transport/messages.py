@@ -252,6 +252,14 @@ class Stats:
     # cached chains (u64), newest first, bounded length.
     prefix_hashes: tuple[int, ...] = ()
     tokens_per_s: float = 0.0
+    # Engine counters since the worker started (optional trailing fields: a worker that predates
+    # them sends 0s). Cumulative, so a scraper's rates give the mean step time and batch size
+    # over any window without the worker choosing one.
+    steps: int = 0
+    step_seconds: float = 0.0  # wall time of those steps, schedule to commit
+    step_sequences: int = 0  # sequences those steps carried (prefills + decodes)
+    preemptions: int = 0
+    batch_window_s: float = 0.0  # the batch window in effect now (the adaptive one moves with load)
 
 
 @dataclass(frozen=True, slots=True)

@@ -41,7 +41,9 @@ type   name       request_id  body
 7      ERROR      rid or 0    msgpack [code, message]; rid 0 = whole connection
 8      STATS      0           msgpack [queue_depth, running, kv_blocks_free,
                               kv_blocks_total, prefix_hit_rate,
-                              prefix_hashes (bin, u64 LE), tokens_per_s]
+                              prefix_hashes (bin, u64 LE), tokens_per_s,
+                              (optional, all or none:) steps, step_seconds,
+                              step_sequences, preemptions, batch_window_s]
 9      PING       0           u64 nonce
 10     PONG       0           u64 nonce
 11     GOODBYE    0           UTF-8 reason
@@ -281,6 +283,11 @@ class FrameEncoder:
                     float(msg.prefix_hit_rate),
                     le_bytes(hashes),
                     float(msg.tokens_per_s),
+                    msg.steps,
+                    float(msg.step_seconds),
+                    msg.step_sequences,
+                    msg.preemptions,
+                    float(msg.batch_window_s),
                 ]
             )
             return self._frame(FrameType.STATS, 0, body)
@@ -435,7 +442,7 @@ class FrameDecoder:
             return self._submit(rid, body)
         if ftype == FrameType.STATS:
             f = unpack_fields(body, "STATS", 7)
-            return Stats(
+            stats = Stats(
                 f.integer(0),
                 f.integer(1),
                 f.integer(2),
@@ -444,6 +451,12 @@ class FrameDecoder:
                 f.uints(5, 8),
                 f.number(6),
             )
+            if len(f.items) == 7:
+                return stats  # a worker that predates the engine counters
+            if len(f.items) < 12:
+                raise WireError("STATS: the engine counters (7..11) come all together or not at all")
+            return replace(stats, steps=f.integer(7), step_seconds=f.number(8), step_sequences=f.integer(9),
+                           preemptions=f.integer(10), batch_window_s=f.number(11))
         if ftype == FrameType.HELLO:
             f = unpack_fields(body, "HELLO", 7)
             hello = Hello(

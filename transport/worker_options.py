@@ -39,6 +39,7 @@ __all__ = [
     "PERMANENT_EXITS",
     "option_problems",
     "parse_cpus",
+    "parse_host_port",
     "batch_window_ms",
     "add_flags",
     "options_from",
@@ -117,6 +118,10 @@ class WorkerOptions:
     synthetic_step_ms: float = _opt(0.0, "synthetic engine only: sleep per step, imitating model latency")
     cpus: str = _opt("", "pin the worker to these CPUs, e.g. '0-3,6' ('' = no pinning)")
     numa_node: int = _opt(-1, "pin the worker to this NUMA node's CPUs (-1 = none)")
+    metrics_listen: str = _opt("", "serve the worker's own Prometheus /metrics on HOST:PORT, for workers "
+                                   "no local gateway scrapes ('' = off; port 0 = any)")
+    otlp_endpoint: str = _opt("", "OTLP/HTTP URL for the spans (queue, prefill, decode) of requests that arrive "
+                                  "with a traceparent, e.g. http://collector:4318/v1/traces ('' = off)")
 
 
 _FIELDS = dataclasses.fields(WorkerOptions)
@@ -193,7 +198,23 @@ def option_problems(o: WorkerOptions) -> list[tuple[str, str]]:
             p.append(("cpus", str(exc)))
     if o.numa_node < -1:
         p.append(("numa_node", f"must be a node number or -1 (none), got {o.numa_node}"))
+    if o.otlp_endpoint and not o.otlp_endpoint.startswith(("http://", "https://")):
+        p.append(("otlp_endpoint", f"{o.otlp_endpoint!r} is not an http(s) URL"))
+    if o.metrics_listen:
+        try:
+            parse_host_port(o.metrics_listen)
+        except ValueError as exc:
+            p.append(("metrics_listen", str(exc)))
     return p
+
+
+def parse_host_port(spec: str) -> tuple[str, int]:
+    """``"0.0.0.0:9090"`` / ``"[::]:0"`` -> (host, port); ValueError names the spec."""
+    host, sep, port = spec.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"{spec!r} is not HOST:PORT")
+    return host, int(port)
 
 
 def flag_name(key: str) -> str:

@@ -19,6 +19,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from transport.stats_series import STATS_SERIES
+
 __all__ = ["GatewayMetrics", "FastHistogram", "CONTENT_TYPE_LATEST"]
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -144,7 +146,7 @@ class _RequestCollector:
 
 
 class _WorkerCollector:
-    """Per-worker gauges read from ``WorkerConnection.latest_stats`` when scraped."""
+    """Per-worker series read from ``WorkerConnection.latest_stats`` when scraped."""
 
     def __init__(self, connections: Callable[[], Iterable[Any]]) -> None:
         self._connections = connections
@@ -153,22 +155,24 @@ class _WorkerCollector:
         return []
 
     def collect(self) -> Iterator[Metric]:
-        fams = {
-            "in_flight": GaugeMetricFamily("quicserve_worker_in_flight", "Requests this gateway has open on the worker",
-                                           labels=["worker"]),
-            "running": GaugeMetricFamily("quicserve_worker_running", "Sequences running (worker Stats)",
-                                         labels=["worker"]),
-            "queue_depth": GaugeMetricFamily("quicserve_worker_queue_depth", "Requests waiting (worker Stats)",
-                                             labels=["worker"]),
-            "kv_blocks_free": GaugeMetricFamily("quicserve_worker_kv_blocks_free", "Free KV blocks (worker Stats)",
-                                                labels=["worker"]),
-        }
+        in_flight = GaugeMetricFamily("quicserve_worker_in_flight", "Requests this gateway has open on the worker",
+                                      labels=["worker"])
+        info = GaugeMetricFamily("quicserve_worker_info", "1 per worker and model it serves (join on worker)",
+                                 labels=["worker", "model"])
+        fams = [(CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(name, doc, labels=["worker"])
+                for name, kind, doc, _ in STATS_SERIES]
         for i, conn in enumerate(self._connections()):
             name = conn.peer_hello.identity or f"worker-{i}"
-            fams["in_flight"].add_metric([name], conn.in_flight)
+            in_flight.add_metric([name], conn.in_flight)
+            for model in conn.peer_hello.models:
+                info.add_metric([name, model], 1)
             st = conn.latest_stats
-            if st is not None:
-                fams["running"].add_metric([name], st.running)
-                fams["queue_depth"].add_metric([name], st.queue_depth)
-                fams["kv_blocks_free"].add_metric([name], st.kv_blocks_free)
-        yield from fams.values()
+            if st is None:
+                continue
+            for fam, (_, _, _, value) in zip(fams, STATS_SERIES, strict=True):
+                v = value(st)
+                if v is not None:
+                    fam.add_metric([name], v)
+        yield in_flight
+        yield info
+        yield from fams

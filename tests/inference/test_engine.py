@@ -385,3 +385,21 @@ def test_when_kv_runs_short_a_paused_sequence_is_recomputed_first() -> None:
     run_until_done(eng, col, t0=0.02)
     assert col.tokens("a") == _alone(b("a" * 14), 6, 1)
     assert col.tokens("b") == _alone(b("b" * 26), 2, 1) and eng.kv.num_free == 10
+
+
+def test_step_counters_for_stats() -> None:
+    """Two 3-byte prompts, max_tokens=2, room for both: step 1 prefills both (2 sequences, the
+    first token each), step 2 decodes both (2 sequences, the second token) and they finish.
+    Each step is committed 10 ms after it was scheduled: 2 steps, 4 sequences, 0.02 s."""
+    runner = SyntheticRunner(block_size=4, num_blocks=16, max_model_len=64)
+    eng = Engine(runner, TOK, EngineConfig(max_batch=4))
+    for key in ("a", "b"):
+        eng.add(key, b("abc"), SamplingParams(max_tokens=2, seed=1), 0.0)
+    t = 0.0
+    while eng.has_unfinished():
+        plan, _ = eng.schedule(t)
+        assert plan is not None
+        eng.commit(plan, runner.execute(plan), t + 0.01)
+        t += 0.01
+    assert (eng.steps, eng.step_sequences) == (2, 4)
+    assert eng.step_seconds == pytest.approx(0.02)

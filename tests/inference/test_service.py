@@ -173,3 +173,7 @@ async def test_stats_and_drain() -> None:
     assert conn.ends(3)[0].code is ErrorCode.SHUTTING_DOWN  # type: ignore[union-attr]
     assert conn.ends(2)[0].cached_tokens == 12  # type: ignore[union-attr]  # 3 blocks of "aaaa..." reused
     assert svc.stats().prefix_hit_rate > 0 and svc.stats().prefix_hashes
+    # the engine counters ride along: 2 requests of 3 tokens -> at least 3 steps, 6 sequences
+    final = svc.stats()
+    assert final.steps >= 3 and final.step_sequences == 6 and final.step_seconds > 0
+    assert final.preemptions == 0 and final.batch_window_s == svc.engine.window.window

@@ -1,8 +1,7 @@
 """The deployment files (``Dockerfile``, ``config/quicserve.service``) against the code.
 
-There is no Docker engine on the machines the suite runs on (and no base image
-to pull), so the image itself is never built here. What can break it without
-Docker noticing until a user builds it is checked instead:
+The image is built and run for real by ``test_container.py`` (podman); here, in a
+second, what can drift without a build noticing:
 
 * every ``COPY`` source exists; every ``ENV QUICSERVE_*`` setting is a real one;
   ``ENTRYPOINT`` + ``CMD`` parse with the CLI; the ``HEALTHCHECK`` probes a route
@@ -69,7 +68,8 @@ def docker_copies() -> list[tuple[str, str]]:
     for word, rest in dockerfile_instructions():
         if word == "COPY":
             *srcs, dest = shlex.split(rest)
-            copies += [(s, dest) for s in srcs if not s.startswith("--")]
+            if not any(s.startswith("--from") for s in srcs):  # from an earlier stage, not the repo
+                copies += [(s, dest) for s in srcs if not s.startswith("--")]
     return copies
 
 
@@ -84,7 +84,7 @@ def test_dockerfile_matches_the_code() -> None:
     assert entry == ["quicserve"]
     args = build_parser().parse_args(cmd)  # exits (SystemExit) on an unknown flag
     assert args.command == "serve"
-    exposed = {int(p) for word, rest in ins if word == "EXPOSE" for p in rest.split()}
+    exposed = {int(p.split("/")[0]) for word, rest in ins if word == "EXPOSE" for p in rest.split()}
     assert exposed == {settings.server.port, settings.server.tls_port}
     health = next(rest for word, rest in ins if word == "HEALTHCHECK")
     assert f"127.0.0.1:{settings.server.port}/readyz" in health
@@ -105,6 +105,24 @@ def test_systemd_unit_matches_the_code() -> None:
     assert env, "the unit sets no environment"
     state = env_settings(env).server.state_dir
     assert f"ReadWritePaths={state}" in lines  # the one writable path is where the state goes
+    keys = dict(ln.split("=", 1) for ln in lines if "=" in ln)
+    # readiness and watchdog are spoken by gateway/observability/systemd.py (tests/integration/test_systemd_notify.py)
+    assert keys["Type"] == "notify" and keys["NotifyAccess"] == "main"
+    assert 0 < int(keys["WatchdogSec"]) and int(keys["TimeoutStartSec"]) > load_settings().workers.ready_timeout
+    for hardening in ("DynamicUser", "NoNewPrivileges", "ProtectHome", "PrivateTmp", "RestrictSUIDSGID"):
+        assert keys[hardening] == "yes", hardening
+    assert keys["ProtectSystem"] == "strict" and "MemoryDenyWriteExecute" not in keys  # XLA's JIT needs W+X
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed (APT_PKGS has it)")
+def test_systemd_unit_verifies(tmp_path: Path) -> None:
+    """systemd itself parses the unit: no unknown keys or bad values (it warns and goes on, so: no output)."""
+    script = shutil.which("quicserve", path=str(Path(sys.executable).parent))
+    assert script, "the quicserve console script is not installed next to this interpreter"
+    unit = tmp_path / UNIT.name
+    unit.write_text(UNIT.read_text().replace("/opt/quicserve/.venv/bin/quicserve", script))
+    r = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and not r.stderr.strip() and not r.stdout.strip(), r.stderr + r.stdout
 
 
 def _get(url: str, body: dict | None = None) -> tuple[int, dict]:
@@ -150,3 +168,22 @@ def test_image_install_step_replayed(tmp_path: Path) -> None:
     finally:
         proc.terminate()
         assert proc.wait(30) == 0
+
+
+def test_readme_deploy_section_matches_the_files() -> None:
+    """The README's deploy commands name files, build arguments and flags that exist."""
+    text = (REPO / "README.md").read_text().split("## Deploy", 1)[1].split("\n## ", 1)[0]
+    args = {rest.split("=")[0] for word, rest in dockerfile_instructions() if word == "ARG"}
+    for name in re.findall(r"`([A-Z_]+)`", text):
+        if name.isupper() and name not in ("HEALTHCHECK",) and not name.startswith("QUICSERVE"):
+            assert name in args, f"README names build argument {name}, the Dockerfile has {args}"
+    for kustomization in re.findall(r"kubectl apply -k (\S+)", text):
+        assert (REPO / kustomization / "kustomization.yaml").exists(), kustomization
+    for path in re.findall(r"\b(config/\S+\.(?:service|toml|json))", text):
+        assert (REPO / path).exists(), path
+    for line in re.findall(r"^docker run .*? quicserve( .*?)?(?:\s+#.*)?$", text, re.M):
+        cmd = shlex.split(line) or json.loads(next(r for w, r in dockerfile_instructions() if w == "CMD"))
+        assert build_parser().parse_args(cmd).command == "serve", line
+    uid = re.search(r"uid (\d+)", text)
+    assert uid and f"--uid {uid.group(1)} " in DOCKERFILE.read_text()
+

@@ -104,6 +104,11 @@ control_st = st.one_of(
         finite,
         st.lists(st.integers(0, 2**64 - 1), max_size=5).map(tuple),
         finite,
+        u63,
+        finite,
+        u63,
+        u63,
+        finite,
     ),
 )
 
@@ -264,6 +269,17 @@ def test_hello_carries_a_workers_capacity_and_reads_an_older_peers_as_not_told()
     assert (old.max_batch, old.kv_blocks, old.block_size, old.max_model_len, old.model_id, old.prefix_hash) == (
         0, 0, 0, 0, "", "")
     assert old.models == ("tiny",) and old.version == 1
+
+
+def test_stats_carry_engine_counters_and_read_an_older_workers_as_zeros() -> None:
+    stats = Stats(1, 2, 3, 4, 0.5, (7,), 9.5, steps=10, step_seconds=0.25, step_sequences=31, preemptions=2,
+                  batch_window_s=0.004)
+    (out,) = FrameDecoder().feed(FrameEncoder().encode(stats))
+    assert out == stats
+    (old,) = FrameDecoder().feed(frame(FrameType.STATS, mp([1, 2, 3, 4, 0.5, b"", 9.5])))
+    assert (old.steps, old.step_seconds, old.step_sequences, old.preemptions, old.batch_window_s) == (0, 0.0, 0, 0, 0.0)
+    with pytest.raises(WireError, match="all together"):
+        FrameDecoder().feed(frame(FrameType.STATS, mp([1, 2, 3, 4, 0.5, b"", 9.5, 10])))
 
 
 def test_token_frame_is_compact_and_delta_coded() -> None:

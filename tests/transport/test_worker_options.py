@@ -15,6 +15,7 @@ from transport.worker_options import (
     add_flags,
     option_problems,
     options_from,
+    parse_host_port,
     to_flags,
 )
 
@@ -36,6 +37,7 @@ options_st = st.builds(
     synthetic_step_ms=st.floats(0.0, 100.0),
     cpus=st.sampled_from(["", "0", "0-3,6"]),
     numa_node=st.integers(-1, 3),
+    metrics_listen=st.sampled_from(["", "0.0.0.0:9090", "[::1]:0"]),
 )
 
 
@@ -59,3 +61,11 @@ def test_defaults_are_not_written_and_bad_values_are_named_by_key() -> None:
     assert option_problems(WorkerOptions(engine="synthetic", max_model_len=2048 * 16)) == []
     ((key, why),) = option_problems(WorkerOptions(engine="synthetic", max_model_len=2048 * 16 + 1))
     assert key == "max_model_len" and "2048 blocks x 16 tokens = 32768" in why
+
+
+def test_metrics_listen_is_host_and_port() -> None:
+    assert parse_host_port("0.0.0.0:9090") == ("0.0.0.0", 9090) and parse_host_port("[::]:0") == ("::", 0)
+    for bad in ("9090", ":9090", "host:http", "host:70000"):
+        ((key, why),) = option_problems(WorkerOptions(metrics_listen=bad))
+        assert key == "metrics_listen" and "HOST:PORT" in why
+
