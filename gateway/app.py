@@ -36,7 +36,9 @@ from .api.writers import writer_for
 from .errors import APIError, Headers, internal_error, render_http
 from .http.common import ProtocolEvent
 from .http.types import Call, Entrance, Request, ResponseSink
+from .observability.logs import access_log as write_access_log
 from .observability.metrics import CONTENT_TYPE_LATEST, GatewayMetrics
+from .observability.tracing import RequestTracer
 from .routing.pool import ModelPool
 from .settings import ApiSettings
 
@@ -65,7 +67,8 @@ class App:
     """Route table, the generation pipeline, and request metrics."""
 
     def __init__(self, pool: ModelPool, metrics: GatewayMetrics | None = None, api: ApiSettings | None = None,
-                 admission: AdmissionStage | None = None, validate: Validate | None = None) -> None:
+                 admission: AdmissionStage | None = None, validate: Validate | None = None,
+                 tracer: RequestTracer | None = None, access_log: bool = False) -> None:
         self.pool = pool
         self.metrics = metrics if metrics is not None else GatewayMetrics()
         self.api_settings = api or ApiSettings()
@@ -73,7 +76,7 @@ class App:
         self.deadlines = DeadlineSweeper()
         self.calls = CallContext(self.deadlines, self.api_settings.request_timeout, self.metrics.tokens,
                                  self.api_settings.write_timeout)
-        self.generations = Generations(pool, self.metrics, self.calls, admission)
+        self.generations = Generations(pool, self.metrics, self.calls, admission, tracer, access_log)
         self.metrics.watch_workers(pool.connections)
         self.draining = False
         self.worker_failure: Callable[[], str | None] = lambda: None  # serve.py: the supervisor's failure
@@ -132,7 +135,11 @@ class App:
             log.exception("unhandled error in %s %s", req.method, path)
             answer = render_http(internal_error())
         sink.respond(*answer)
-        self.metrics.request_done(route, answer[0], req.protocol, _perf() - t0)
+        elapsed = _perf() - t0
+        self.metrics.request_done(route, answer[0], req.protocol, elapsed)
+        if self.generations.access_log:
+            write_access_log(method=req.method, path=path, protocol=req.protocol, status=answer[0], duration_s=elapsed,
+                             peer=req.client[0] if req.client is not None else "")
         self.generations.later(done)
         return ANSWERED
 

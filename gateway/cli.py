@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--workers", type=int, metavar="N", help="local worker processes (default 1)")
     s.add_argument("--worker-url", action="append", metavar="URL",
                    help="a remote worker's transport URL (repeatable)")
+    s.add_argument("--worker-dns", action="append", metavar="NAME:PORT",
+                   help="workers behind a DNS name, re-resolved as they come and go (repeatable; a Kubernetes "
+                        "headless Service)")
     s.add_argument("--worker-option", action="append", metavar="KEY=VALUE", default=[],
                    help="a [workers] setting (repeatable), e.g. --worker-option max_batch=64")
     s.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
@@ -72,7 +75,8 @@ def _serve_overrides(a: argparse.Namespace) -> tuple[dict[str, dict[str, Any]], 
     from .settings import assignments
 
     workers, problems = assignments("workers", a.worker_option)
-    o: dict[str, dict[str, Any]] = {"server": {}, "workers": workers, "log": {}, "grpc": {}, "quic": {}}
+    o: dict[str, dict[str, Any]] = {"server": {}, "workers": workers, "log": {}, "grpc": {}, "quic": {},
+                                    "discovery": {}}
     for flag, section, key in [("host", "server", "host"), ("port", "server", "port"),
                                ("tls_port", "server", "tls_port"), ("tls_cert", "server", "tls_cert"),
                                ("tls_key", "server", "tls_key"), ("state_dir", "server", "state_dir"),
@@ -80,13 +84,14 @@ def _serve_overrides(a: argparse.Namespace) -> tuple[dict[str, dict[str, Any]], 
                                ("served_name", "workers", "served_name"), ("workers", "workers", "local"),
                                ("worker_url", "workers", "remote"),
                                ("log_level", "log", "level"), ("progress", "log", "progress"),
-                               ("grpc_port", "grpc", "port"), ("quic_port", "quic", "port")]:
+                               ("grpc_port", "grpc", "port"), ("quic_port", "quic", "port"),
+                               ("worker_dns", "discovery", "worker_dns")]:
         v = getattr(a, flag)
         if v is not None:
             o[section][key] = v
     if a.no_tls:
         o["server"]["tls_port"] = -1
-    if a.worker_url and a.workers is None:
+    if (a.worker_url or a.worker_dns) and a.workers is None:
         o["workers"]["local"] = 0  # only remote workers were asked for
     return {k: v for k, v in o.items() if v}, problems
 

@@ -28,6 +28,7 @@ from typing import TextIO
 
 from .admission.setup import build_admission
 from .app import App
+from .discovery import watch_workers
 from .gc_sweep import CycleSweeper
 from .grpc.mount import mount_grpc
 from .grpc.server import NativeServer
@@ -35,9 +36,10 @@ from .http.listeners import Listener
 from .http.quic_listener import QuicListener, start_quic_listener
 from .http.quic_settings import alt_svc as alt_svc_header
 from .http.tls import SELF_SIGNED_CERT, SELF_SIGNED_KEY
-from .observability.logs import configure_logging
+from .observability.logs import ACCESS_LOGGER, configure_logging
 from .observability.metrics import GatewayMetrics
 from .observability.systemd import SystemdNotifier, required_models
+from .observability.tracing import RequestTracer
 from .routing.pool import ModelPool
 from .routing.supervisor import WorkerSupervisor
 from .settings import Settings, state_dir
@@ -87,7 +89,9 @@ async def run_gateway(settings: Settings, *, out: TextIO | None = None,
     if adm.warning:
         log.warning("%s", adm.warning)
         _say(out, adm.warning)
-    app = App(pool, metrics, settings.api, admission=adm.stage, validate=adm.schemas.validate)
+    tracer = RequestTracer(settings.tracing)
+    app = App(pool, metrics, settings.api, admission=adm.stage, validate=adm.schemas.validate, tracer=tracer,
+              access_log=settings.log.access_log)
     lim = settings.limits
     limits = HttpLimits(max_body_bytes=lim.max_body_bytes, max_header_bytes=lim.max_header_bytes,
                         header_timeout=lim.header_timeout, body_timeout=lim.body_timeout,
@@ -122,6 +126,9 @@ async def run_gateway(settings: Settings, *, out: TextIO | None = None,
     notifier.start(required_models(settings.workers), pool.models)
     tune_gc()
     sweeper = asyncio.create_task(CycleSweeper().run())  # a burst's garbage cycles do not outlive it
+    watches = [asyncio.create_task(watch_workers(spec, supervisor.add_remote, supervisor.remove_remote,
+                                                 interval=settings.discovery.interval))
+               for spec in settings.discovery.worker_dns]  # workers behind a DNS name (Kubernetes)
 
     stop = stop if stop is not None else asyncio.Event()
     deadline = [settings.shutdown.drain_timeout]
@@ -163,6 +170,8 @@ async def run_gateway(settings: Settings, *, out: TextIO | None = None,
     finally:
         ready_task.cancel()
         sweeper.cancel()
+        for w in watches:
+            w.cancel()
         notifier.stopping()
         await _drain(app, servers, native, grace[0], deadline[0], now_, out)
         await supervisor.stop()
@@ -172,6 +181,7 @@ async def run_gateway(settings: Settings, *, out: TextIO | None = None,
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.remove_signal_handler(sig)
         await notifier.close()
+        tracer.shutdown()
         _say(out, "stopped")
     return 0
 
@@ -224,7 +234,8 @@ def _hostport(host: str, port: int) -> str:
 
 def serve_forever(settings: Settings) -> int:
     """Run :func:`run_gateway` on uvloop (unless ``server.uvloop = false``)."""
-    configure_logging(settings.log.level)  # logs hook: text/JSON formatter; the level reaches the workers
+    configure_logging(settings.log.level, settings.log.format)  # text/JSON; level and format reach the workers
+    logging.getLogger(ACCESS_LOGGER).setLevel(logging.INFO if settings.log.access_log else logging.WARNING)
     try:
         if settings.server.uvloop:
             import uvloop

@@ -21,10 +21,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from transport.logfmt import FORMATS as LOG_FORMATS
 from transport.worker_options import URL_SCHEMES, WorkerOptions, option_problems
 
 from .admission.config import AdmissionSettings
+from .discovery import DiscoverySettings
 from .http.quic_settings import QuicSettings
+from .observability.tracing import TraceSettings
 
 __all__ = [
     "Settings",
@@ -121,8 +124,6 @@ class WorkersSettings(WorkerOptions):
         for u in self.remote:
             if not u.startswith(URL_SCHEMES):
                 p.append(f"workers.remote: {u!r} is not a tcp://, unix:// or rdma:// URL")
-        if self.local == 0 and not self.remote:
-            p.append("workers: no local workers and no remote workers: nothing would serve requests")
         for name in ("ready_timeout", "connect_timeout", "restart_backoff_initial", "stop_timeout",
                      "heartbeat_interval", "dead_after"):
             if getattr(self, name) <= 0:
@@ -188,8 +189,12 @@ class ShutdownSettings:
 class LogSettings:
     level: str = "info"
     progress: str = "auto"  # "auto" (bar on a TTY, lines otherwise) | "bar" | "lines" | "off"
+    format: str = "text"  # "text" | "json" (one object a line); workers get the same
+    access_log: bool = False  # one line per finished request on the quicserve.access logger
 
     def _validate(self, p: list[str]) -> None:
+        if self.format not in LOG_FORMATS:
+            p.append(f"log.format: {self.format!r} is not one of {', '.join(LOG_FORMATS)}")
         if self.level.lower() not in ("debug", "info", "warning", "error", "critical"):
             p.append(f"log.level: {self.level!r} is not a log level")
         if self.progress not in ("auto", "bar", "lines", "off"):
@@ -206,6 +211,8 @@ class Settings:
     grpc: GrpcSettings = field(default_factory=GrpcSettings)
     admission: AdmissionSettings = field(default_factory=AdmissionSettings)
     quic: QuicSettings = field(default_factory=QuicSettings)
+    tracing: TraceSettings = field(default_factory=TraceSettings)
+    discovery: DiscoverySettings = field(default_factory=DiscoverySettings)
     log: LogSettings = field(default_factory=LogSettings)
 
 
@@ -341,6 +348,10 @@ def check_mapping(data: Mapping[str, Any]) -> tuple[Settings | None, list[str]]:
     settings = Settings(**sections)
     for section in _SECTIONS:
         getattr(settings, section)._validate(problems)
+    w = settings.workers
+    if w.local == 0 and not w.remote and not settings.discovery.worker_dns:
+        problems.append("workers: no local workers, no remote workers and no discovery.worker_dns: nothing would "
+                        "serve requests")
     return (None, problems) if problems else (settings, [])
 
 

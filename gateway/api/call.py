@@ -17,7 +17,7 @@ call awaits ``sink.send`` for the chunk it could not write, then goes on where
 it was. The call ends exactly once (:meth:`_end`): a finished response, an error
 (a whole error response before anything was sent, the writer's terminal event
 after), a 504 at the deadline, or 499 when the client went away (nothing sent).
-Then ``on_end(status, completion_tokens)`` runs (metrics, admission release),
+Then ``on_end(status, completion_tokens, t_first)`` runs (metrics, admission release, span, access log),
 then ``done()`` (the adapter's next request), never inside :meth:`start`.
 """
 
@@ -44,7 +44,8 @@ __all__ = ["GenerationCall", "CallContext"]
 log = logging.getLogger("quicserve.api")
 _perf = time.perf_counter
 
-EndHook = Callable[[int, int], None]
+EndHook = Callable[[int, int, float], None]
+"""(status, completion tokens, perf_counter time of the first token or 0.0)"""
 
 
 class CallContext:
@@ -352,7 +353,7 @@ class GenerationCall:
         if self._resumer is not None:
             self._resumer.cancel()
         try:
-            self._on_end(status, tokens)
+            self._on_end(status, tokens, self._t_first)
         finally:
             if self._starting:
                 asyncio.get_running_loop().call_soon(self._done)

@@ -18,7 +18,9 @@ from typing import Protocol
 
 from ..errors import APIError, Headers, from_routing, internal_error
 from ..http.types import Call, Request, ResponseSink
+from ..observability.logs import access_log
 from ..observability.metrics import GatewayMetrics
+from ..observability.tracing import RequestSpan, RequestTracer
 from ..routing.errors import RoutingError
 from ..routing.policy import RouteRequest
 from ..routing.pool import ModelPool
@@ -69,11 +71,14 @@ class Generations:
     """Admission, routing and the generation call, shared by every protocol."""
 
     def __init__(self, pool: ModelPool, metrics: GatewayMetrics, calls: CallContext,
-                 admission: AdmissionStage | None) -> None:
+                 admission: AdmissionStage | None, tracer: RequestTracer | None = None,
+                 access_log: bool = False) -> None:
         self.pool = pool
         self.metrics = metrics
         self.calls = calls
         self.admission = admission  # None: every request admitted, at no cost
+        self.tracer = tracer if tracer is not None and tracer.enabled else None  # None: no span, no cost
+        self.access_log = access_log
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def later(self, done: Callable[[], None]) -> None:
@@ -93,30 +98,43 @@ class Generations:
         admission = self.admission
         grant: object = None
         admitted = False
+        span: RequestSpan | None = None
         try:
             g = parse(req)
             if admission is not None:
                 grant = admission.admit(req, g, t0)
             admitted = True
+            if self.tracer is not None:
+                span = self.tracer.start(route, _text(req.header(b"traceparent")), protocol=req.protocol)
+                if span is not None:
+                    g.trace = {"traceparent": span.traceparent}  # the worker's spans join this trace
             routed = self.pool.open(RouteRequest(g.model, prompt_estimate(g), g.params.max_tokens), g.make_submit)
         except (APIError, RoutingError) as e:
             err = e if isinstance(e, APIError) else from_routing(e)
+            if span is not None:
+                span.end(err.status, model=req.path, error=err.message)
             return self._refuse(req, fail, sink, done, route, err, t0, grant if admitted else _NO_GRANT)
         except Exception:
             log.exception("unhandled error in %s %s", req.method, req.path)
             return self._refuse(req, fail, sink, done, route, internal_error(), t0,
                                 grant if admitted else _NO_GRANT)
         protocol = req.protocol
+        headers = admission.headers(grant) if admission is not None else None
+        if span is not None:
+            headers = [*(headers or ()), (b"traceparent", span.traceparent.encode())]
+        watched = span is not None or self.access_log
 
-        def on_end(status: int, tokens: int) -> None:
+        def on_end(status: int, tokens: int, t_first: float) -> None:
             metrics.in_flight -= 1
             now = _perf()
             metrics.request_done(route, status, protocol, now - t0)
             if admission is not None:
                 admission.release(grant, tokens, now)
+            if watched:
+                _observed(req, g.model, span, self.access_log, status, tokens, t0, t_first, now)
 
         call = GenerationCall(self.calls, routed, writer_for(g), sink, route, t0, g.logprobs, on_end, done,
-                              timeout, admission.headers(grant) if admission is not None else None)
+                              timeout, headers)
         call.start()
         return call
 
@@ -132,9 +150,32 @@ class Generations:
             self.admission.release(grant, 0, _perf())
         self.metrics.in_flight -= 1
         fail(sink, err)
-        self.metrics.request_done(route, err.status, req.protocol, _perf() - t0)
+        now = _perf()
+        self.metrics.request_done(route, err.status, req.protocol, now - t0)
+        if self.access_log:
+            _observed(req, "", None, True, err.status, 0, t0, 0.0, now, err.code or "")
         self.later(done)
         return ANSWERED
 
 
 _NO_GRANT = object()
+
+
+def _text(value: bytes | None) -> str | None:
+    return value.decode("latin-1") if value else None
+
+
+def _observed(req: Request, model: str, span: RequestSpan | None, access: bool, status: int, tokens: int,
+              t0: float, t_first: float, now: float, error: str = "") -> None:
+    """The end of a request for its span and the access log (only when either is on)."""
+    ttft = t_first - t0 if t_first else None
+    if span is not None:
+        end_ns = time.time_ns()
+        if t_first:
+            span.first_token(end_ns - int((now - t_first) * 1e9))
+        span.end(status, model=model, completion_tokens=tokens, now_ns=end_ns)
+    if access:
+        access_log(method=req.method, path=req.path, protocol=req.protocol, status=status, duration_s=now - t0,
+                   trace_id=span.trace_id if span is not None else "", model=model,
+                   peer=req.client[0] if req.client is not None else "", ttft_s=ttft,
+                   completion_tokens=tokens if tokens else None, error=error)

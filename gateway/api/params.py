@@ -51,11 +51,12 @@ class GenerationRequest:
     user: str | None = None
     deadline_ms: int = 0
     service_tier: str | None = None  # OpenAI's; admission reads it as a priority hint
+    trace: dict[str, str] | None = None  # W3C trace context for the worker's spans (tracing on)
 
     def make_submit(self, request_id: int) -> Submit:
         # A whole (non-streaming, no logprobs) response is delivered by the worker in one piece.
         return Submit(request_id, self.model, self.params, self.prompt, self.prompt_token_ids,
-                      self.messages, self.deadline_ms, 0, None, True, not self.stream and not self.logprobs)
+                      self.messages, self.deadline_ms, 0, self.trace, True, not self.stream and not self.logprobs)
 
 
 def _bad(message: str, param: str | None, code: str | None = None) -> APIError:

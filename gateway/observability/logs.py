@@ -21,27 +21,14 @@ import logging
 import os
 import sys
 from collections.abc import MutableMapping
-from dataclasses import dataclass
 from typing import Any, TextIO
 
-from transport.logfmt import FORMATS, JsonFormatter, TextFormatter, install
+from transport.logfmt import JsonFormatter, TextFormatter, install
 
-__all__ = ["ACCESS_LOGGER", "JsonFormatter", "LogFormatSettings", "TextFormatter", "access_log", "access_record",
+__all__ = ["ACCESS_LOGGER", "JsonFormatter", "TextFormatter", "access_log", "access_record",
            "configure_logging"]  # the formatters live in transport.logfmt, shared with the workers
 
 ACCESS_LOGGER = "quicserve.access"
-
-
-@dataclass(frozen=True, slots=True)
-class LogFormatSettings:
-    """Log output settings (to be mounted in :mod:`gateway.settings`, e.g. as ``[log]`` keys)."""
-
-    format: str = "text"  # "text" | "json"
-    access_log: bool = True  # one line per finished request on the quicserve.access logger
-
-    def _validate(self, p: list[str]) -> None:
-        if self.format not in FORMATS:
-            p.append(f"log.format: {self.format!r} is not one of {', '.join(FORMATS)}")
 
 
 def configure_logging(level: str, fmt: str = "text", *, stream: TextIO | None = None,

@@ -284,6 +284,24 @@ class WorkerSupervisor:
         for w in self.workers:
             w.task = asyncio.create_task(w.loop(), name=f"supervise {w.name}")
 
+    def add_remote(self, url: str) -> None:
+        """A worker that appeared (DNS discovery): supervised like the configured remote ones."""
+        if any(isinstance(w, RemoteWorker) and w.url == url for w in self.workers):
+            return
+        w = RemoteWorker(self, url)
+        self.workers.append(w)
+        w.task = asyncio.create_task(w.loop(), name=f"supervise {w.name}")
+
+    def remove_remote(self, url: str) -> None:
+        """A worker that went away (DNS discovery): out of the pool, its connection closed."""
+        for w in [w for w in self.workers if isinstance(w, RemoteWorker) and w.url == url]:
+            self.workers.remove(w)
+            if w.conn is not None:
+                self.pool.remove(w.conn)
+            if w.task is not None:
+                w.task.cancel()
+            asyncio.get_running_loop().create_task(w._release())
+
     @property
     def failure(self) -> str | None:
         """Why workers stopped for good, one clause per worker ("worker-0 exited with status 2 before it

@@ -15,11 +15,11 @@ import pytest
 
 from gateway.observability.logs import (
     ACCESS_LOGGER,
-    LogFormatSettings,
     access_log,
     access_record,
     configure_logging,
 )
+from gateway.settings import LogSettings
 from tests.integration.test_gateway_e2e import wait_ready
 
 REPO = Path(__file__).resolve().parents[2]
@@ -67,8 +67,8 @@ def test_access_log_through_the_configured_json_handler() -> None:
 
 def test_format_setting_is_checked() -> None:
     problems: list[str] = []
-    LogFormatSettings(format="xml")._validate(problems)
-    LogFormatSettings(format="json")._validate(problems)
+    LogSettings(format="xml")._validate(problems)
+    LogSettings(format="json")._validate(problems)
     assert problems == ["log.format: 'xml' is not one of text, json"]
 
 
