@@ -133,6 +133,7 @@ class GenerationCall:
                 self._read()
                 return
             self._routed.start()
+            self._t_first = res.first_token_at  # delivered whole: when the transport saw it
             fin = res.final
             if type(fin) is not Finish:
                 self._fail(from_wire_code(fin.code, fin.message))
