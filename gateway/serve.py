@@ -90,7 +90,8 @@ async def run_gateway(settings: Settings, *, out: TextIO | None = None,
         log.warning("%s", adm.warning)
         _say(out, adm.warning)
     tracer = RequestTracer(settings.tracing)
-    app = App(pool, metrics, settings.api, admission=adm.stage, validate=adm.schemas.validate, tracer=tracer,
+    app = App(pool, metrics, settings.api, admission=adm.stage,
+              validate=adm.schemas.validate if adm.schemas is not None else None, tracer=tracer,
               access_log=settings.log.access_log)
     lim = settings.limits
     limits = HttpLimits(max_body_bytes=lim.max_body_bytes, max_header_bytes=lim.max_header_bytes,

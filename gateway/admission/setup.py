@@ -23,13 +23,15 @@ log = logging.getLogger("quicserve.admission")
 
 @dataclass(slots=True)
 class AdmissionParts:
-    stage: AdmissionStageAdapter
-    schemas: SchemaRegistry
+    stage: AdmissionStageAdapter | None  # None: admission off ([admission] enabled = false)
+    schemas: SchemaRegistry | None
     leases: RedisLeases | None  # run() as a task while serving; close() at shutdown
     warning: str | None  # say it loudly at startup
 
 
 def build_admission(s: AdmissionSettings, host: str) -> AdmissionParts:
+    if not s.enabled:
+        return AdmissionParts(None, None, None, auth_warning(host, False))
     leases = None
     if s.redis_url:
         from .redis_limits import RedisLeases  # the redis package only where limits are shared

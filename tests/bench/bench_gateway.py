@@ -62,11 +62,12 @@ def children(pid: int) -> list[int]:
     return out
 
 
-def start_gateway(state: str, worker_options: list[str], repo: Path = REPO) -> tuple[subprocess.Popen[str], str]:
+def start_gateway(state: str, worker_options: list[str], repo: Path = REPO,
+                  extra_env: dict[str, str] | None = None) -> tuple[subprocess.Popen[str], str]:
     """``quicserve serve --engine synthetic`` from the source tree ``repo`` (another checkout for A/B runs)."""
     cmd = [sys.executable, "-m", "gateway.cli", "serve", "--engine", "synthetic", "--port", "0", "--no-tls",
            "--progress", "off", "--log-level", "warning", "--state-dir", state]
-    env = {**os.environ, "PYTHONPATH": str(repo)}
+    env = {**os.environ, "PYTHONPATH": str(repo), **(extra_env or {})}
     if (repo / "gateway" / "grpc" / "mount.py").exists():  # a newer tree: no gRPC port, no drain grace
         cmd += ["--grpc-port", "-1"]
         env["QUICSERVE_SHUTDOWN__GRACE_PERIOD"] = "0"

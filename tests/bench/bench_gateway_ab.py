@@ -25,10 +25,11 @@ from tests.bench.bench_gateway import REPO, _load, children, run_scenario, start
 SCENARIOS = [("chat 16 tok, c=32", False), ("chat stream 16 tok, c=32", True)]
 
 
-def one_round(repo: Path, duration: float, processes: int, pin: bool, cpus: list[int]) -> list[float]:
+def one_round(repo: Path, duration: float, processes: int, pin: bool, cpus: list[int],
+              env: list[str]) -> list[float]:
     """gw µs per request for each scenario, from one fresh gateway of ``repo``."""
     with tempfile.TemporaryDirectory() as state:
-        gw, url = start_gateway(state, [], repo)
+        gw, url = start_gateway(state, [], repo, dict(e.split("=", 1) for e in env))
         try:
             kids = children(gw.pid)
             if pin:
@@ -54,17 +55,22 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--duration", type=float, default=4.0)
     p.add_argument("--processes", type=int, default=2)
+    p.add_argument("--this-env", action="append", default=[], metavar="K=V",
+                   help="environment for this tree's gateway (e.g. QUICSERVE_ADMISSION__ENABLED=false)")
+    p.add_argument("--baseline-env", action="append", default=[], metavar="K=V")
     a = p.parse_args()
     cpus = sorted(os.sched_getaffinity(0))
     pin = len(cpus) >= 2
     if pin:
         os.sched_setaffinity(0, cpus[1:])
     trees = {"baseline": a.baseline.resolve(), "this": REPO}
+    envs = {"baseline": a.baseline_env, "this": a.this_env}
     runs: dict[str, list[list[float]]] = {k: [] for k in trees}
-    print(f"A/B gateway CPU, {a.rounds} alternating rounds x {a.duration:g} s; load average {_load()}")
+    print(f"A/B gateway CPU, {a.rounds} alternating rounds x {a.duration:g} s; load average {_load()}; "
+          f"baseline env {a.baseline_env}, this env {a.this_env}")
     for r in range(a.rounds):
         for name, repo in trees.items():
-            figs = one_round(repo, a.duration, a.processes, pin, cpus)
+            figs = one_round(repo, a.duration, a.processes, pin, cpus, envs[name])
             runs[name].append(figs)
             print(f"  round {r + 1} {name:<9}" + "".join(f"{s}: {f:6.1f} µs   " for (s, _), f in zip(SCENARIOS, figs,
                                                                                                     strict=True)),

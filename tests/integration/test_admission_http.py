@@ -39,6 +39,7 @@ async def _gateway(settings: AdmissionSettings, conn: ScriptedWorkerConnection |
     pool = ModelPool()
     pool.add(conn)
     parts = build_admission(settings, "127.0.0.1")
+    assert parts.schemas is not None
     app = App(pool, admission=parts.stage, validate=parts.schemas.validate)
     server = await start_server(app.handle, host="127.0.0.1", port=0)
     try:
