@@ -33,7 +33,8 @@ class RouteRequest(NamedTuple):
 
 class RoutingPolicy(Protocol):
     def choose(self, req: RouteRequest, replicas: Sequence[WorkerConnection]) -> WorkerConnection | None:
-        """One of ``replicas`` (all open and not draining), or None to refuse."""
+        """One of ``replicas`` (all open and not draining), or None to refuse. (With a single open
+        replica the pool does not ask: there is nothing to choose.)"""
         ...
 
 

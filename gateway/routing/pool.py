@@ -81,9 +81,9 @@ class ModelPool:
         conns = self._by_model.get(req.model)
         if not conns:
             return None
-        if len(conns) == 1 and not exclude:  # the common single-worker case: no list built
+        if len(conns) == 1 and not exclude:  # the common single-worker case: nothing to choose
             c = conns[0]
-            return None if c.closed or c.draining else self.policy.choose(req, conns)
+            return None if c.closed or c.draining else c
         live = [c for c in conns if not c.closed and not c.draining and c not in exclude]
         return self.policy.choose(req, live) if live else None
 

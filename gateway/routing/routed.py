@@ -43,7 +43,7 @@ class RoutedStream:
     """One request's current stream and the replicas it has tried."""
 
     __slots__ = ("_pool", "req", "_make", "stream", "_tried", "_retries_left", "started", "_cancelled", "conn",
-                 "on_moved")
+                 "on_moved", "_waiting")
 
     def __init__(self, pool: ModelPool, req: RouteRequest, make_submit: SubmitFactory) -> None:
         self._pool = pool
@@ -56,6 +56,7 @@ class RoutedStream:
         self._cancelled = False
         self.conn: WorkerConnection | None = None
         self.on_moved: Callable[[], None] | None = None  # the consumer reads :attr:`stream` again
+        self._waiting: dict[RoutedStream, None] | None = None  # the pool's not-started set it is in
 
     def submit(self) -> None:
         """Open the stream on the replica the policy picks; raises a RoutingError if none takes it."""
@@ -72,7 +73,8 @@ class RoutedStream:
             except ValueError as e:  # the request breaks a wire rule (an encoder check): no worker can take it
                 raise Unroutable(str(e)) from None
             self.conn = conn
-            self._pool._waiting_on(conn)[self] = None
+            w = self._waiting = self._pool._waiting_on(conn)
+            w[self] = None
             return
 
     def start(self) -> None:
@@ -81,8 +83,10 @@ class RoutedStream:
         self._unwait()
 
     def _unwait(self) -> None:
-        if self.conn is not None:
-            self._pool._waiting_on(self.conn).pop(self, None)
+        w = self._waiting
+        if w is not None:
+            self._waiting = None
+            w.pop(self, None)
 
     def move(self, conn: WorkerConnection) -> bool:
         """Move a request that has not started to ``conn`` (a replica that became ready): the old
@@ -100,7 +104,8 @@ class RoutedStream:
             old_stream.cancel()
         self.stream, self.conn = stream, conn
         self._tried = tuple(c for c in self._tried if c is not old_conn) + (conn,)
-        self._pool._waiting_on(conn)[self] = None
+        w = self._waiting = self._pool._waiting_on(conn)
+        w[self] = None
         self.on_moved()
         return True
 
