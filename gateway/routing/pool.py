@@ -99,7 +99,8 @@ class ModelPool:
 
     def rebalance(self, model: str, target: WorkerConnection) -> int:
         """Move requests of ``model`` that have no token yet from the other replicas to ``target``
-        (just ready, or idle), oldest first, until the two sides are even: ``target``'s load, plus
+        (just ready, or idle), newest first (a worker's queue is first come, first served: the newest
+        are the ones still queued; the oldest may be running a prefill), until the two sides are even: ``target``'s load, plus
         what it got, against each source's waiting requests, less what it gave. Returns how many
         moved."""
         if target.closed or target.draining:
@@ -111,7 +112,7 @@ class ModelPool:
                 continue
             waiting = [r for r in self._waiting.get(src, ()) if r.req.model == model and r.on_moved is not None]
             left = len(waiting)
-            for routed in waiting:
+            for routed in reversed(waiting):  # the newest: still queued behind the older ones, which run
                 if left - 1 < load + 1:
                     break
                 if routed.move(target):

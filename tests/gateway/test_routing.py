@@ -83,15 +83,15 @@ async def test_a_replica_that_becomes_ready_takes_half_the_waiting_requests(body
     assert moved == [3] and pool.waiting(stuck) == 3
     for _ in range(50):
         await asyncio.sleep(0)
-    assert sorted(ended) == [0, 1, 2]  # the oldest three, served by the new replica
-    assert len(fresh.submits) == 3 and sorted(stuck.cancels) == [1, 2, 3]
-    for sink in sinks[:3]:
+    assert sorted(ended) == [3, 4, 5]  # the newest three (queued last), served by the new replica
+    assert len(fresh.submits) == 3 and sorted(stuck.cancels) == [4, 5, 6]
+    for sink in sinks[3:]:
         assert sink.status == 200
         if sink.streamed:
             assert sse_events(sink.body)[-1] == "[DONE]"
         else:
             assert sink.json()["choices"][0]["finish_reason"] == "length"  # type: ignore[index]
-    assert all(s.status is None for s in sinks[3:])  # still waiting on the old replica
+    assert all(s.status is None for s in sinks[:3])  # still waiting on the old replica
     assert pool.waiting(fresh) == 0
 
 
