@@ -51,12 +51,13 @@ class LoadResult:
 
 
 def chat_request(host: str, port: int, *, stream: bool, max_tokens: int, model: str = "tiny",
-                 path: str = "/v1/chat/completions") -> bytes:
+                 path: str = "/v1/chat/completions", api_key: str = "") -> bytes:
     body = orjson.dumps({"model": model, "messages": [{"role": "user", "content": "Hello there"}],
                          "max_tokens": max_tokens, "stream": stream})
     if path != "/v1/chat/completions":
         return f"GET {path} HTTP/1.1\r\nhost: {host}:{port}\r\n\r\n".encode()
-    return (f"POST {path} HTTP/1.1\r\nhost: {host}:{port}\r\ncontent-type: application/json\r\n"
+    auth = f"authorization: Bearer {api_key}\r\n" if api_key else ""
+    return (f"POST {path} HTTP/1.1\r\nhost: {host}:{port}\r\ncontent-type: application/json\r\n{auth}"
             f"content-length: {len(body)}\r\n\r\n").encode() + body
 
 
@@ -114,10 +115,10 @@ class _Client(asyncio.Protocol):
 
 
 async def run_load(url: str, *, concurrency: int, duration: float, stream: bool, max_tokens: int,
-                   path: str = "/v1/chat/completions", model: str = "tiny") -> LoadResult:
+                   path: str = "/v1/chat/completions", model: str = "tiny", api_key: str = "") -> LoadResult:
     u = urllib.parse.urlsplit(url)
     host, port = u.hostname or "127.0.0.1", u.port or 80
-    raw = chat_request(host, port, stream=stream, max_tokens=max_tokens, path=path, model=model)
+    raw = chat_request(host, port, stream=stream, max_tokens=max_tokens, path=path, model=model, api_key=api_key)
     loop = asyncio.get_running_loop()
     result = LoadResult()
     end = time.perf_counter() + duration
@@ -149,7 +150,7 @@ async def run_load(url: str, *, concurrency: int, duration: float, stream: bool,
 def _child_argv(a: argparse.Namespace, concurrency: int, out: str) -> list[str]:
     argv = [sys.executable, "-m", "gateway.loadgen", "--url", a.url, "--concurrency", str(concurrency),
             "--duration", str(a.duration), "--max-tokens", str(a.max_tokens), "--path", a.path,
-            "--model", a.model, "--processes", "1", "--raw-out", out]
+            "--model", a.model, "--processes", "1", "--raw-out", out, "--api-key", a.api_key]
     return argv + (["--stream"] if a.stream else [])
 
 
@@ -180,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--path", default="/v1/chat/completions")
     p.add_argument("--model", default="tiny")
     p.add_argument("--processes", type=int, default=1)
+    p.add_argument("--api-key", default="", help="sent as Authorization: Bearer")
     p.add_argument("--raw-out", help=argparse.SUPPRESS)  # child mode: write raw results (JSON) here
     a = p.parse_args(argv)
     if a.processes > 1:
@@ -188,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         import uvloop
 
         r = uvloop.run(run_load(a.url, concurrency=a.concurrency, duration=a.duration, stream=a.stream,
-                                max_tokens=a.max_tokens, path=a.path, model=a.model))
+                                max_tokens=a.max_tokens, path=a.path, model=a.model, api_key=a.api_key))
     if a.raw_out:
         with open(a.raw_out, "wb") as f:
             f.write(orjson.dumps({"latencies": r.latencies, "errors": r.errors, "elapsed": r.elapsed,

@@ -103,10 +103,10 @@ class Sample:
 
 
 def run_scenario(url: str, gw_pid: int, worker_pid: int | None, *, path: str, stream: bool, concurrency: int,
-                 duration: float, processes: int, repeats: int) -> list[Sample]:
+                 duration: float, processes: int, repeats: int, api_key: str = "") -> list[Sample]:
     """Warm up once, then ``repeats`` timed runs, each with its own /proc CPU readings."""
     args = argparse.Namespace(url=url, concurrency=concurrency, duration=duration, stream=stream, max_tokens=16,
-                              path=path, model="tiny", processes=processes)
+                              path=path, model="tiny", processes=processes, api_key=api_key)
     warm = argparse.Namespace(**{**vars(args), "duration": min(1.0, duration)})
     run_processes(warm)
     out: list[Sample] = []

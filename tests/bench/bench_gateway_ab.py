@@ -26,7 +26,7 @@ SCENARIOS = [("chat 16 tok, c=32", False), ("chat stream 16 tok, c=32", True)]
 
 
 def one_round(repo: Path, duration: float, processes: int, pin: bool, cpus: list[int],
-              env: list[str]) -> list[float]:
+              env: list[str], api_key: str = "") -> list[float]:
     """gw µs per request for each scenario, from one fresh gateway of ``repo``."""
     with tempfile.TemporaryDirectory() as state:
         gw, url = start_gateway(state, [], repo, dict(e.split("=", 1) for e in env))
@@ -39,7 +39,7 @@ def one_round(repo: Path, duration: float, processes: int, pin: bool, cpus: list
             for _, stream in SCENARIOS:
                 samples = run_scenario(url, gw.pid, kids[0] if kids else None, path="/v1/chat/completions",
                                        stream=stream, concurrency=32, duration=duration, processes=processes,
-                                       repeats=1)
+                                       repeats=1, api_key=api_key)
                 if samples[0].errors or not samples[0].requests:
                     raise RuntimeError(f"{repo}: errors: {samples[0].first_error}")
                 out.append(samples[0].gw_us)
@@ -58,6 +58,7 @@ def main() -> int:
     p.add_argument("--this-env", action="append", default=[], metavar="K=V",
                    help="environment for this tree's gateway (e.g. QUICSERVE_ADMISSION__ENABLED=false)")
     p.add_argument("--baseline-env", action="append", default=[], metavar="K=V")
+    p.add_argument("--api-key", default="", help="sent by the load generator (Authorization: Bearer) to both")
     a = p.parse_args()
     cpus = sorted(os.sched_getaffinity(0))
     pin = len(cpus) >= 2
@@ -70,7 +71,7 @@ def main() -> int:
           f"baseline env {a.baseline_env}, this env {a.this_env}")
     for r in range(a.rounds):
         for name, repo in trees.items():
-            figs = one_round(repo, a.duration, a.processes, pin, cpus, envs[name])
+            figs = one_round(repo, a.duration, a.processes, pin, cpus, envs[name], a.api_key)
             runs[name].append(figs)
             print(f"  round {r + 1} {name:<9}" + "".join(f"{s}: {f:6.1f} µs   " for (s, _), f in zip(SCENARIOS, figs,
                                                                                                     strict=True)),
