@@ -94,7 +94,10 @@ class RequestTracer:
         if exporter is None:
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
-            self._provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=settings.otlp_endpoint)))
+            # Short export timeouts: an unreachable collector must not hold the drain (the shutdown flush
+            # exports what is queued, and each export otherwise retries for 10 s).
+            exporter_ = OTLPSpanExporter(endpoint=settings.otlp_endpoint, timeout=2.0)
+            self._provider.add_span_processor(BatchSpanProcessor(exporter_, export_timeout_millis=2000))
         else:
             self._provider.add_span_processor(SimpleSpanProcessor(exporter))
         self._tracer = self._provider.get_tracer("quicserve.gateway")
