@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from ..api.openai import prompt_estimate
 from ..api.params import GenerationRequest
-from ..errors import Headers
 from ..http.types import Request
 from .gate import Admission, AdmissionContext, Grant
 
@@ -37,9 +36,9 @@ class AdmissionStageAdapter:
                                g.params.max_tokens, None, PRIORITY_OF_TIER.get(g.service_tier or "", None))
         return self.admission.admit(ctx, now)
 
-    def headers(self, grant: object) -> Headers:
+    def headers(self, grant: object) -> tuple[tuple[bytes, bytes], ...]:
         assert isinstance(grant, Grant)
-        return list(grant.headers)
+        return grant.headers
 
     def release(self, grant: object, completion_tokens: int, now: float) -> None:
         assert isinstance(grant, Grant)

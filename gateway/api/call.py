@@ -26,12 +26,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from transport.messages import Finish, TokenEntry
 
-from ..errors import APIError, Headers, from_wire_code, internal_error
+from ..errors import APIError, from_wire_code, internal_error
 from ..http.types import ResponseSink
 from ..routing.routed import RoutedStream
 from .writers import JsonWriter, Writer
@@ -74,7 +74,7 @@ class GenerationCall:
 
     def __init__(self, ctx: CallContext, routed: RoutedStream, writer: Writer, sink: ResponseSink, route: str,
                  t0: float, logprobs: bool, on_end: EndHook, done: Callable[[], None],
-                 timeout: float | None = None, headers: Headers | None = None) -> None:
+                 timeout: float | None = None, headers: Sequence[tuple[bytes, bytes]] | None = None) -> None:
         self._ctx = ctx
         self._routed = routed
         self._w = writer

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from ..errors import APIError, Headers, from_routing, internal_error
+from ..errors import APIError, from_routing, internal_error
 from ..http.types import Call, Request, ResponseSink
 from ..observability.logs import access_log
 from ..observability.metrics import GatewayMetrics
@@ -42,7 +42,7 @@ class AdmissionStage(Protocol):
         """A grant for this request, or raise :class:`APIError` (401/403/429/503) to refuse it."""
         ...
 
-    def headers(self, grant: object) -> Headers:
+    def headers(self, grant: object) -> tuple[tuple[bytes, bytes], ...]:
         """Headers an admitted request's response carries (``x-ratelimit-*``)."""
         ...
 
@@ -121,7 +121,7 @@ class Generations:
         protocol = req.protocol
         headers = admission.headers(grant) if admission is not None else None
         if span is not None:
-            headers = [*(headers or ()), (b"traceparent", span.traceparent.encode())]
+            headers = (*(headers or ()), (b"traceparent", span.traceparent.encode()))
         watched = span is not None or self.access_log
 
         def on_end(status: int, tokens: int, t_first: float) -> None:

@@ -18,9 +18,9 @@ from typing import Any, Protocol
 
 import orjson
 
-from transport.messages import Error, Finish, TokenEntry
+from transport.messages import Finish, TokenEntry
 
-from ..errors import APIError, Headers, from_wire_code, render_http, render_sse
+from ..errors import APIError, Headers, render_http, render_sse
 from .params import GenerationRequest
 from .render import (
     DONE,
@@ -175,6 +175,3 @@ class SseWriter(_OpenAIWriter):
 def writer_for(g: GenerationRequest) -> JsonWriter | SseWriter:
     return SseWriter(g) if g.stream else JsonWriter(g)
 
-
-def final_error(ev: Error) -> APIError:
-    return from_wire_code(ev.code, ev.message)

@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from gateway.grpc.quicserve.v1 import quicserve_pb2 as pb
+from tests.gateway.grpc.web_client import frame, parse_body
 
 from .test_gateway_e2e import Gateway, start_gateway, stop_gateway
 
@@ -66,19 +67,12 @@ def test_a_cancelled_call_frees_the_workers_request(gw: tuple[Gateway, str]) -> 
 async def test_grpc_web_on_the_http_port(gw: tuple[Gateway, str], http2: bool) -> None:
     g, _ = gw
     msg = pb.GenerateRequest(model="tiny", prompt="hi", sampling=pb.Sampling(max_tokens=5)).SerializeToString()
-    frame = b"\x00" + len(msg).to_bytes(4, "big") + msg
     async with httpx.AsyncClient(base_url=g.http, http1=not http2, http2=http2, timeout=30) as c:
-        r = await c.post(GENERATE, content=frame, headers={"content-type": "application/grpc-web+proto",
-                                                           "x-grpc-web": "1"})
+        r = await c.post(GENERATE, content=frame(msg), headers={"content-type": "application/grpc-web+proto",
+                                                                "x-grpc-web": "1"})
     assert r.status_code == 200 and r.headers["content-type"].startswith("application/grpc-web")
-    body, texts, trailer = r.content, [], b""
-    while body:
-        flag, n = body[0], int.from_bytes(body[1:5], "big")
-        payload, body = body[5:5 + n], body[5 + n:]
-        if flag & 0x80:
-            trailer = payload
-        else:
-            texts.append(pb.GenerateResponse.FromString(payload))
-    assert b"grpc-status:0" in trailer.replace(b" ", b"")
+    parsed = parse_body(r.content, None)
+    texts = [pb.GenerateResponse.FromString(m) for m in parsed.messages]
+    assert parsed.trailers["grpc-status"].strip() == "0"
     assert texts[-1].usage.completion_tokens == 5
     await asyncio.sleep(0)
