@@ -21,6 +21,15 @@ for a batch of concurrent requests, and the ratio to ``GET /healthz`` (the
 HTTP adapter alone) in the same run.
 
     .venv/bin/python -m tests.bench.bench_gateway_path [--rounds 300] [--concurrency 32]
+
+Against another checkout (the commit before a change that must keep the speed), in one
+alternating run: ``--baseline DIR`` runs this same driver twice as child processes, one
+importing the gateway from DIR and one from this tree, and alternates blocks of ``--block``
+rounds between them (which side goes first alternates too) until each has ``--rounds`` per
+scenario. Printed per scenario: each side's median and best round, the ratios this/baseline,
+and the verdict against ``--limit`` (+5%: the one-pipeline rework's bar) on the medians::
+
+    .venv/bin/python -m tests.bench.bench_gateway_path --baseline /work/base --rounds 400
 """
 
 from __future__ import annotations
@@ -28,8 +37,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import json
 import os
 import statistics
+import subprocess
+import sys
 import time
 from array import array
 from typing import Any
@@ -143,7 +155,8 @@ async def _setup(concurrency: int) -> tuple[App, ClientConnection, _WorkerDouble
     pool = ModelPool()
     pool.add(conn)
     app = App(pool, GatewayMetrics(), ApiSettings())
-    state = ServerState(app.handle, HttpLimits(), None)
+    entrance: Any = vars(App).get("handle")  # App.handle; a tree before the one entrance takes the app
+    state = ServerState(app.handle if entrance is not None else app, HttpLimits(), None)
     clients = []
     for _ in range(concurrency):
         proto = H1Protocol(state)
@@ -206,23 +219,109 @@ async def _scenario(req: bytes, concurrency: int, rounds: int, generate: bool) -
     return per_round
 
 
+def _requests() -> list[tuple[str, bytes, bool]]:
+    return [("GET /healthz", b"GET /healthz HTTP/1.1\r\nhost: b\r\n\r\n", False),
+            ("chat 16 tok", chat_request("127.0.0.1", 8080, stream=False, max_tokens=16), True),
+            ("chat stream 16 tok", chat_request("127.0.0.1", 8080, stream=True, max_tokens=16), True)]
+
+
+async def _serve(concurrency: int) -> None:
+    """Child of ``--baseline``: every scenario set up once; each stdin line "SCENARIO N" runs N
+    rounds of it and answers one JSON line of µs per request (a first "warm N" warms them all)."""
+    reqs = _requests()
+    setups = [await _setup(concurrency) for _ in reqs]
+    for line in sys.stdin:
+        what, n = line.split()
+        if what == "warm":
+            for (_, req, gen), (_, conn, worker, sink, clients) in zip(reqs, setups, strict=True):
+                for _ in range(int(n)):
+                    await _round(req, conn, worker, sink, clients, gen)
+            gc.collect()
+            print("[]", flush=True)
+            continue
+        (_, req, gen), (_, conn, worker, sink, clients) = reqs[int(what)], setups[int(what)]
+        xs = [await _round(req, conn, worker, sink, clients, gen) / concurrency * 1e6 for _ in range(int(n))]
+        print(json.dumps(xs), flush=True)
+
+
+def _compare(baseline: str, rounds: int, concurrency: int, block: int, limit: float) -> int:
+    """Alternate this tree and ``baseline`` in one run (see the module docstring)."""
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    trees = {"baseline": os.path.abspath(baseline), "this": here}
+    procs = {name: subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve", "--concurrency",
+                                     str(concurrency)], cwd=tree, env={**os.environ, "PYTHONPATH": tree},
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+             for name, tree in trees.items()}
+
+    def ask(name: str, cmd: str) -> list[float]:
+        p = procs[name]
+        assert p.stdin is not None and p.stdout is not None
+        p.stdin.write(cmd + "\n")
+        p.stdin.flush()
+        line = p.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the {name} side ({trees[name]}) stopped")
+        return [float(x) for x in json.loads(line)]
+
+    names = list(trees)
+    reqs = _requests()
+    print(f"in-process gateway path, this tree against {trees['baseline']}: {concurrency} concurrent requests, "
+          f"{rounds} rounds per scenario and side in alternating blocks of {block}; "
+          f"load average {os.getloadavg()[0]:.2f}", flush=True)
+    try:
+        for name in names:
+            ask(name, f"warm {max(3, rounds // 10)}")
+        got: dict[str, list[list[float]]] = {name: [[] for _ in reqs] for name in names}
+        for b in range(-(-rounds // block)):
+            n = min(block, rounds - b * block)
+            for i in range(len(reqs)):
+                for name in names if b % 2 == 0 else names[::-1]:
+                    got[name][i] += ask(name, f"{i} {n}")
+    finally:
+        for p in procs.values():
+            if p.stdin is not None:
+                p.stdin.close()
+            p.wait(30)
+    print(f"{'scenario':<22}{'base med':>9}{'this med':>9}{'ratio':>7}{'base p10':>9}{'this p10':>9}{'ratio':>7}"
+          f"{'base best':>10}{'this best':>10}{'ratio':>7}   µs/request")
+    worst = 0.0
+    for i, (scen, _, gen) in enumerate(reqs):
+        b, t = got["baseline"][i], got["this"][i]
+        bm, tm, bb, tb = statistics.median(b), statistics.median(t), min(b), min(t)
+        bp, tp = statistics.quantiles(b, n=10)[0], statistics.quantiles(t, n=10)[0]
+        verdict = ""
+        if gen:
+            worst = max(worst, tm / bm)
+            verdict = "  ok" if tm / bm <= 1 + limit else f"  OVER +{limit:.0%}"
+        print(f"{scen:<22}{bm:>9.1f}{tm:>9.1f}{tm / bm:>7.3f}{bp:>9.1f}{tp:>9.1f}{tp / bp:>7.3f}"
+              f"{bb:>10.1f}{tb:>10.1f}{tb / bb:>7.3f}{verdict}")
+    print(f"generation requests: this/baseline (medians) at most {worst:.3f}: "
+          f"{'within' if worst <= 1 + limit else 'beyond'} +{limit:.0%}; load average after {os.getloadavg()[0]:.2f}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=300)
     ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--baseline", metavar="DIR", help="another checkout to compare against, alternating")
+    ap.add_argument("--block", type=int, default=20, help="rounds per turn with --baseline")
+    ap.add_argument("--limit", type=float, default=0.05, help="allowed slowdown with --baseline")
+    ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # a --baseline child
     a = ap.parse_args(argv)
+    if a.baseline:
+        return _compare(a.baseline, a.rounds, a.concurrency, a.block, a.limit)
     from gateway.serve import tune_gc
 
     tune_gc()
-    health = b"GET /healthz HTTP/1.1\r\nhost: b\r\n\r\n"
-    chat = chat_request("127.0.0.1", 8080, stream=False, max_tokens=16)
-    stream = chat_request("127.0.0.1", 8080, stream=True, max_tokens=16)
+    if a.serve:
+        uvloop.run(_serve(a.concurrency))
+        return 0
     print(f"in-process gateway path, {a.concurrency} concurrent requests x {a.rounds} rounds; "
           f"load average {os.getloadavg()[0]:.2f}")
     print(f"{'scenario':<26}{'µs/req median':>14}{'p10':>8}{'p90':>8}{'x healthz':>10}")
     base = None
-    for name, req, gen in (("GET /healthz", health, False), ("chat 16 tok", chat, True),
-                           ("chat stream 16 tok", stream, True)):
+    for name, req, gen in _requests():
         xs = uvloop.run(_scenario(req, a.concurrency, a.rounds, gen))
         q = statistics.quantiles(xs, n=10)
         med = statistics.median(xs)
