@@ -60,8 +60,10 @@ class ClientConnection:
         self.core.submit(submit)
         p = submit.params
         stream = ClientStream(self, submit.request_id, bool(p.logprobs or p.top_logprobs))
-        self._streams[submit.request_id] = stream
-        self._idle.clear()
+        streams = self._streams
+        if not streams:
+            self._idle.clear()
+        streams[submit.request_id] = stream
         self.endpoint.flush_soon()
         return stream
 

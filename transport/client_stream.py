@@ -46,7 +46,7 @@ class ClientStream:
     is granted back as tokens are consumed, in batches of half a window.
     """
 
-    __slots__ = ("request_id", "_conn", "_events", "_waiter", "_ended", "_final_returned", "_unacked",
+    __slots__ = ("request_id", "_conn", "_events", "_waiter", "done", "_final_returned", "_unacked",
                  "_parts", "_ntok", "_t_first", "_collector", "_extras", "_listener", "_listen_fut")
 
     def __init__(self, conn: ClientConnection, request_id: int, extras: bool = False) -> None:
@@ -54,7 +54,7 @@ class ClientStream:
         self._conn = conn
         self._events: list[StreamEvent] = []
         self._waiter: asyncio.Future[None] | None = None
-        self._ended = False
+        self.done = False  # the request ended (its Finish/Error arrived, or it was cancelled)
         self._final_returned = False
         self._unacked = 0  # consumed tokens not yet handed to the core (batched like its Credit)
         self._parts: list[bytes] | None = None  # collect mode: text deltas
@@ -65,10 +65,6 @@ class ClientStream:
         self._listener: Callable[[bytes], bool] | None = None  # listen mode: called per text delta
         self._listen_fut: asyncio.Future[Finish | Error | None] | None = None
 
-    @property
-    def done(self) -> bool:
-        return self._ended
-
     def _push(self, ev: StreamEvent) -> None:
         self._events.append(ev)
         w = self._waiter
@@ -76,9 +72,9 @@ class ClientStream:
             w.set_result(None)
 
     def _end(self, ev: Finish | Error) -> None:
-        if self._ended:  # the core guarantees once; this keeps the stream honest anyway
+        if self.done:  # the core guarantees once; this keeps the stream honest anyway
             return
-        self._ended = True
+        self.done = True
         if self._listener is not None:
             self._listener = None
             self._final_returned = True
@@ -135,7 +131,7 @@ class ClientStream:
             self._unacked += ntok
             if self._unacked >= self._conn._grant_batch:
                 self._grant()
-        if self._ended and not self._events:
+        if self.done and not self._events:
             self._final_returned = True
         return events
 
@@ -177,7 +173,7 @@ class ClientStream:
         self._parts = parts
         self._collector = fut
         if final is not None:
-            self._ended = False  # let _end resolve the future with what was buffered
+            self.done = False  # let _end resolve the future with what was buffered
             self._end(final)
         elif self._unacked >= self._conn._grant_batch:
             self._grant()

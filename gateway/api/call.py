@@ -95,8 +95,6 @@ class GenerationCall:
         self._fut: asyncio.Future[Any] | None = None  # what the call waits on now; others are stale
         self._timeout = ctx.timeout if timeout is None else min(timeout, ctx.timeout)
         self._headers = writer.headers if not headers else [*writer.headers, *headers]  # + x-ratelimit-*
-        self._text = writer.text  # bound once: both run once per engine step
-        self._send_nowait = sink.send_nowait
 
     # -- start and read -------------------------------------------------------------------
     def start(self) -> None:
@@ -120,6 +118,8 @@ class GenerationCall:
             self._pull_events()
             return
         else:
+            self._text = self._w.text  # bound once: both run once per engine step
+            self._send_nowait = self._sink.send_nowait
             fut = stream.listen(self._on_text)
         self._fut = fut
         fut.add_done_callback(self._collected if self._whole else self._listened)
@@ -129,20 +129,21 @@ class GenerationCall:
             return
         try:
             res = fut.result()
-            if not res.tokens and self._routed.retry(res.final):
+            fin = res.final
+            if not res.tokens and self._routed.retry(fin):
                 self._read()
                 return
-            self._routed.start()
+            # the end, at once: nothing can move or retry it before _end closes the routed stream
             self._t_first = res.first_token_at  # delivered whole: when the transport saw it
-            fin = res.final
             if type(fin) is not Finish:
                 self._fail(from_wire_code(fin.code, fin.message))
                 return
-            self._ctx.observe(self._route, None, None, fin.completion_tokens)
+            n = fin.completion_tokens
+            self._ctx.observe(self._route, None, None, n)
             w = self._w
             assert isinstance(w, JsonWriter)
             self._sink.respond(200, self._headers, w.whole(res.text, fin))
-            self._end(200, fin.completion_tokens)
+            self._end(200, n)
         except Exception:
             self._crash()
 
@@ -344,13 +345,11 @@ class GenerationCall:
         self._ended = True
         self._ctx.deadlines.discard(self)
         routed = self._routed
-        routed.on_moved = None
-        routed.close()
-        if not routed.done:
-            routed.cancel()
-        stream = routed.stream
-        if stream is not None and not self._whole and not self._pull:
-            stream.unlisten()
+        routed.close()  # leaves the waiting set; a worker request still open is cancelled
+        if not self._whole and not self._pull:
+            stream = routed.stream
+            if stream is not None:
+                stream.unlisten()
         if self._resumer is not None:
             self._resumer.cancel()
         try:

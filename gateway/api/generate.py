@@ -80,6 +80,7 @@ class Generations:
         self.tracer = tracer if tracer is not None and tracer.enabled else None  # None: no span, no cost
         self.access_log = access_log
         self._loop: asyncio.AbstractEventLoop | None = None
+        pool.describe = route_request  # what a routing policy sees, built only when one is asked
 
     def later(self, done: Callable[[], None]) -> None:
         """``done`` on the next loop iteration (never inside an entrance call)."""
@@ -108,7 +109,7 @@ class Generations:
                 span = self.tracer.start(route, _text(req.header(b"traceparent")), protocol=req.protocol)
                 if span is not None:
                     g.trace = {"traceparent": span.traceparent}  # the worker's spans join this trace
-            routed = self.pool.open(RouteRequest(g.model, prompt_estimate(g), g.params.max_tokens), g.make_submit)
+            routed = self.pool.open(g.model, g.make_submit, g)
         except (APIError, RoutingError) as e:
             err = e if isinstance(e, APIError) else from_routing(e)
             if span is not None:
@@ -159,6 +160,12 @@ class Generations:
 
 
 _NO_GRANT = object()
+
+
+def route_request(model: str, g: object) -> RouteRequest:
+    """A generation request as a routing policy sees it (the pool's ``describe``)."""
+    assert isinstance(g, GenerationRequest)
+    return RouteRequest(model, prompt_estimate(g), g.params.max_tokens)
 
 
 def _text(value: bytes | None) -> str | None:

@@ -70,12 +70,13 @@ class Writer(Protocol):
 
 
 class _OpenAIWriter:
+    """What both OpenAI writers share (each sets these slots itself: no super() call per request)."""
+
     __slots__ = ("g", "_lps", "_offset")
 
-    def __init__(self, g: GenerationRequest) -> None:
-        self.g = g
-        self._lps: Any = None  # logprobs of what is being written (chat: list; legacy: dict of lists)
-        self._offset = 0  # legacy completions' text_offset
+    g: GenerationRequest
+    _lps: Any  # logprobs of what is being written (chat: list; legacy: dict of lists)
+    _offset: int  # legacy completions' text_offset
 
     def _logprobs(self, ev: TokenEntry) -> None:
         g = self.g
@@ -101,7 +102,9 @@ class JsonWriter(_OpenAIWriter):
     headers = JSON_HEADERS
 
     def __init__(self, g: GenerationRequest) -> None:
-        super().__init__(g)
+        self.g = g
+        self._lps = None
+        self._offset = 0
         self._parts: list[bytes] = []
 
     def opening(self) -> bytes:
@@ -120,18 +123,16 @@ class JsonWriter(_OpenAIWriter):
 
     def finish(self, fin: Finish) -> bytes:
         parts = self._parts
-        text = (parts[0] if len(parts) == 1 else b"".join(parts)).decode("utf-8", "replace")
+        return self.whole(parts[0] if len(parts) == 1 else b"".join(parts), fin)
+
+    def whole(self, text: bytes, fin: Finish) -> bytes:
+        """The body from the whole text (kept here, or collected by the transport)."""
         g = self.g
         lps = None
         if g.logprobs:
             lps = {"content": self._lps or []} if g.chat else (
                 self._lps or {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []})
-        return response_body(g.chat, g.model, text, fin, lps)
-
-    def whole(self, text: bytes, fin: Finish) -> bytes:
-        """The body from a collected result (text buffered by the transport)."""
-        self._parts = [text]
-        return self.finish(fin)
+        return response_body(g.chat, g.model, text.decode("utf-8", "replace"), fin, lps)
 
 
 class SseWriter(_OpenAIWriter):
@@ -142,7 +143,9 @@ class SseWriter(_OpenAIWriter):
     headers = SSE_HEADERS
 
     def __init__(self, g: GenerationRequest) -> None:
-        super().__init__(g)
+        self.g = g
+        self._lps = None
+        self._offset = 0
         self._tpl = ChunkTemplate(g.chat, new_id("chatcmpl" if g.chat else "cmpl"), g.model, g.include_usage)
 
     def opening(self) -> bytes:

@@ -14,21 +14,31 @@ name for it in :data:`POLICIES` (``[routing] policy`` picks it).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple, Protocol
 
 from transport.api import WorkerConnection
 
-__all__ = ["RouteRequest", "RoutingPolicy", "LeastLoaded", "load_score", "POLICIES"]
+__all__ = ["RouteRequest", "Describe", "model_only", "RoutingPolicy", "LeastLoaded", "load_score", "POLICIES"]
 
 
 class RouteRequest(NamedTuple):
-    """What a policy may look at (a tuple: built once per request on the hot path)."""
+    """What a policy may look at. Built only when a policy is asked (more than one replica to
+    choose from), from the request the pipeline handed the pool (:data:`Describe`)."""
 
     model: str
     prompt_tokens: int = 0  # an estimate (bytes / 4 for text) until the gateway tokenizes
     max_tokens: int = 0
     prefix_hashes: tuple[int, ...] = ()  # the worker's block hash chain over the prompt, when known
+
+
+Describe = Callable[[str, object], RouteRequest]
+"""(model, the pipeline's request, opaque to the pool) -> what the policy sees."""
+
+
+def model_only(model: str, subject: object) -> RouteRequest:
+    """The pool's default :data:`Describe`: the model name alone (the pipeline sets its own)."""
+    return RouteRequest(model)
 
 
 class RoutingPolicy(Protocol):

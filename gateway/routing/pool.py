@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable
 from transport.api import WorkerConnection
 
 from .errors import UnknownModel
-from .policy import LeastLoaded, RouteRequest, RoutingPolicy
+from .policy import Describe, LeastLoaded, RoutingPolicy, model_only
 from .routed import RoutedStream, SubmitFactory
 
 __all__ = ["ModelPool"]
@@ -40,6 +40,8 @@ class ModelPool:
         # per replica: its requests that have no token yet, oldest first (what a rebalance may move)
         self._waiting: dict[WorkerConnection, dict[RoutedStream, None]] = {}
         self.on_move: Callable[[int], None] | None = None  # metrics: requests moved by a rebalance
+        # what a policy sees of a request (prompt estimate, max_tokens), built only when it is asked
+        self.describe: Describe = model_only
 
     # -- membership (supervisor) ------------------------------------------------
     def add(self, conn: WorkerConnection, models: Iterable[str] | None = None) -> None:
@@ -76,22 +78,18 @@ class ModelPool:
     def ready_workers(self) -> int:
         return sum(1 for c in self.connections() if not c.closed)
 
-    def choose(self, req: RouteRequest, exclude: tuple[WorkerConnection, ...] = ()) -> WorkerConnection | None:
-        """The policy's pick among the open, non-draining replicas serving ``req.model``."""
-        conns = self._by_model.get(req.model)
+    def choose(self, model: str, subject: object = None,
+               exclude: tuple[WorkerConnection, ...] = ()) -> WorkerConnection | None:
+        """The policy's pick among the open, non-draining replicas serving ``model``; ``subject``
+        is the pipeline's request, described to the policy (:attr:`describe`) only if it is asked."""
+        conns = self._by_model.get(model)
         if not conns:
             return None
         if len(conns) == 1 and not exclude:  # the common single-worker case: nothing to choose
             c = conns[0]
             return None if c.closed or c.draining else c
         live = [c for c in conns if not c.closed and not c.draining and c not in exclude]
-        return self.policy.choose(req, live) if live else None
-
-    def _waiting_on(self, conn: WorkerConnection) -> dict[RoutedStream, None]:
-        w = self._waiting.get(conn)
-        if w is None:
-            w = self._waiting[conn] = {}
-        return w
+        return self.policy.choose(self.describe(model, subject), live) if live else None
 
     def waiting(self, conn: WorkerConnection) -> int:
         """Requests on ``conn`` that have no token yet."""
@@ -110,7 +108,7 @@ class ModelPool:
         for src in self._by_model.get(model, ()):
             if src is target:
                 continue
-            waiting = [r for r in self._waiting.get(src, ()) if r.req.model == model and r.on_moved is not None]
+            waiting = [r for r in self._waiting.get(src, ()) if r.model == model and r.on_moved is not None]
             left = len(waiting)
             for routed in reversed(waiting):  # the newest: still queued behind the older ones, which run
                 if left - 1 < load + 1:
@@ -130,14 +128,15 @@ class ModelPool:
         s = conn.latest_stats
         return conn.in_flight if s is None else max(conn.in_flight, s.running + s.queue_depth)
 
-    def open(self, req: RouteRequest, make_submit: SubmitFactory) -> RoutedStream:
-        """Submit to the replica the policy picks for ``req``.
+    def open(self, model: str, make_submit: SubmitFactory, subject: object = None) -> RoutedStream:
+        """Submit ``subject`` (the pipeline's request: opaque here, see :attr:`describe`) to the
+        replica of ``model`` the policy picks.
 
         Raises :class:`UnknownModel` if no worker has ever announced the model (and some worker
         has announced something), :class:`NoReplica` if none serving it can take it now.
         """
-        if req.model not in self._known and self._known:
-            raise UnknownModel(req.model)
-        routed = RoutedStream(self, req, make_submit)
+        if model not in self._known and self._known:
+            raise UnknownModel(model)
+        routed = RoutedStream(self, model, subject, make_submit)
         routed.submit()
         return routed

@@ -24,7 +24,6 @@ from transport.errors import ConnectionClosed
 from transport.messages import Error, ErrorCode, Submit
 
 from .errors import NoReplica, Unroutable
-from .policy import RouteRequest
 
 if TYPE_CHECKING:
     from .pool import ModelPool
@@ -42,12 +41,13 @@ SubmitFactory = Callable[[int], Submit]
 class RoutedStream:
     """One request's current stream and the replicas it has tried."""
 
-    __slots__ = ("_pool", "req", "_make", "stream", "_tried", "_retries_left", "started", "_cancelled", "conn",
-                 "on_moved", "_waiting")
+    __slots__ = ("_pool", "model", "subject", "_make", "stream", "_tried", "_retries_left", "started", "_cancelled",
+                 "conn", "on_moved", "_waiting")
 
-    def __init__(self, pool: ModelPool, req: RouteRequest, make_submit: SubmitFactory) -> None:
+    def __init__(self, pool: ModelPool, model: str, subject: object, make_submit: SubmitFactory) -> None:
         self._pool = pool
-        self.req = req
+        self.model = model
+        self.subject = subject  # the pipeline's request, opaque here (the pool describes it to a policy)
         self._make = make_submit
         self.stream: RequestStream | None = None
         self._tried: tuple[WorkerConnection, ...] = ()
@@ -60,10 +60,11 @@ class RoutedStream:
 
     def submit(self) -> None:
         """Open the stream on the replica the policy picks; raises a RoutingError if none takes it."""
+        pool = self._pool
         while True:
-            conn = self._pool.choose(self.req, self._tried)
+            conn = pool.choose(self.model, self.subject, self._tried)
             if conn is None:
-                raise NoReplica(self.req.model)
+                raise NoReplica(self.model)
             self._tried += (conn,)
             try:
                 self.stream = conn.submit(self._make(conn.next_request_id()))
@@ -73,14 +74,25 @@ class RoutedStream:
             except ValueError as e:  # the request breaks a wire rule (an encoder check): no worker can take it
                 raise Unroutable(str(e)) from None
             self.conn = conn
-            w = self._waiting = self._pool._waiting_on(conn)
-            w[self] = None
+            self._wait_on(conn)
             return
+
+    def _wait_on(self, conn: WorkerConnection) -> None:
+        """Join ``conn``'s set of requests that have no token yet (what a rebalance may move)."""
+        waiting = self._pool._waiting
+        w = waiting.get(conn)
+        if w is None:
+            w = waiting[conn] = {}
+        w[self] = None
+        self._waiting = w
 
     def start(self) -> None:
         """The first token (or the finish) arrived: the request stays where it is."""
         self.started = True
-        self._unwait()
+        w = self._waiting
+        if w is not None:
+            self._waiting = None
+            w.pop(self, None)
 
     def _unwait(self) -> None:
         w = self._waiting
@@ -104,8 +116,7 @@ class RoutedStream:
             old_stream.cancel()
         self.stream, self.conn = stream, conn
         self._tried = tuple(c for c in self._tried if c is not old_conn) + (conn,)
-        w = self._waiting = self._pool._waiting_on(conn)
-        w[self] = None
+        self._wait_on(conn)
         self.on_moved()
         return True
 
@@ -137,5 +148,14 @@ class RoutedStream:
             self.stream.cancel()
 
     def close(self) -> None:
-        """The request ended (its consumer is done with it)."""
-        self._unwait()
+        """The request ended (its consumer is done with it): it leaves the waiting set, nothing
+        moves it any more, and a worker request still open is cancelled."""
+        self.on_moved = None
+        w = self._waiting
+        if w is not None:
+            self._waiting = None
+            w.pop(self, None)
+        stream = self.stream
+        if stream is not None and not stream.done:
+            self._cancelled = True
+            stream.cancel()
