@@ -17,8 +17,9 @@ call awaits ``sink.send`` for the chunk it could not write, then goes on where
 it was. The call ends exactly once (:meth:`_end`): a finished response, an error
 (a whole error response before anything was sent, the writer's terminal event
 after), a 504 at the deadline, or 499 when the client went away (nothing sent).
-Then ``on_end(status, completion_tokens, t_first)`` runs (metrics, admission release, span, access log),
-then ``done()`` (the adapter's next request), never inside :meth:`start`.
+Then ``on_end(call, status, completion_tokens)`` runs (metrics, admission release, span, access
+log: the owner reads what it needs from the call, its own ``ticket`` included, so nothing is built
+per request for it), then ``done()`` (the adapter's next request), never inside :meth:`start`.
 """
 
 from __future__ import annotations
@@ -44,8 +45,11 @@ __all__ = ["GenerationCall", "CallContext"]
 log = logging.getLogger("quicserve.api")
 _perf = time.perf_counter
 
-EndHook = Callable[[int, int, float], None]
-"""(status, completion tokens, perf_counter time of the first token or 0.0)"""
+EndHook = Callable[["GenerationCall", int, int], None]
+"""(the call, status, completion tokens): its owner reads ``route``, ``t0``, ``t_first`` (perf_counter
+time of the first token, or 0.0) and its own ``ticket`` from the call."""
+
+_WHOLE, _PUSH, _PULL = 0, 1, 2  # how the call reads its stream (module docstring)
 
 
 class CallContext:
@@ -68,31 +72,38 @@ class CallContext:
 class GenerationCall:
     """One generation request (the :class:`~gateway.http.types.Call` the pipeline hands back)."""
 
-    __slots__ = ("_ctx", "_routed", "_w", "_sink", "_route", "_t0", "_t_first", "_on_end", "_done", "_started",
-                 "_ended", "_starting", "_held", "_held_final", "_resumer", "_pull", "_whole", "_fut", "_timeout",
+    __slots__ = ("_ctx", "_routed", "_w", "_sink", "route", "t0", "t_first", "ticket", "_on_end", "_done",
+                 "_started", "_ended", "_starting", "_held", "_held_final", "_resumer", "_mode", "_fut", "_timeout",
                  "_text", "_send_nowait", "_headers")
+    # set where they are first needed (see __init__)
+    _starting: bool  # inside start(): done() is deferred to the next loop iteration
+    _fut: asyncio.Future[Any]  # what the call waits on now; others are stale
+    _held: bytes | None  # a chunk the client was not ready for
+    _held_final: object  # pull mode: the final event that came with it
+    _text: Callable[[bytes], bytes]  # push mode: the writer's text, bound once (per engine step)
+    _send_nowait: Callable[[bytes], bool]  # push mode: the sink's
 
     def __init__(self, ctx: CallContext, routed: RoutedStream, writer: Writer, sink: ResponseSink, route: str,
                  t0: float, logprobs: bool, on_end: EndHook, done: Callable[[], None],
-                 timeout: float | None = None, headers: Sequence[tuple[bytes, bytes]] | None = None) -> None:
+                 timeout: float | None = None, headers: Sequence[tuple[bytes, bytes]] | None = None,
+                 ticket: Any = None) -> None:
+        # Only what every call reads is set here (this runs once per request); the rest is set where
+        # its mode or path needs it: _starting (start), _fut (_read), _held/_held_final (a slow
+        # client), _text/_send_nowait (push mode).
         self._ctx = ctx
         self._routed = routed
         self._w = writer
         self._sink = sink
-        self._route = route
-        self._t0 = t0
-        self._t_first = 0.0
+        self.route = route
+        self.t0 = t0
+        self.t_first = 0.0  # perf_counter time of the first token
+        self.ticket = ticket  # the owner's, for its end hook (opaque here)
         self._on_end = on_end
         self._done = done
         self._started = False  # response head sent (streams)
         self._ended = False
-        self._starting = False
-        self._held: bytes | None = None  # a chunk the client was not ready for
-        self._held_final: object = None  # pull mode: the final event that came with it
-        self._resumer: asyncio.Task[None] | None = None
-        self._pull = logprobs
-        self._whole = not writer.streaming and not logprobs
-        self._fut: asyncio.Future[Any] | None = None  # what the call waits on now; others are stale
+        self._resumer: asyncio.Task[None] | None = None  # the coroutine of a client that is not reading
+        self._mode = _PULL if logprobs else _PUSH if writer.streaming else _WHOLE
         self._timeout = ctx.timeout if timeout is None else min(timeout, ctx.timeout)
         self._headers = writer.headers if not headers else [*writer.headers, *headers]  # + x-ratelimit-*
 
@@ -112,17 +123,18 @@ class GenerationCall:
         """Read the current stream (again, after a retry) in this call's mode."""
         stream = self._routed.stream
         assert stream is not None
-        if self._whole:
+        mode = self._mode
+        if mode == _WHOLE:
             fut: asyncio.Future[Any] = stream.collect()
-        elif self._pull:
+        elif mode == _PULL:
             self._pull_events()
             return
         else:
             self._text = self._w.text  # bound once: both run once per engine step
             self._send_nowait = self._sink.send_nowait
             fut = stream.listen(self._on_text)
-        self._fut = fut
-        fut.add_done_callback(self._collected if self._whole else self._listened)
+        self._fut = fut  # what the call waits on now; others are stale
+        fut.add_done_callback(self._collected if mode == _WHOLE else self._listened)
 
     def _collected(self, fut: asyncio.Future[Any]) -> None:
         if self._ended or fut is not self._fut or fut.cancelled():
@@ -134,12 +146,12 @@ class GenerationCall:
                 self._read()
                 return
             # the end, at once: nothing can move or retry it before _end closes the routed stream
-            self._t_first = res.first_token_at  # delivered whole: when the transport saw it
+            self.t_first = res.first_token_at  # delivered whole: when the transport saw it
             if type(fin) is not Finish:
                 self._fail(from_wire_code(fin.code, fin.message))
                 return
             n = fin.completion_tokens
-            self._ctx.observe(self._route, None, None, n)
+            self._ctx.observe(self.route, None, None, n)
             w = self._w
             assert isinstance(w, JsonWriter)
             self._sink.respond(200, self._headers, w.whole(res.text, fin))
@@ -164,8 +176,8 @@ class GenerationCall:
             return
         try:
             ev = fut.result()
-            if ev is None:  # the client is slow: wait for it, then listen again
-                self._wait_for_client()
+            if ev is None:  # the client is slow (_on_text held its chunk): wait for it, then listen again
+                self._wait_for_client(None)
             elif not self._started and self._routed.retry(ev):
                 self._read()
             else:
@@ -194,8 +206,8 @@ class GenerationCall:
                     self._open()
                 chunk = self._w.entries(entries)
                 if chunk and not self._sink.send_nowait(chunk):
-                    self._held, self._held_final = chunk, final
-                    self._wait_for_client()
+                    self._held = chunk
+                    self._wait_for_client(final)
                     return
             if final is not None:
                 self._final(final)
@@ -213,7 +225,7 @@ class GenerationCall:
     def _open(self) -> None:
         """The first token: the request can no longer move; a stream sends its head."""
         self._routed.start()
-        self._t_first = _perf()
+        self.t_first = _perf()
         w = self._w
         if w.streaming:
             self._started = True
@@ -222,7 +234,10 @@ class GenerationCall:
             if first:
                 self._sink.send_nowait(first)  # False only if the client is already gone
 
-    def _wait_for_client(self) -> None:
+    def _wait_for_client(self, final: object) -> None:
+        """Send the held chunk once the client can take it, then ``final`` (pull mode: the final
+        event that came with it) or read on."""
+        self._held_final = final
         self._resumer = asyncio.ensure_future(self._resume())
 
     async def _resume(self) -> None:
@@ -232,7 +247,7 @@ class GenerationCall:
                 await asyncio.wait_for(self._sink.send(chunk), self._ctx.write_timeout)
         except TimeoutError:  # the client reads nothing: it cannot take an error event either
             self._resumer = None
-            log.info("%s: the client read nothing for %g s; cutting the stream", self._route, self._ctx.write_timeout)
+            log.info("%s: the client read nothing for %g s; cutting the stream", self.route, self._ctx.write_timeout)
             self._sink.abort()
             self._end(408, 0)
             return
@@ -245,7 +260,7 @@ class GenerationCall:
             final, self._held_final = self._held_final, None
             if final is not None:
                 self._final(final)
-            elif self._pull:
+            elif self._mode == _PULL:
                 self._pull_events()
             else:
                 self._read()
@@ -254,12 +269,12 @@ class GenerationCall:
 
     def _final(self, ev: object) -> None:
         if type(ev) is Finish:
-            if not self._started and not self._t_first:
+            if not self._started and not self.t_first:
                 self._open()  # a finish with no token
             n = ev.completion_tokens
-            if self._t_first:
-                tpot = (_perf() - self._t_first) / (n - 1) if n > 1 else None
-                self._ctx.observe(self._route, self._t_first - self._t0, tpot, n)
+            if self.t_first:
+                tpot = (_perf() - self.t_first) / (n - 1) if n > 1 else None
+                self._ctx.observe(self.route, self.t_first - self.t0, tpot, n)
             w = self._w
             body = w.finish(ev)
             if w.streaming:
@@ -299,7 +314,7 @@ class GenerationCall:
             self._end(err.status, 0)
 
     def _crash(self) -> None:
-        log.exception("generation call failed in %s", self._route)
+        log.exception("generation call failed in %s", self.route)
         if self._ended:
             return
         try:
@@ -346,14 +361,14 @@ class GenerationCall:
         self._ctx.deadlines.discard(self)
         routed = self._routed
         routed.close()  # leaves the waiting set; a worker request still open is cancelled
-        if not self._whole and not self._pull:
+        if self._mode == _PUSH:
             stream = routed.stream
             if stream is not None:
                 stream.unlisten()
         if self._resumer is not None:
             self._resumer.cancel()
         try:
-            self._on_end(status, tokens, self._t_first)
+            self._on_end(self, status, tokens)
         finally:
             if self._starting:
                 asyncio.get_running_loop().call_soon(self._done)

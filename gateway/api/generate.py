@@ -80,6 +80,7 @@ class Generations:
         self.tracer = tracer if tracer is not None and tracer.enabled else None  # None: no span, no cost
         self.access_log = access_log
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._on_call_end = self._call_ended  # every call's end hook: bound once, not a closure per request
         pool.describe = route_request  # what a routing policy sees, built only when one is asked
 
     def later(self, done: Callable[[], None]) -> None:
@@ -97,14 +98,12 @@ class Generations:
         metrics = self.metrics
         metrics.in_flight += 1
         admission = self.admission
-        grant: object = None
-        admitted = False
+        grant: object = _NO_GRANT
         span: RequestSpan | None = None
         try:
             g = parse(req)
             if admission is not None:
                 grant = admission.admit(req, g, t0)
-            admitted = True
             if self.tracer is not None:
                 span = self.tracer.start(route, _text(req.header(b"traceparent")), protocol=req.protocol)
                 if span is not None:
@@ -114,30 +113,31 @@ class Generations:
             err = e if isinstance(e, APIError) else from_routing(e)
             if span is not None:
                 span.end(err.status, model=req.path, error=err.message)
-            return self._refuse(req, fail, sink, done, route, err, t0, grant if admitted else _NO_GRANT)
+            return self._refuse(req, fail, sink, done, route, err, t0, grant)
         except Exception:
             log.exception("unhandled error in %s %s", req.method, req.path)
-            return self._refuse(req, fail, sink, done, route, internal_error(), t0,
-                                grant if admitted else _NO_GRANT)
-        protocol = req.protocol
+            return self._refuse(req, fail, sink, done, route, internal_error(), t0, grant)
         headers = admission.headers(grant) if admission is not None else None
         if span is not None:
             headers = (*(headers or ()), (b"traceparent", span.traceparent.encode()))
-        watched = span is not None or self.access_log
-
-        def on_end(status: int, tokens: int, t_first: float) -> None:
-            metrics.in_flight -= 1
-            now = _perf()
-            metrics.request_done(route, status, protocol, now - t0)
-            if admission is not None:
-                admission.release(grant, tokens, now)
-            if watched:
-                _observed(req, g.model, span, self.access_log, status, tokens, t0, t_first, now)
-
-        call = GenerationCall(self.calls, routed, writer_for(g), sink, route, t0, g.logprobs, on_end, done,
-                              timeout, headers)
+        call = GenerationCall(self.calls, routed, writer_for(g), sink, route, t0, g.logprobs, self._on_call_end, done,
+                              timeout, headers, (req, g, grant, span))
         call.start()
         return call
+
+    def _call_ended(self, call: GenerationCall, status: int, tokens: int) -> None:
+        """A call's end hook: metrics, the admission release, span and access log (its ticket is
+        what :meth:`start` gave it: request, parsed request, grant, span)."""
+        metrics = self.metrics
+        metrics.in_flight -= 1
+        now = _perf()
+        req, g, grant, span = call.ticket
+        metrics.request_done(call.route, status, req.protocol, now - call.t0)
+        admission = self.admission
+        if grant is not _NO_GRANT and admission is not None:
+            admission.release(grant, tokens, now)
+        if span is not None or self.access_log:
+            _observed(req, g.model, span, self.access_log, status, tokens, call.t0, call.t_first, now)
 
     def refuse(self, req: Request, fail: Fail, sink: ResponseSink, done: Callable[[], None], route: str,
                err: APIError, t0: float) -> Call:

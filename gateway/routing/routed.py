@@ -74,7 +74,12 @@ class RoutedStream:
             except ValueError as e:  # the request breaks a wire rule (an encoder check): no worker can take it
                 raise Unroutable(str(e)) from None
             self.conn = conn
-            self._wait_on(conn)
+            waiting = pool._waiting  # join the replica's not-started set (as _wait_on, inline: per request)
+            w = waiting.get(conn)
+            if w is None:
+                w = waiting[conn] = {}
+            w[self] = None
+            self._waiting = w
             return
 
     def _wait_on(self, conn: WorkerConnection) -> None:
