@@ -19,6 +19,7 @@ from .flow import (
     StatsReceived,
     TokensReceived,
 )
+from .hold import window
 from .messages import Error, ErrorCode, Hello, Stats, Submit
 from .select import choose
 from .tcp import open_stream
@@ -57,7 +58,7 @@ class ClientConnection:
     def submit(self, submit: Submit) -> RequestStream:
         if self.closed:
             raise ConnectionClosed("connection to worker is closed")
-        self.core.submit(submit)
+        self.core.submit(submit, window(submit))  # a whole result (Submit.buffered): credit does not apply
         p = submit.params
         stream = ClientStream(self, submit.request_id, bool(p.logprobs or p.top_logprobs))
         streams = self._streams

@@ -5,7 +5,9 @@ Every channel (TCP, Unix socket, RDMA) gives the endpoint bytes with
 The endpoint coalesces writes: whatever the core queues during one loop
 iteration goes out in one ``write`` from a single ``call_soon`` callback.
 One timer is armed at the core's deadline; firing early is harmless, so the
-timer is only moved when the deadline comes sooner.
+timer is only moved when the deadline comes sooner. A layer above the core
+that coalesces its own sends (the worker's :class:`~transport.hold.ResultHold`)
+passes ``before_flush``: it runs before the core's bytes are taken.
 """
 
 from __future__ import annotations
@@ -35,10 +37,12 @@ class Endpoint:
         core: FlowConnection,
         loop: asyncio.AbstractEventLoop,
         on_events: Callable[[list[Event]], None],
+        before_flush: Callable[[], None] | None = None,
     ) -> None:
         self.core = core
         self.loop = loop
         self._on_events = on_events
+        self._before_flush = before_flush
         self._sink: ByteSink | None = None
         self._flush_scheduled = False
         self._timer: asyncio.TimerHandle | None = None
@@ -90,6 +94,8 @@ class Endpoint:
 
     def _flush(self) -> None:
         self._flush_scheduled = False
+        if self._before_flush is not None:
+            self._before_flush()
         data = self.core.data_to_send()
         if data and self._sink is not None:
             self._sink.write(data)
@@ -107,6 +113,8 @@ class Endpoint:
         self.loop.call_soon(self._close_sink)
 
     def _close_sink(self) -> None:
+        if self._before_flush is not None:
+            self._before_flush()
         data = self.core.data_to_send()
         if self._sink is not None:
             if data:

@@ -16,7 +16,11 @@ calls :meth:`handle_timer`. No sockets, no asyncio.
   and the gateway refills it with CREDIT frames as its consumer drains
   (:meth:`consumed`, batched to half a window). Tokens beyond the window are a
   protocol error, so a slow consumer bounds what the gateway buffers to one
-  window per request.
+  window per request. The layer above may open a request with another window
+  (:data:`UNLIMITED`: credit does not apply), on both sides alike: the gateway's
+  :meth:`submit` takes it, the worker's :meth:`set_window` sets it when the
+  Submit arrives. What a request's options mean (``Submit.buffered``: whole
+  results, :mod:`transport.hold`) is that layer's business; the core carries them.
 * Heartbeats: a PING every ``heartbeat_interval``; any frame from the peer
   proves it alive; silence for ``dead_after`` ends the connection with
   ``CONNECTION_LOST``.
@@ -34,7 +38,6 @@ calls :meth:`handle_timer`. No sockets, no asyncio.
 
 from __future__ import annotations
 
-from array import array
 from dataclasses import dataclass, replace
 
 from .errors import ConnectionClosed, CreditExceeded, WireError
@@ -58,6 +61,7 @@ from .wire import DEFAULT_MAX_FRAME, FrameDecoder, FrameEncoder, StreamTable, Su
 
 __all__ = [
     "FlowConnection",
+    "UNLIMITED",
     "PeerHello",
     "SubmitReceived",
     "SubmitRefused",
@@ -154,18 +158,8 @@ Event = (
 )
 
 
-_UNLIMITED = 1 << 62  # the window of a buffered request: credit does not apply (transport.wire)
-
-
-class _Held:
-    """Worker side: what a buffered request has produced so far (sent when it ends)."""
-
-    __slots__ = ("tokens", "text", "dropped")
-
-    def __init__(self) -> None:
-        self.tokens: array[int] = array("I")
-        self.text: list[bytes] = []
-        self.dropped = False  # cancelled by the gateway: keep nothing, send nothing
+UNLIMITED = 1 << 62
+"""A request window that credit does not bound (its consumer takes everything at once)."""
 
 
 class _GatewayRequest:
@@ -213,22 +207,18 @@ class FlowConnection:
         self._nonce = 0
         self._gw: dict[int, _GatewayRequest] = {}  # gateway: open requests
         self._credit: dict[int, int] = {}  # worker: open requests -> remaining credit
-        self._held: dict[int, _Held] = {}  # worker: open buffered requests -> their tokens so far
-        self._ending: list[tuple[int, _Held, Finish | Error]] = []  # worker: buffered results to send
         self._send(self.local_hello)
 
     # --- bytes in / out --------------------------------------------------------------------
 
     def data_to_send(self) -> bytes:
-        if self._ending:
-            self._flush_ends()
         out = b"".join(self._out)
         self._out.clear()
         return out
 
     @property
     def has_data_to_send(self) -> bool:
-        return bool(self._out) or bool(self._ending)
+        return bool(self._out)
 
     def receive_data(self, data: bytes | bytearray | memoryview, now: float) -> list[Event]:
         if self.closed:
@@ -296,7 +286,8 @@ class FlowConnection:
 
     # --- gateway side ------------------------------------------------------------------------
 
-    def submit(self, submit: Submit) -> None:
+    def submit(self, submit: Submit, window: int | None = None) -> None:
+        """Open a request; its token window is ``window``, or the initial credit when None."""
         self._need("gateway")
         if self.closed:
             raise ConnectionClosed(self.close_error.message if self.close_error else "connection closed")
@@ -310,9 +301,7 @@ class FlowConnection:
         if len(self._gw) >= limit:
             raise ConnectionClosed(f"connection has {limit} requests open (max_streams)")
         self._send(submit)
-        self._gw[submit.request_id] = _GatewayRequest(
-            _UNLIMITED if submit.buffered else self.local_hello.initial_credit
-        )
+        self._gw[submit.request_id] = _GatewayRequest(self.local_hello.initial_credit if window is None else window)
 
     def cancel(self, request_id: int) -> list[Event]:
         """Cancel an open request: it ends now (``CANCELLED``); the worker is told."""
@@ -342,16 +331,18 @@ class FlowConnection:
         """Tokens the worker may still send for this request (0 when not open)."""
         return self._credit.get(request_id, 0)
 
+    def set_window(self, request_id: int, tokens: int) -> None:
+        """An open request's window, as the gateway opened it (the layer above knows which: the
+        Submit's options say so); before any token of it is sent."""
+        self._need("worker")
+        if request_id in self._credit:
+            self._credit[request_id] = tokens
+
     def send_tokens(self, batch: TokenBatch) -> None:
-        """One engine step's tokens. Entries of buffered requests are held until they end."""
+        """One engine step's tokens, within each request's credit."""
         self._need("worker")
         if self.closed:
             return
-        if self._held:
-            held = self._hold(batch)
-            if held is None:
-                return
-            batch = held
         credit = self._credit
         counts = batch.counts
         for i, rid in enumerate(batch.request_ids):
@@ -363,54 +354,6 @@ class FlowConnection:
         self._send(batch)
         for i, rid in enumerate(batch.request_ids):
             credit[rid] -= counts[i]
-
-    def _hold(self, batch: TokenBatch) -> TokenBatch | None:
-        """Keep the entries of buffered requests; return the rest (None if nothing is left).
-
-        Buffered streams never have logprobs, so the packed logprob arrays belong
-        to the entries that stay and pass through unchanged.
-        """
-        held = self._held
-        rids = batch.request_ids
-        if not any(rid in held for rid in rids):
-            return batch
-        counts, toks, tlens, text = batch.counts, batch.token_ids, batch.text_lens, batch.text
-        k_rids, k_counts, k_toks, k_tlens = array("I"), array("I"), array("I"), array("I")
-        k_text: list[bytes] = []
-        k_idx: list[int] = []
-        if getattr(toks, "typecode", "") != "I":
-            toks = array("I", toks)
-        t = s = 0
-        for i, rid in enumerate(rids):
-            n = counts[i]
-            ln = tlens[i] if tlens else 0
-            h = held.get(rid)
-            if h is not None:
-                if not h.dropped:  # a cancelled one keeps nothing
-                    if n == 1:
-                        h.tokens.append(toks[t])
-                    else:
-                        h.tokens.extend(toks[t : t + n])
-                    if ln:
-                        h.text.append(bytes(text[s : s + ln]))
-            else:
-                k_idx.append(i)
-                k_rids.append(rid)
-                k_counts.append(n)
-                k_toks.extend(toks[t : t + n])
-                k_tlens.append(ln)
-                k_text.append(bytes(text[s : s + ln]))
-            t += n
-            s += ln
-        if not k_idx:
-            return None
-        has_lp, top_ns = batch.has_logprobs, batch.top_ns
-        return TokenBatch(
-            k_rids, k_counts, k_toks, k_tlens, b"".join(k_text),
-            array("B", [has_lp[i] for i in k_idx]) if len(has_lp) else has_lp,
-            array("B", [top_ns[i] for i in k_idx]) if len(top_ns) else top_ns,
-            batch.logprobs, batch.top_ids, batch.top_logprobs,
-        )
 
     def send_finish(self, finish: Finish) -> None:
         self._end_worker_request(finish)
@@ -432,30 +375,8 @@ class FlowConnection:
         self._need("worker")
         if self.closed or msg.request_id not in self._credit:
             return  # already ended (or the connection is gone): ends exactly once
-        rid = msg.request_id
-        del self._credit[rid]
-        h = self._held.pop(rid, None)
-        if h is not None and h.tokens and not h.dropped:  # a buffered result: its tokens, right before its end
-            self._ending.append((rid, h, msg))  # those ending together share one TOKENS frame
-            return
+        del self._credit[msg.request_id]
         self._send(msg)
-
-    def _flush_ends(self) -> None:
-        """One TOKENS frame with every pending buffered result, then their FINISH/ERROR frames."""
-        ending, self._ending = self._ending, []
-        rids, counts, toks, tlens = array("I"), array("I"), array("I"), array("I")
-        texts: list[bytes] = []
-        for rid, h, _ in ending:
-            text = b"".join(h.text)
-            rids.append(rid)
-            counts.append(len(h.tokens))
-            toks += h.tokens
-            tlens.append(len(text))
-            texts.append(text)
-        out, enc = self._out, self._enc
-        out.append(enc.encode(TokenBatch(rids, counts, toks, tlens, b"".join(texts))))
-        for _, _, msg in ending:
-            out.append(enc.encode(msg))
 
     # --- internals ---------------------------------------------------------------------------
 
@@ -464,8 +385,6 @@ class FlowConnection:
             raise RuntimeError(f"only the {role} side may do this")
 
     def _send(self, msg: Message) -> None:
-        if self._ending:
-            self._flush_ends()  # frames keep the order their messages were sent in
         self._out.append(self._enc.encode(msg))
 
     def _fail(self, message: str) -> list[Event]:
@@ -481,8 +400,6 @@ class FlowConnection:
     def _terminate(self, error: Error) -> list[Event]:
         if self.closed:
             return []
-        if self._ending:
-            self._flush_ends()  # results already produced go out before the end
         self.closed = True
         self.close_error = error
         events: list[Event] = []
@@ -495,7 +412,6 @@ class FlowConnection:
         else:
             open_ids = tuple(self._credit)
             self._credit.clear()
-            self._held.clear()
         events.append(ConnectionEnded(error, open_ids))
         return events
 
@@ -560,18 +476,13 @@ class FlowConnection:
             events.append(SubmitRefused(msg.request_id, msg.reason))
         elif isinstance(msg, Submit):
             assert self.peer_hello is not None
-            self._credit[msg.request_id] = _UNLIMITED if msg.buffered else self.peer_hello.initial_credit
+            self._credit[msg.request_id] = self.peer_hello.initial_credit  # the layer above may set another
             if self.goodbye_sent:
                 self._end_worker_request(Error(msg.request_id, ErrorCode.SHUTTING_DOWN, "worker is draining"))
             else:
-                if msg.buffered:
-                    self._held[msg.request_id] = _Held()
                 events.append(SubmitReceived(msg))
         elif isinstance(msg, Cancel):
             if msg.request_id in self._credit:
-                h = self._held.get(msg.request_id)
-                if h is not None:
-                    h.dropped = True  # the gateway ended it: its tokens will never be read
                 events.append(CancelReceived(msg.request_id))
         elif isinstance(msg, Credit):
             old = self._credit.get(msg.request_id)

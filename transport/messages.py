@@ -128,7 +128,8 @@ class Submit:
     trace: dict[str, str] | None = None
     return_text: bool = True  # worker sends detokenized text deltas
     # The consumer wants the whole result at once (non-streaming): the worker sends
-    # all tokens as one entry right before the end, outside credit (see transport.wire).
+    # all tokens as one entry right before the end, outside credit (transport.hold gives
+    # the option its meaning on both sides; the flow core only carries it).
     buffered: bool = False
 
 

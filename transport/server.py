@@ -22,6 +22,7 @@ from .flow import (
     SubmitReceived,
     SubmitRefused,
 )
+from .hold import ResultHold
 from .messages import Error, ErrorCode, Finish, Hello, Stats, TokenBatch
 from .select import choose
 from .tcp import listen_stream
@@ -32,30 +33,33 @@ log = logging.getLogger("transport.server")
 
 
 class ServerConnectionImpl:
-    """A worker's view of one gateway connection (implements ``ServerConnection``)."""
+    """A worker's view of one gateway connection (implements ``ServerConnection``). Its sends go
+    through :class:`~transport.hold.ResultHold`, which holds whole results (``Submit.buffered``)."""
 
     def __init__(self, server: WorkerServer, core: FlowConnection, loop: asyncio.AbstractEventLoop) -> None:
         self.core = core
-        self.endpoint = Endpoint(core, loop, self._on_events)
+        self.hold = ResultHold(core)
+        self.endpoint = Endpoint(core, loop, self._on_events, self.hold.flush)
         self.peer_hello: Hello = Hello()
         self.closed = False
         self._server = server
         self._handler = server.handler
 
     def send_tokens(self, batch: TokenBatch) -> None:
-        self.core.send_tokens(batch)
+        self.hold.send_tokens(batch)
         self.endpoint.flush_soon()
 
     def send_finish(self, finish: Finish) -> None:
-        self.core.send_finish(finish)
+        self.hold.send_finish(finish)
         self.endpoint.flush_soon()
 
     def send_error(self, error: Error) -> None:
-        self.core.send_error(error)
+        self.hold.send_error(error)
+        self.endpoint.flush_soon()
         self.endpoint.deliver([])
 
     def send_stats(self, stats: Stats) -> None:
-        self.core.send_stats(stats)
+        self.hold.send_stats(stats)
         self.endpoint.flush_soon()
 
     def credit(self, request_id: int) -> int:
@@ -71,9 +75,11 @@ class ServerConnectionImpl:
         return self.core.in_flight
 
     def close(self) -> None:
+        self.hold.flush()  # results already produced go out before the end
         self.endpoint.close("worker closed the connection")
 
     def _on_events(self, events: list[Event]) -> None:
+        self.hold.observe(events)  # before the engine sees them: a held request opens held
         h = self._handler
         for ev in events:
             if isinstance(ev, SubmitReceived):
@@ -81,7 +87,7 @@ class ServerConnectionImpl:
                     h.on_submit(self, ev.submit)
                 except Exception as exc:  # a handler bug must still end the request once
                     log.exception("on_submit failed for request %d", ev.submit.request_id)
-                    self.core.send_error(
+                    self.hold.send_error(
                         Error(ev.submit.request_id, ErrorCode.INTERNAL, f"worker error: {exc}")
                     )
             elif isinstance(ev, CancelReceived):

@@ -71,7 +71,8 @@ non-streaming consumer): the worker sends no TOKENS entries for it until it
 ends, then all of its tokens as one entry in the TOKENS frame right before its
 FINISH or ERROR. Credit does not apply to a buffered stream (its consumer takes
 everything at the end; ``max_tokens`` bounds it), and it cannot ask for
-logprobs or top_logprobs.
+logprobs or top_logprobs. (The codec carries the option and checks that rule;
+:mod:`transport.hold` does the holding, above the flow core.)
 
 Both sides also remember the request-id list of the previous TOKENS frame; a
 continuous-batching engine usually emits the same requests in the same order

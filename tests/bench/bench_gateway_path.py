@@ -61,6 +61,11 @@ from transport.client import ClientConnection
 from transport.flow import FlowConnection, SubmitReceived
 from transport.messages import Finish, FinishReason, Hello, TokenBatch
 
+try:
+    from transport.hold import ResultHold  # whole results held above the flow core
+except ImportError:  # a tree where the flow core held them itself (--baseline)
+    ResultHold = None  # type: ignore[assignment,misc]
+
 
 class _FakeTransport(asyncio.Transport):
     """Bench double: an HTTP client's socket as the gateway sees it."""
@@ -104,10 +109,15 @@ class _WorkerDouble:
 
     def __init__(self) -> None:
         self.core = FlowConnection("worker", Hello(role="worker", identity="bench", models=("tiny",)), 0.0)
+        # as the worker's ServerConnectionImpl: sends through the hold, which sees the core's events first
+        self.send: Any = ResultHold(self.core) if ResultHold is not None else self.core
         self.running: dict[int, list[int]] = {}  # rid -> [tokens sent, max_tokens]
 
     def feed(self, data: bytes) -> None:
-        for ev in self.core.receive_data(data, 0.0):
+        events = self.core.receive_data(data, 0.0)
+        if ResultHold is not None:
+            self.send.observe(events)
+        for ev in events:
             if isinstance(ev, SubmitReceived):
                 self.running[ev.submit.request_id] = [0, ev.submit.params.max_tokens]
 
@@ -116,14 +126,16 @@ class _WorkerDouble:
         rids = array("I", self.running)
         n = len(rids)
         if n:
-            self.core.send_tokens(TokenBatch(rids, array("I", [1] * n), array("I", [120] * n),
+            self.send.send_tokens(TokenBatch(rids, array("I", [1] * n), array("I", [120] * n),
                                              array("I", [1] * n), b"x" * n))
         for rid in list(rids):
             st = self.running[rid]
             st[0] += 1
             if st[0] >= st[1]:
                 del self.running[rid]
-                self.core.send_finish(Finish(rid, FinishReason.LENGTH, 11, st[0]))
+                self.send.send_finish(Finish(rid, FinishReason.LENGTH, 11, st[0]))
+        if ResultHold is not None:
+            self.send.flush()
         return self.core.data_to_send()
 
 

@@ -243,7 +243,7 @@ def test_every_request_ends_exactly_once(ops: list[tuple[str, int]]) -> None:
         if p.gw.closed:
             break
         if op == "s" and not p.gw.is_open(rid) and rid not in submitted:
-            p.gw.submit(Submit(rid, "m", prompt="x", buffered=rid % 2 == 0))  # even rids: buffered
+            p.gw.submit(Submit(rid, "m", prompt="x"))
             submitted.add(rid)
         elif op == "d":
             p.gw.consumed(rid, 2)
@@ -263,17 +263,8 @@ def test_every_request_ends_exactly_once(ops: list[tuple[str, int]]) -> None:
         p.pump()
     p.gw_events += p.gw.close()
     ends = p.ends()
-    for i, e in enumerate(p.gw_events):  # a buffered request's tokens come right before its end
-        if isinstance(e, TokensReceived):
-            for rid in e.batch.request_ids:
-                if rid % 2 == 0 and rid not in cancelled:
-                    nxt = p.gw_events[i + 1]
-                    assert isinstance(nxt, RequestEnded) and nxt.result.request_id == rid
     assert set(ends) == submitted
     assert all(n == 1 for n in ends.values())
-
-
-# -- buffered delivery (Submit.buffered): whole results for non-streaming consumers -----------
 
 
 def _tokens(events: list[Event]) -> list[tuple[int, list[int], bytes]]:
@@ -283,64 +274,6 @@ def _tokens(events: list[Event]) -> list[tuple[int, list[int], bytes]]:
         if isinstance(e, TokensReceived):
             out += [(x.request_id, list(x.token_ids), bytes(x.text)) for x in e.batch.entries()]
     return out
-
-
-def test_buffered_request_arrives_in_one_entry_right_before_its_end() -> None:
-    from transport.messages import SamplingParams
-
-    p = Pair(credit=4)
-    p.gw.submit(Submit(1, "m", prompt="a", buffered=True))
-    p.gw.submit(Submit(2, "m", SamplingParams(logprobs=True, top_logprobs=1), prompt="b"))
-    p.pump()
-    assert p.wk.credit(1) > 1 << 40 and p.wk.credit(2) == 4  # credit does not apply to a buffered stream
-    start = len(p.gw_events)
-    for step in range(10):  # more than the 4-token window: fine for the buffered one
-        rids = [1, 2] if step < 3 else [1]
-        k = len(rids)
-        lp = array("f", [-0.5]) if 2 in rids else array("f")
-        top = array("I", [step]) if 2 in rids else array("I")
-        toplp = array("f", [-0.25]) if 2 in rids else array("f")
-        p.wk.send_tokens(TokenBatch(array("I", rids), array("I", [1] * k), array("I", [100 + step] * k),
-                                    array("I", [1] * k), bytes([97 + step]) * k, logprobs=lp, top_ids=top,
-                                    top_logprobs=toplp))
-        p.pump()
-        if step == 2:
-            p.wk.send_finish(Finish(2, FinishReason.LENGTH, 1, 3))
-            p.pump()
-    got = _tokens(p.gw_events[start:])
-    assert got == [(2, [100], b"a"), (2, [101], b"b"), (2, [102], b"c")]  # only the streaming one so far
-    entries = [x for e in p.gw_events[start:] if isinstance(e, TokensReceived) for x in e.batch.entries()]
-    assert [list(x.top_ids) for x in entries] == [[0], [1], [2]]  # its logprobs passed through intact
-    p.wk.send_finish(Finish(1, FinishReason.LENGTH, 1, 10))
-    p.pump()
-    tail = p.gw_events[-2:]
-    assert isinstance(tail[0], TokensReceived) and isinstance(tail[1], RequestEnded)
-    assert _tokens(tail) == [(1, list(range(100, 110)), b"abcdefghij")]
-    assert p.ends() == Counter({1: 1, 2: 1})
-
-
-def test_buffered_tokens_go_out_before_an_error_and_cancel_swallows_them() -> None:
-    p = Pair()
-    p.gw.submit(Submit(1, "m", prompt="a", buffered=True))
-    p.gw.submit(Submit(2, "m", prompt="b", buffered=True))
-    p.pump()
-    p.wk.send_tokens(batch([1, 2], 2))
-    p.pump()
-    assert _tokens(p.gw_events) == []
-    p.wk.send_error(Error(1, ErrorCode.INTERNAL, "boom"))
-    p.pump()
-    assert _tokens(p.gw_events) == [(1, [7, 7], b"xx")]
-    assert p.gw_events[-1] == RequestEnded(Error(1, ErrorCode.INTERNAL, "boom"))
-    p.gw_events.clear()
-    p.gw.cancel(2)  # the gateway ended it already; the worker's late Finish is swallowed
-    p.pump()
-    assert p.wk_events[-1] == CancelReceived(2)
-    p.wk.send_tokens(batch([2], 2))
-    p.wk.send_finish(Finish(2, FinishReason.CANCELLED, 1, 2))
-    p.pump()
-    assert _tokens(p.gw_events) == []  # a cancelled buffered result is not sent at all
-    assert not any(isinstance(e, RequestEnded) for e in p.gw_events)
-    assert p.ends() == Counter() and 2 not in p.wk.open_requests
 
 
 def test_buffered_submit_rules_on_the_wire() -> None:

@@ -87,6 +87,34 @@ def test_many_concurrent_streams(kind: str, loop_kind: str) -> None:
 
 
 @pytest.mark.parametrize("loop_kind", LOOPS)
+def test_whole_results_arrive_in_one_piece_beside_streamed_ones(loop_kind: str) -> None:
+    """Submit.buffered over a real socket (transport.hold on both sides): 600 tokens, beyond the
+    256-token window, in one entry right before the end; a streamed request beside it is
+    unaffected; a collecting consumer wakes once."""
+
+    async def body() -> None:
+        worker = EchoWorker()
+        srv = await serve("tcp://127.0.0.1:0", worker)
+        conn = await connect(srv.address)
+        whole = [conn.submit(Submit(conn.next_request_id(), "tiny", SamplingParams(max_tokens=600), prompt="x",
+                                    buffered=True)) for _ in range(3)]
+        streamed = submit(conn, 300)
+        events = await collect(whole[0])
+        assert [type(e) for e in events] == [TokenEntry, Finish]
+        assert tokens_of(events) == list(range(600))
+        res = await whole[1].collect()
+        assert res.tokens == 600 and res.text == b"".join(f"t{i}".encode() for i in range(600))
+        assert isinstance(res.final, Finish)
+        assert tokens_of(await collect(streamed)) == list(range(300))
+        assert tokens_of(await collect(whole[2])) == list(range(600))
+        assert conn.in_flight == 0
+        await conn.close()
+        await srv.close()
+
+    run(loop_kind, body)
+
+
+@pytest.mark.parametrize("loop_kind", LOOPS)
 def test_cancel_reaches_worker_and_ends_once(loop_kind: str) -> None:
     async def body() -> None:
         worker = EchoWorker(step_delay=0.001)
