@@ -75,11 +75,10 @@ class ClientStream:
         if self.done:  # the core guarantees once; this keeps the stream honest anyway
             return
         self.done = True
+        self._unacked = 0  # the request is over on the wire: there is nothing left to grant credit to
         if self._listener is not None:
             self._listener = None
             self._final_returned = True
-            if self._unacked:
-                self._grant()
             lf = self._listen_fut
             if lf is not None and not lf.done():
                 lf.set_result(ev)
@@ -89,8 +88,6 @@ class ClientStream:
             self._push(ev)
             return
         self._final_returned = True
-        if self._unacked:
-            self._grant()
         fut = self._collector
         if fut is not None and not fut.done():
             text = parts[0] if len(parts) == 1 else b"".join(parts)

@@ -110,20 +110,25 @@ def completion_logprobs(ev: TokenEntry, top_n: int, acc: dict[str, list[Any]], o
 
 
 def response_body(chat: bool, model: str, text: str, fin: Finish, logprobs: Any) -> bytes:
-    """A whole (non-streamed) chat.completion / text_completion body; ``logprobs`` None when not asked for."""
-    reason = finish_reason(fin)
+    """A whole (non-streamed) chat.completion / text_completion body; ``logprobs`` None when not asked for.
+    (Once per non-streaming request: new_id, finish_reason and usage_dict are written out inline.)"""
+    reason = _REASONS.get(fin.reason, "stop")
+    p, n = fin.prompt_tokens, fin.completion_tokens
+    usage = {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n,
+             "prompt_tokens_details": {"cached_tokens": fin.cached_tokens}}
     if chat:
         body: dict[str, Any] = {
-            "id": new_id("chatcmpl"), "object": "chat.completion", "created": int(time.time()), "model": model,
+            "id": f"chatcmpl-{_PREFIX}{next(_counter):x}", "object": "chat.completion", "created": int(time.time()),
+            "model": model,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
                          "logprobs": logprobs, "finish_reason": reason}],
-            "usage": usage_dict(fin), "system_fingerprint": None,
+            "usage": usage, "system_fingerprint": None,
         }
     else:
         body = {
-            "id": new_id("cmpl"), "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"text": text, "index": 0, "logprobs": logprobs, "finish_reason": reason}],
-            "usage": usage_dict(fin),
+            "id": f"cmpl-{_PREFIX}{next(_counter):x}", "object": "text_completion", "created": int(time.time()),
+            "model": model, "choices": [{"text": text, "index": 0, "logprobs": logprobs, "finish_reason": reason}],
+            "usage": usage,
         }
     return orjson.dumps(body)
 
