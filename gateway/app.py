@@ -104,11 +104,11 @@ class App:
         """Take one request (see :data:`~gateway.http.types.Entrance`)."""
         t0 = _perf()
         path = req.path
-        parse = self.generation.get(path)
+        parse = self._parse.get(path)
         if parse is not None and req.method == "POST":
             if self.draining:
                 return self.generations.refuse(req, _http_failure, sink, done, path, _SHUTTING_DOWN, t0)
-            return self.generations.start(req, self._parse[path], writer_for, _http_failure, sink, done, path, t0)
+            return self.generations.start(req, parse, writer_for, _http_failure, sink, done, path, t0)
         mounted = self.mounted.get(path)
         if mounted is not None:
             return mounted(req, sink, done)

@@ -156,17 +156,18 @@ class ClientStream:
         fut: asyncio.Future[Collected] = self._conn.loop.create_future()
         parts: list[bytes] = []
         final: Finish | Error | None = None
-        for ev in self._events:
-            if type(ev) is TokenEntry:
-                parts.append(bytes(ev.text))
-                n = len(ev.token_ids)
-                self._ntok += n
-                self._unacked += n
-                if not self._t_first:
-                    self._t_first = time.perf_counter()
-            else:
-                final = ev  # type: ignore[assignment]
-        self._events = []
+        if self._events:  # usually none: collect() is called right after the submit
+            for ev in self._events:
+                if type(ev) is TokenEntry:
+                    parts.append(bytes(ev.text))
+                    n = len(ev.token_ids)
+                    self._ntok += n
+                    self._unacked += n
+                    if not self._t_first:
+                        self._t_first = time.perf_counter()
+                else:
+                    final = ev  # type: ignore[assignment]
+            self._events = []
         self._parts = parts
         self._collector = fut
         if final is not None:

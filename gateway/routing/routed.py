@@ -74,12 +74,7 @@ class RoutedStream:
             except ValueError as e:  # the request breaks a wire rule (an encoder check): no worker can take it
                 raise Unroutable(str(e)) from None
             self.conn = conn
-            waiting = pool._waiting  # join the replica's not-started set (as _wait_on, inline: per request)
-            w = waiting.get(conn)
-            if w is None:
-                w = waiting[conn] = {}
-            w[self] = None
-            self._waiting = w
+            self._wait_on(conn)
             return
 
     def _wait_on(self, conn: WorkerConnection) -> None:
@@ -94,10 +89,7 @@ class RoutedStream:
     def start(self) -> None:
         """The first token (or the finish) arrived: the request stays where it is."""
         self.started = True
-        w = self._waiting
-        if w is not None:
-            self._waiting = None
-            w.pop(self, None)
+        self._unwait()
 
     def _unwait(self) -> None:
         w = self._waiting
@@ -124,10 +116,6 @@ class RoutedStream:
         self._wait_on(conn)
         self.on_moved()
         return True
-
-    @property
-    def done(self) -> bool:
-        return self.stream is None or self.stream.done
 
     def retry(self, final: object) -> bool:
         """``final`` ended the stream before any token: True if it was a retryable error and the

@@ -54,6 +54,27 @@ async def test_a_policy_sees_the_parsed_request_and_the_open_replicas() -> None:
     assert req.prompt_tokens > 0
 
 
+async def test_a_single_replica_is_taken_without_describing_the_request() -> None:
+    """The policy's view (RouteRequest: prompt estimate, max_tokens) is built only when there is a
+    choice: one open replica takes the request as it is."""
+    only = ScriptedWorkerConnection()
+    pool = ModelPool(policy=Recording())
+    pool.add(only)
+    app = App(pool)
+    described: list[str] = []
+    describe = pool.describe
+    pool.describe = lambda model, g: (described.append(model), describe(model, g))[1]
+    done = asyncio.get_running_loop().create_future()
+    app.handle(post(CHAT), RecordingSink(), lambda: done.set_result(None))
+    await done
+    assert only.submits and described == []
+    pool.add(ScriptedWorkerConnection())
+    done = asyncio.get_running_loop().create_future()
+    app.handle(post(CHAT), RecordingSink(), lambda: done.set_result(None))
+    await done
+    assert described == ["tiny"]
+
+
 def test_least_loaded_uses_worker_stats_and_in_flight() -> None:
     a, b = ScriptedWorkerConnection(), ScriptedWorkerConnection()
     a.latest_stats = Stats(queue_depth=4, running=8, kv_blocks_free=1, kv_blocks_total=1)
