@@ -84,7 +84,7 @@ async def run_gateway(settings: Settings, *, out: TextIO | None = None,
     out = out if out is not None else sys.stdout
     loop = asyncio.get_running_loop()
     metrics = GatewayMetrics()
-    pool = ModelPool(retries=settings.api.retries)
+    pool = ModelPool(retries=settings.api.retries, policy=settings.routing.build())
     adm = build_admission(settings.admission, settings.server.host)
     if adm.warning:
         log.warning("%s", adm.warning)

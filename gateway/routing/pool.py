@@ -20,6 +20,7 @@ from transport.api import WorkerConnection
 
 from .errors import UnknownModel
 from .policy import LeastLoaded, RouteRequest, RoutingPolicy
+from .prefix import PrefixHasher
 from .routed import RoutedStream, SubmitFactory
 
 __all__ = ["ModelPool"]
@@ -33,6 +34,8 @@ class ModelPool:
     def __init__(self, retries: int = 1, on_retry: Callable[[], None] | None = None,
                  policy: RoutingPolicy | None = None) -> None:
         self.policy: RoutingPolicy = policy if policy is not None else LeastLoaded()
+        # prompt -> block hashes, only for a policy that reads them (tokenizing is not free)
+        self.prefix: PrefixHasher | None = PrefixHasher() if self.policy.uses_prefix_hashes else None
         self.retries = retries
         self.on_retry = on_retry
         self._by_model: dict[str, list[WorkerConnection]] = {}
@@ -138,6 +141,10 @@ class ModelPool:
         """
         if req.model not in self._known and self._known:
             raise UnknownModel(req.model)
+        if self.prefix is not None:
+            conns = self._by_model.get(req.model, ())
+            if len(conns) > 1:  # with one replica there is nothing to choose
+                req = self.prefix.annotate(req, make_submit, conns)
         routed = RoutedStream(self, req, make_submit)
         routed.submit()
         return routed
