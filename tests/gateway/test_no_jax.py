@@ -21,6 +21,12 @@ GATEWAY_MODULES = [
 ]
 
 
+def run_ok(code: str) -> None:
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("ok")
+
+
 def test_gateway_modules_do_not_import_jax_or_inference() -> None:
     code = (
         "import importlib, sys\n"
@@ -31,9 +37,7 @@ def test_gateway_modules_do_not_import_jax_or_inference() -> None:
         "assert not bad, bad\n"
         "print('ok', len(sys.modules))\n"
     )
-    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.startswith("ok")
+    run_ok(code)
 
 
 def test_config_check_cli(tmp_path: Path) -> None:
@@ -100,6 +104,4 @@ def test_prefix_routing_imports_only_the_tokenizer_from_inference() -> None:
         "assert loaded == ['inference', 'inference.tokenizer'], loaded\n"
         "print('ok')\n"
     )
-    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.startswith("ok")
+    run_ok(code)
