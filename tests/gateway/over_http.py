@@ -12,11 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import httpx
-import orjson
 
 from gateway.app import App
 from gateway.http.server import start_server
 from gateway.http.types import Request
+
+from .doubles import ResponseView
 
 __all__ = ["PROTOCOLS", "Via", "WireResponse"]
 
@@ -24,7 +25,7 @@ PROTOCOLS = ("entrance", "http/1.1", "h2")
 
 
 @dataclass
-class WireResponse:
+class WireResponse(ResponseView):
     status: int
     headers: list[tuple[bytes, bytes]]
     chunks: list[bytes]
@@ -39,15 +40,6 @@ class WireResponse:
             return self.header(b"transfer-encoding") == b"chunked"
         return self.header(b"content-length") is None
 
-    @property
-    def body(self) -> bytes:
-        return b"".join(self.chunks)
-
-    def json(self) -> object:
-        return orjson.loads(self.body)
-
-    def header(self, name: bytes) -> bytes | None:
-        return next((v for k, v in self.headers if k == name), None)
 
 
 @dataclass
