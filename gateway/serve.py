@@ -114,7 +114,8 @@ async def run_gateway(settings: Settings, *, out: TextIO | None = None,
     if srv.unix_socket:
         specs.append((ListenerSpec("unix", path=os.path.expanduser(srv.unix_socket)), "(HTTP/1.1, h2c)"))
     for spec, what in specs:
-        servers.append(await start_listener(app.handle, spec, limits=limits, on_event=app.on_http_event))
+        servers.append(await start_listener(app.handle, spec, limits=limits, on_event=app.on_http_event,
+                                            streams_body=app.streams_body))
         _say(out, f"listening on {servers[-1].url} {what}")
     native = await mount_grpc(app, settings.grpc, srv.host)
     if native is not None:

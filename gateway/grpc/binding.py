@@ -87,7 +87,7 @@ class _CallbackSink:
     async def send(self, data: bytes) -> None:
         pass
 
-    def end(self) -> None:
+    def end(self, trailers: Headers | None = None) -> None:
         pass
 
     def abort(self) -> None:

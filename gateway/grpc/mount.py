@@ -27,7 +27,7 @@ async def mount_grpc(app: App, settings: GrpcSettings, host: str) -> NativeServe
         origins = [o.encode() for o in settings.allowed_origins] or None
         route = GrpcWebRoute(handlers, Codecs(settings.zstd_level, settings.gzip_level), settings.max_message_bytes,
                              origins)
-        app.mount(handlers, task_entrance(route))
+        app.mount(handlers, task_entrance(route), route.streams_body)
     if settings.port < 0:
         return None
     return await start_native(backend, settings.host or host, settings.port)

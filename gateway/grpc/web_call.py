@@ -9,7 +9,8 @@ reader only when the handler asks for a message (so a bidi ``Chat`` over
 HTTP/2 or HTTP/3 reads turns while it streams replies) and writes replies
 through the sink. Whatever happens -- a malformed body, an unknown method, an
 expired ``grpc-timeout``, a handler bug -- the response ends with exactly one
-trailer frame and nothing propagates into the adapter.
+trailer frame and nothing propagates into the adapter (a body the adapter refused, 413, is
+RESOURCE_EXHAUSTED); only a client that went away ends it without one.
 """
 
 from __future__ import annotations
@@ -71,7 +72,10 @@ class WebStream:
         while not self._events:
             if self._body_done:
                 return None
-            chunk = await anext(self._body, None)
+            try:
+                chunk = await anext(self._body, None)
+            except APIError as e:  # the adapter refused the rest of the body (413)
+                raise _Abort(grpc_status(e), e.message) from None
             if chunk is None:
                 self._body_done = True
                 self._events.extend(self._call.reader.end_of_stream())
@@ -134,7 +138,12 @@ async def serve_web_call(handlers: Mapping[str, Handler], path: str, headers: Ma
             status, message = a.status, a.message
         except TimeoutError:
             status, message = Status.DEADLINE_EXCEEDED, "Deadline exceeded"
+        except ConnectionError:
+            return  # the client went away (stream reset, connection lost): nobody to tell
         except Exception:
             log.exception("gRPC-Web handler for %s failed", path)
             status, message = Status.INTERNAL, "Internal Server Error"
-    await stream.send_trailing_metadata(status=status, status_message=message)
+    try:
+        await stream.send_trailing_metadata(status=status, status_message=message)
+    except ConnectionError:
+        pass

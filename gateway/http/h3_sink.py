@@ -102,12 +102,15 @@ class H3Sink:
             self._h3.send_data(st.sid, data, False)
             self._conn.schedule_transmit()
 
-    def end(self) -> None:
+    def end(self, trailers: Headers | None = None) -> None:
         st = self._st
         if st.gone or st.ended:
             return
         st.ended = True
-        self._h3.send_data(st.sid, b"", True)
+        if trailers:  # a trailing HEADERS frame ends the stream (RFC 9114 4.1)
+            self._h3.send_headers(st.sid, trailers, end_stream=True)
+        else:
+            self._h3.send_data(st.sid, b"", True)
         self._conn.schedule_transmit()
 
     def abort(self) -> None:
