@@ -200,10 +200,15 @@ async def _drain(app: App, servers: list[Listener], native: NativeServer | None,
        event), counted in ``quicserve_drain_cut_requests``; then connections close.
     """
     app.draining = True
+    if native is not None:
+        native.health.set(False)  # NOT_SERVING for the whole drain: balancers stop sending calls
     if grace > 0:
         _say(out, f"draining: /readyz 503 for {grace:g} s before the listeners close")
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(now.wait(), grace)
+    if native is not None:
+        native.stop_accepting()
+        servers = [*servers, native.listener]  # its calls drain with the others'
     for s in servers:
         s.stop_accepting()
     in_flight = sum(s.in_flight for s in servers)
@@ -216,8 +221,6 @@ async def _drain(app: App, servers: list[Listener], native: NativeServer | None,
         _say(out, f"drain deadline: {cut} request(s) ended with a shutting_down error")
         with contextlib.suppress(Exception):
             await asyncio.gather(*(s.wait_idle(1.0) for s in servers))  # let their last bytes go out
-    if native is not None:
-        await native.close()
     await asyncio.gather(*(s.close() for s in servers), return_exceptions=True)
 
 
