@@ -230,7 +230,7 @@ async def _start_quic(app: App, settings: Settings) -> QuicListener:
     cert = srv.tls_cert or str(state_dir(settings) / SELF_SIGNED_CERT)
     key = srv.tls_key or str(state_dir(settings) / SELF_SIGNED_KEY)
     return await start_quic_listener(app.handle, srv.host, settings.quic.port, cert, key, settings.quic,
-                                     on_event=app.on_http_event)
+                                     on_event=app.on_http_event, streams_body=app.streams_body)
 
 
 def _hostport(host: str, port: int) -> str:

@@ -7,7 +7,7 @@ content-length up front and while DATA arrives), and on END_STREAM the request g
 one entrance. Received DATA is acknowledged at once: the limits bound memory, and the window
 must not stall other streams. A request the server state's ``streams_body`` predicate picks
 (gRPC-Web, native gRPC) goes to the entrance at HEADERS instead, its body a
-:class:`~gateway.http.h2_body.H2BodyStream` acknowledged only as the call reads it. Errors we answer ourselves go out like any response, through
+:class:`~gateway.http.body_stream.H2BodyStream` acknowledged only as the call reads it. Errors we answer ourselves go out like any response, through
 :meth:`H2Protocol._answer`, so a body larger than the peer's window waits for it.
 
 RST_STREAM or connection loss cancels the stream's call. ``drain()`` sends GOAWAY
@@ -30,8 +30,8 @@ from hyperframe.frame import GoAwayFrame
 
 from gateway.errors import error_headers, render_json
 from gateway.http.adapter import StreamAdapter
+from gateway.http.body_stream import H2BodyStream
 from gateway.http.common import ClientDisconnected, ServerState, protocol_error
-from gateway.http.h2_body import H2BodyStream
 from gateway.http.h2_guard import GuardLimits, H2FrameGuard, Violation
 from gateway.http.h2_stream import (
     FINISHED,

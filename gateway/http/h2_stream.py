@@ -23,8 +23,8 @@ from h2.errors import ErrorCodes
 from hyperframe.frame import DataFrame, Frame, HeadersFrame
 
 from gateway.http.adapter import SinkState
+from gateway.http.body_stream import H2BodyStream
 from gateway.http.common import HOST_CHARS, ClientDisconnected, HttpLimits, decode_target, http_date
-from gateway.http.h2_body import H2BodyStream
 from gateway.http.types import Call, Headers
 
 if TYPE_CHECKING:

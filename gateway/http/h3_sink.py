@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 from aioquic.h3.connection import ErrorCode
 from aioquic.quic.connection import QuicConnection
 
+from gateway.http.body_stream import BodyStream
 from gateway.http.types import Call, Headers
 
 if TYPE_CHECKING:
@@ -22,7 +23,8 @@ class StreamGone(ConnectionError):
 class H3Stream:
     """One request stream: what arrived, and the call and sink serving it."""
 
-    __slots__ = ("sid", "headers", "body", "call", "sink", "early_bytes", "dispatched", "gone", "ended", "opened_at")
+    __slots__ = ("sid", "headers", "body", "call", "sink", "early_bytes", "dispatched", "gone", "ended", "opened_at",
+                 "body_stream")
 
     def __init__(self, sid: int, headers: Headers, now: float) -> None:
         self.sid = sid
@@ -35,6 +37,7 @@ class H3Stream:
         self.dispatched = False
         self.gone = False
         self.ended = False  # the response has been completed (or cut)
+        self.body_stream: BodyStream | None = None  # the body, when the call reads it as it arrives
 
 
 def unsent(quic: QuicConnection, sid: int) -> int:

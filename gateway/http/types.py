@@ -37,7 +37,7 @@ class Request:
     scheme: str  # "http" | "https"
     client: tuple[str, int] | None = None
     # A body the handler reads as it arrives (gRPC client and bidi streaming): set, with
-    # ``body`` empty, by a full-duplex adapter (HTTP/2) for a request its ``StreamsBody``
+    # ``body`` empty, by a full-duplex adapter (HTTP/2, HTTP/3) for a request its ``StreamsBody``
     # predicate picks. Otherwise None and ``body`` is whole (HTTP/1.1 always; bounded by the limit).
     stream: RequestBodyStream | None = None
     early_data: bool = False  # arrived in TLS/QUIC 0-RTT data (replayable: RFC 8470)
