@@ -6,9 +6,10 @@ per-stream record (:mod:`gateway.http.h2_stream`). Headers are checked as they a
 content-length up front and while DATA arrives), and on END_STREAM the request goes to the
 one entrance. Received DATA is acknowledged at once: the limits bound memory, and the window
 must not stall other streams. A request the server state's ``streams_body`` predicate picks
-(gRPC-Web, native gRPC) goes to the entrance at HEADERS instead, its body a
-:class:`~gateway.http.body_stream.H2BodyStream` acknowledged only as the call reads it. Errors we answer ourselves go out like any response, through
-:meth:`H2Protocol._answer`, so a body larger than the peer's window waits for it.
+(gRPC-Web, native gRPC) goes to the entrance at HEADERS instead, its body an
+:class:`~gateway.http.body_stream.H2BodyStream` acknowledged only as the call reads it. Errors
+we answer ourselves go out like any response, through :meth:`H2Protocol._answer`, so a body
+larger than the peer's window waits for it.
 
 RST_STREAM or connection loss cancels the stream's call. ``drain()`` sends GOAWAY
 (hand-built, since h2 refuses to send anything after its own ``close_connection``), refuses
@@ -162,8 +163,8 @@ class H2Protocol(StreamAdapter):
         if wants_stream is not None and not st.client_done:
             request = self._request(st, b"")
             if wants_stream(request):  # the call reads the body as it comes (full duplex)
-                request.stream = st.body_stream = H2BodyStream(self._h2, st.id, self._schedule_flush,
-                                                                     self._limits.max_body_bytes)
+                st.body_stream = H2BodyStream(self._h2, st.id, self._schedule_flush, self._limits.max_body_bytes)
+                request.stream = st.body_stream
                 self._start(st, request)
 
     def _answer_malformed(self, now: float) -> None:
