@@ -32,7 +32,8 @@ rotated each round) and reads, before and after, from /proc:
   counting TCP relay (:mod:`tests.bench.wire_relay`, in the harness process), which counts the TCP
   payload the gateway sent (every HTTP/2 frame: HEADERS, DATA with gRPC framing, trailers,
   SETTINGS, PING, WINDOW_UPDATE; not TCP/IP headers). The gateway's ``wchar`` (/proc/PID/io: all
-  its writes, the worker's socket included) is printed beside it as a cross-check.
+  its writes, the worker's socket included) is printed beside it as a cross-check, and ``syscw``,
+  its write calls per stream (how well a protocol's writes are coalesced).
 
 The table gives each variant's best and median round, the ratios to SSE's (best to best, median to
 median) and the issue's verdicts: native gRPC CPU <= 1.2x SSE/h2 (best to best), bytes <= 0.2x SSE
@@ -94,13 +95,13 @@ TARGET_BYTES = 0.2
 LIMIT = 1 << 22
 
 
-def proc_cpu_wchar(pid: int) -> tuple[float, int]:
-    """utime + stime (seconds) and wchar (bytes) of one process, all its threads, not its children."""
+def proc_cpu_io(pid: int) -> tuple[float, int, int]:
+    """utime + stime (seconds), wchar (bytes written) and syscw (write calls) of one process, all its
+    threads, not its children."""
     stat = Path(f"/proc/{pid}/stat").read_text()
     fields = stat[stat.rindex(")") + 2:].split()
-    io = Path(f"/proc/{pid}/io").read_text()
-    wchar = int(re.search(r"^wchar:\s*(\d+)", io, re.M).group(1))  # type: ignore[union-attr]
-    return (int(fields[11]) + int(fields[12])) / TCK, wchar
+    io = dict(line.split(": ") for line in Path(f"/proc/{pid}/io").read_text().splitlines())
+    return (int(fields[11]) + int(fields[12])) / TCK, int(io["wchar"]), int(io["syscw"])
 
 
 def _children(pid: int) -> list[int]:
@@ -376,6 +377,7 @@ class Variant:
     cpu: list[float] = field(default_factory=list)  # µs per stream, per round
     wire: list[float] = field(default_factory=list)  # bytes per stream, per round
     wchar: list[float] = field(default_factory=list)
+    syscw: list[float] = field(default_factory=list)
     msgs: list[float] = field(default_factory=list)
 
 
@@ -387,10 +389,11 @@ async def measure(v: Variant, gw_pid: int, streams: int, concurrency: int) -> No
         for _ in todo:
             counts.append(await v.run_one())
 
-    cpu0, w0 = proc_cpu_wchar(gw_pid)
+    cpu0, w0, sc0 = proc_cpu_io(gw_pid)
     d0 = v.relay.down
     await asyncio.gather(*(worker() for _ in range(concurrency)))
-    cpu1, w1 = proc_cpu_wchar(gw_pid)
+    cpu1, w1, sc1 = proc_cpu_io(gw_pid)
+    v.syscw.append((sc1 - sc0) / streams)
     v.cpu.append((cpu1 - cpu0) / streams * 1e6)
     v.wire.append((v.relay.down - d0) / streams)
     v.wchar.append((w1 - w0) / streams)
@@ -473,11 +476,11 @@ def report(variants: list[Variant], rounds: int) -> bool:
     sse = variants[0]
     s_best, s_med = min(sse.cpu), statistics.median(sse.cpu)
     s_wire = statistics.median(sse.wire)
-    print(f"\ngateway CPU µs per stream (best / median of {rounds}), bytes per stream (wire: what the gateway sent "
-          f"on the client connection, median; wchar: all its writes), messages per stream (median)")
+    print(f"\ngateway CPU µs per stream (best / median of {rounds}); per stream, medians: bytes (wire: what the "
+          f"gateway sent on the client connection; wchar: all its writes), its write calls (syscw), messages")
     missed = False
     print(f"{'variant':<30}{'CPU best':>9}{'median':>8}{'x SSE':>7}{'(med)':>7}{'wire B':>9}{'x SSE':>8}"
-          f"{'wchar B':>9}{'msgs':>7}  verdicts")
+          f"{'wchar B':>9}{'writes':>7}{'msgs':>6}  verdicts")
     for v in variants:
         if v.skip:
             print(f"{v.label:<30}  {v.skip}")
@@ -491,7 +494,8 @@ def report(variants: list[Variant], rounds: int) -> bool:
             verdicts += f"bytes {_fmt_ratio(wire / s_wire, TARGET_BYTES)} (<= {TARGET_BYTES})"
             missed |= wire / s_wire > TARGET_BYTES
         print(f"{v.label:<30}{best:>9.0f}{med:>8.0f}{best / s_best:>7.2f}{med / s_med:>7.2f}{wire:>9.0f}"
-              f"{wire / s_wire:>8.3f}{statistics.median(v.wchar):>9.0f}{statistics.median(v.msgs):>7.0f}  {verdicts}")
+              f"{wire / s_wire:>8.3f}{statistics.median(v.wchar):>9.0f}{statistics.median(v.syscw):>7.0f}"
+              f"{statistics.median(v.msgs):>6.0f}  {verdicts}")
     print("\ncompression never makes a message larger (gRPC-Web, every response frame of every stream):")
     for v in variants:
         c = v.check
