@@ -45,6 +45,9 @@ rounds a raw h2 probe calls the native port once per encoding (``grpc-accept-enc
 request compressed with X) and prints the status and the frames; an encoding the server refuses
 prints "unsupported" with its status (a timed variant whose calls are refused is skipped the same
 way). The probe also calls ``Complete`` (the whole completion in one message) native and gRPC-Web.
+The synthetic engine's text is uniformly random printable ASCII (about 6.6 bits a byte), so no codec
+shrinks its messages, not even the 256-byte ``Complete`` reply: the rule is then seen at work as
+"0 flagged, 0 would shrink"; the flag-1 branch is what tests/gateway/grpc/test_compression.py covers.
 
 The gateway runs pinned to the first CPU, the harness (clients, relay) and the worker to the others,
 as in ``bench_gateway``. Messages per stream are printed too.
@@ -66,6 +69,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -79,9 +83,9 @@ import h2.events  # noqa: E402
 import httpx  # noqa: E402
 import orjson  # noqa: E402
 
+from gateway.grpc.compression import Codec, GzipCodec, ZstdCodec  # noqa: E402
 from gateway.grpc.quicserve.v1 import quicserve_pb2 as pb  # noqa: E402
 from tests.bench.wire_relay import CountingRelay  # noqa: E402
-from tests.gateway.grpc.web_client import CODECS  # noqa: E402
 
 TOKENS = 256
 PROMPT = "hi"
@@ -93,6 +97,8 @@ TCK = os.sysconf("SC_CLK_TCK")
 TARGET_CPU = 1.2
 TARGET_BYTES = 0.2
 LIMIT = 1 << 22
+# The client's codecs, at the levels the gateway uses by default ([grpc] gzip_level, zstd_level).
+CODECS: dict[str, Codec] = {"gzip": GzipCodec(), "zstd": ZstdCodec()}
 
 
 def proc_cpu_io(pid: int) -> tuple[float, int, int]:
@@ -339,10 +345,11 @@ def run_probes(addr: tuple[str, int], expected: str) -> dict[str, str]:
     """Each encoding against native gRPC, printed; returns the response's grpc-encoding per accepted one."""
     print("native gRPC, frame by frame (raw h2 probe, one call each):")
     answered: dict[str, str] = {}
-    for enc, req_enc, method in (("identity", None, METHOD), ("gzip", None, METHOD), ("gzip", "gzip", METHOD),
-                                 ("zstd", None, METHOD), ("zstd", "zstd", METHOD), ("gzip", None, COMPLETE),
-                                 ("zstd", None, COMPLETE)):
-        p = probe_native(addr, enc, req_enc, method)
+    calls = [("identity", None, METHOD), ("gzip", None, METHOD), ("gzip", "gzip", METHOD), ("zstd", None, METHOD),
+             ("zstd", "zstd", METHOD), ("gzip", None, COMPLETE), ("zstd", None, COMPLETE)]
+    with ThreadPoolExecutor(len(calls)) as pool:  # at once: each takes 256 engine steps
+        probes = list(pool.map(lambda c: probe_native(addr, c[0], c[1], c[2]), calls))
+    for (enc, req_enc, method), p in zip(calls, probes, strict=True):
         what = (f"  {method.rsplit('/', 1)[1]:8s} accept {enc:8s} "
                 f"request {'compressed ' + req_enc if req_enc else 'identity':18s}")
         if not p.status.startswith("0 "):
@@ -416,11 +423,12 @@ async def bench(a: argparse.Namespace, gw: Gateway) -> int:
                                         compression=grpc.Compression.Gzip)
     try:
         _, expected = await sse_stream(clients[0], base, None)
-        answered = await asyncio.to_thread(run_probes, gw.grpc, expected)
+        web_checks = {enc: FrameCheck() for enc in ("gzip", "zstd")}
+        answered, _ = await asyncio.gather(
+            asyncio.to_thread(run_probes, gw.grpc, expected),
+            asyncio.gather(*(web_stream(clients[0], base, enc, expected, c, COMPLETE) for enc, c in web_checks.items())))
         print("gRPC-Web Complete (the whole completion in one message), frame by frame:")
-        for enc in ("gzip", "zstd"):
-            check = FrameCheck()
-            await web_stream(clients[0], base, enc, expected, check, COMPLETE)
+        for enc, check in web_checks.items():
             print(f"  Complete accept {enc:8s} OK: flag 1: {check.compressed} ({check.saved} bytes saved), "
                   f"flag 0: {check.plain} ({check.plain_would_shrink} would shrink)")
 
@@ -438,13 +446,15 @@ async def bench(a: argparse.Namespace, gw: Gateway) -> int:
                     lambda: grpc_stream(ch_gzip, expected), native),
         ] + [Variant(f"web{'' if enc == 'identity' else '-' + enc}", f"gRPC-Web {enc}, h2c",
                      web(clients[i + 1], enc, checks[enc]), http, checks[enc]) for i, enc in enumerate(checks)]
-        for v in variants:  # warm up (imports, connections, caches); a refusal marks the variant skipped
+        async def warm(v: Variant) -> None:  # imports, connections, caches; a refusal marks the variant skipped
             try:
                 await asyncio.gather(*(v.run_one() for _ in range(a.warmup or a.concurrency)))
             except grpc.aio.AioRpcError as e:
                 v.skip = f"unsupported: {e.code().name} {e.details()!r}"
             except StreamError as e:
                 v.skip = f"FAILED: {e}"
+
+        await asyncio.gather(*(warm(v) for v in variants))
         live = [v for v in variants if not v.skip]
         for v in variants:
             if v.skip:
