@@ -35,7 +35,7 @@ from .api.render import JSON_HEADERS
 from .api.writers import writer_for
 from .errors import APIError, Headers, internal_error, render_http
 from .http.common import ProtocolEvent
-from .http.types import Call, Entrance, Request, ResponseSink
+from .http.types import Call, Entrance, Request, ResponseSink, StreamsBody
 from .observability.logs import access_log as write_access_log
 from .observability.metrics import CONTENT_TYPE_LATEST, GatewayMetrics
 from .observability.tracing import RequestTracer
@@ -89,6 +89,7 @@ class App:
         self.generation: dict[str, Parser] = dict(OpenAIApi.GENERATION)
         self._parse = {path: functools.partial(self.openai.parse, parse) for path, parse in self.generation.items()}
         self.mounted: dict[str, Entrance] = {}  # other protocols' routes on the HTTP listeners (gRPC-Web)
+        self._streamed: dict[str, StreamsBody] = {}  # mounted routes that read their body as it arrives
         for methods in self.small.values():  # RFC 9110 9.1; the adapters send a HEAD response without its body
             methods["HEAD"] = methods["GET"]
         allowed = {path: sorted(m) for path, m in self.small.items()}
@@ -150,10 +151,18 @@ class App:
     def _not_allowed(self, req: Request) -> Answer:
         raise self._method_error(req, self._allow.get(req.path, "GET, HEAD"))
 
-    def mount(self, paths: Iterable[str], entrance: Entrance) -> None:
-        """Serve ``paths`` through another protocol's entrance (gRPC-Web methods)."""
+    def mount(self, paths: Iterable[str], entrance: Entrance, streams: StreamsBody | None = None) -> None:
+        """Serve ``paths`` through another protocol's entrance (gRPC-Web methods); ``streams``: which of
+        their requests read the body as it arrives (see :meth:`streams_body`)."""
         for path in paths:
             self.mounted[path] = entrance
+            if streams is not None:
+                self._streamed[path] = streams
+
+    def streams_body(self, req: Request) -> bool:
+        """The listeners' :data:`~gateway.http.types.StreamsBody`: only mounted routes that asked for it."""
+        streams = self._streamed.get(req.path)
+        return streams is not None and streams(req)
 
     def end_all(self) -> int:
         """Drain deadline: every open generation call ends now with an explicit 503 (an error

@@ -84,7 +84,7 @@ async def run_gateway(settings: Settings, *, out: TextIO | None = None,
     out = out if out is not None else sys.stdout
     loop = asyncio.get_running_loop()
     metrics = GatewayMetrics()
-    pool = ModelPool(retries=settings.api.retries)
+    pool = ModelPool(retries=settings.api.retries, policy=settings.routing.build())
     adm = build_admission(settings.admission, settings.server.host)
     if adm.warning:
         log.warning("%s", adm.warning)
@@ -114,7 +114,8 @@ async def run_gateway(settings: Settings, *, out: TextIO | None = None,
     if srv.unix_socket:
         specs.append((ListenerSpec("unix", path=os.path.expanduser(srv.unix_socket)), "(HTTP/1.1, h2c)"))
     for spec, what in specs:
-        servers.append(await start_listener(app.handle, spec, limits=limits, on_event=app.on_http_event))
+        servers.append(await start_listener(app.handle, spec, limits=limits, on_event=app.on_http_event,
+                                            streams_body=app.streams_body))
         _say(out, f"listening on {servers[-1].url} {what}")
     native = await mount_grpc(app, settings.grpc, srv.host)
     if native is not None:
@@ -199,10 +200,15 @@ async def _drain(app: App, servers: list[Listener], native: NativeServer | None,
        event), counted in ``quicserve_drain_cut_requests``; then connections close.
     """
     app.draining = True
+    if native is not None:
+        native.health.set(False)  # NOT_SERVING for the whole drain: balancers stop sending calls
     if grace > 0:
         _say(out, f"draining: /readyz 503 for {grace:g} s before the listeners close")
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(now.wait(), grace)
+    if native is not None:
+        native.stop_accepting()
+        servers = [*servers, native.listener]  # its calls drain with the others'
     for s in servers:
         s.stop_accepting()
     in_flight = sum(s.in_flight for s in servers)
@@ -215,8 +221,6 @@ async def _drain(app: App, servers: list[Listener], native: NativeServer | None,
         _say(out, f"drain deadline: {cut} request(s) ended with a shutting_down error")
         with contextlib.suppress(Exception):
             await asyncio.gather(*(s.wait_idle(1.0) for s in servers))  # let their last bytes go out
-    if native is not None:
-        await native.close()
     await asyncio.gather(*(s.close() for s in servers), return_exceptions=True)
 
 
@@ -226,7 +230,7 @@ async def _start_quic(app: App, settings: Settings) -> QuicListener:
     cert = srv.tls_cert or str(state_dir(settings) / SELF_SIGNED_CERT)
     key = srv.tls_key or str(state_dir(settings) / SELF_SIGNED_KEY)
     return await start_quic_listener(app.handle, srv.host, settings.quic.port, cert, key, settings.quic,
-                                     on_event=app.on_http_event)
+                                     on_event=app.on_http_event, streams_body=app.streams_body)
 
 
 def _hostport(host: str, port: int) -> str:

@@ -28,6 +28,7 @@ from .admission.config import AdmissionSettings
 from .discovery import DiscoverySettings
 from .http.quic_settings import QuicSettings
 from .observability.tracing import TraceSettings
+from .routing.config import RoutingSettings
 
 __all__ = [
     "Settings",
@@ -209,6 +210,7 @@ class Settings:
     api: ApiSettings = field(default_factory=ApiSettings)
     shutdown: ShutdownSettings = field(default_factory=ShutdownSettings)
     grpc: GrpcSettings = field(default_factory=GrpcSettings)
+    routing: RoutingSettings = field(default_factory=RoutingSettings)
     admission: AdmissionSettings = field(default_factory=AdmissionSettings)
     quic: QuicSettings = field(default_factory=QuicSettings)
     tracing: TraceSettings = field(default_factory=TraceSettings)

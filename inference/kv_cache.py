@@ -19,30 +19,14 @@ last, partial block, so shared blocks are immutable.
 
 from __future__ import annotations
 
-import hashlib
-import sys
-from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+# One definition for workers and gateways (a gateway computes the same chain to route by prefix).
+from transport.prefix import PREFIX_HASH_SCHEME, ROOT_HASH, block_hash
+
 __all__ = ["KVCache", "Allocation", "block_hash", "ROOT_HASH", "PREFIX_HASH_SCHEME"]
-
-ROOT_HASH = 0
-_BIG_ENDIAN = sys.byteorder == "big"
-# Names :func:`block_hash` for peers (a worker's Hello): a gateway that computes the same hashes for
-# a prompt can tell which worker caches its prefix. Change the name whenever the function changes.
-PREFIX_HASH_SCHEME = "blake2b64-chain/u32le"
-
-
-def block_hash(parent: int, tokens: Sequence[int]) -> int:
-    """Stable u64 hash of one full block, chained on its parent's hash."""
-    h = hashlib.blake2b(parent.to_bytes(8, "little"), digest_size=8)
-    a = array("I", tokens)
-    if _BIG_ENDIAN:  # the scheme hashes u32 little-endian token ids on every host
-        a.byteswap()
-    h.update(a.tobytes())
-    return int.from_bytes(h.digest(), "little")
 
 
 @dataclass(frozen=True, slots=True)

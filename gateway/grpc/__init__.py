@@ -8,7 +8,9 @@
 * The service: :mod:`.backend` (the :class:`~.backend.Backend` protocol the
   pipeline binds), :mod:`.service` and :mod:`.chat` (handlers over any
   ``CallStream``), :mod:`.convert` (protobuf <-> plain types).
-* Listeners: :mod:`.server` (native gRPC on grpclib, with health and
-  reflection), :mod:`.web_call` and :mod:`.web_route` (gRPC-Web on the HTTP
-  adapters).
+* Native gRPC: :mod:`.native` (sans-I/O: headers, trailers, encodings),
+  :mod:`.native_call` (the route on our HTTP/2 adapter), :mod:`.server` (the
+  gRPC port, with health and reflection).
+* gRPC-Web: :mod:`.web_call` (the call core both run on) and :mod:`.web_route`
+  (the route on the HTTP adapters).
 """

@@ -7,8 +7,8 @@ and refuse the same things), then goes through
 generation call with its deadline (``grpc-timeout`` capped by the request
 timeout), retries, metrics and its one end. :class:`DeltaWriter` is the gRPC
 writer: instead of bytes for an HTTP sink it hands each engine step's text to
-the service, which frames protobuf messages itself (grpclib natively, the
-gRPC-Web core over HTTP), and ends with :class:`Finished` or the
+the service, which frames protobuf messages itself (through the call core
+of :mod:`.web_call`, native and gRPC-Web alike), and ends with :class:`Finished` or the
 :class:`APIError` the service maps to a gRPC status.
 """
 
@@ -87,7 +87,7 @@ class _CallbackSink:
     async def send(self, data: bytes) -> None:
         pass
 
-    def end(self) -> None:
+    def end(self, trailers: Headers | None = None) -> None:
         pass
 
     def abort(self) -> None:

@@ -22,12 +22,13 @@ __all__ = ["mount_grpc"]
 async def mount_grpc(app: App, settings: GrpcSettings, host: str) -> NativeServer | None:
     """Mount gRPC-Web on ``app`` (if enabled) and start native gRPC (if its port is not -1)."""
     backend = PipelineBackend(app.pool, app.generations, app.openai)
+    codecs = Codecs(settings.zstd_level, settings.gzip_level)
     if settings.web:
         handlers = InferenceService(backend).__mapping__()
         origins = [o.encode() for o in settings.allowed_origins] or None
-        route = GrpcWebRoute(handlers, Codecs(settings.zstd_level, settings.gzip_level), settings.max_message_bytes,
-                             origins)
-        app.mount(handlers, task_entrance(route))
+        route = GrpcWebRoute(handlers, codecs, settings.max_message_bytes, origins)
+        app.mount(handlers, task_entrance(route), route.streams_body)
     if settings.port < 0:
         return None
-    return await start_native(backend, settings.host or host, settings.port)
+    return await start_native(backend, settings.host or host, settings.port, codecs=codecs,
+                              max_message=settings.max_message_bytes)

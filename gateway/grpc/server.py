@@ -1,49 +1,73 @@
-"""The native gRPC listener: grpclib serving Inference, health and reflection.
+"""The native gRPC listener: Inference, health and reflection on our own HTTP/2 adapter.
+
+The gRPC port is an HTTP listener (h2c with prior knowledge, like every gRPC
+client speaks it) whose entrance is :class:`~gateway.grpc.native_call.NativeRoute`:
+the grpclib service handlers (``__mapping__()`` of Inference, ``grpc.health.v1``
+and server reflection) run through the same call core as gRPC-Web, so native
+gRPC negotiates ``grpc-encoding`` (zstd, gzip, identity) like gRPC-Web does.
+Every call's body is read as it arrives (bidi ``Chat``), acknowledged to the
+client as the handler reads it; messages are bounded by ``max_message``, so the
+listener sets no limit on a call's whole body.
 
 ``serve.py`` starts one per gateway process beside the HTTP listeners (same
 event loop; ``reuse_port`` when a process runs per core) and closes it on
 shutdown: :meth:`NativeServer.close` first reports NOT_SERVING on
-``grpc.health.v1`` so balancers stop sending calls, then stops accepting and
-waits for the calls in flight.
+``grpc.health.v1`` so balancers stop sending calls, then stops accepting
+(GOAWAY) and waits for the calls in flight.
 """
 
 from __future__ import annotations
 
-import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from grpclib.const import Handler
 from grpclib.health.check import ServiceStatus
-from grpclib.server import Server
 
+from ..http.common import HttpLimits, task_entrance
+from ..http.listeners import ListenerSpec, StreamListener, start_listener
 from .backend import Backend
+from .compression import Codecs
+from .native_call import NativeRoute
 from .service import build_services
 
 __all__ = ["NativeServer", "start_native"]
 
 DEFAULT_PORT = 50051
+_NO_BODY_LIMIT = 1 << 62  # a call's body is a stream of messages, each bounded by max_message
 
 
 @dataclass(frozen=True, slots=True)
 class NativeServer:
-    server: Server
+    listener: StreamListener
     health: ServiceStatus
     port: int
 
-    async def close(self) -> None:
+    def stop_accepting(self) -> None:
+        """NOT_SERVING on the health service, then GOAWAY: open calls go on."""
         self.health.set(False)
-        self.server.close()
-        await self.server.wait_closed()
+        self.listener.stop_accepting()
+
+    @property
+    def in_flight(self) -> int:
+        return self.listener.in_flight
+
+    async def close(self, timeout: float | None = None) -> None:
+        """NOT_SERVING, stop accepting, wait for the calls in flight (up to ``timeout``), close."""
+        self.stop_accepting()
+        await self.listener.wait_idle(timeout)
+        await self.listener.close()
 
 
 async def start_native(backend: Backend, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *,
-                       reuse_port: bool = False) -> NativeServer:
+                       reuse_port: bool = False, codecs: Codecs | None = None, max_message: int = 4 << 20,
+                       limits: HttpLimits | None = None) -> NativeServer:
     """Listen on ``host:port`` (0: any free port, reported in ``.port``)."""
     services, health = build_services(backend)
-    server = Server(services)
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    if reuse_port:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    sock.bind((host, port))
-    await server.start(sock=sock)
-    return NativeServer(server, health, sock.getsockname()[1])
+    handlers: dict[str, Handler] = {}
+    for service in services:
+        handlers.update(service.__mapping__())
+    route = NativeRoute(handlers, codecs or Codecs(), max_message)
+    limits = replace(limits or HttpLimits(), max_body_bytes=_NO_BODY_LIMIT)
+    listener = await start_listener(task_entrance(route), ListenerSpec("tcp", host, port, reuse_port=reuse_port),
+                                    limits=limits, streams_body=route.streams_body)
+    return NativeServer(listener, health, listener.port)

@@ -1,11 +1,10 @@
 """The ``quicserve.v1.Inference`` service, plus gRPC health and server reflection.
 
-Handlers take any :class:`CallStream` -- grpclib's server stream is one, and a
-gRPC-Web adapter can supply another -- so native gRPC and gRPC-Web run the
-same code. Each RPC turns its request into a :class:`GenerateSpec`, runs one
+Handlers take any :class:`CallStream` -- grpclib's server stream is one, and
+:mod:`.web_call` supplies ours -- so native gRPC and gRPC-Web run the same code. Each RPC turns its request into a :class:`GenerateSpec`, runs one
 :class:`Generation` per reply and ends with a gRPC status from the one error
 model (:func:`~gateway.grpc.status.grpc_status`). Client cancellation and an
-expired ``grpc-timeout`` cancel the handler task (grpclib does that); the
+expired ``grpc-timeout`` cancel the handler task (:func:`.web_call.run_call`); the
 ``finally`` around every generation then cancels it on the backend.
 """
 
@@ -72,7 +71,9 @@ class InferenceService(InferenceBase):
     async def _start(self, stream: CallStream[pb.GenerateRequest, Any]) -> Generation | None:
         """Read the request and start its generation; a bad request is answered here (None)."""
         request = await stream.recv_message()
-        assert request is not None  # grpclib: a unary request always carries its message
+        if request is None:  # the client ended its side without the one message
+            await stream.send_trailing_metadata(status=Status.INTERNAL, status_message="no request message")
+            return None
         try:
             spec = spec_from(request, _deadline(stream), text_metadata(stream.metadata))
         except APIError as e:
@@ -124,7 +125,8 @@ class InferenceService(InferenceBase):
 
 
 def build_services(backend: Backend) -> tuple[list[IServable], ServiceStatus]:
-    """The services for a grpclib ``Server``: Inference, ``grpc.health.v1`` and reflection.
+    """The services: Inference, ``grpc.health.v1`` and reflection (grpclib's; their ``__mapping__()``
+    is what :mod:`.server` serves).
 
     The returned status is the Inference service's health (and the server's
     overall health): set it to ``False`` while draining so balancers stop

@@ -1,35 +1,39 @@
-"""gRPC-Web calls on the HTTP listeners: the thin asyncio adapter over :mod:`.web`.
+"""gRPC calls over HTTP: the thin asyncio layer over the sans-I/O cores (:mod:`.web`, :mod:`.native`).
 
 How it works: the HTTP adapter hands :func:`serve_web_call` the request path
 and headers, the request body as an async iterator of chunks, and a
 :class:`WebSink`. It opens the call (codec negotiation), finds the handler in
 a grpclib ``__mapping__()`` table -- the same handlers native gRPC runs -- and
-runs it on a :class:`WebStream`, which feeds body chunks to the sans-I/O
-reader only when the handler asks for a message (so a bidi ``Chat`` over
-HTTP/2 or HTTP/3 reads turns while it streams replies) and writes replies
+runs it (:func:`run_call`) on a :class:`GrpcStream`, which feeds body chunks to
+the sans-I/O reader only when the handler asks for a message (so a bidi ``Chat``
+over HTTP/2 or HTTP/3 reads turns while it streams replies) and writes replies
 through the sink. Whatever happens -- a malformed body, an unknown method, an
-expired ``grpc-timeout``, a handler bug -- the response ends with exactly one
-trailer frame and nothing propagates into the adapter.
+expired ``grpc-timeout``, a handler bug, a body the adapter refused (413) -- the
+response ends with exactly one status and nothing propagates into the adapter;
+only a client that went away ends it without one. gRPC-Web's status is the
+trailer frame (:class:`WebStream`); native gRPC's is HTTP trailers
+(:class:`~gateway.grpc.native_call.NativeStream`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import binascii
 import logging
 from collections import deque
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from google.protobuf.message import DecodeError
 from grpclib.const import Handler
-from grpclib.metadata import Deadline
+from grpclib.metadata import Deadline, decode_bin_value
 
 from ..errors import APIError
 from .compression import Codecs
 from .status import Status, grpc_status, parse_grpc_timeout
-from .web import CallFailed, MessageReceived, Rejection, WebCall, WebEvent, open_call
+from .web import CallFailed, MessageReceived, Rejection, WebCall, WebEvent, WebRequestReader, open_call
 
-__all__ = ["WebSink", "WebStream", "serve_web_call"]
+__all__ = ["WebSink", "MessageWriter", "GrpcStream", "WebStream", "run_call", "serve_web_call"]
 
 log = logging.getLogger(__name__)
 
@@ -42,23 +46,45 @@ class WebSink(Protocol):
     async def write(self, data: bytes) -> None: ...
 
 
+def _binary(value: bytes) -> bytes:
+    try:
+        return decode_bin_value(value)
+    except binascii.Error:  # not base64: the bytes as sent (metadata, not worth failing a call over)
+        return value
+
+
+class MessageWriter(Protocol):
+    """The response side of a call's core: its HTTP headers and its message frames."""
+
+    def headers(self) -> list[tuple[bytes, bytes]]: ...
+
+    def message(self, payload: bytes) -> bytes: ...
+
+
 class _Abort(Exception):
     def __init__(self, status: Status, message: str) -> None:
         self.status = status
         self.message = message
 
 
-class WebStream:
-    """A :class:`~gateway.grpc.service.CallStream` over one gRPC-Web call."""
+class GrpcStream:
+    """A :class:`~gateway.grpc.service.CallStream` over one call's reader, writer and sink; a
+    subclass says how the status goes out (:meth:`_end`)."""
 
-    def __init__(self, call: WebCall, request_type: Any, body: AsyncIterator[bytes], sink: WebSink,
-                 deadline: Deadline | None, headers: Mapping[bytes, bytes]) -> None:
+    #: request headers that are not call metadata (beside the pseudo and grpc-* ones)
+    not_metadata: frozenset[bytes] = frozenset()
+
+    def __init__(self, reader: WebRequestReader, writer: MessageWriter, request_type: Any,
+                 body: AsyncIterator[bytes], sink: WebSink, deadline: Deadline | None,
+                 headers: Mapping[bytes, bytes]) -> None:
         self.deadline = deadline
-        # Call metadata as grpclib presents it: request headers but the pseudo and grpc-* ones.
+        # Call metadata as grpclib presents it: request headers but the pseudo and grpc-* ones,
+        # binary (-bin) values decoded to bytes.
         self.metadata: Mapping[str, str | bytes] = {
-            k.decode("latin-1"): v.decode("latin-1") for k, v in headers.items()
-            if not k.startswith((b":", b"grpc-"))}
-        self._call = call
+            k.decode("latin-1"): _binary(v) if k.endswith(b"-bin") else v.decode("latin-1")
+            for k, v in headers.items() if not k.startswith((b":", b"grpc-")) and k not in self.not_metadata}
+        self._reader = reader
+        self._writer = writer
         self._request_type = request_type
         self._body = body
         self._sink = sink
@@ -71,12 +97,15 @@ class WebStream:
         while not self._events:
             if self._body_done:
                 return None
-            chunk = await anext(self._body, None)
+            try:
+                chunk = await anext(self._body, None)
+            except APIError as e:  # the adapter refused the rest of the body (413)
+                raise _Abort(grpc_status(e), e.message) from None
             if chunk is None:
                 self._body_done = True
-                self._events.extend(self._call.reader.end_of_stream())
+                self._events.extend(self._reader.end_of_stream())
             else:
-                self._events.extend(self._call.reader.receive_data(chunk))
+                self._events.extend(self._reader.receive_data(chunk))
         event = self._events.popleft()
         if isinstance(event, MessageReceived):
             try:
@@ -88,9 +117,17 @@ class WebStream:
         self._body_done = True  # RequestEnded
         return None
 
+    def __aiter__(self) -> AsyncIterator[Any]:
+        """The request messages (grpclib's reflection service reads them this way)."""
+        return self._messages()
+
+    async def _messages(self) -> AsyncIterator[Any]:
+        while (message := await self.recv_message()) is not None:
+            yield message
+
     async def send_message(self, message: Any) -> None:
         await self._start()
-        await self._sink.write(self._call.writer.message(message.SerializeToString()))
+        await self._sink.write(self._writer.message(message.SerializeToString()))
 
     async def send_trailing_metadata(self, *, status: Status = Status.OK, status_message: str | None = None,
                                      metadata: Sequence[tuple[str, str]] | None = None) -> None:
@@ -98,12 +135,27 @@ class WebStream:
             return
         self.finished = True
         await self._start()
-        await self._sink.write(self._call.writer.trailers(status, status_message or "", metadata or ()))
+        await self._end(status, status_message or "", metadata or ())
+
+    async def _end(self, status: Status, message: str, metadata: Sequence[tuple[str, str]]) -> None:
+        raise NotImplementedError
 
     async def _start(self) -> None:
         if not self._started:
             self._started = True
-            await self._sink.start(self._call.writer.headers())
+            await self._sink.start(self._writer.headers())
+
+
+class WebStream(GrpcStream):
+    """One gRPC-Web call: the status is the trailer frame, in the body."""
+
+    def __init__(self, call: WebCall, request_type: Any, body: AsyncIterator[bytes], sink: WebSink,
+                 deadline: Deadline | None, headers: Mapping[bytes, bytes]) -> None:
+        super().__init__(call.reader, call.writer, request_type, body, sink, deadline, headers)
+        self._web = call.writer
+
+    async def _end(self, status: Status, message: str, metadata: Sequence[tuple[str, str]]) -> None:
+        await self._sink.write(self._web.trailers(status, message, metadata))
 
 
 async def serve_web_call(handlers: Mapping[str, Handler], path: str, headers: Mapping[bytes, bytes],
@@ -114,6 +166,17 @@ async def serve_web_call(handlers: Mapping[str, Handler], path: str, headers: Ma
         await sink.start(opened.writer.headers())
         await sink.write(opened.writer.trailers(opened.status, opened.message))
         return
+
+    def stream(request_type: Any, deadline: Deadline | None) -> GrpcStream:
+        return WebStream(opened, request_type, body, sink, deadline, headers)
+
+    await run_call(handlers, path, headers, stream)
+
+
+async def run_call(handlers: Mapping[str, Handler], path: str, headers: Mapping[bytes, bytes],
+                   stream_for: Callable[[Any, Deadline | None], GrpcStream]) -> None:
+    """Run the handler for ``path`` on the stream ``stream_for(request_type, deadline)`` makes, to its
+    one status (grpc-timeout enforced); a client that went away ends it without one."""
     handler = handlers.get(path)
     timeout: float | None = None
     status, message = Status.OK, ""
@@ -124,8 +187,8 @@ async def serve_web_call(handlers: Mapping[str, Handler], path: str, headers: Ma
             timeout = parse_grpc_timeout(raw)
         except APIError as e:
             status, message = grpc_status(e), e.message
-    stream = WebStream(opened, handler.request_type if handler else None, body, sink,
-                       Deadline.from_timeout(timeout) if timeout is not None else None, headers)
+    stream = stream_for(handler.request_type if handler else None,
+                        Deadline.from_timeout(timeout) if timeout is not None else None)
     if handler is not None and status is Status.OK:
         try:
             async with asyncio.timeout(timeout):
@@ -134,7 +197,12 @@ async def serve_web_call(handlers: Mapping[str, Handler], path: str, headers: Ma
             status, message = a.status, a.message
         except TimeoutError:
             status, message = Status.DEADLINE_EXCEEDED, "Deadline exceeded"
+        except ConnectionError:
+            return  # the client went away (stream reset, connection lost): nobody to tell
         except Exception:
-            log.exception("gRPC-Web handler for %s failed", path)
+            log.exception("gRPC handler for %s failed", path)
             status, message = Status.INTERNAL, "Internal Server Error"
-    await stream.send_trailing_metadata(status=status, status_message=message)
+    try:
+        await stream.send_trailing_metadata(status=status, status_message=message)
+    except ConnectionError:
+        pass

@@ -60,6 +60,10 @@ class GrpcWebRoute:
             return request.path in self._handlers and request.header(b"access-control-request-method") is not None
         return is_grpc_web(request.header(b"content-type", b"") or b"")
 
+    def streams_body(self, request: Request) -> bool:
+        """A call's body is read as it arrives where the adapter can (full duplex: HTTP/2, HTTP/3)."""
+        return request.method == "POST" and is_grpc_web(request.header(b"content-type", b"") or b"")
+
     async def __call__(self, request: Request, sink: ResponseSink) -> None:
         origin = request.header(b"origin")
         if request.method == "OPTIONS":

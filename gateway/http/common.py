@@ -21,7 +21,7 @@ from email.utils import formatdate
 from typing import Any, Protocol
 
 from gateway.errors import APIError, error_headers, render_json
-from gateway.http.types import Call, Entrance, Handler, Headers, Request, ResponseSink
+from gateway.http.types import Call, Entrance, Handler, Headers, Request, ResponseSink, StreamsBody
 
 __all__ = [
     "HttpLimits",
@@ -130,11 +130,13 @@ class ServerState:
     """Server-wide bookkeeping shared by all connections of one listener."""
 
     __slots__ = ("entrance", "limits", "on_event", "in_flight", "draining", "connections", "_idle",
-                 "extra_headers")
+                 "extra_headers", "streams_body")
 
     def __init__(self, entrance: Entrance, limits: HttpLimits, on_event: EventHook | None,
-                 extra_headers: Headers | None = None) -> None:
+                 extra_headers: Headers | None = None, streams_body: StreamsBody | None = None) -> None:
         self.entrance = entrance
+        # which requests the entrance reads as their body arrives (HTTP/2: Request.stream); None: none
+        self.streams_body = streams_body
         self.extra_headers: Headers = extra_headers or []  # on every response (Alt-Svc on TLS)
         self.limits = limits
         self.on_event = on_event
@@ -252,9 +254,9 @@ class _Tracked:
     async def send(self, data: bytes) -> None:
         await self._sink.send(data)
 
-    def end(self) -> None:
+    def end(self, trailers: Headers | None = None) -> None:
         self.ended = True
-        self._sink.end()
+        self._sink.end(trailers)
 
     def abort(self) -> None:
         self.ended = True

@@ -345,7 +345,7 @@ class _H1Sink(SinkState):
                 t.write(data)  # nothing buffered: one chunk per producer step, no flush callback
         return True
 
-    def end(self) -> None:
+    def end(self, trailers: Headers | None = None) -> None:
         if self._ending() and self._chunked and not self._head:
             self._conn._write(wire.LAST_CHUNK)
 

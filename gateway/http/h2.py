@@ -5,8 +5,11 @@ per-stream record (:mod:`gateway.http.h2_stream`). Headers are checked as they a
 (431, 400), the body is collected with the same limit as HTTP/1.1 (413, checked against
 content-length up front and while DATA arrives), and on END_STREAM the request goes to the
 one entrance. Received DATA is acknowledged at once: the limits bound memory, and the window
-must not stall other streams. Errors we answer ourselves go out like any response, through
-:meth:`H2Protocol._answer`, so a body larger than the peer's window waits for it.
+must not stall other streams. A request the server state's ``streams_body`` predicate picks
+(gRPC-Web, native gRPC) goes to the entrance at HEADERS instead, its body an
+:class:`~gateway.http.body_stream.H2BodyStream` acknowledged only as the call reads it. Errors
+we answer ourselves go out like any response, through :meth:`H2Protocol._answer`, so a body
+larger than the peer's window waits for it.
 
 RST_STREAM or connection loss cancels the stream's call. ``drain()`` sends GOAWAY
 (hand-built, since h2 refuses to send anything after its own ``close_connection``), refuses
@@ -28,7 +31,8 @@ from hyperframe.frame import GoAwayFrame
 
 from gateway.errors import error_headers, render_json
 from gateway.http.adapter import StreamAdapter
-from gateway.http.common import HOST_CHARS, ServerState, decode_target, protocol_error
+from gateway.http.body_stream import H2BodyStream
+from gateway.http.common import ClientDisconnected, ServerState, protocol_error
 from gateway.http.h2_guard import GuardLimits, H2FrameGuard, Violation
 from gateway.http.h2_stream import (
     FINISHED,
@@ -38,6 +42,7 @@ from gateway.http.h2_stream import (
     H2Sink,
     H2Stream,
     local_settings,
+    read_head,
     response_headers,
 )
 from gateway.http.types import Headers, Request
@@ -122,6 +127,7 @@ class H2Protocol(StreamAdapter):
 
     def _lost(self) -> None:
         for st in list(self._streams.values()):
+            st.drop_body(ClientDisconnected("connection lost"))
             st.reset = True
             st.out.clear()
             st.wake()
@@ -150,47 +156,16 @@ class H2Protocol(StreamAdapter):
         st.client_done = ev.stream_ended is not None  # its StreamEnded event follows and dispatches
         if not st.client_done and now + self._limits.body_timeout < self._deadline:
             self._set_deadline(now + self._limits.body_timeout)
-        limits = self._limits
-        size = 0
-        authority = b""
-        raw_path = b""
-        headers: Headers = []
-        for name, value in ev.headers or ():
-            k, v = bytes(name), bytes(value)
-            size += len(k) + len(v) + 32
-            if k[:1] == b":":
-                if k == b":method":
-                    st.method = v.decode("ascii", "replace")
-                elif k == b":path":
-                    raw_path = v
-                elif k == b":authority":
-                    authority = v
-                continue
-            if not v.isascii():
-                try:
-                    v.decode("utf-8")
-                except UnicodeDecodeError:
-                    return self._reject(st, 400, "invalid UTF-8 in request header")
-            if k == b"content-length" and v.isdigit() and int(v) > limits.max_body_bytes:
-                return self._reject(st, 413, f"request body exceeds {limits.max_body_bytes} bytes")
-            headers.append((k, v))
-        if size > limits.max_header_bytes:
-            return self._reject(st, 431, "request headers too large")
-        # h2 has checked there is one Host or :authority and that they agree (RFC 9113 8.3.1)
-        if authority:
-            if not any(k == b"host" for k, _ in headers):
-                headers.append((b"host", authority))
-        else:
-            authority = next((v for k, v in headers if k == b"host"), b"")
-        if authority.translate(None, HOST_CHARS):
-            return self._reject(st, 400, "malformed request: invalid :authority or Host")
-        path, _, query = raw_path.partition(b"?")
-        try:
-            st.path = decode_target(path)
-            st.query = query.decode("utf-8")
-        except UnicodeDecodeError:
-            return self._reject(st, 400, "invalid UTF-8 in request target")
-        st.headers = headers
+        rejected = read_head(st, ev.headers or (), self._limits)
+        if rejected is not None:
+            return self._reject(st, *rejected)
+        wants_stream = self._srv.streams_body
+        if wants_stream is not None and not st.client_done:
+            request = self._request(st, b"")
+            if wants_stream(request):  # the call reads the body as it comes (full duplex)
+                st.body_stream = H2BodyStream(self._h2, st.id, self._schedule_flush, self._limits.max_body_bytes)
+                request.stream = st.body_stream
+                self._start(st, request)
 
     def _answer_malformed(self, now: float) -> None:
         answered: set[int] = set()  # one stream may be noted again by its following DATA frames
@@ -204,6 +179,7 @@ class H2Protocol(StreamAdapter):
             if st is None:
                 st = self._streams[sid] = H2Stream(sid, now)
             elif st.reset or st.phase != RECEIVING:
+                st.drop_body(protocol_error(400, f"malformed request: {why}"))
                 continue
             st.client_done = st.client_done or client_done
             self._reject(st, 400, f"malformed request: {why}")
@@ -218,8 +194,13 @@ class H2Protocol(StreamAdapter):
 
     def _on_data(self, ev: h2.events.DataReceived, now: float) -> None:
         sid = ev.stream_id
-        self._h2.acknowledge_received_data(ev.flow_controlled_length, sid)
         st = self._streams.get(sid)
+        if st is not None and st.body_stream is not None and st.body_stream.open:  # acknowledged as read
+            if not st.body_stream.feed(ev.data or b"", ev.flow_controlled_length):
+                self._srv.report(413, "h2", "request body too large")
+                st.rst_after = True  # the call answers (its error); then the upload is stopped
+            return
+        self._h2.acknowledge_received_data(ev.flow_controlled_length, sid)
         if st is None or st.reset or st.phase != RECEIVING:
             return
         data = ev.data or b""
@@ -234,6 +215,8 @@ class H2Protocol(StreamAdapter):
         if st is None:
             return
         st.client_done = True
+        if st.body_stream is not None:
+            st.body_stream.end()
         if st.phase == RECEIVING and not st.reset:
             self._dispatch(st)
         else:
@@ -243,6 +226,7 @@ class H2Protocol(StreamAdapter):
         st = self._streams.get(sid)
         if st is None:
             return
+        st.drop_body(ClientDisconnected("stream reset by client"))
         st.reset = True
         st.out.clear()
         st.wake()
@@ -254,10 +238,14 @@ class H2Protocol(StreamAdapter):
     # ---- requests ---------------------------------------------------------
     def _dispatch(self, st: H2Stream) -> None:
         parts = st.body
-        body = parts[0] if len(parts) == 1 else b"".join(parts)
         st.body = []
+        self._start(st, self._request(st, parts[0] if len(parts) == 1 else b"".join(parts)))
+
+    def _request(self, st: H2Stream, body: bytes) -> Request:
+        return Request(st.method, st.path, st.query, st.headers, body, "h2", self._scheme, self._client)
+
+    def _start(self, st: H2Stream, request: Request) -> None:
         st.phase = RUNNING
-        request = Request(st.method, st.path, st.query, st.headers, body, "h2", self._scheme, self._client)
         st.sink = sink = H2Sink(self, st, st.method == "HEAD")
         self._srv.request_started()
         st.call = self._srv.entrance(request, sink, lambda: self._done(st))
@@ -279,6 +267,9 @@ class H2Protocol(StreamAdapter):
         self._srv.request_done()
         st.call = None
         st.phase = FINISHED
+        if st.body_stream is not None:  # the call is over: the rest of an upload is not read
+            st.rst_after = st.rst_after or not st.client_done
+            st.drop_body(ClientDisconnected("the call has ended"))
         if not st.reset and (st.sink is None or not st.sink.ended):  # the client must see it broke
             self._reset(st, ErrorCodes.INTERNAL_ERROR)
         self._settle(st)
@@ -312,8 +303,13 @@ class H2Protocol(StreamAdapter):
         return True
 
     def _end_stream(self, st: H2Stream) -> None:
+        """END_STREAM, on the trailers if the response has any."""
+        trailers, st.trailers = st.trailers, None
         try:
-            self._h2.end_stream(st.id)
+            if trailers:
+                self._h2.send_headers(st.id, trailers, end_stream=True)
+            else:
+                self._h2.end_stream(st.id)
         except h2.exceptions.ProtocolError:
             st.reset = True
         self._schedule_flush()
@@ -354,16 +350,16 @@ class H2Protocol(StreamAdapter):
             if n <= 0:
                 return
             whole = off + n == len(data)
-            h2c.send_data(
-                st.id,
-                data if off == 0 and whole else data[off : off + n],
-                end_stream=st.out_end and whole and len(out) == 1,
-            )
+            last = st.out_end and whole and len(out) == 1
+            h2c.send_data(st.id, data if off == 0 and whole else data[off : off + n],
+                          end_stream=last and st.trailers is None)
             if whole:
                 out.pop(0)
                 st.out_off = 0
             else:
                 st.out_off = off + n
+            if last and st.trailers is not None:
+                self._end_stream(st)
         st.wake()
 
     def _window_opened(self, sid: int) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import h2.config
@@ -22,7 +23,8 @@ from h2.errors import ErrorCodes
 from hyperframe.frame import DataFrame, Frame, HeadersFrame
 
 from gateway.http.adapter import SinkState
-from gateway.http.common import ClientDisconnected, HttpLimits, http_date
+from gateway.http.body_stream import H2BodyStream
+from gateway.http.common import HOST_CHARS, ClientDisconnected, HttpLimits, decode_target, http_date
 from gateway.http.types import Call, Headers
 
 if TYPE_CHECKING:
@@ -39,6 +41,7 @@ __all__ = [
     "H2Sink",
     "local_settings",
     "response_headers",
+    "read_head",
     "RECEIVING",
     "RUNNING",
     "FINISHED",
@@ -117,6 +120,7 @@ class H2Stream:
     __slots__ = (
         "id", "method", "path", "query", "headers", "body", "body_len", "last_rx", "phase",
         "client_done", "reset", "call", "sink", "out", "out_off", "out_end", "rst_after", "waiter",
+        "trailers", "body_stream",
     )  # fmt: skip
 
     def __init__(self, stream_id: int, now: float) -> None:
@@ -138,11 +142,64 @@ class H2Stream:
         self.out_end = False  # END_STREAM after out (set once the response has ended)
         self.rst_after = False  # then RST_STREAM(NO_ERROR): stop an upload we answered early
         self.waiter: asyncio.Future[None] | None = None  # a send() waiting for out to empty
+        self.trailers: Headers | None = None  # a trailing HEADERS frame ends the stream, after out
+        self.body_stream: H2BodyStream | None = None  # the request body, when the call reads it as it comes
+
+    def drop_body(self, error: BaseException) -> None:
+        """A streamed body nobody will read: fail it (what it held goes back to the windows)."""
+        if self.body_stream is not None:
+            self.body_stream.fail(error)
 
     def wake(self) -> None:
         w, self.waiter = self.waiter, None
         if w is not None and not w.done():
             w.set_result(None)
+
+
+def read_head(st: H2Stream, fields: Iterable[tuple[bytes, bytes]], limits: HttpLimits) -> tuple[int, str] | None:
+    """Fill ``st``'s method, path, query and headers from a request's header block; or the
+    (status, message) to refuse it with (400, 413 by content-length, 431)."""
+    size = 0
+    authority = b""
+    raw_path = b""
+    headers: Headers = []
+    for name, value in fields:
+        k, v = bytes(name), bytes(value)
+        size += len(k) + len(v) + 32
+        if k[:1] == b":":
+            if k == b":method":
+                st.method = v.decode("ascii", "replace")
+            elif k == b":path":
+                raw_path = v
+            elif k == b":authority":
+                authority = v
+            continue
+        if not v.isascii():
+            try:
+                v.decode("utf-8")
+            except UnicodeDecodeError:
+                return 400, "invalid UTF-8 in request header"
+        if k == b"content-length" and v.isdigit() and int(v) > limits.max_body_bytes:
+            return 413, f"request body exceeds {limits.max_body_bytes} bytes"
+        headers.append((k, v))
+    if size > limits.max_header_bytes:
+        return 431, "request headers too large"
+    # h2 has checked there is one Host or :authority and that they agree (RFC 9113 8.3.1)
+    if authority:
+        if not any(k == b"host" for k, _ in headers):
+            headers.append((b"host", authority))
+    else:
+        authority = next((v for k, v in headers if k == b"host"), b"")
+    if authority.translate(None, HOST_CHARS):
+        return 400, "malformed request: invalid :authority or Host"
+    path, _, query = raw_path.partition(b"?")
+    try:
+        st.path = decode_target(path)
+        st.query = query.decode("utf-8")
+    except UnicodeDecodeError:
+        return 400, "invalid UTF-8 in request target"
+    st.headers = headers
+    return None
 
 
 class H2Sink(SinkState):
@@ -207,11 +264,12 @@ class H2Sink(SinkState):
         conn._schedule_flush()
         return True
 
-    def end(self) -> None:
+    def end(self, trailers: Headers | None = None) -> None:
         st = self._st
         if not self._ending() or st.reset:
             return
         st.out_end = True
+        st.trailers = trailers or None
         if not st.out:
             self._conn._end_stream(st)
 

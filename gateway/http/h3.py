@@ -9,7 +9,10 @@ headers and body and, once the client ends it, becomes a
 The sink writes into aioquic's per-stream send buffers (which QUIC flow control
 and congestion control drain) and asks for one transmit per loop iteration, so
 the tokens every stream got in one engine step leave together, in as few packets
-as fit.
+as fit. A request the server state's ``streams_body`` picks goes to the entrance at its
+headers instead, its body a :class:`~gateway.http.body_stream.BodyStream` fed as DATA
+arrives (bounded by the body limit: aioquic credits QUIC flow control itself); once the
+call has answered, the rest of the upload is refused with STOP_SENDING (H3_NO_ERROR).
 
 Early data (RFC 8470, RFC 9001 9.2). What aioquic gives us, and what we rely on:
 
@@ -61,6 +64,7 @@ from aioquic.quic.events import (
 )
 
 from gateway.errors import APIError, render_http
+from gateway.http.body_stream import BodyStream
 from gateway.http.h3_sink import H3Sink, H3Stream, StreamGone, unsent
 from gateway.http.h3_state import H3ServerState
 from gateway.http.types import Headers, Request
@@ -141,8 +145,10 @@ class H3Protocol(QuicConnectionProtocol):
     def _h3_event(self, ev: H3Event) -> None:
         if isinstance(ev, HeadersReceived):
             st = self._streams.get(ev.stream_id)
-            if st is not None:
-                return  # trailers: nothing we serve reads them
+            if st is not None:  # trailers: nothing we serve reads them, but they may end a streamed body
+                if ev.stream_ended and st.body_stream is not None:
+                    st.body_stream.end()
+                return
             st = self._streams[ev.stream_id] = H3Stream(ev.stream_id, ev.headers, self._loop.time())
             size = sum(len(k) + len(v) for k, v in ev.headers)
             if not self._handshake_done:
@@ -155,8 +161,13 @@ class H3Protocol(QuicConnectionProtocol):
                 self._refuse(st)
             elif ev.stream_ended:
                 self._dispatch(st)
+            elif self.state.streams_body is not None:
+                self._dispatch(st, at_headers=True)
         elif isinstance(ev, DataReceived):
             st = self._streams.get(ev.stream_id)
+            if st is not None and st.body_stream is not None:
+                self._body_data(st, ev.data, ev.stream_ended)
+                return
             if st is None or st.dispatched:
                 return
             st.body += ev.data
@@ -169,7 +180,19 @@ class H3Protocol(QuicConnectionProtocol):
             elif ev.stream_ended:
                 self._dispatch(st)
 
-    def _dispatch(self, st: H3Stream) -> None:
+    def _body_data(self, st: H3Stream, data: bytes, ended: bool) -> None:
+        """DATA of a body the call reads as it arrives (dropped once that body has failed)."""
+        body = st.body_stream
+        if body is None or not body.open:
+            return
+        if not body.feed(data):
+            self.state.report(413, "request body too large")  # the call answers; the rest is dropped
+        elif ended:
+            body.end()
+
+    def _dispatch(self, st: H3Stream, at_headers: bool = False) -> None:
+        """The request to the entrance: once its body has ended, or at its headers
+        (``at_headers``) if the server state's ``streams_body`` picks it."""
         st.dispatched = True
         state = self.state
         method = path = authority = b""
@@ -197,6 +220,13 @@ class H3Protocol(QuicConnectionProtocol):
             headers.append((b"host", authority))
         early = not self._handshake_done or any(k == b"early-data" and v == b"1" for k, v in headers)
         m = method.decode("latin-1")
+        req = Request(m, decoded, query.decode("latin-1"), headers, bytes(st.body), "h3", "https",
+                      self._client_address(), early_data=early)
+        if at_headers:
+            if state.streams_body is None or not state.streams_body(req):
+                st.dispatched = False  # read whole: dispatched when the body ends
+                return
+            req.stream = st.body_stream = BodyStream(state.settings.max_body_bytes)
         if early:
             self._early_bytes += st.early_bytes
             if not state.early_allowed(m, decoded, self._early_bytes):
@@ -206,8 +236,6 @@ class H3Protocol(QuicConnectionProtocol):
                                                 None, "too_early"))
                 return
             state.early_served += 1
-        req = Request(m, decoded, query.decode("latin-1"), headers, bytes(st.body), "h3", "https",
-                      self._client_address(), early_data=early)
         st.body = bytearray()
         sink = st.sink = H3Sink(self, st, m == "HEAD")
         state.request_started()
@@ -237,6 +265,8 @@ class H3Protocol(QuicConnectionProtocol):
 
     def _done(self, st: H3Stream) -> None:
         self._streams.pop(st.sid, None)
+        if st.body_stream is not None and not st.body_stream.ended and not st.gone:
+            self._quic.stop_stream(st.sid, ErrorCode.H3_NO_ERROR)  # answered: the rest is not read
         self.state.request_done()
         if self._draining:
             self._flushing.add(st.sid)
@@ -255,6 +285,8 @@ class H3Protocol(QuicConnectionProtocol):
         if st is None or st.gone:
             return
         st.gone = True
+        if st.body_stream is not None:
+            st.body_stream.fail(StreamGone("stream reset by the client"))
         fut = self._waiters.pop(sid, None)
         if fut is not None and not fut.done():
             fut.set_exception(StreamGone("stream reset by the client"))
@@ -273,6 +305,8 @@ class H3Protocol(QuicConnectionProtocol):
             if not st.gone:
                 st.gone = True
                 st.ended = True
+                if st.body_stream is not None:
+                    st.body_stream.fail(StreamGone("connection closed"))
                 fut = self._waiters.pop(st.sid, None)
                 if fut is not None and not fut.done():
                     fut.set_exception(StreamGone("connection closed"))

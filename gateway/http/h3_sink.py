@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 from aioquic.h3.connection import ErrorCode
 from aioquic.quic.connection import QuicConnection
 
+from gateway.http.body_stream import BodyStream
 from gateway.http.types import Call, Headers
 
 if TYPE_CHECKING:
@@ -22,7 +23,8 @@ class StreamGone(ConnectionError):
 class H3Stream:
     """One request stream: what arrived, and the call and sink serving it."""
 
-    __slots__ = ("sid", "headers", "body", "call", "sink", "early_bytes", "dispatched", "gone", "ended", "opened_at")
+    __slots__ = ("sid", "headers", "body", "call", "sink", "early_bytes", "dispatched", "gone", "ended", "opened_at",
+                 "body_stream")
 
     def __init__(self, sid: int, headers: Headers, now: float) -> None:
         self.sid = sid
@@ -35,6 +37,7 @@ class H3Stream:
         self.dispatched = False
         self.gone = False
         self.ended = False  # the response has been completed (or cut)
+        self.body_stream: BodyStream | None = None  # the body, when the call reads it as it arrives
 
 
 def unsent(quic: QuicConnection, sid: int) -> int:
@@ -102,12 +105,15 @@ class H3Sink:
             self._h3.send_data(st.sid, data, False)
             self._conn.schedule_transmit()
 
-    def end(self) -> None:
+    def end(self, trailers: Headers | None = None) -> None:
         st = self._st
         if st.gone or st.ended:
             return
         st.ended = True
-        self._h3.send_data(st.sid, b"", True)
+        if trailers:  # a trailing HEADERS frame ends the stream (RFC 9114 4.1)
+            self._h3.send_headers(st.sid, trailers, end_stream=True)
+        else:
+            self._h3.send_data(st.sid, b"", True)
         self._conn.schedule_transmit()
 
     def abort(self) -> None:

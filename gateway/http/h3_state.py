@@ -10,7 +10,7 @@ from typing import Protocol
 
 from gateway.http.common import EventHook, ProtocolEvent
 from gateway.http.quic_settings import QuicSettings, early_data_safe
-from gateway.http.types import Entrance
+from gateway.http.types import Entrance, StreamsBody
 
 __all__ = ["H3ServerState", "LiveConnection"]
 
@@ -26,8 +26,10 @@ class LiveConnection(Protocol):
 class H3ServerState:
     """Listener-wide bookkeeping (one per :func:`~gateway.http.quic_listener.start_quic_listener`)."""
 
-    def __init__(self, entrance: Entrance, settings: QuicSettings, on_event: EventHook | None = None) -> None:
+    def __init__(self, entrance: Entrance, settings: QuicSettings, on_event: EventHook | None = None,
+                 streams_body: StreamsBody | None = None) -> None:
         self.entrance = entrance
+        self.streams_body = streams_body  # requests whose body the entrance reads as it arrives
         self.settings = settings
         self.on_event = on_event
         self.connections: set[LiveConnection] = set()

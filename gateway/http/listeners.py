@@ -22,7 +22,7 @@ from typing import Literal, Protocol
 
 from gateway.http.common import EventHook, HttpLimits, ServerState
 from gateway.http.h1 import H1Protocol
-from gateway.http.types import Entrance
+from gateway.http.types import Entrance, StreamsBody
 
 __all__ = ["ListenerSpec", "Listener", "StreamListener", "start_listener"]
 
@@ -154,9 +154,11 @@ async def start_listener(
     *,
     limits: HttpLimits | None = None,
     on_event: EventHook | None = None,
+    streams_body: StreamsBody | None = None,
 ) -> StreamListener:
-    """Bind ``spec`` and serve every request it accepts through ``entrance``."""
-    state = ServerState(entrance, limits or HttpLimits(), on_event, list(spec.extra_headers))
+    """Bind ``spec`` and serve every request it accepts through ``entrance`` (``streams_body``:
+    the requests whose body the entrance reads as it arrives, over HTTP/2)."""
+    state = ServerState(entrance, limits or HttpLimits(), on_event, list(spec.extra_headers), streams_body)
     tls = spec.kind == "tls"
 
     def factory() -> asyncio.Protocol:

@@ -26,7 +26,7 @@ from gateway.http.h3 import protocol_factory
 from gateway.http.h3_state import H3ServerState
 from gateway.http.quic_settings import QuicSettings
 from gateway.http.quic_tickets import TicketStore
-from gateway.http.types import Entrance
+from gateway.http.types import Entrance, StreamsBody
 
 __all__ = ["QuicListener", "start_quic_listener"]
 
@@ -110,13 +110,15 @@ class QuicListener:
 
 
 async def start_quic_listener(entrance: Entrance, host: str, port: int, certfile: str, keyfile: str,
-                              settings: QuicSettings | None = None, on_event: EventHook | None = None) -> QuicListener:
+                              settings: QuicSettings | None = None, on_event: EventHook | None = None,
+                              streams_body: StreamsBody | None = None) -> QuicListener:
     """Bind UDP ``host:port`` (0 picks a free port) and serve HTTP/3 into ``entrance``; ``on_event``
-    hears of requests the adapter answered itself (App.on_http_event: metrics)."""
+    hears of requests the adapter answered itself (App.on_http_event: metrics); ``streams_body``
+    picks the requests whose body the entrance reads as it arrives."""
     settings = settings or QuicSettings()
     config = QuicConfiguration(is_client=False, alpn_protocols=H3_ALPN, idle_timeout=settings.idle_timeout)
     config.load_cert_chain(certfile, keyfile)
-    state = H3ServerState(entrance, settings, on_event)
+    state = H3ServerState(entrance, settings, on_event, streams_body)
     tickets = TicketStore(lifetime=settings.ticket_lifetime, rotation=settings.ticket_key_rotation,
                           capacity=settings.max_tickets, single_use=settings.replay_protection)
 

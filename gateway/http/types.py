@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-__all__ = ["Request", "RequestBodyStream", "ResponseSink", "Handler", "Headers", "Call", "Entrance"]
+__all__ = ["Request", "RequestBodyStream", "ResponseSink", "Handler", "Headers", "Call", "Entrance", "StreamsBody"]
 
 Headers = list[tuple[bytes, bytes]]
 
@@ -36,10 +36,9 @@ class Request:
     protocol: str  # "http/1.1" | "h2" | "h3"
     scheme: str  # "http" | "https"
     client: tuple[str, int] | None = None
-    # Room for protocols whose request body is itself a stream (gRPC client
-    # streaming): an adapter that serves such a route sets ``stream`` and leaves
-    # ``body`` empty. HTTP/1.1 and HTTP/2 adapters today always read the body in
-    # full (bounded by the body limit) and leave this None.
+    # A body the handler reads as it arrives (gRPC client and bidi streaming): set, with
+    # ``body`` empty, by a full-duplex adapter (HTTP/2, HTTP/3) for a request its ``StreamsBody``
+    # predicate picks. Otherwise None and ``body`` is whole (HTTP/1.1 always; bounded by the limit).
     stream: RequestBodyStream | None = None
     early_data: bool = False  # arrived in TLS/QUIC 0-RTT data (replayable: RFC 8470)
 
@@ -55,7 +54,9 @@ class RequestBodyStream(Protocol):
     """Incremental request body (see :attr:`Request.stream`)."""
 
     async def read(self) -> bytes:
-        """The next piece of the body; ``b""`` once it has ended."""
+        """The next piece of the body; ``b""`` once it has ended. Raises
+        :class:`ConnectionError` if the client reset the stream or went away, or the
+        :class:`~gateway.errors.APIError` the adapter refused the rest with (413)."""
         ...
 
 
@@ -89,8 +90,10 @@ class ResponseSink(Protocol):
         :class:`ConnectionError` if the client went away."""
         ...
 
-    def end(self) -> None:
-        """End a streamed response (after anything queued)."""
+    def end(self, trailers: Headers | None = None) -> None:
+        """End a streamed response (after anything queued). ``trailers``: HTTP trailer fields
+        (native gRPC's status) where the protocol carries them (h2, h3: a trailing HEADERS
+        frame); HTTP/1.1 drops them (its clients here read none)."""
         ...
 
     def abort(self) -> None:
@@ -115,6 +118,11 @@ and calls ``done()`` exactly once when the response has ended, never from inside
 the ``entrance`` call itself (adapters start the next pipelined request from
 ``done``). The adapter calls ``call.cancel()`` if the client goes away first.
 """
+
+StreamsBody = Callable[[Request], bool]
+"""Declared by the entrance's side and given to a listener at construction: does this request
+(headers only, ``body`` empty) want its body as a stream? Asked once per request that has a body,
+at HEADERS, by adapters that can stream it; the others read every body whole."""
 
 Handler = Callable[[Request, ResponseSink], Awaitable[None]]
 """A coroutine route; :func:`gateway.http.common.task_entrance` makes it an :data:`Entrance`."""

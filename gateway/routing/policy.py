@@ -8,18 +8,23 @@ last :class:`~transport.messages.Stats`), and returns one or None. It never
 raises HTTP errors and never does I/O; the pool turns "none" into a
 :class:`~gateway.routing.errors.NoReplica`.
 
-Adding a policy: a class with ``choose`` in a module of this package, and a
-name for it in :data:`POLICIES` (``[routing] policy`` picks it).
+A policy that reads ``prefix_hashes`` says so (``uses_prefix_hashes = True``):
+only then does its pool tokenize prompts (:class:`~gateway.routing.prefix.PrefixHasher`).
+
+Adding a policy: a class with ``choose`` and ``uses_prefix_hashes`` in this
+module (or one it imports), and a name for it in :data:`POLICIES` (``[routing]
+policy`` picks it; ``config check`` rejects unknown names).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import NamedTuple, Protocol
+from typing import ClassVar, NamedTuple, Protocol
 
 from transport.api import WorkerConnection
 
-__all__ = ["RouteRequest", "Describe", "model_only", "RoutingPolicy", "LeastLoaded", "load_score", "POLICIES"]
+__all__ = ["RouteRequest", "Describe", "model_only", "RoutingPolicy", "LeastLoaded", "PrefixAffinity", "load_score",
+           "POLICIES"]
 
 
 class RouteRequest(NamedTuple):
@@ -42,6 +47,8 @@ def model_only(model: str, subject: object) -> RouteRequest:
 
 
 class RoutingPolicy(Protocol):
+    uses_prefix_hashes: ClassVar[bool]  # True: the pool fills RouteRequest.prefix_hashes (costs a tokenization)
+
     def choose(self, req: RouteRequest, replicas: Sequence[WorkerConnection]) -> WorkerConnection | None:
         """One of ``replicas`` (all open and not draining), or None to refuse. (With a single open
         replica the pool does not ask: there is nothing to choose.)"""
@@ -61,6 +68,7 @@ class LeastLoaded:
     """The replica with the lowest :func:`load_score`; the first of equals."""
 
     __slots__ = ()
+    uses_prefix_hashes: ClassVar[bool] = False
 
     def choose(self, req: RouteRequest, replicas: Sequence[WorkerConnection]) -> WorkerConnection | None:
         if len(replicas) == 1:  # the common single-worker case: no scoring
@@ -74,4 +82,34 @@ class LeastLoaded:
         return best
 
 
-POLICIES: dict[str, type[RoutingPolicy]] = {"least_loaded": LeastLoaded}
+class PrefixAffinity:
+    """The replica that reports the prompt's first block in its cache (``Stats.prefix_hashes``: the
+    roots of a worker's cached chains, newest first), the least loaded of those, unless it is
+    busier than the least-loaded replica by more than ``slack``; otherwise :class:`LeastLoaded`'s
+    pick. A shared system prompt then lands where its KV blocks already are, and a hot prefix
+    still spreads once its replica is ``slack`` requests ahead."""
+
+    __slots__ = ("slack",)
+    uses_prefix_hashes: ClassVar[bool] = True
+
+    def __init__(self, slack: int = 4) -> None:
+        self.slack = slack
+
+    def choose(self, req: RouteRequest, replicas: Sequence[WorkerConnection]) -> WorkerConnection | None:
+        best: WorkerConnection | None = None
+        hit: WorkerConnection | None = None
+        best_score = hit_score = 0
+        root = req.prefix_hashes[0] if req.prefix_hashes else None
+        for c in replicas:
+            score = load_score(c)
+            if best is None or score < best_score:
+                best, best_score = c, score
+            s = c.latest_stats
+            if root is not None and s is not None and root in s.prefix_hashes and (hit is None or score < hit_score):
+                hit, hit_score = c, score
+        if hit is not None and hit_score <= best_score + self.slack:
+            return hit
+        return best
+
+
+POLICIES: dict[str, type[RoutingPolicy]] = {"least_loaded": LeastLoaded, "prefix_affinity": PrefixAffinity}

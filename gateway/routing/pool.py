@@ -19,7 +19,8 @@ from collections.abc import Callable, Iterable
 from transport.api import WorkerConnection
 
 from .errors import UnknownModel
-from .policy import Describe, LeastLoaded, RoutingPolicy, model_only
+from .policy import Describe, LeastLoaded, RouteRequest, RoutingPolicy, model_only
+from .prefix import PrefixHasher
 from .routed import RoutedStream, SubmitFactory
 
 __all__ = ["ModelPool"]
@@ -33,6 +34,8 @@ class ModelPool:
     def __init__(self, retries: int = 1, on_retry: Callable[[], None] | None = None,
                  policy: RoutingPolicy | None = None) -> None:
         self.policy: RoutingPolicy = policy if policy is not None else LeastLoaded()
+        # prompt -> block hashes, only for a policy that reads them (tokenizing is not free)
+        self.prefix: PrefixHasher | None = PrefixHasher() if self.policy.uses_prefix_hashes else None
         self.retries = retries
         self.on_retry = on_retry
         self._by_model: dict[str, list[WorkerConnection]] = {}
@@ -78,10 +81,11 @@ class ModelPool:
     def ready_workers(self) -> int:
         return sum(1 for c in self.connections() if not c.closed)
 
-    def choose(self, model: str, subject: object = None,
-               exclude: tuple[WorkerConnection, ...] = ()) -> WorkerConnection | None:
+    def choose(self, model: str, subject: object = None, exclude: tuple[WorkerConnection, ...] = (),
+               make_submit: SubmitFactory | None = None) -> WorkerConnection | None:
         """The policy's pick among the open, non-draining replicas serving ``model``; ``subject``
-        is the pipeline's request, described to the policy (:attr:`describe`) only if it is asked."""
+        is the pipeline's request, described to the policy (:meth:`route_request`) only if it is
+        asked."""
         conns = self._by_model.get(model)
         if not conns:
             return None
@@ -89,7 +93,16 @@ class ModelPool:
             c = conns[0]
             return None if c.closed or c.draining else c
         live = [c for c in conns if not c.closed and not c.draining and c not in exclude]
-        return self.policy.choose(self.describe(model, subject), live) if live else None
+        return self.policy.choose(self.route_request(model, subject, make_submit, live), live) if live else None
+
+    def route_request(self, model: str, subject: object, make_submit: SubmitFactory | None,
+                      replicas: list[WorkerConnection]) -> RouteRequest:
+        """What the policy sees of a request: the pipeline's description of it (:attr:`describe`),
+        with the prompt's prefix block hashes when the policy reads them (:attr:`prefix`)."""
+        req = self.describe(model, subject)
+        if self.prefix is not None and make_submit is not None:
+            req = self.prefix.annotate(req, make_submit, replicas)
+        return req
 
     def waiting(self, conn: WorkerConnection) -> int:
         """Requests on ``conn`` that have no token yet."""

@@ -62,7 +62,7 @@ class RoutedStream:
         """Open the stream on the replica the policy picks; raises a RoutingError if none takes it."""
         pool = self._pool
         while True:
-            conn = pool.choose(self.model, self.subject, self._tried)
+            conn = pool.choose(self.model, self.subject, self._tried, self._make)
             if conn is None:
                 raise NoReplica(self.model)
             self._tried += (conn,)

@@ -170,7 +170,24 @@ class ScriptedWorkerConnection:
         await self._closed_ev.wait()
 
 
-class RecordingSink:
+class ResponseView:
+    """What a test reads of a response: ``chunks`` joined, as JSON, one header."""
+
+    chunks: list[bytes]
+    headers: list[tuple[bytes, bytes]]
+
+    @property
+    def body(self) -> bytes:
+        return b"".join(self.chunks)
+
+    def json(self) -> object:
+        return orjson.loads(self.body)
+
+    def header(self, name: bytes) -> bytes | None:
+        return next((v for k, v in self.headers if k == name), None)
+
+
+class RecordingSink(ResponseView):
     """ResponseSink double: ``status``, ``headers``, ``body`` (all chunks joined), ``chunks``.
 
     ``block_after_chunks``: after that many chunks the client "stops reading": ``send_nowait``
@@ -224,15 +241,6 @@ class RecordingSink:
     def abort(self) -> None:
         self.aborted = True
 
-    @property
-    def body(self) -> bytes:
-        return b"".join(self.chunks)
-
-    def json(self) -> object:
-        return orjson.loads(self.body)
-
-    def header(self, name: bytes) -> bytes | None:
-        return next((v for k, v in self.headers if k == name), None)
 
 
 def sse_events(body: bytes) -> list[object]:

@@ -21,6 +21,12 @@ GATEWAY_MODULES = [
 ]
 
 
+def run_ok(code: str) -> None:
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("ok")
+
+
 def test_gateway_modules_do_not_import_jax_or_inference() -> None:
     code = (
         "import importlib, sys\n"
@@ -31,9 +37,7 @@ def test_gateway_modules_do_not_import_jax_or_inference() -> None:
         "assert not bad, bad\n"
         "print('ok', len(sys.modules))\n"
     )
-    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.startswith("ok")
+    run_ok(code)
 
 
 def test_config_check_cli(tmp_path: Path) -> None:
@@ -78,3 +82,26 @@ def test_config_show_and_transport_probe_cli() -> None:
     r = subprocess.run([sys.executable, "-m", "gateway.cli", "transport", "probe"], cwd=REPO,
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "RDMA" in r.stdout
+
+
+def test_prefix_routing_imports_only_the_tokenizer_from_inference() -> None:
+    """``[routing] policy = "prefix_affinity"`` tokenizes prompts in the gateway: the one module of
+    ``inference`` it may load is the JAX-free tokenizer."""
+    code = (
+        "import sys\n"
+        "from gateway.routing.config import RoutingSettings\n"
+        "from gateway.routing.pool import ModelPool\n"
+        "from gateway.routing.policy import RouteRequest\n"
+        "from transport.messages import Hello, Submit\n"
+        "from transport.prefix import PREFIX_HASH_SCHEME\n"
+        "pool = ModelPool(policy=RoutingSettings(policy='prefix_affinity').build())\n"
+        "class C:\n"
+        "    peer_hello = Hello(role='worker', models=('tiny',), block_size=16, model_id='tiny',"
+        " prefix_hash=PREFIX_HASH_SCHEME)\n"
+        "r = pool.prefix.annotate(RouteRequest('tiny'), lambda i: Submit(i, 'tiny', prompt='x' * 40), [C()])\n"
+        "assert len(r.prefix_hashes) == 2, r\n"
+        "loaded = sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib', 'inference', 'torch'))\n"
+        "assert loaded == ['inference', 'inference.tokenizer'], loaded\n"
+        "print('ok')\n"
+    )
+    run_ok(code)

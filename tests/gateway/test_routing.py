@@ -28,6 +28,8 @@ def post(body: object) -> Request:
 class Recording:
     """A policy that records what it was shown and picks the last replica."""
 
+    uses_prefix_hashes = False
+
     def __init__(self) -> None:
         self.seen: list[tuple[RouteRequest, int]] = []
 

@@ -1,5 +1,6 @@
-"""Native gRPC: the grpclib server on 127.0.0.1 port 0, driven by the official grpcio client
-(C core) and by grpcurl through server reflection. The backend is a double that echoes the
+"""Native gRPC: our HTTP/2 listener running the grpclib service handlers on 127.0.0.1 port 0,
+driven by the official grpcio client (C core), by grpcurl through server reflection, and by a raw
+h2 client where the bytes on the wire are the point (compression flags, trailers). The backend is a double that echoes the
 last message upper-cased, one word per message (see tests/gateway/grpc/backend_double.py).
 """
 
@@ -15,12 +16,16 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 
 from gateway.errors import APIError
+from gateway.grpc.compression import GzipCodec
 from gateway.grpc.quicserve.v1 import quicserve_pb2 as pb
 from gateway.grpc.server import start_native
 from tests.gateway.grpc.backend_double import EchoBackendDouble
+from tests.gateway.grpc.h2_client import RawH2
+from tests.gateway.grpc.web_client import CODECS, frame
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -349,5 +354,131 @@ async def test_health_serving_until_close(backend: EchoBackendDouble) -> None:
         native.health.set(False)  # what close() does first, while draining
         out = await asyncio.to_thread(_grpcurl, target, "grpc.health.v1.Health/Check")
         assert json.loads(out) == {"status": "NOT_SERVING"}
+    finally:
+        await native.close()
+
+
+# -- compression: grpc-encoding / grpc-accept-encoding -------------------------------------------
+
+LONG = " ".join(["compressible"] * 60)
+
+
+async def test_grpcio_with_gzip_compression(target: str, backend: EchoBackendDouble,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The C core compresses its requests with gzip and accepts gzip replies (it lists
+    identity, deflate, gzip; the server answers with the best of those it offers: gzip)."""
+    used: list[str] = []
+    inflate, deflate = GzipCodec.decompress, GzipCodec.compress
+    monkeypatch.setattr(GzipCodec, "decompress", lambda self, d, n: used.append("in") or inflate(self, d, n))
+    monkeypatch.setattr(GzipCodec, "compress", lambda self, d: used.append("out") or deflate(self, d))
+    def call() -> tuple[pb.GenerateResponse, list[pb.GenerateResponse]]:
+        with grpc.insecure_channel(target, compression=grpc.Compression.Gzip) as ch:
+            unary = _unary(ch, "Complete", pb.GenerateResponse)(pb.GenerateRequest(model="tiny", prompt=LONG),
+                                                               timeout=10)
+            streamed = list(_server_stream(ch)(pb.GenerateRequest(model="tiny", prompt="a b c"), timeout=10,
+                                               compression=grpc.Compression.Gzip))
+            return unary, streamed
+
+    unary, streamed = await asyncio.to_thread(call)
+    assert unary.text == LONG.upper() and backend.calls[0].spec.prompt == LONG
+    assert "".join(r.text for r in streamed) == "A B C"
+    assert "in" in used  # requests came gzipped (flag 1, grpc-encoding: gzip)
+    assert "out" in used  # and replies went gzipped where that shrank them
+
+
+def _frames(body: bytes) -> list[tuple[int, bytes]]:
+    out, pos = [], 0
+    while pos < len(body):
+        n = int.from_bytes(body[pos + 1:pos + 5], "big")
+        out.append((body[pos], body[pos + 5:pos + 5 + n]))
+        pos += 5 + n
+    assert pos == len(body)
+    return out
+
+
+def _grpc_headers(*extra: tuple[bytes, bytes]) -> list[tuple[bytes, bytes]]:
+    return [(b"content-type", b"application/grpc"), (b"te", b"trailers"), *extra]
+
+
+@pytest.mark.parametrize("encoding", ["zstd", "gzip"])
+async def test_compressed_calls_on_the_wire(target: str, backend: EchoBackendDouble, encoding: str) -> None:
+    """A raw h2 client: the request compressed (flag 1), the reply compressed when that shrinks
+    it and sent as is (flag 0) when not, the status in HTTP/2 trailers."""
+    codec = CODECS[encoding]
+    port = int(target.rsplit(":", 1)[1])
+    enc = (b"grpc-encoding", encoding.encode())
+    accept = (b"grpc-accept-encoding", encoding.encode())
+    async with RawH2(port) as c:
+        sid = c.request(METHOD + "Complete", _grpc_headers(enc, accept))
+        c.data(sid, frame(codec.compress(pb.GenerateRequest(model="tiny", prompt=LONG).SerializeToString()), 1),
+               end=True)
+        sid2 = c.request(METHOD + "Generate", _grpc_headers(accept))  # identity request, compressed replies
+        c.data(sid2, frame(pb.GenerateRequest(model="tiny", prompt="a b").SerializeToString()), end=True)
+        await c.until(lambda: c.ended(sid) and c.ended(sid2))
+    head, trailers = c.headers(sid)
+    assert head[b":status"] == b"200" and head[b"content-type"] == b"application/grpc"
+    assert head[b"grpc-encoding"] == encoding.encode() and head[b"grpc-accept-encoding"] == b"zstd,gzip,identity"
+    assert trailers == {b"grpc-status": b"0"}
+    [(flags, payload)] = _frames(c.body(sid))
+    assert flags == 1 and len(payload) < len(LONG)  # it shrank, so it went compressed
+    assert pb.GenerateResponse.FromString(codec.decompress(payload, 1 << 20)).text == LONG.upper()
+    assert backend.calls[0].spec.prompt == LONG
+    deltas = _frames(c.body(sid2))
+    assert [f for f, _ in deltas[:-1]] == [0] * (len(deltas) - 1)  # a word per message: never smaller compressed
+    assert "".join(pb.GenerateResponse.FromString(p).text for _, p in deltas) == "A B"
+    assert c.headers(sid2)[1] == {b"grpc-status": b"0"}
+
+
+async def test_an_unknown_encoding_is_unimplemented_with_what_we_accept(target: str,
+                                                                        backend: EchoBackendDouble) -> None:
+    async with RawH2(int(target.rsplit(":", 1)[1])) as c:
+        sid = c.request(METHOD + "Complete", _grpc_headers((b"grpc-encoding", b"br")))
+        c.data(sid, frame(b"\x00" * 8, 1), end=True)
+        await c.until(lambda: c.ended(sid))
+    head, trailers = c.headers(sid)
+    assert head[b":status"] == b"200" and head[b"grpc-accept-encoding"] == b"zstd,gzip,identity"
+    assert trailers[b"grpc-status"] == b"12"
+    assert b"br" in trailers[b"grpc-message"] and b"zstd,gzip,identity" in trailers[b"grpc-message"]
+    assert c.body(sid) == b"" and backend.calls == []
+
+
+async def test_what_is_not_a_grpc_call(target: str) -> None:
+    async with httpx.AsyncClient(timeout=10) as client:  # HTTP/1.1
+        r = await client.post(f"http://{target}{METHOD}Complete", content=b"",
+                              headers={"content-type": "application/grpc"})
+    assert r.status_code == 505
+    async with RawH2(int(target.rsplit(":", 1)[1])) as c:
+        sid = c.request(METHOD + "Complete", [(b"content-type", b"application/json")], end=True)
+        await c.until(lambda: c.ended(sid))
+    assert c.headers(sid)[0][b":status"] == b"415"
+
+
+async def test_a_reset_stream_cancels_the_generation(target: str, backend: EchoBackendDouble) -> None:
+    backend.hang_after = 1
+    async with RawH2(int(target.rsplit(":", 1)[1])) as c:
+        sid = c.request(METHOD + "Generate", _grpc_headers())
+        c.data(sid, frame(pb.GenerateRequest(model="tiny", prompt="a b c").SerializeToString()), end=True)
+        await c.until(lambda: len(c.body(sid)) > 5)
+        c.reset(sid)
+        await _wait(backend.calls[0].cancelled)
+    assert not backend.calls[0].ended
+
+
+async def test_close_reports_not_serving_then_drains(backend: EchoBackendDouble) -> None:
+    native = await start_native(backend, "127.0.0.1", 0)
+    backend.hang_after = 1
+    try:
+        async with RawH2(native.port) as c:
+            sid = c.request(METHOD + "Generate", _grpc_headers())
+            c.data(sid, frame(pb.GenerateRequest(model="tiny", prompt="a b c").SerializeToString()), end=True)
+            await c.until(lambda: len(c.body(sid)) > 5)
+            native.stop_accepting()  # what close() does first
+            assert native.health.__status__() is False  # NOT_SERVING
+            await asyncio.sleep(0.1)
+            assert not c.ended(sid) and native.in_flight == 1  # the call in flight goes on
+            with pytest.raises(OSError):  # no new connections
+                await asyncio.wait_for(asyncio.open_connection("127.0.0.1", native.port), 5)
+            await native.close(timeout=0.2)  # it does not end by itself: cut after the timeout
+            await _wait(backend.calls[0].cancelled)
     finally:
         await native.close()

@@ -1,8 +1,13 @@
 """gRPC-Web over HTTP/3: the same mounted route, through the QUIC listener and the one pipeline
-(the real service bound to the pipeline, the ScriptedWorkerConnection double as the worker)."""
+(the real service bound to the pipeline, the ScriptedWorkerConnection double as the worker); with
+the app's ``streams_body``, bidi Chat is full duplex."""
 
 from __future__ import annotations
 
+import asyncio
+import base64
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
@@ -10,38 +15,155 @@ import pytest
 from gateway.app import App
 from gateway.grpc.mount import mount_grpc
 from gateway.grpc.quicserve.v1 import quicserve_pb2 as pb
-from gateway.http.quic_listener import start_quic_listener
+from gateway.http.quic_listener import QuicListener, start_quic_listener
 from gateway.routing.pool import ModelPool
 from gateway.settings import GrpcSettings
 from tests.gateway.doubles import ScriptedWorkerConnection
-from tests.gateway.grpc.web_client import decode_text, frame, parse_body
-from tests.gateway.http.h3_client import h3_connect, make_cert
+from tests.gateway.grpc.web_client import CODECS, decode_text, frame, parse_body
+from tests.gateway.http.h3_client import H3Client, H3Response, chat_body, h3_connect, make_cert
+
+GENERATE = "/quicserve.v1.Inference/Generate"
 
 
-@pytest.mark.parametrize("text", [False, True], ids=["binary", "text"])
-async def test_generate_over_grpc_web_on_h3(tmp_path: Path, text: bool) -> None:
-    import base64
-
+@asynccontextmanager
+async def _gateway(tmp_path: Path, conn: ScriptedWorkerConnection) -> AsyncIterator[QuicListener]:
+    """The app with gRPC mounted as serve mounts it (CORS for one origin), behind the QUIC listener."""
     cert, key = make_cert(tmp_path)
     pool = ModelPool()
-    conn = ScriptedWorkerConnection()
     pool.add(conn)
     app = App(pool)
-    await mount_grpc(app, GrpcSettings(port=-1), "127.0.0.1")
-    listener = await start_quic_listener(app.handle, "127.0.0.1", 0, cert, key)
+    await mount_grpc(app, GrpcSettings(port=-1, allowed_origins=["https://app.example"]), "127.0.0.1")
+    listener = await start_quic_listener(app.handle, "127.0.0.1", 0, cert, key, streams_body=app.streams_body)
     try:
-        msg = pb.GenerateRequest(model="tiny", prompt="hi", sampling=pb.Sampling(max_tokens=5)).SerializeToString()
-        body = frame(msg)
-        ctype = b"application/grpc-web-text" if text else b"application/grpc-web+proto"
-        async with h3_connect(listener.address[1]) as client:
-            r = await client.request("POST", "/quicserve.v1.Inference/Generate",
-                                     base64.b64encode(body) if text else body,
-                                     [(b"content-type", ctype), (b"x-grpc-web", b"1")])
-        assert r.status == 200
-        parsed = parse_body(decode_text(r.body) if text else r.body, None)
-        texts = [pb.GenerateResponse.FromString(m) for m in parsed.messages]
-        assert parsed.trailers["grpc-status"].strip() == "0"
-        assert "".join(t.text for t in texts) == "abcde" and texts[-1].usage.completion_tokens == 5
-        assert len(conn.submits) == 1
+        yield listener
     finally:
         await listener.close()
+
+
+@pytest.mark.parametrize("ctype", ["application/grpc-web", "application/grpc-web+proto",
+                                   "application/grpc-web-text", "application/grpc-web-text+proto"])
+@pytest.mark.parametrize("encoding", ["identity", "gzip", "zstd"])
+async def test_generate_over_grpc_web_on_h3(tmp_path: Path, ctype: str, encoding: str) -> None:
+    conn = ScriptedWorkerConnection()
+    async with _gateway(tmp_path, conn) as listener, h3_connect(listener.address[1]) as client:
+        msg = pb.GenerateRequest(model="tiny", prompt="hi", sampling=pb.Sampling(max_tokens=5)).SerializeToString()
+        body = frame(CODECS[encoding].compress(msg), 1) if encoding in CODECS else frame(msg)
+        text = "text" in ctype
+        r = await client.request("POST", GENERATE, base64.b64encode(body) if text else body,
+                                 [(b"content-type", ctype.encode()), (b"x-grpc-web", b"1"),
+                                  (b"grpc-encoding", encoding.encode()), (b"grpc-accept-encoding", encoding.encode())])
+    assert r.status == 200
+    assert r.header(b"grpc-encoding") == (encoding.encode() if encoding in CODECS else None)
+    parsed = parse_body(decode_text(r.body) if text else r.body, encoding)
+    texts = [pb.GenerateResponse.FromString(m) for m in parsed.messages]
+    assert parsed.trailers == {"grpc-status": "0"}
+    assert "".join(t.text for t in texts) == "abcde" and texts[-1].usage.completion_tokens == 5
+    assert len(conn.submits) == 1
+
+
+async def test_malformed_frames_over_h3_get_clean_trailers_and_the_server_goes_on(tmp_path: Path) -> None:
+    conn = ScriptedWorkerConnection()
+    async with _gateway(tmp_path, conn) as listener, h3_connect(listener.address[1]) as client:
+        for body, ctype, status in [(frame(b"x", 0x80), b"application/grpc-web", "13"),
+                                    (b"\x00\x00\x00", b"application/grpc-web", "13"),
+                                    (b"%%%%", b"application/grpc-web-text", "3"),
+                                    (frame(b"\xff\xff"), b"application/grpc-web", "13")]:  # bad protobuf: INTERNAL, as gRPC
+            r = await client.request("POST", GENERATE, body, [(b"content-type", ctype)])
+            assert r.status == 200
+            parsed = parse_body(decode_text(r.body) if b"text" in ctype else r.body, None)
+            assert parsed.messages == [] and parsed.trailers["grpc-status"] == status, (body, parsed.trailers)
+        good = frame(pb.GenerateRequest(model="tiny", prompt="still here",
+                                        sampling=pb.Sampling(max_tokens=2)).SerializeToString())
+        r = await client.request("POST", GENERATE, good, [(b"content-type", b"application/grpc-web")])
+        assert parse_body(r.body, None).trailers == {"grpc-status": "0"}
+    assert len(conn.submits) == 1  # nothing malformed reached the worker
+
+
+async def test_cors_over_h3(tmp_path: Path) -> None:
+    async with _gateway(tmp_path, ScriptedWorkerConnection()) as listener, h3_connect(listener.address[1]) as client:
+        pre = await client.request("OPTIONS", GENERATE, b"", [
+            (b"origin", b"https://app.example"), (b"access-control-request-method", b"POST"),
+            (b"access-control-request-headers", b"content-type,x-grpc-web,grpc-timeout")])
+        assert pre.status == 204 and pre.header(b"access-control-allow-origin") == b"https://app.example"
+        allowed = set((pre.header(b"access-control-allow-headers") or b"").split(b","))
+        assert {b"content-type", b"x-grpc-web", b"grpc-timeout"} <= allowed
+        msg = frame(pb.GenerateRequest(model="tiny", prompt="a", sampling=pb.Sampling(max_tokens=1)).SerializeToString())
+        r = await client.request("POST", GENERATE, msg, [(b"content-type", b"application/grpc-web"),
+                                                         (b"origin", b"https://app.example")])
+        assert {b"grpc-status", b"grpc-message"} <= set((r.header(b"access-control-expose-headers") or b"").split(b","))
+        other = await client.request("OPTIONS", GENERATE, b"", [(b"origin", b"https://evil.example"),
+                                                                 (b"access-control-request-method", b"POST")])
+        assert other.header(b"access-control-allow-origin") is None
+
+
+def _turn(text: str, max_tokens: int, model: str = "") -> bytes:
+    t = pb.Turn(model=model, messages=[pb.Message(role="user", content=text)],
+                sampling=pb.Sampling(max_tokens=max_tokens))
+    return frame(pb.ChatRequest(turn=t).SerializeToString())
+
+
+def _replies(body: bytes) -> list[pb.ChatResponse]:
+    out, pos = [], 0
+    while len(body) - pos >= 5 and len(body) - pos >= 5 + (n := int.from_bytes(body[pos + 1:pos + 5], "big")):
+        if not body[pos] & 0x80:
+            out.append(pb.ChatResponse.FromString(body[pos + 5:pos + 5 + n]))
+        pos += 5 + n
+    return out
+
+
+async def _until(cond: Callable[[], bool], resp: H3Response) -> None:
+    async with asyncio.timeout(10):
+        while not cond():
+            resp.got_data.clear()
+            await resp.got_data.wait()
+
+
+def _open_chat(client: H3Client) -> H3Response:
+    """A Chat request stream whose body stays open (the helper's ``start`` ends it)."""
+    sid = client._quic.get_next_available_stream_id()
+    client.h3.send_headers(sid, [(b":method", b"POST"), (b":scheme", b"https"), (b":authority", b"127.0.0.1"),
+                                 (b":path", b"/quicserve.v1.Inference/Chat"),
+                                 (b"content-type", b"application/grpc-web+proto")], end_stream=False)
+    resp = client.responses[sid] = H3Response(sid)
+    return resp
+
+
+async def test_chat_over_h3_is_full_duplex(tmp_path: Path) -> None:
+    conn = ScriptedWorkerConnection()
+    async with _gateway(tmp_path, conn) as listener, h3_connect(listener.address[1]) as client:
+        resp = _open_chat(client)
+        client.h3.send_data(resp.stream_id, _turn("hello", 3, model="tiny"), end_stream=False)
+        client.transmit()
+        await _until(lambda: any(r.finish_reason for r in _replies(resp.body)), resp)
+        assert not resp.done.is_set() and len(conn.submits) == 1  # turn 2 not sent yet
+        client.h3.send_data(resp.stream_id, _turn("again", 2), end_stream=True)
+        client.transmit()
+        await asyncio.wait_for(resp.done.wait(), 10)
+    parsed = parse_body(resp.body, None)
+    replies = [pb.ChatResponse.FromString(m) for m in parsed.messages]
+    assert ["".join(r.text for r in replies if r.turn == n) for n in (1, 2)] == ["abc", "ab"]
+    assert parsed.trailers["grpc-status"].strip() == "0" and len(conn.submits) == 2
+
+
+async def test_a_reset_mid_chat_over_h3_cancels_the_workers_request(tmp_path: Path) -> None:
+    conn = ScriptedWorkerConnection(hang_after=2)
+    async with _gateway(tmp_path, conn) as listener, h3_connect(listener.address[1]) as client:
+        resp = _open_chat(client)
+        client.h3.send_data(resp.stream_id, _turn("hello", 50, model="tiny"), end_stream=False)
+        client.transmit()
+        await _until(lambda: len(_replies(resp.body)) >= 1, resp)
+        client.cancel(resp)
+        async with asyncio.timeout(10):
+            while not conn.cancels:
+                await asyncio.sleep(0.02)
+        assert conn.cancels == [1] and conn.in_flight == 0
+        async with asyncio.timeout(10):  # and the call's done() came
+            while listener.state.in_flight:
+                await asyncio.sleep(0.02)
+
+
+async def test_other_requests_still_read_whole_with_streams_body_on(tmp_path: Path) -> None:
+    conn = ScriptedWorkerConnection()
+    async with _gateway(tmp_path, conn) as listener, h3_connect(listener.address[1]) as client:
+        r = await client.request("POST", "/v1/chat/completions", chat_body(4), [(b"content-type", b"application/json")])
+    assert r.status == 200 and r.json()["choices"][0]["message"]["content"] == "abcd"

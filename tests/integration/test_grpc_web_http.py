@@ -1,5 +1,5 @@
-"""gRPC-Web over the gateway's HTTP/1.1 and HTTP/2 listeners (``start_server`` on 127.0.0.1
-port 0) through :class:`GrpcWebRoute`, with httpx and with a gRPC-Web client from npm run
+"""gRPC-Web over the gateway's HTTP/1.1 and HTTP/2 listeners (``start_listener`` on 127.0.0.1
+port 0, the app's ``streams_body`` given to it as serve gives it) through :class:`GrpcWebRoute`, with httpx and with a gRPC-Web client from npm run
 by Node (tests/grpc_web). The backend is the echo double (tests/gateway/grpc/backend_double.py).
 The route is mounted on the app's entrance as ``serve`` mounts it; the backend is the echo double.
 """
@@ -24,10 +24,11 @@ from gateway.grpc.compression import Codecs
 from gateway.grpc.quicserve.v1 import quicserve_pb2 as pb
 from gateway.grpc.service import InferenceService
 from gateway.grpc.web_route import GrpcWebRoute
-from gateway.http.common import task_entrance
-from gateway.http.server import start_server
+from gateway.http.common import HttpLimits, task_entrance
+from gateway.http.listeners import ListenerSpec, start_listener
 from gateway.routing.pool import ModelPool
 from tests.gateway.grpc.backend_double import EchoBackendDouble
+from tests.gateway.grpc.h2_client import RawH2
 from tests.gateway.grpc.web_client import CODECS, decode_text, frame, parse_body
 
 pytestmark = pytest.mark.timeout(60)
@@ -47,8 +48,8 @@ async def base_url(backend: EchoBackendDouble) -> AsyncIterator[str]:
     handlers = InferenceService(backend).__mapping__()
     route = GrpcWebRoute(handlers, Codecs(), 1 << 16, allowed_origins={b"https://app.example"})
     app = App(ModelPool())
-    app.mount(handlers, task_entrance(route))  # as serve.py mounts it (gateway.grpc.mount)
-    server = await start_server(app.handle, host="127.0.0.1", port=0)
+    app.mount(handlers, task_entrance(route), route.streams_body)  # as serve.py mounts it (gateway.grpc.mount)
+    server = await start_listener(app.handle, ListenerSpec("tcp", "127.0.0.1", 0), streams_body=app.streams_body)
     try:
         yield f"http://127.0.0.1:{server.port}"
     finally:
@@ -168,3 +169,77 @@ async def test_client_going_away_cancels_the_generation(base_url: str, backend: 
         # Leaving the block closes the response early (h1: the connection; h2: RST_STREAM).
     await asyncio.wait_for(backend.calls[0].cancelled.wait(), 10)
     assert not backend.calls[0].ended
+
+
+def _turn(text: str, model: str = "") -> bytes:
+    t = pb.Turn(model=model, messages=[pb.Message(role="user", content=text)])
+    return frame(pb.ChatRequest(turn=t).SerializeToString())
+
+
+def _replies(body: bytes) -> list[pb.ChatResponse]:
+    """The whole message frames received so far (the trailer frame, if there, left out)."""
+    out, pos = [], 0
+    while len(body) - pos >= 5 and len(body) - pos >= 5 + int.from_bytes(body[pos + 1:pos + 5], "big"):
+        n = int.from_bytes(body[pos + 1:pos + 5], "big")
+        if not body[pos] & 0x80:
+            out.append(pb.ChatResponse.FromString(body[pos + 5:pos + 5 + n]))
+        pos += 5 + n
+    return out
+
+
+CHAT_HEADERS = [(b"content-type", b"application/grpc-web+proto"), (b"x-grpc-web", b"1")]
+
+
+async def test_chat_over_h2_is_full_duplex(base_url: str, backend: EchoBackendDouble) -> None:
+    """Turn 2 leaves only once turn 1's whole reply has arrived, on one open request stream."""
+    async with RawH2(int(base_url.rsplit(":", 1)[1])) as c:
+        sid = c.request("/quicserve.v1.Inference/Chat", CHAT_HEADERS)
+        c.data(sid, _turn("one two", model="tiny"))
+        await c.until(lambda: any(r.finish_reason for r in _replies(c.body(sid))))
+        assert not c.ended(sid) and len(backend.calls) == 1
+        c.data(sid, _turn("three"), end=True)
+        await c.until(lambda: c.ended(sid))
+        parsed = parse_body(c.body(sid), None)
+    replies = [pb.ChatResponse.FromString(m) for m in parsed.messages]
+    assert ["".join(x.text for x in replies if x.turn == n) for n in (1, 2)] == ["ONE TWO", "THREE"]
+    assert parsed.trailers == {"grpc-status": "0"}
+    assert c.headers(sid)[0][b":status"] == b"200"
+
+
+async def test_client_reset_mid_chat_cancels_the_generation(base_url: str, backend: EchoBackendDouble) -> None:
+    backend.hang_after = 1
+    async with RawH2(int(base_url.rsplit(":", 1)[1])) as c:
+        sid = c.request("/quicserve.v1.Inference/Chat", CHAT_HEADERS)
+        c.data(sid, _turn("a b c", model="tiny"))
+        await c.until(lambda: len(_replies(c.body(sid))) == 1)
+        c.reset(sid)
+        await asyncio.wait_for(backend.calls[0].cancelled.wait(), 10)
+        # the connection goes on serving
+        sid2 = c.request(GENERATE, CHAT_HEADERS)
+        backend.hang_after = None
+        c.data(sid2, frame(pb.GenerateRequest(model="tiny", prompt="still here").SerializeToString()), end=True)
+        await c.until(lambda: c.ended(sid2))
+        assert parse_body(c.body(sid2), None).trailers == {"grpc-status": "0"}
+    assert not backend.calls[0].ended
+
+
+async def test_a_streamed_body_past_the_limit_is_resource_exhausted(backend: EchoBackendDouble) -> None:
+    handlers = InferenceService(backend).__mapping__()
+    route = GrpcWebRoute(handlers, Codecs(), 1 << 16)
+    app = App(ModelPool())
+    app.mount(handlers, task_entrance(route), route.streams_body)
+    server = await start_listener(app.handle, ListenerSpec("tcp", "127.0.0.1", 0), streams_body=app.streams_body,
+                                  limits=HttpLimits(max_body_bytes=2000))
+    try:
+        async with RawH2(server.port) as c:
+            sid = c.request("/quicserve.v1.Inference/Chat", CHAT_HEADERS)
+            c.data(sid, _turn("x" * 1500, model="tiny"))
+            await c.until(lambda: any(r.finish_reason for r in _replies(c.body(sid))))
+            c.data(sid, _turn("y" * 1500))  # past 2000 bytes in all
+            await c.until(lambda: c.ended(sid))
+            parsed = parse_body(c.body(sid), None)
+        assert parsed.trailers["grpc-status"] == "8" and "exceeds 2000 bytes" in parsed.trailers["grpc-message"]
+        assert len(backend.calls) == 1
+        assert server.in_flight == 0
+    finally:
+        await server.close()

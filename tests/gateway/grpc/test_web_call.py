@@ -216,3 +216,9 @@ async def test_a_malformed_message_mid_chat_cancels_the_running_turn_and_fails_t
     got = parse(sink, text=False)
     assert got.trailers["grpc-status"] == "13"
     assert backend.calls[0].cancelled.is_set() and len(backend.calls) == 1  # turn 2 never ran
+
+
+async def test_a_unary_call_without_its_message_is_internal() -> None:
+    backend = EchoBackendDouble()
+    _s, got = await run(GENERATE, b"", backend)
+    assert got.trailers == {"grpc-status": "13", "grpc-message": "no request message"} and backend.calls == []

@@ -1,0 +1,111 @@
+"""Native gRPC calls on our own HTTP/2 adapter: the route the gRPC port serves.
+
+How it works: the gRPC listener is an HTTP listener (h2c, prior knowledge) whose
+entrance is a :class:`NativeRoute` and whose ``streams_body`` predicate takes
+every request, so the HTTP/2 adapter hands each call over at HEADERS with its
+body as ``Request.stream`` (acknowledged to the client as the handler reads it).
+The route checks what makes a request a gRPC call (POST, HTTP/2, an
+``application/grpc`` content type: else 405, 505, 415), opens the call
+(:func:`~gateway.grpc.native.open_call`) and runs the same grpclib handlers as
+gRPC-Web through :func:`~gateway.grpc.web_call.run_call` on a
+:class:`NativeStream`, whose status goes in HTTP/2 trailers
+(``ResponseSink.end(trailers)``). A client's RST_STREAM or lost connection
+cancels the call's task (the adapter's ``call.cancel()``), and with it the
+generation; ``grpc-timeout`` ends it with DEADLINE_EXCEEDED.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Any
+
+from grpclib.const import Handler
+from grpclib.metadata import Deadline
+
+from ..http.types import Headers, Request, ResponseSink
+from .compression import Codecs
+from .native import NativeCall, NativeRejection, NativeResponseWriter, is_grpc, open_call
+from .status import Status
+from .web_call import GrpcStream, run_call
+
+__all__ = ["NativeRoute", "NativeStream"]
+
+
+class _Sink:
+    """``WebSink`` over an HTTP/2 ``ResponseSink``: HTTP 200 with the call's headers, then frames."""
+
+    def __init__(self, sink: ResponseSink) -> None:
+        self.sink = sink
+
+    async def start(self, headers: Headers) -> None:
+        self.sink.start(200, headers)
+
+    async def write(self, data: bytes) -> None:
+        if not self.sink.send_nowait(data):
+            await self.sink.send(data)
+
+
+class NativeStream(GrpcStream):
+    """One native call: the status goes in HTTP/2 trailers."""
+
+    # as grpclib leaves them out; host is the adapter's copy of :authority
+    not_metadata = frozenset((b"te", b"content-type", b"user-agent", b"host"))
+
+    def __init__(self, call: NativeCall, request_type: Any, body: AsyncIterator[bytes], sink: _Sink,
+                 deadline: Deadline | None, headers: Mapping[bytes, bytes]) -> None:
+        super().__init__(call.reader, call.writer, request_type, body, sink, deadline, headers)
+        self._native = call.writer
+        self._http = sink.sink
+
+    async def _end(self, status: Status, message: str, metadata: Sequence[tuple[str, str]]) -> None:
+        self._http.end(self._native.trailers(status, message, metadata))
+
+
+async def _body(request: Request) -> AsyncIterator[bytes]:
+    if request.stream is None:
+        if request.body:
+            yield request.body
+        return
+    while chunk := await request.stream.read():
+        yield chunk
+
+
+def _refuse(sink: ResponseSink, status: int, why: str) -> None:
+    sink.respond(status, [(b"content-type", b"text/plain; charset=utf-8")], why.encode())
+
+
+class NativeRoute:
+    """The gRPC port's handler: ``task_entrance(NativeRoute(...))`` is its entrance."""
+
+    def __init__(self, handlers: Mapping[str, Handler], codecs: Codecs, max_message: int) -> None:
+        self._handlers = handlers
+        self._codecs = codecs
+        self._max_message = max_message
+
+    def streams_body(self, request: Request) -> bool:
+        """Every call reads its body as it arrives (client and bidi streaming)."""
+        return True
+
+    async def __call__(self, request: Request, sink: ResponseSink) -> None:
+        if request.method != "POST":
+            return _refuse(sink, 405, "gRPC calls are POST requests\n")
+        if request.protocol != "h2":
+            return _refuse(sink, 505, "gRPC needs HTTP/2 (h2c with prior knowledge on this port)\n")
+        if not is_grpc(request.header(b"content-type", b"") or b""):
+            return _refuse(sink, 415, "content-type must be application/grpc\n")
+        headers = dict(request.headers)
+        opened = open_call(headers, self._codecs, self._max_message)
+        if isinstance(opened, NativeRejection):
+            return _rejected(sink, opened.writer, opened.status, opened.message)
+        out = _Sink(sink)
+        body = _body(request)
+
+        def stream(request_type: Any, deadline: Deadline | None) -> GrpcStream:
+            return NativeStream(opened, request_type, body, out, deadline, headers)
+
+        await run_call(self._handlers, request.path, headers, stream)
+
+
+def _rejected(sink: ResponseSink, writer: NativeResponseWriter, status: Status, message: str) -> None:
+    sink.start(200, writer.headers())
+    sink.end(writer.trailers(status, message))
