@@ -1,0 +1,314 @@
+"""Hostile and broken clients against the gRPC port and against streamed bodies on the HTTP ports.
+
+Each test drives a real client (the raw h2 client of tests/gateway/grpc/h2_client.py, a raw
+socket for HTTP/1.1, aioquic's client) at a real listener on 127.0.0.1 port 0 and checks the
+house rules: bad input gets a clear error (a gRPC status; an HTTP status or a reset where gRPC
+cannot apply), the server keeps serving, every call ends exactly once (a client that goes away
+cancels the worker's request: the ScriptedWorkerConnection double's ``cancels``), and what a
+client may make the gateway hold stays bounded (flow control: what the server acknowledges).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import pytest
+
+from gateway.app import App
+from gateway.grpc.binding import PipelineBackend
+from gateway.grpc.quicserve.v1 import quicserve_pb2 as pb
+from gateway.grpc.server import NativeServer, start_native
+from gateway.routing.pool import ModelPool
+from tests.gateway.doubles import ScriptedWorkerConnection
+from tests.gateway.grpc.h2_client import RawH2
+from tests.gateway.grpc.web_client import CODECS, frame
+
+pytestmark = pytest.mark.timeout(60)
+
+METHOD = "/quicserve.v1.Inference/"
+MAX_MESSAGE = 64 << 10
+GRPC = [(b"content-type", b"application/grpc"), (b"te", b"trailers")]
+
+
+@dataclass
+class Native:
+    server: NativeServer
+    worker: ScriptedWorkerConnection
+    app: App
+
+    @property
+    def port(self) -> int:
+        return self.server.port
+
+
+@asynccontextmanager
+async def native(worker: ScriptedWorkerConnection | None = None) -> AsyncIterator[Native]:
+    """The gRPC port on the real pipeline, the scripted worker behind it."""
+    w = worker or ScriptedWorkerConnection()
+    pool = ModelPool()
+    pool.add(w)
+    app = App(pool)
+    server = await start_native(PipelineBackend(pool, app.generations, app.openai), "127.0.0.1", 0,
+                                max_message=MAX_MESSAGE)
+    try:
+        yield Native(server, w, app)
+    finally:
+        await server.close(timeout=1)
+
+
+def _generate(max_tokens: int = 3) -> bytes:
+    return pb.GenerateRequest(model="tiny", prompt="hi", sampling=pb.Sampling(max_tokens=max_tokens)).SerializeToString()
+
+
+def _turn(text: str = "hi", max_tokens: int = 3, model: str = "tiny") -> bytes:
+    return frame(pb.ChatRequest(turn=pb.Turn(model=model, messages=[pb.Message(role="user", content=text)],
+                                             sampling=pb.Sampling(max_tokens=max_tokens))).SerializeToString())
+
+
+def _status(c: RawH2, sid: int) -> tuple[int, str]:
+    """The call's grpc-status and grpc-message, from its trailers (or a trailers-only response)."""
+    blocks = c.headers(sid)
+    last = blocks[-1]
+    assert blocks[0][b":status"] == b"200", blocks
+    return int(last[b"grpc-status"]), last.get(b"grpc-message", b"").decode()
+
+
+def _messages(body: bytes) -> list[bytes]:
+    out, pos = [], 0
+    while len(body) - pos >= 5:
+        n = int.from_bytes(body[pos + 1:pos + 5], "big")
+        out.append(body[pos + 5:pos + 5 + n])
+        pos += 5 + n
+    return out
+
+
+async def _still_serving(port: int, worker: ScriptedWorkerConnection | None = None) -> None:
+    if worker is not None:
+        worker.hang_after = None
+    async with RawH2(port) as c:
+        sid = c.request(METHOD + "Complete", GRPC)
+        c.data(sid, frame(_generate(3)), end=True)
+        await c.until(lambda: c.ended(sid))
+    assert _status(c, sid) == (0, "")
+    assert pb.GenerateResponse.FromString(_messages(c.body(sid))[0]).text == "abc"
+
+
+async def _settled(n: Native) -> None:
+    """Every call ended once: nothing in flight at the pipeline, the listener or the worker."""
+    async with asyncio.timeout(5):
+        while n.app.metrics.in_flight or n.server.in_flight or n.worker.in_flight:
+            await asyncio.sleep(0.01)
+
+
+# -- the gRPC port: malformed messages ----------------------------------------------------------
+
+async def test_a_length_prefix_past_the_limit_is_resource_exhausted_before_the_body() -> None:
+    async with native() as n:
+        async with RawH2(n.port) as c:
+            sid = c.request(METHOD + "Complete", GRPC)
+            c.data(sid, b"\x00\x7f\xff\xff\xff" + b"x" * 10)  # announces 2 GiB; the body never ends
+            await c.until(lambda: c.ended(sid))
+            code, message = _status(c, sid)
+            assert code == 8 and "exceeds the limit" in message
+            assert n.worker.submits == []
+        await _still_serving(n.port, n.worker)
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "zstd"])
+async def test_a_zip_bomb_is_refused_without_inflating_it(encoding: str) -> None:
+    codec = CODECS[encoding]
+    bomb = codec.compress(pb.GenerateRequest(model="tiny", prompt="a" * (48 << 20)).SerializeToString())
+    assert len(bomb) < MAX_MESSAGE  # a small message on the wire, 48 MiB inflated
+    async with native() as n:
+        async with RawH2(n.port) as c:
+            sid = c.request(METHOD + "Complete", [*GRPC, (b"grpc-encoding", encoding.encode())])
+            c.data(sid, frame(bomb, 1), end=True)
+            await c.until(lambda: c.ended(sid))
+            code, message = _status(c, sid)
+            assert code == 8 and "inflates past the limit" in message
+        await _still_serving(n.port, n.worker)
+
+
+@pytest.mark.parametrize("encoding", [None, b"identity"])
+async def test_a_compressed_flag_without_an_encoding_is_internal(encoding: bytes | None) -> None:
+    headers = GRPC if encoding is None else [*GRPC, (b"grpc-encoding", encoding)]
+    async with native() as n:
+        async with RawH2(n.port) as c:
+            sid = c.request(METHOD + "Complete", headers)
+            c.data(sid, frame(_generate(), 1), end=True)
+            await c.until(lambda: c.ended(sid))
+            assert _status(c, sid) == (13, "compressed message without a grpc-encoding")
+        await _still_serving(n.port, n.worker)
+
+
+async def test_a_truncated_frame_then_end_stream_is_internal() -> None:
+    async with native() as n:
+        async with RawH2(n.port) as c:
+            sid = c.request(METHOD + "Complete", GRPC)
+            c.data(sid, frame(_generate())[:-3], end=True)
+            await c.until(lambda: c.ended(sid))
+            code, message = _status(c, sid)
+            assert code == 13 and "ends inside a frame" in message
+            assert n.worker.submits == []
+        await _still_serving(n.port, n.worker)
+
+
+# -- the gRPC port: headers ----------------------------------------------------------------------
+
+async def test_the_largest_grpc_timeout_is_simply_a_long_deadline() -> None:
+    async with native() as n:
+        async with RawH2(n.port) as c:
+            sid = c.request(METHOD + "Complete", [*GRPC, (b"grpc-timeout", b"99999999H")])
+            c.data(sid, frame(_generate()), end=True)
+            await c.until(lambda: c.ended(sid))
+            assert _status(c, sid) == (0, "")
+            assert pb.GenerateResponse.FromString(_messages(c.body(sid))[0]).text == "abc"
+
+
+@pytest.mark.parametrize("path", ["/quicserve.v1.Inference/Nope", "/no.such.Service/Complete", "/", "/x"])
+async def test_an_unknown_method_is_unimplemented(path: str) -> None:
+    async with native() as n:
+        async with RawH2(n.port) as c:
+            sid = c.request(path, GRPC)
+            c.data(sid, frame(_generate()))  # the body is not even ended: the status comes anyway
+            await c.until(lambda: c.ended(sid))
+            code, _ = _status(c, sid)
+            assert code == 12
+        await _still_serving(n.port, n.worker)
+
+
+# -- the gRPC port: clients that go away, or say they will --------------------------------------
+
+async def test_a_reset_mid_request_cancels_the_workers_request() -> None:
+    """RST_STREAM while the call still reads its body (a Chat turn running, the stream open)."""
+    async with native(ScriptedWorkerConnection(hang_after=1)) as n:
+        async with RawH2(n.port) as c:
+            sid = c.request(METHOD + "Chat", GRPC)
+            c.data(sid, _turn(max_tokens=50))
+            await c.until(lambda: len(_messages(c.body(sid))) >= 1)
+            c.reset(sid)
+            await _settled(n)
+        assert n.worker.cancels == [1]
+        await _still_serving(n.port, n.worker)
+
+
+async def test_a_reset_mid_response_cancels_the_workers_request() -> None:
+    async with native(ScriptedWorkerConnection(hang_after=2)) as n:
+        async with RawH2(n.port) as c:
+            sid = c.request(METHOD + "Generate", GRPC)
+            c.data(sid, frame(_generate(50)), end=True)
+            await c.until(lambda: len(_messages(c.body(sid))) >= 2)
+            c.reset(sid)
+            await _settled(n)
+        assert n.worker.cancels == [1]
+        await _still_serving(n.port, n.worker)
+
+
+async def test_a_reset_before_the_body_ends_frees_the_call() -> None:
+    """The call waits in read() for its one message when the client resets: no worker request."""
+    async with native() as n:
+        async with RawH2(n.port) as c:
+            sid = c.request(METHOD + "Complete", GRPC)
+            c.data(sid, frame(_generate())[:4])
+            await asyncio.sleep(0.05)
+            c.reset(sid)
+            await _settled(n)
+        assert n.worker.submits == []
+        await _still_serving(n.port, n.worker)
+
+
+async def test_a_lost_connection_cancels_every_call_on_it() -> None:
+    async with native(ScriptedWorkerConnection(hang_after=1)) as n:
+        async with RawH2(n.port) as c:
+            gen = c.request(METHOD + "Generate", GRPC)
+            c.data(gen, frame(_generate(50)), end=True)
+            chat = c.request(METHOD + "Chat", GRPC)
+            c.data(chat, _turn(max_tokens=50))
+            waiting = c.request(METHOD + "Complete", GRPC)  # waits in read() for its message
+            await c.until(lambda: bool(_messages(c.body(gen))) and bool(_messages(c.body(chat))))
+        await _settled(n)
+        assert sorted(n.worker.cancels) == [1, 2] and waiting
+        await _still_serving(n.port, n.worker)
+
+
+# -- the gRPC port: what is not gRPC over HTTP/2 ---------------------------------------------------
+
+async def _http1(port: int, head: bytes, timeout: float = 5.0) -> bytes:
+    """Send ``head`` (a request without its body) and read what comes back before we send more."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(head)
+        await writer.drain()
+        async with asyncio.timeout(timeout):
+            return await reader.readuntil(b"\r\n\r\n")
+    finally:
+        writer.close()
+
+
+@pytest.mark.parametrize("method", [b"GET", b"POST"])
+async def test_an_h2c_upgrade_is_not_taken(method: bytes) -> None:
+    """The gRPC port speaks h2c with prior knowledge only: an Upgrade is answered over HTTP/1.1
+    with a clear error, not 101."""
+    async with native() as n:
+        head = await _http1(n.port, method + b" /quicserve.v1.Inference/Complete HTTP/1.1\r\nHost: x\r\n"
+                                             b"Connection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\n"
+                                             b"HTTP2-Settings: AAMAAABkAAQAAP__\r\ncontent-length: 0\r\n\r\n")
+        assert head.split(b" ", 2)[1] == (b"405" if method == b"GET" else b"505")
+        await _still_serving(n.port)
+
+
+# -- the gRPC port: memory a client can make it hold -------------------------------------------------
+
+async def _send_while_window(c: RawH2, sid: int, piece: bytes, total: int, settle: float = 0.2) -> int:
+    """Send ``piece`` while the windows allow it, up to ``total`` bytes; what was sent."""
+    sent = 0
+    while sent < total:
+        if c.window(sid) < len(piece):
+            await asyncio.sleep(settle)  # a WINDOW_UPDATE, if the server reads
+            if c.window(sid) < len(piece):
+                return sent
+        c.data(sid, piece)
+        sent += len(piece)
+        await asyncio.sleep(0)
+    return sent
+
+
+async def test_many_slow_streams_are_held_to_the_connection_window() -> None:
+    """Calls that do not read the rest of their body (a unary call has its message): each stream
+    holds at most its window, the connection at most its window, whatever the client sends."""
+    async with native(ScriptedWorkerConnection(hang_after=1)) as n:
+        async with RawH2(n.port) as c:
+            sids = [c.request(METHOD + "Generate", GRPC) for _ in range(24)]
+            for sid in sids:
+                c.data(sid, frame(_generate(50)))
+            await c.until(lambda: all(_messages(c.body(sid)) for sid in sids))
+            sent = 0
+            for sid in sids:
+                sent += await _send_while_window(c, sid, b"\0" * 16384, 4 << 20, settle=0.01)
+            assert sent <= 16 << 20  # the connection window
+            for sid in sids:
+                c.reset(sid)
+            await _settled(n)
+        assert len(n.worker.cancels) == 24
+        await _still_serving(n.port, n.worker)
+
+
+async def test_a_client_that_never_reads_holds_no_more_than_its_window() -> None:
+    """Flow control, not memory, holds back what a client does not read; its call ends when the
+    client resets it, the worker's request long finished."""
+    async with native(ScriptedWorkerConnection(tokens_per_batch=8)) as n:
+        async with RawH2(n.port, window=1024, ack=False) as c:
+            sid = c.request(METHOD + "Generate", GRPC)
+            c.data(sid, frame(_generate(2000)), end=True)
+            async with asyncio.timeout(10):
+                while n.worker.in_flight or not n.worker.submits:
+                    await asyncio.sleep(0.02)  # the worker has finished; the reply waits on the client
+            await asyncio.sleep(0.2)
+            assert not c.ended(sid) and len(c.body(sid)) <= 1024
+            assert n.server.in_flight == 1
+            c.reset(sid)
+            await _settled(n)
+        await _still_serving(n.port)
