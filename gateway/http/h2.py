@@ -117,9 +117,9 @@ class H2Protocol(StreamAdapter):
                 self._window_opened(ev.stream_id)
             elif isinstance(ev, h2.events.RemoteSettingsChanged):
                 self._window_opened(0)
-            elif isinstance(ev, h2.events.ConnectionTerminated):
+            elif isinstance(ev, h2.events.ConnectionTerminated):  # the client's GOAWAY (H2ServerConnection)
                 self._goaway_sent = True  # no new streams either way
-                if not self._streams:
+                if not self._streams or ev.error_code:  # an error: it gives up on its calls too
                     self._close()
         if self._h2.malformed:
             self._answer_malformed(now)

@@ -20,7 +20,7 @@ import h2.events
 import h2.exceptions
 import h2.settings
 from h2.errors import ErrorCodes
-from hyperframe.frame import DataFrame, Frame, HeadersFrame
+from hyperframe.frame import DataFrame, Frame, GoAwayFrame, HeadersFrame
 
 from gateway.http.adapter import SinkState
 from gateway.http.body_stream import H2BodyStream
@@ -87,6 +87,23 @@ class H2ServerConnection(h2.connection.H2Connection):
                 raise
             self.malformed.append((sid, str(e), "END_STREAM" in frame.flags, 0))
             return [], []
+
+    def _receive_goaway_frame(self, frame: GoAwayFrame) -> tuple[list[Frame], list[h2.events.Event]]:
+        """The client's GOAWAY, reported (ConnectionTerminated) and nothing more.
+
+        h2 closes its whole connection on it, both ways, and drops the output it has queued: the
+        calls the client still waits for could send nothing more and their DATA would be a
+        connection error. But a GOAWAY only says its sender opens no more streams (RFC 9113
+        6.8): the adapter refuses new ones and finishes the open ones (or, for a GOAWAY that
+        carries an error, closes the connection and cancels them)."""
+        ev = h2.events.ConnectionTerminated()
+        try:
+            ev.error_code = ErrorCodes(frame.error_code)
+        except ValueError:
+            ev.error_code = frame.error_code
+        ev.last_stream_id = frame.last_stream_id
+        ev.additional_data = frame.additional_data or None
+        return [], [ev]
 
     def _receive_data_frame(self, frame: DataFrame) -> tuple[list[Frame], list[h2.events.Event]]:
         try:

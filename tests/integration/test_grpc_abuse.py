@@ -234,6 +234,38 @@ async def test_a_lost_connection_cancels_every_call_on_it() -> None:
         await _still_serving(n.port, n.worker)
 
 
+async def test_a_graceful_goaway_from_the_client_lets_its_calls_finish() -> None:
+    """A client's GOAWAY(NO_ERROR) says it opens no more streams (RFC 9113 6.8): the calls it has
+    open go on, both ways: turn 2 is read after it and its reply written."""
+    async with native() as n:
+        async with RawH2(n.port) as c:
+            sid = c.request(METHOD + "Chat", GRPC)
+            c.data(sid, _turn("one", 3))
+            await c.until(lambda: any(pb.ChatResponse.FromString(m).finish_reason for m in _messages(c.body(sid))))
+            c.goaway(last_stream_id=0)
+            await asyncio.sleep(0.05)
+            c.data(sid, _turn("two", 4), end=True)
+            await c.until(lambda: c.ended(sid))
+            assert _status(c, sid) == (0, "")
+            replies = [pb.ChatResponse.FromString(m) for m in _messages(c.body(sid))]
+            assert [r.turn for r in replies if r.finish_reason] == [1, 2]
+            assert "".join(r.text for r in replies if r.turn == 2) == "abcd"
+        await _settled(n)
+        await _still_serving(n.port, n.worker)
+
+
+async def test_a_goaway_with_an_error_cancels_the_calls() -> None:
+    async with native(ScriptedWorkerConnection(hang_after=1)) as n:
+        async with RawH2(n.port) as c:
+            sid = c.request(METHOD + "Generate", GRPC)
+            c.data(sid, frame(_generate(50)), end=True)
+            await c.until(lambda: bool(_messages(c.body(sid))))
+            c.goaway(last_stream_id=0, error_code=2)  # INTERNAL_ERROR: the client is giving up
+            await _settled(n)
+        assert n.worker.cancels == [1]
+        await _still_serving(n.port, n.worker)
+
+
 # -- the gRPC port: what is not gRPC over HTTP/2 ---------------------------------------------------
 
 async def _http1(port: int, head: bytes, timeout: float = 5.0) -> bytes:
