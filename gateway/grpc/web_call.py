@@ -185,8 +185,8 @@ async def run_call(handlers: Mapping[str, Handler], path: str, headers: Mapping[
     elif (raw := headers.get(b"grpc-timeout")) is not None:
         try:
             timeout = parse_grpc_timeout(raw)
-        except APIError as e:
-            status, message = grpc_status(e), e.message
+        except APIError as e:  # a malformed header is a protocol error, as grpc-go answers it
+            status, message = Status.INTERNAL, e.message
     stream = stream_for(handler.request_type if handler else None,
                         Deadline.from_timeout(timeout) if timeout is not None else None)
     if handler is not None and status is Status.OK:

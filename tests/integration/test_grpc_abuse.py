@@ -158,6 +158,20 @@ async def test_a_truncated_frame_then_end_stream_is_internal() -> None:
 
 # -- the gRPC port: headers ----------------------------------------------------------------------
 
+@pytest.mark.parametrize("value", [b"1x", b"99999999999S", b"-1m", b"", b"1.5S", b"1 S"])
+async def test_a_malformed_grpc_timeout_is_internal(value: bytes) -> None:
+    """As grpc-go answers it (the spec allows at most 8 digits and a unit, nothing else)."""
+    async with native() as n:
+        async with RawH2(n.port) as c:
+            sid = c.request(METHOD + "Complete", [*GRPC, (b"grpc-timeout", value)])
+            c.data(sid, frame(_generate()), end=True)
+            await c.until(lambda: c.ended(sid))
+            code, message = _status(c, sid)
+            assert code == 13 and "grpc-timeout" in message
+            assert n.worker.submits == []
+        await _still_serving(n.port, n.worker)
+
+
 async def test_the_largest_grpc_timeout_is_simply_a_long_deadline() -> None:
     async with native() as n:
         async with RawH2(n.port) as c:
