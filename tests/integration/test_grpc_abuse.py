@@ -322,6 +322,22 @@ async def _send_while_window(c: RawH2, sid: int, piece: bytes, total: int, settl
     return sent
 
 
+async def test_chat_turns_flooded_while_a_turn_runs_are_not_all_taken_in() -> None:
+    """A Chat client that sends turn after turn while turn 1 hangs: the server queues a few and
+    then stops reading, so flow control stops the client (nothing past the stream window and a
+    few turns is taken in), instead of queueing every turn in memory."""
+    async with native(ScriptedWorkerConnection(hang_after=1)) as n:
+        async with RawH2(n.port) as c:
+            sid = c.request(METHOD + "Chat", GRPC)
+            c.data(sid, _turn(max_tokens=50))
+            await c.until(lambda: bool(_messages(c.body(sid))))
+            sent = await _send_while_window(c, sid, _turn("x" * 60_000), 64 << 20)
+            assert sent < 4 << 20  # the stream window is 1 MiB
+            c.reset(sid)
+            await _settled(n)
+        assert n.worker.cancels == [1] and len(n.worker.submits) == 1
+
+
 async def test_many_slow_streams_are_held_to_the_connection_window() -> None:
     """Calls that do not read the rest of their body (a unary call has its message): each stream
     holds at most its window, the connection at most its window, whatever the client sends."""
