@@ -294,6 +294,16 @@ async def _http1(port: int, head: bytes, timeout: float = 5.0) -> bytes:
         writer.close()
 
 
+async def test_http1_with_a_huge_body_is_refused_before_the_body() -> None:
+    """HTTP/1.1 reads a body whole before the route can say 505: the gRPC port must not take a
+    body of any size for that (it answers at the headers, as the HTTP port does past its limit)."""
+    async with native() as n:
+        head = await _http1(n.port, b"POST /quicserve.v1.Inference/Complete HTTP/1.1\r\nHost: x\r\n"
+                                    b"content-type: application/grpc\r\ncontent-length: 10000000000\r\n\r\n")
+        assert head.split(b" ", 2)[1] in (b"413", b"505")
+        await _still_serving(n.port)
+
+
 @pytest.mark.parametrize("method", [b"GET", b"POST"])
 async def test_an_h2c_upgrade_is_not_taken(method: bytes) -> None:
     """The gRPC port speaks h2c with prior knowledge only: an Upgrade is answered over HTTP/1.1
