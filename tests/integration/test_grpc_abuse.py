@@ -11,20 +11,30 @@ client may make the gateway hold stays bounded (flow control: what the server ac
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
+from aioquic.h3.connection import FrameUnexpected
+from hyperframe.frame import DataFrame
 
 from gateway.app import App
 from gateway.grpc.binding import PipelineBackend
+from gateway.grpc.mount import mount_grpc
 from gateway.grpc.quicserve.v1 import quicserve_pb2 as pb
 from gateway.grpc.server import NativeServer, start_native
+from gateway.http.common import HttpLimits
+from gateway.http.listeners import ListenerSpec, StreamListener, start_listener
+from gateway.http.quic_listener import QuicListener, start_quic_listener
+from gateway.http.quic_settings import QuicSettings
 from gateway.routing.pool import ModelPool
+from gateway.settings import GrpcSettings
 from tests.gateway.doubles import ScriptedWorkerConnection
 from tests.gateway.grpc.h2_client import RawH2
 from tests.gateway.grpc.web_client import CODECS, frame
+from tests.gateway.http.h3_client import H3Client, H3Response, h3_connect, make_cert
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -384,3 +394,262 @@ async def test_a_client_that_never_reads_holds_no_more_than_its_window() -> None
             c.reset(sid)
             await _settled(n)
         await _still_serving(n.port)
+
+
+# -- streamed bodies on the HTTP ports: gRPC-Web over HTTP/2 and HTTP/3 ----------------------------
+
+WEB = [(b"content-type", b"application/grpc-web+proto"), (b"x-grpc-web", b"1")]
+WEB_BODY_LIMIT = 64 << 10
+
+
+@dataclass
+class Web:
+    app: App
+    worker: ScriptedWorkerConnection
+    tcp: StreamListener
+    quic: QuicListener
+
+    @property
+    def h2_port(self) -> int:
+        return self.tcp.port
+
+    @property
+    def h3_port(self) -> int:
+        return self.quic.address[1]
+
+
+@asynccontextmanager
+async def web(tmp_path: Path, worker: ScriptedWorkerConnection | None = None) -> AsyncIterator[Web]:
+    """The app with gRPC-Web mounted as serve mounts it, behind an HTTP/1.1+h2c and a QUIC listener
+    (a small body limit on both)."""
+    w = worker or ScriptedWorkerConnection()
+    pool = ModelPool()
+    pool.add(w)
+    app = App(pool)
+    await mount_grpc(app, GrpcSettings(port=-1), "127.0.0.1")
+    tcp = await start_listener(app.handle, ListenerSpec("tcp", "127.0.0.1", 0), streams_body=app.streams_body,
+                               limits=HttpLimits(max_body_bytes=WEB_BODY_LIMIT))
+    cert, key = make_cert(tmp_path)
+    quic = await start_quic_listener(app.handle, "127.0.0.1", 0, cert, key,
+                                     QuicSettings(max_body_bytes=WEB_BODY_LIMIT), streams_body=app.streams_body)
+    try:
+        yield Web(app, w, tcp, quic)
+    finally:
+        await quic.close()
+        await tcp.close()
+
+
+class Duplex:
+    """One full-duplex call, the same steps over the raw h2 client or aioquic's h3 client."""
+
+    def __init__(self, h2c: RawH2 | None = None, h3c: H3Client | None = None) -> None:
+        self.h2c, self.h3c = h2c, h3c
+        self.sid = -1
+
+    def open(self, path: str, headers: list[tuple[bytes, bytes]]) -> None:
+        if self.h2c is not None:
+            self.sid = self.h2c.request(path, headers)
+            return
+        assert self.h3c is not None
+        self.sid = self.h3c._quic.get_next_available_stream_id()
+        self.h3c.h3.send_headers(self.sid, [(b":method", b"POST"), (b":scheme", b"https"),
+                                            (b":authority", b"127.0.0.1"), (b":path", path.encode()), *headers])
+        self.h3c.responses[self.sid] = H3Response(self.sid)
+        self.h3c.transmit()
+
+    def send(self, data: bytes, end: bool = False) -> None:
+        if self.h2c is not None:
+            return self.h2c.data(self.sid, data, end)
+        assert self.h3c is not None
+        self.h3c.h3.send_data(self.sid, data, end)
+        self.h3c.transmit()
+
+    def late(self, data: bytes) -> None:
+        """DATA whatever the stream's state (the server may have ended or reset it): over h2 a
+        frame built by hand; over h3 what aioquic's stack still lets out (nothing once the
+        server's STOP_SENDING arrived)."""
+        if self.h2c is not None:
+            for i in range(0, len(data), 16384):  # the server's SETTINGS_MAX_FRAME_SIZE
+                self.h2c.raw(DataFrame(self.sid, data[i:i + 16384]).serialize())
+            return
+        try:
+            self.send(data)
+        except (FrameUnexpected, ValueError):
+            pass
+
+    def reset(self) -> None:
+        if self.h2c is not None:
+            return self.h2c.reset(self.sid)
+        assert self.h3c is not None
+        self.h3c.cancel(self.h3c.responses[self.sid])
+
+    def body(self) -> bytes:
+        if self.h2c is not None:
+            return self.h2c.body(self.sid)
+        assert self.h3c is not None
+        return self.h3c.responses[self.sid].body
+
+    def ended(self) -> bool:
+        if self.h2c is not None:
+            return self.h2c.ended(self.sid)
+        assert self.h3c is not None
+        return self.h3c.responses[self.sid].done.is_set()
+
+    async def until(self, done: Callable[[], bool], timeout: float = 10.0) -> None:
+        async with asyncio.timeout(timeout):
+            while not done():
+                await asyncio.sleep(0.005)
+
+    def replies(self) -> list[pb.ChatResponse]:
+        return [pb.ChatResponse.FromString(m) for m in _web_frames(self.body())[0]]
+
+    def trailers(self) -> dict[str, str] | None:
+        return _web_frames(self.body())[1]
+
+
+def _web_frames(body: bytes) -> tuple[list[bytes], dict[str, str] | None]:
+    messages, trailers, pos = [], None, 0
+    while len(body) - pos >= 5 and len(body) - pos >= 5 + (n := int.from_bytes(body[pos + 1:pos + 5], "big")):
+        payload = body[pos + 5:pos + 5 + n]
+        if body[pos] & 0x80:
+            trailers = dict(line.split(":", 1) for line in payload.decode().split("\r\n") if line)
+        else:
+            messages.append(payload)
+        pos += 5 + n
+    return messages, trailers
+
+
+@asynccontextmanager
+async def duplex(w: Web, proto: str) -> AsyncIterator[Duplex]:
+    if proto == "h2":
+        async with RawH2(w.h2_port) as c:
+            yield Duplex(h2c=c)
+    else:
+        async with h3_connect(w.h3_port) as q:
+            yield Duplex(h3c=q)
+
+
+async def _web_settled(w: Web) -> None:
+    """Every call ended once: nothing in flight at the pipeline, the listeners or the worker."""
+    async with asyncio.timeout(5):
+        while w.app.metrics.in_flight or w.worker.in_flight or w.tcp.in_flight or w.quic.in_flight:
+            await asyncio.sleep(0.01)
+
+
+async def _web_serving(w: Web, proto: str) -> None:
+    w.worker.hang_after = None
+    async with duplex(w, proto) as d:
+        d.open("/quicserve.v1.Inference/Chat", WEB)
+        d.send(_turn("again", 3), end=True)
+        await d.until(d.ended)
+        assert d.trailers() == {"grpc-status": "0"}
+        assert "".join(r.text for r in d.replies()) == "abc"
+
+
+PROTOS = pytest.mark.parametrize("proto", ["h2", "h3"])
+
+
+@PROTOS
+async def test_web_chat_turns_after_the_trailers_are_dropped(tmp_path: Path, proto: str) -> None:
+    """The call has ended (a malformed message: INTERNAL in the trailer frame); the client goes on
+    sending turns on the stream: nothing runs them, nothing breaks."""
+    async with web(tmp_path) as w:
+        async with duplex(w, proto) as d:
+            d.open("/quicserve.v1.Inference/Chat", WEB)
+            d.send(_turn("one", 3))
+            await d.until(lambda: any(r.finish_reason for r in d.replies()))
+            d.send(frame(b"\xff\xff\xff", 0))  # not a ChatRequest
+            await d.until(lambda: d.trailers() is not None)
+            assert d.trailers()["grpc-status"] == "13"  # type: ignore[index]
+            for _ in range(5):
+                d.late(_turn("late", 3))
+                await asyncio.sleep(0.01)
+            await _web_settled(w)
+            assert len(w.worker.submits) == 1
+        await _web_serving(w, proto)
+
+
+@PROTOS
+async def test_web_chat_turns_after_a_reset_are_dropped(tmp_path: Path, proto: str) -> None:
+    """The client resets the call (the worker's request is cancelled), then sends turns on the
+    stream anyway: nothing runs them, and the connection serves on."""
+    async with web(tmp_path, ScriptedWorkerConnection(hang_after=1)) as w:
+        async with duplex(w, proto) as d:
+            d.open("/quicserve.v1.Inference/Chat", WEB)
+            d.send(_turn("one", 30))
+            await d.until(lambda: bool(d.replies()))
+            d.reset()
+            await _web_settled(w)
+            assert w.worker.cancels == [1]
+            for _ in range(3):
+                d.late(_turn("late", 3))
+                await asyncio.sleep(0.01)
+            w.worker.hang_after = None
+            again = Duplex(d.h2c, d.h3c)  # the same connection
+            again.open("/quicserve.v1.Inference/Chat", WEB)
+            again.send(_turn("two", 2), end=True)
+            await again.until(again.ended)
+            assert again.trailers() == {"grpc-status": "0"}
+            assert len(w.worker.submits) == 2
+        await _web_serving(w, proto)
+
+
+@PROTOS
+async def test_web_chat_turns_after_a_cancel_turn_go_on(tmp_path: Path, proto: str) -> None:
+    async with web(tmp_path, ScriptedWorkerConnection(hang_after=1)) as w:
+        async with duplex(w, proto) as d:
+            d.open("/quicserve.v1.Inference/Chat", WEB)
+            d.send(_turn("one", 30))
+            await d.until(lambda: bool(d.replies()))
+            d.send(frame(pb.ChatRequest(cancel=pb.CancelTurn(turn=1)).SerializeToString()))
+            await d.until(lambda: any(r.HasField("error") for r in d.replies()))
+            assert w.worker.cancels == [1]
+            w.worker.hang_after = None
+            d.send(_turn("two", 2), end=True)
+            await d.until(d.ended)
+            assert d.trailers() == {"grpc-status": "0"}
+            assert [r.turn for r in d.replies() if r.finish_reason] == [2]
+        await _web_settled(w)
+
+
+@PROTOS
+async def test_web_chat_body_past_the_limit_is_resource_exhausted(tmp_path: Path, proto: str) -> None:
+    async with web(tmp_path) as w:
+        async with duplex(w, proto) as d:
+            d.open("/quicserve.v1.Inference/Chat", WEB)
+            for _ in range(WEB_BODY_LIMIT // 20_000 + 2):
+                d.late(_turn("x" * 20_000, 1))  # the server may have answered already
+                await asyncio.sleep(0.01)
+            await d.until(lambda: d.trailers() is not None)
+            assert d.trailers()["grpc-status"] == "8"  # type: ignore[index]
+            await _web_settled(w)
+        await _web_serving(w, proto)
+
+
+@PROTOS
+async def test_web_chat_half_closed_at_once_ends_ok(tmp_path: Path, proto: str) -> None:
+    async with web(tmp_path) as w:
+        async with duplex(w, proto) as d:
+            d.open("/quicserve.v1.Inference/Chat", WEB)
+            d.send(b"", end=True)
+            await d.until(d.ended)
+            assert d.trailers() == {"grpc-status": "0"} and d.replies() == []
+        assert w.worker.submits == []
+
+
+@PROTOS
+async def test_web_connection_lost_while_the_call_waits_in_read(tmp_path: Path, proto: str) -> None:
+    """The connection goes while one call waits for its next turn and another for its only
+    message: both end, nothing is left in flight."""
+    async with web(tmp_path) as w:
+        async with duplex(w, proto) as d:
+            d.open("/quicserve.v1.Inference/Chat", WEB)
+            d.send(_turn("one", 3))
+            await d.until(lambda: any(r.finish_reason for r in d.replies()))
+            unary = Duplex(d.h2c, d.h3c)
+            unary.open("/quicserve.v1.Inference/Complete", WEB)
+            unary.send(frame(_generate())[:3])
+            await asyncio.sleep(0.05)
+            assert w.app.metrics.in_flight == 0  # the turn is over: the calls wait in read()
+        await _web_settled(w)
+        await _web_serving(w, proto)

@@ -95,6 +95,11 @@ class RawH2:
         assert self._writer is not None
         self._writer.write(GoAwayFrame(0, last_stream_id=last_stream_id, error_code=error_code).serialize())
 
+    def raw(self, data: bytes) -> None:
+        """Bytes as they are (frames built by hand: what h2 would not let us send)."""
+        assert self._writer is not None
+        self._writer.write(data)
+
     def window(self, sid: int) -> int:
         """What we may still send on ``sid`` (the smaller of its and the connection's windows)."""
         return self.conn.local_flow_control_window(sid)
