@@ -16,6 +16,9 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import h2.errors
+import h2.events
+import h2.exceptions
 import pytest
 from aioquic.h3.connection import FrameUnexpected
 from hyperframe.frame import DataFrame
@@ -290,6 +293,23 @@ async def test_a_goaway_with_an_error_cancels_the_calls() -> None:
         await _still_serving(n.port, n.worker)
 
 
+async def test_rapid_reset_of_calls_started_at_headers_is_cut_off() -> None:
+    """Every native call starts at its HEADERS (its body streams): a client that opens and resets
+    calls as fast as it can is closed with GOAWAY(ENHANCE_YOUR_CALM) after the allowance, and
+    every call it started has ended."""
+    async with native() as n:
+        async with RawH2(n.port) as c:
+            with pytest.raises(h2.exceptions.ProtocolError):  # our side, once the GOAWAY is in
+                for i in range(3000):
+                    c.reset(c.request(METHOD + "Chat", GRPC))
+                    if i % 50 == 0:
+                        await asyncio.sleep(0)
+            goaway = [e for e in c.events if isinstance(e, h2.events.ConnectionTerminated)]
+            assert goaway and goaway[0].error_code == h2.errors.ErrorCodes.ENHANCE_YOUR_CALM
+        await _settled(n)
+        assert n.worker.submits == []
+        await _still_serving(n.port)
+
 # -- the gRPC port: what is not gRPC over HTTP/2 ---------------------------------------------------
 
 async def _http1(port: int, head: bytes, timeout: float = 5.0) -> bytes:
@@ -331,10 +351,10 @@ async def test_an_h2c_upgrade_is_not_taken(method: bytes) -> None:
 async def _send_while_window(c: RawH2, sid: int, piece: bytes, total: int, settle: float = 0.2) -> int:
     """Send ``piece`` while the windows allow it, up to ``total`` bytes; what was sent."""
     sent = 0
-    while sent < total:
+    while sent < total and not c.ended(sid):
         if c.window(sid) < len(piece):
             await asyncio.sleep(settle)  # a WINDOW_UPDATE, if the server reads
-            if c.window(sid) < len(piece):
+            if c.window(sid) < len(piece) or c.ended(sid):
                 return sent
         c.data(sid, piece)
         sent += len(piece)
@@ -357,6 +377,20 @@ async def test_chat_turns_flooded_while_a_turn_runs_are_not_all_taken_in() -> No
             await _settled(n)
         assert n.worker.cancels == [1] and len(n.worker.submits) == 1
 
+
+async def test_a_native_chat_past_the_body_limit_is_resource_exhausted() -> None:
+    """A call's whole body is bounded by the listener's body limit (1 MiB by default, at least
+    one message), as gRPC-Web's is on the HTTP port: past it, RESOURCE_EXHAUSTED."""
+    async with native() as n:
+        async with RawH2(n.port) as c:
+            sid = c.request(METHOD + "Chat", GRPC)
+            sent = await _send_while_window(c, sid, _turn("x" * 60_000, 1), 2 << 20)
+            await c.until(lambda: c.ended(sid))
+            code, message = _status(c, sid)
+            assert code == 8 and "exceeds" in message and sent > 1 << 20
+            assert any(pb.ChatResponse.FromString(m).finish_reason for m in _messages(c.body(sid)))
+        await _settled(n)
+        await _still_serving(n.port)
 
 async def test_many_slow_streams_are_held_to_the_connection_window() -> None:
     """Calls that do not read the rest of their body (a unary call has its message): each stream
