@@ -77,8 +77,10 @@ def _refuse(sink: ResponseSink, status: int, why: str) -> None:
 class NativeRoute:
     """The gRPC port's handler: ``task_entrance(NativeRoute(...))`` is its entrance."""
 
-    def __init__(self, handlers: Mapping[str, Handler], codecs: Codecs, max_message: int) -> None:
+    def __init__(self, handlers: Mapping[str, Handler], codecs: Codecs, max_message: int,
+                 stall_timeout: float | None = None) -> None:
         self._handlers = handlers
+        self._stall = stall_timeout  # a body stalled inside a message (see gateway.grpc.web_call)
         self._codecs = codecs
         self._max_message = max_message
 
@@ -101,7 +103,9 @@ class NativeRoute:
         body = _body(request)
 
         def stream(request_type: Any, deadline: Deadline | None) -> GrpcStream:
-            return NativeStream(opened, request_type, body, out, deadline, headers)
+            s = NativeStream(opened, request_type, body, out, deadline, headers)
+            s.stall_timeout = self._stall
+            return s
 
         await run_call(self._handlers, request.path, headers, stream)
 

@@ -68,8 +68,8 @@ async def start_native(backend: Backend, host: str = "127.0.0.1", port: int = DE
     handlers: dict[str, Handler] = {}
     for service in services:
         handlers.update(service.__mapping__())
-    route = NativeRoute(handlers, codecs or Codecs(), max_message)
     limits = limits or HttpLimits()
+    route = NativeRoute(handlers, codecs or Codecs(), max_message, limits.body_timeout)
     limits = replace(limits, max_body_bytes=max(limits.max_body_bytes, max_message + HEADER_SIZE))
     listener = await start_listener(task_entrance(route), ListenerSpec("tcp", host, port, reuse_port=reuse_port),
                                     limits=limits, streams_body=route.streams_body)

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Collection, Mapping
 
 from grpclib.const import Handler
 
+from ..http.common import HttpLimits
 from ..http.types import Request, ResponseSink
 from .compression import Codecs
 from .cors import preflight_headers, response_headers
@@ -48,9 +49,13 @@ async def _body(request: Request) -> AsyncIterator[bytes]:
 
 
 class GrpcWebRoute:
+    """``stall_timeout``: how long a streamed body may stall inside a message (see :mod:`.web_call`)."""
+
     def __init__(self, handlers: Mapping[str, Handler], codecs: Codecs, max_message: int,
-                 allowed_origins: Collection[bytes] | None = None) -> None:
+                 allowed_origins: Collection[bytes] | None = None,
+                 stall_timeout: float = HttpLimits().body_timeout) -> None:
         self._handlers = handlers
+        self._stall = stall_timeout
         self._codecs = codecs
         self._max_message = max_message
         self._origins = allowed_origins
@@ -74,5 +79,5 @@ class GrpcWebRoute:
             return
         out = _SinkAdapter(sink, response_headers(origin, self._origins))
         await serve_web_call(self._handlers, request.path, dict(request.headers), _body(request), out,
-                             self._codecs, self._max_message)
+                             self._codecs, self._max_message, self._stall)
         sink.end()

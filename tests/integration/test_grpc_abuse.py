@@ -25,10 +25,13 @@ from hyperframe.frame import DataFrame
 
 from gateway.app import App
 from gateway.grpc.binding import PipelineBackend
+from gateway.grpc.compression import Codecs
 from gateway.grpc.mount import mount_grpc
 from gateway.grpc.quicserve.v1 import quicserve_pb2 as pb
 from gateway.grpc.server import NativeServer, start_native
-from gateway.http.common import HttpLimits
+from gateway.grpc.service import InferenceService
+from gateway.grpc.web_route import GrpcWebRoute
+from gateway.http.common import HttpLimits, task_entrance
 from gateway.http.listeners import ListenerSpec, StreamListener, start_listener
 from gateway.http.quic_listener import QuicListener, start_quic_listener
 from gateway.http.quic_settings import QuicSettings
@@ -58,14 +61,15 @@ class Native:
 
 
 @asynccontextmanager
-async def native(worker: ScriptedWorkerConnection | None = None) -> AsyncIterator[Native]:
+async def native(worker: ScriptedWorkerConnection | None = None, limits: HttpLimits | None = None
+                 ) -> AsyncIterator[Native]:
     """The gRPC port on the real pipeline, the scripted worker behind it."""
     w = worker or ScriptedWorkerConnection()
     pool = ModelPool()
     pool.add(w)
     app = App(pool)
     server = await start_native(PipelineBackend(pool, app.generations, app.openai), "127.0.0.1", 0,
-                                max_message=MAX_MESSAGE)
+                                max_message=MAX_MESSAGE, limits=limits)
     try:
         yield Native(server, w, app)
     finally:
@@ -310,6 +314,44 @@ async def test_rapid_reset_of_calls_started_at_headers_is_cut_off() -> None:
         assert n.worker.submits == []
         await _still_serving(n.port)
 
+STALL = 0.3  # the body timeout of the stall tests
+
+
+async def test_a_unary_call_whose_message_never_comes_is_deadline_exceeded() -> None:
+    """A streamed body has no adapter body timeout (the call reads it): the call bounds a stall
+    while a message is incomplete -- here before a unary call's one message, and inside it."""
+    async with native(limits=HttpLimits(body_timeout=STALL)) as n:
+        async with RawH2(n.port) as c:
+            nothing = c.request(METHOD + "Complete", GRPC)
+            part = c.request(METHOD + "Generate", GRPC)
+            c.data(part, frame(_generate())[:7])
+            await c.until(lambda: c.ended(nothing) and c.ended(part))
+            for sid in (nothing, part):
+                code, message = _status(c, sid)
+                assert code == 4 and "stopped arriving" in message
+        await _settled(n)
+        assert n.worker.submits == []
+        await _still_serving(n.port)
+
+
+async def test_a_chat_may_idle_between_turns_but_not_inside_one() -> None:
+    async with native(limits=HttpLimits(body_timeout=STALL)) as n:
+        async with RawH2(n.port) as c:
+            sid = c.request(METHOD + "Chat", GRPC)
+            await asyncio.sleep(2 * STALL)  # before the first turn: idle, not stalled
+            c.data(sid, _turn("one", 2))
+            await c.until(lambda: any(pb.ChatResponse.FromString(m).finish_reason for m in _messages(c.body(sid))))
+            await asyncio.sleep(2 * STALL)  # between turns
+            turn = _turn("two", 3)
+            c.data(sid, turn[:9])  # then inside turn 2
+            await c.until(lambda: c.ended(sid))
+            code, message = _status(c, sid)
+            assert code == 4 and "stopped arriving" in message
+            replies = [pb.ChatResponse.FromString(m) for m in _messages(c.body(sid))]
+            assert [r.turn for r in replies if r.finish_reason] == [1]
+        await _settled(n)
+        await _still_serving(n.port)
+
 # -- the gRPC port: what is not gRPC over HTTP/2 ---------------------------------------------------
 
 async def _http1(port: int, head: bytes, timeout: float = 5.0) -> bytes:
@@ -453,14 +495,20 @@ class Web:
 
 
 @asynccontextmanager
-async def web(tmp_path: Path, worker: ScriptedWorkerConnection | None = None) -> AsyncIterator[Web]:
+async def web(tmp_path: Path, worker: ScriptedWorkerConnection | None = None,
+              stall: float | None = None) -> AsyncIterator[Web]:
     """The app with gRPC-Web mounted as serve mounts it, behind an HTTP/1.1+h2c and a QUIC listener
-    (a small body limit on both)."""
+    (a small body limit on both); ``stall``: the route's stall timeout instead of its default."""
     w = worker or ScriptedWorkerConnection()
     pool = ModelPool()
     pool.add(w)
     app = App(pool)
-    await mount_grpc(app, GrpcSettings(port=-1), "127.0.0.1")
+    if stall is None:
+        await mount_grpc(app, GrpcSettings(port=-1), "127.0.0.1")
+    else:  # as mount_grpc mounts it
+        handlers = InferenceService(PipelineBackend(pool, app.generations, app.openai)).__mapping__()
+        route = GrpcWebRoute(handlers, Codecs(), MAX_MESSAGE, stall_timeout=stall)
+        app.mount(handlers, task_entrance(route), route.streams_body)
     tcp = await start_listener(app.handle, ListenerSpec("tcp", "127.0.0.1", 0), streams_body=app.streams_body,
                                limits=HttpLimits(max_body_bytes=WEB_BODY_LIMIT))
     cert, key = make_cert(tmp_path)
@@ -686,4 +734,23 @@ async def test_web_connection_lost_while_the_call_waits_in_read(tmp_path: Path, 
             await asyncio.sleep(0.05)
             assert w.app.metrics.in_flight == 0  # the turn is over: the calls wait in read()
         await _web_settled(w)
+        await _web_serving(w, proto)
+
+
+@PROTOS
+async def test_web_calls_stalled_inside_a_message_are_deadline_exceeded(tmp_path: Path, proto: str) -> None:
+    async with web(tmp_path, stall=STALL) as w:
+        async with duplex(w, proto) as d:
+            d.open("/quicserve.v1.Inference/Complete", WEB)  # its one message never comes
+            chat = Duplex(d.h2c, d.h3c)
+            chat.open("/quicserve.v1.Inference/Chat", WEB)
+            await asyncio.sleep(2 * STALL)  # a Chat may idle before (and between) its turns
+            chat.send(_turn("one", 2)[:9])  # but not inside one
+            await d.until(lambda: d.ended() and chat.ended())
+            for call in (d, chat):
+                trailers = call.trailers()
+                assert trailers is not None and trailers["grpc-status"] == "4"
+                assert "stopped arriving" in trailers["grpc-message"]
+        await _web_settled(w)
+        assert w.worker.submits == []
         await _web_serving(w, proto)
