@@ -11,6 +11,7 @@ client may make the gateway hold stays bounded (flow control: what the server ac
 from __future__ import annotations
 
 import asyncio
+import tracemalloc
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -141,11 +142,17 @@ async def test_a_zip_bomb_is_refused_without_inflating_it(encoding: str) -> None
     assert len(bomb) < MAX_MESSAGE  # a small message on the wire, 48 MiB inflated
     async with native() as n:
         async with RawH2(n.port) as c:
-            sid = c.request(METHOD + "Complete", [*GRPC, (b"grpc-encoding", encoding.encode())])
-            c.data(sid, frame(bomb, 1), end=True)
-            await c.until(lambda: c.ended(sid))
+            tracemalloc.start()
+            try:
+                sid = c.request(METHOD + "Complete", [*GRPC, (b"grpc-encoding", encoding.encode())])
+                c.data(sid, frame(bomb, 1), end=True)
+                await c.until(lambda: c.ended(sid))
+                peak = tracemalloc.get_traced_memory()[1]
+            finally:
+                tracemalloc.stop()
             code, message = _status(c, sid)
             assert code == 8 and "inflates past the limit" in message
+            assert peak < 16 << 20  # inflated a step past the limit at most (zstd: 4 MiB), not 48 MiB
         await _still_serving(n.port, n.worker)
 
 
