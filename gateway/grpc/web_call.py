@@ -10,15 +10,16 @@ over HTTP/2 or HTTP/3 reads turns while it streams replies) and writes replies
 through the sink. Whatever happens -- a malformed body, an unknown method, an
 expired ``grpc-timeout``, a handler bug, a body the adapter refused (413), a body
 that stalls -- the response ends with exactly one status and nothing propagates
-into the adapter; only a client that went away ends it without one.
+into the adapter; only a client that went away ends it without one. gRPC-Web's
+status is the trailer frame (:class:`WebStream`); native gRPC's is HTTP trailers
+(:class:`~gateway.grpc.native_call.NativeStream`).
 
 A body that stalls: while a message is incomplete (part of a frame held, or the
 one message of a unary-request method not yet come) each wait for more of the
 body is bounded by ``stall_timeout`` (the listener's body timeout): past it the
 call is DEADLINE_EXCEEDED, as a body read whole would be 408. Between the
-messages of a streaming request (a Chat between turns) the client may be idle. gRPC-Web's status is the
-trailer frame (:class:`WebStream`); native gRPC's is HTTP trailers
-(:class:`~gateway.grpc.native_call.NativeStream`).
+messages of a streaming request (a Chat before and between turns) the client
+may be idle as long as it likes.
 """
 
 from __future__ import annotations
@@ -131,7 +132,8 @@ class GrpcStream:
 
     async def _next_chunk(self) -> bytes | None:
         stall = self.stall_timeout
-        if stall is None or not (self._reader.pending or not (self.client_streaming or self._received)):
+        inside_a_message = self._reader.pending or not (self.client_streaming or self._received)
+        if stall is None or not inside_a_message:
             return await anext(self._body, None)
         try:
             async with asyncio.timeout(stall):
