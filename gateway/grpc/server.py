@@ -62,14 +62,15 @@ class NativeServer:
 
 async def start_native(backend: Backend, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *,
                        reuse_port: bool = False, codecs: Codecs | None = None, max_message: int = 4 << 20,
-                       limits: HttpLimits | None = None) -> NativeServer:
-    """Listen on ``host:port`` (0: any free port, reported in ``.port``)."""
+                       limits: HttpLimits | None = None, write_timeout: float | None = None) -> NativeServer:
+    """Listen on ``host:port`` (0: any free port, reported in ``.port``); ``write_timeout``: how long
+    a call's client may read nothing before it is cut off (None: no bound)."""
     services, health = build_services(backend)
     handlers: dict[str, Handler] = {}
     for service in services:
         handlers.update(service.__mapping__())
     limits = limits or HttpLimits()
-    route = NativeRoute(handlers, codecs or Codecs(), max_message, limits.body_timeout)
+    route = NativeRoute(handlers, codecs or Codecs(), max_message, limits.body_timeout, write_timeout)
     limits = replace(limits, max_body_bytes=max(limits.max_body_bytes, max_message + HEADER_SIZE))
     listener = await start_listener(task_entrance(route), ListenerSpec("tcp", host, port, reuse_port=reuse_port),
                                     limits=limits, streams_body=route.streams_body)

@@ -20,6 +20,11 @@ body is bounded by ``stall_timeout`` (the listener's body timeout): past it the
 call is DEADLINE_EXCEEDED, as a body read whole would be 408. Between the
 messages of a streaming request (a Chat before and between turns) the client
 may be idle as long as it likes.
+
+A client that reads nothing: :func:`write_or_cut` waits for it at most the
+route's ``write_timeout`` (``[api] write_timeout``, as for a streamed HTTP
+response), then aborts the stream (RST) and ends the call as a client gone:
+the handler's ``finally`` cancels its generation.
 """
 
 from __future__ import annotations
@@ -36,11 +41,13 @@ from grpclib.const import Handler
 from grpclib.metadata import Deadline, decode_bin_value
 
 from ..errors import APIError
+from ..http.common import ClientDisconnected
+from ..http.types import ResponseSink
 from .compression import Codecs
 from .status import Status, grpc_status, parse_grpc_timeout
 from .web import CallFailed, MessageReceived, Rejection, WebCall, WebEvent, WebRequestReader, open_call
 
-__all__ = ["WebSink", "MessageWriter", "GrpcStream", "WebStream", "run_call", "serve_web_call"]
+__all__ = ["WebSink", "MessageWriter", "GrpcStream", "WebStream", "run_call", "serve_web_call", "write_or_cut"]
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +58,22 @@ class WebSink(Protocol):
     async def start(self, headers: list[tuple[bytes, bytes]]) -> None: ...
 
     async def write(self, data: bytes) -> None: ...
+
+
+async def write_or_cut(sink: ResponseSink, data: bytes, timeout: float | None) -> None:
+    """``data`` to ``sink``: at once if it takes it, else awaited up to ``timeout`` seconds; a client
+    that has read nothing that long is cut off (the stream aborted) as a :class:`ClientDisconnected`."""
+    if sink.send_nowait(data):
+        return
+    if timeout is None:
+        return await sink.send(data)
+    try:
+        async with asyncio.timeout(timeout):
+            await sink.send(data)
+    except TimeoutError:
+        log.info("gRPC: the client read nothing for %g s; cutting the stream", timeout)
+        sink.abort()
+        raise ClientDisconnected(f"the client read nothing for {timeout:g} s") from None
 
 
 def _binary(value: bytes) -> bytes:

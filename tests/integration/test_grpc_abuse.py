@@ -62,15 +62,15 @@ class Native:
 
 
 @asynccontextmanager
-async def native(worker: ScriptedWorkerConnection | None = None, limits: HttpLimits | None = None
-                 ) -> AsyncIterator[Native]:
+async def native(worker: ScriptedWorkerConnection | None = None, limits: HttpLimits | None = None,
+                 write_timeout: float | None = None) -> AsyncIterator[Native]:
     """The gRPC port on the real pipeline, the scripted worker behind it."""
     w = worker or ScriptedWorkerConnection()
     pool = ModelPool()
     pool.add(w)
     app = App(pool)
     server = await start_native(PipelineBackend(pool, app.generations, app.openai), "127.0.0.1", 0,
-                                max_message=MAX_MESSAGE, limits=limits)
+                                max_message=MAX_MESSAGE, limits=limits, write_timeout=write_timeout)
     try:
         yield Native(server, w, app)
     finally:
@@ -359,6 +359,19 @@ async def test_a_chat_may_idle_between_turns_but_not_inside_one() -> None:
         await _settled(n)
         await _still_serving(n.port)
 
+async def test_a_client_that_reads_nothing_is_cut_off_after_the_write_timeout() -> None:
+    """As a streamed HTTP response is ([api] write_timeout): the stream is reset and the
+    generation cancelled, instead of the call waiting on the client for ever."""
+    async with native(ScriptedWorkerConnection(tokens_per_batch=8, hang_after=1000), write_timeout=0.3) as n:
+        async with RawH2(n.port, window=1024, ack=False) as c:
+            sid = c.request(METHOD + "Generate", GRPC)
+            c.data(sid, frame(_generate(2000)), end=True)
+            await c.until(lambda: c.ended(sid))
+            assert any(isinstance(e, h2.events.StreamReset) and e.stream_id == sid for e in c.events)
+            await _settled(n)
+        assert n.worker.cancels == [1]
+        await _still_serving(n.port, n.worker)
+
 # -- the gRPC port: what is not gRPC over HTTP/2 ---------------------------------------------------
 
 async def _http1(port: int, head: bytes, timeout: float = 5.0) -> bytes:
@@ -503,18 +516,19 @@ class Web:
 
 @asynccontextmanager
 async def web(tmp_path: Path, worker: ScriptedWorkerConnection | None = None,
-              stall: float | None = None) -> AsyncIterator[Web]:
+              stall: float | None = None, write_timeout: float | None = None) -> AsyncIterator[Web]:
     """The app with gRPC-Web mounted as serve mounts it, behind an HTTP/1.1+h2c and a QUIC listener
-    (a small body limit on both); ``stall``: the route's stall timeout instead of its default."""
+    (a small body limit on both); ``stall``, ``write_timeout``: the route's instead of its defaults."""
     w = worker or ScriptedWorkerConnection()
     pool = ModelPool()
     pool.add(w)
     app = App(pool)
-    if stall is None:
+    if stall is None and write_timeout is None:
         await mount_grpc(app, GrpcSettings(port=-1), "127.0.0.1")
     else:  # as mount_grpc mounts it
         handlers = InferenceService(PipelineBackend(pool, app.generations, app.openai)).__mapping__()
-        route = GrpcWebRoute(handlers, Codecs(), MAX_MESSAGE, stall_timeout=stall)
+        route = GrpcWebRoute(handlers, Codecs(), MAX_MESSAGE, stall_timeout=30.0 if stall is None else stall,
+                             write_timeout=write_timeout)
         app.mount(handlers, task_entrance(route), route.streams_body)
     tcp = await start_listener(app.handle, ListenerSpec("tcp", "127.0.0.1", 0), streams_body=app.streams_body,
                                limits=HttpLimits(max_body_bytes=WEB_BODY_LIMIT))
@@ -761,3 +775,15 @@ async def test_web_calls_stalled_inside_a_message_are_deadline_exceeded(tmp_path
         await _web_settled(w)
         assert w.worker.submits == []
         await _web_serving(w, proto)
+
+
+async def test_web_client_that_reads_nothing_is_cut_off_after_the_write_timeout(tmp_path: Path) -> None:
+    async with web(tmp_path, ScriptedWorkerConnection(tokens_per_batch=8, hang_after=1000), write_timeout=0.3) as w:
+        async with RawH2(w.h2_port, window=1024, ack=False) as c:
+            sid = c.request("/quicserve.v1.Inference/Generate", WEB)
+            c.data(sid, frame(_generate(2000)), end=True)
+            await c.until(lambda: c.ended(sid))
+            assert any(isinstance(e, h2.events.StreamReset) and e.stream_id == sid for e in c.events)
+        await _web_settled(w)
+        assert w.worker.cancels == [1]
+        await _web_serving(w, "h2")
