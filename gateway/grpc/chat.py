@@ -12,6 +12,11 @@ cancelled turn can simply be sent again. The call ends OK once the client has
 closed its side and every queued turn has been played; if the client's
 stream fails (a malformed message), the running turn is cancelled and the
 call ends with that error.
+
+At most :data:`MAX_QUEUED` turns wait behind the running one: with that many
+queued the reader stops taking messages, so the transport's flow control holds
+the client back instead of the queue growing with whatever it sends (a
+``CancelTurn`` behind them is read once a queued turn starts).
 """
 
 from __future__ import annotations
@@ -26,7 +31,9 @@ from .convert import chat_messages, reason_of, usage_of, with_sampling
 from .quicserve.v1 import quicserve_pb2 as pb
 from .status import grpc_status
 
-__all__ = ["ChatSession"]
+__all__ = ["ChatSession", "MAX_QUEUED"]
+
+MAX_QUEUED = 8  # turns waiting behind the running one before the reader stops reading
 
 
 class ChatSession:
@@ -46,6 +53,7 @@ class ChatSession:
         self._cancelled: set[int] = set()  # queued turns cancelled before they ran
         self._running: tuple[int, Generation] | None = None
         self._changed = asyncio.Event()
+        self._room = asyncio.Event()  # a queued turn has started: the reader may take another
 
     async def run(self) -> None:
         reader = asyncio.create_task(self._read())
@@ -58,7 +66,9 @@ class ChatSession:
                     return reader.result()  # the client's stream failed: so does the call
                 if not self._queue:
                     return  # the client closed its side and every turn has been played
-                await self._play(*self._queue.popleft())
+                turn = self._queue.popleft()
+                self._room.set()
+                await self._play(*turn)
         finally:
             reader.cancel()
             if self._running is not None:
@@ -66,7 +76,12 @@ class ChatSession:
 
     async def _read(self) -> None:
         try:
-            while (request := await self._recv()) is not None:
+            while True:
+                while len(self._queue) >= MAX_QUEUED:
+                    self._room.clear()
+                    await self._room.wait()
+                if (request := await self._recv()) is None:
+                    break
                 if request.WhichOneof("action") == "turn":
                     self._turns += 1
                     self._queue.append((self._turns, request.turn))

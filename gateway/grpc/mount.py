@@ -26,9 +26,10 @@ async def mount_grpc(app: App, settings: GrpcSettings, host: str) -> NativeServe
     if settings.web:
         handlers = InferenceService(backend).__mapping__()
         origins = [o.encode() for o in settings.allowed_origins] or None
-        route = GrpcWebRoute(handlers, codecs, settings.max_message_bytes, origins)
+        route = GrpcWebRoute(handlers, codecs, settings.max_message_bytes, origins,
+                             write_timeout=app.api_settings.write_timeout)
         app.mount(handlers, task_entrance(route), route.streams_body)
     if settings.port < 0:
         return None
     return await start_native(backend, settings.host or host, settings.port, codecs=codecs,
-                              max_message=settings.max_message_bytes)
+                              max_message=settings.max_message_bytes, write_timeout=app.api_settings.write_timeout)

@@ -26,23 +26,24 @@ from ..http.types import Headers, Request, ResponseSink
 from .compression import Codecs
 from .native import NativeCall, NativeRejection, NativeResponseWriter, is_grpc, open_call
 from .status import Status
-from .web_call import GrpcStream, run_call
+from .web_call import GrpcStream, run_call, write_or_cut
 
 __all__ = ["NativeRoute", "NativeStream"]
 
 
 class _Sink:
-    """``WebSink`` over an HTTP/2 ``ResponseSink``: HTTP 200 with the call's headers, then frames."""
+    """``WebSink`` over an HTTP/2 ``ResponseSink``: HTTP 200 with the call's headers, then frames
+    (a client that reads nothing for ``write_timeout`` is cut off: :func:`write_or_cut`)."""
 
-    def __init__(self, sink: ResponseSink) -> None:
+    def __init__(self, sink: ResponseSink, write_timeout: float | None) -> None:
         self.sink = sink
+        self._write_timeout = write_timeout
 
     async def start(self, headers: Headers) -> None:
         self.sink.start(200, headers)
 
     async def write(self, data: bytes) -> None:
-        if not self.sink.send_nowait(data):
-            await self.sink.send(data)
+        await write_or_cut(self.sink, data, self._write_timeout)
 
 
 class NativeStream(GrpcStream):
@@ -77,8 +78,11 @@ def _refuse(sink: ResponseSink, status: int, why: str) -> None:
 class NativeRoute:
     """The gRPC port's handler: ``task_entrance(NativeRoute(...))`` is its entrance."""
 
-    def __init__(self, handlers: Mapping[str, Handler], codecs: Codecs, max_message: int) -> None:
+    def __init__(self, handlers: Mapping[str, Handler], codecs: Codecs, max_message: int,
+                 stall_timeout: float | None = None, write_timeout: float | None = None) -> None:
         self._handlers = handlers
+        self._write_timeout = write_timeout
+        self._stall = stall_timeout  # a body stalled inside a message (see gateway.grpc.web_call)
         self._codecs = codecs
         self._max_message = max_message
 
@@ -97,11 +101,13 @@ class NativeRoute:
         opened = open_call(headers, self._codecs, self._max_message)
         if isinstance(opened, NativeRejection):
             return _rejected(sink, opened.writer, opened.status, opened.message)
-        out = _Sink(sink)
+        out = _Sink(sink, self._write_timeout)
         body = _body(request)
 
         def stream(request_type: Any, deadline: Deadline | None) -> GrpcStream:
-            return NativeStream(opened, request_type, body, out, deadline, headers)
+            s = NativeStream(opened, request_type, body, out, deadline, headers)
+            s.stall_timeout = self._stall
+            return s
 
         await run_call(self._handlers, request.path, headers, stream)
 

@@ -6,8 +6,10 @@ the grpclib service handlers (``__mapping__()`` of Inference, ``grpc.health.v1``
 and server reflection) run through the same call core as gRPC-Web, so native
 gRPC negotiates ``grpc-encoding`` (zstd, gzip, identity) like gRPC-Web does.
 Every call's body is read as it arrives (bidi ``Chat``), acknowledged to the
-client as the handler reads it; messages are bounded by ``max_message``, so the
-listener sets no limit on a call's whole body.
+client as the handler reads it; messages are bounded by ``max_message``, and a
+call's whole body (a Chat's turns together) by the listener's body limit, at
+least one message: HTTP/1.1 shares that limit and reads a body whole before the
+route can refuse it (505), so the limit cannot be lifted for HTTP/2 alone.
 
 ``serve.py`` starts one per gateway process beside the HTTP listeners (same
 event loop; ``reuse_port`` when a process runs per core) and closes it on
@@ -27,13 +29,13 @@ from ..http.common import HttpLimits, task_entrance
 from ..http.listeners import ListenerSpec, StreamListener, start_listener
 from .backend import Backend
 from .compression import Codecs
+from .framing import HEADER_SIZE
 from .native_call import NativeRoute
 from .service import build_services
 
 __all__ = ["NativeServer", "start_native"]
 
 DEFAULT_PORT = 50051
-_NO_BODY_LIMIT = 1 << 62  # a call's body is a stream of messages, each bounded by max_message
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,14 +62,16 @@ class NativeServer:
 
 async def start_native(backend: Backend, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *,
                        reuse_port: bool = False, codecs: Codecs | None = None, max_message: int = 4 << 20,
-                       limits: HttpLimits | None = None) -> NativeServer:
-    """Listen on ``host:port`` (0: any free port, reported in ``.port``)."""
+                       limits: HttpLimits | None = None, write_timeout: float | None = None) -> NativeServer:
+    """Listen on ``host:port`` (0: any free port, reported in ``.port``); ``write_timeout``: how long
+    a call's client may read nothing before it is cut off (None: no bound)."""
     services, health = build_services(backend)
     handlers: dict[str, Handler] = {}
     for service in services:
         handlers.update(service.__mapping__())
-    route = NativeRoute(handlers, codecs or Codecs(), max_message)
-    limits = replace(limits or HttpLimits(), max_body_bytes=_NO_BODY_LIMIT)
+    limits = limits or HttpLimits()
+    route = NativeRoute(handlers, codecs or Codecs(), max_message, limits.body_timeout, write_timeout)
+    limits = replace(limits, max_body_bytes=max(limits.max_body_bytes, max_message + HEADER_SIZE))
     listener = await start_listener(task_entrance(route), ListenerSpec("tcp", host, port, reuse_port=reuse_port),
                                     limits=limits, streams_body=route.streams_body)
     return NativeServer(listener, health, listener.port)

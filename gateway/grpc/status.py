@@ -80,7 +80,8 @@ _UNIT = {b"H": (3600, 1), b"M": (60, 1), b"S": (1, 1), b"m": (1, 10**3), b"u": (
 
 
 def parse_grpc_timeout(value: str | bytes) -> float:
-    """Seconds in a ``grpc-timeout`` value such as ``"250m"``; a malformed one is a 400."""
+    """Seconds in a ``grpc-timeout`` value such as ``"250m"``; a malformed one raises an APIError
+    (a call answers it INTERNAL: a protocol error, not the method's argument)."""
     raw = value.encode("latin-1", "replace") if isinstance(value, str) else value
     match = _TIMEOUT.match(raw)
     if match is None:

@@ -124,6 +124,11 @@ class WebRequestReader:
         self._frames = FrameDecoder(max_message)
         self._done = False
 
+    @property
+    def pending(self) -> bool:
+        """Part of a message is held: the body has stopped inside a frame (so far)."""
+        return self._frames.pending > 0
+
     def receive_data(self, data: bytes) -> list[WebEvent]:
         if self._done:
             return []

@@ -8,11 +8,23 @@ runs it (:func:`run_call`) on a :class:`GrpcStream`, which feeds body chunks to
 the sans-I/O reader only when the handler asks for a message (so a bidi ``Chat``
 over HTTP/2 or HTTP/3 reads turns while it streams replies) and writes replies
 through the sink. Whatever happens -- a malformed body, an unknown method, an
-expired ``grpc-timeout``, a handler bug, a body the adapter refused (413) -- the
-response ends with exactly one status and nothing propagates into the adapter;
-only a client that went away ends it without one. gRPC-Web's status is the
-trailer frame (:class:`WebStream`); native gRPC's is HTTP trailers
+expired ``grpc-timeout``, a handler bug, a body the adapter refused (413), a body
+that stalls -- the response ends with exactly one status and nothing propagates
+into the adapter; only a client that went away ends it without one. gRPC-Web's
+status is the trailer frame (:class:`WebStream`); native gRPC's is HTTP trailers
 (:class:`~gateway.grpc.native_call.NativeStream`).
+
+A body that stalls: while a message is incomplete (part of a frame held, or the
+one message of a unary-request method not yet come) each wait for more of the
+body is bounded by ``stall_timeout`` (the listener's body timeout): past it the
+call is DEADLINE_EXCEEDED, as a body read whole would be 408. Between the
+messages of a streaming request (a Chat before and between turns) the client
+may be idle as long as it likes.
+
+A client that reads nothing: :func:`write_or_cut` waits for it at most the
+route's ``write_timeout`` (``[api] write_timeout``, as for a streamed HTTP
+response), then aborts the stream (RST) and ends the call as a client gone:
+the handler's ``finally`` cancels its generation.
 """
 
 from __future__ import annotations
@@ -29,11 +41,13 @@ from grpclib.const import Handler
 from grpclib.metadata import Deadline, decode_bin_value
 
 from ..errors import APIError
+from ..http.common import ClientDisconnected
+from ..http.types import ResponseSink
 from .compression import Codecs
 from .status import Status, grpc_status, parse_grpc_timeout
 from .web import CallFailed, MessageReceived, Rejection, WebCall, WebEvent, WebRequestReader, open_call
 
-__all__ = ["WebSink", "MessageWriter", "GrpcStream", "WebStream", "run_call", "serve_web_call"]
+__all__ = ["WebSink", "MessageWriter", "GrpcStream", "WebStream", "run_call", "serve_web_call", "write_or_cut"]
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +58,22 @@ class WebSink(Protocol):
     async def start(self, headers: list[tuple[bytes, bytes]]) -> None: ...
 
     async def write(self, data: bytes) -> None: ...
+
+
+async def write_or_cut(sink: ResponseSink, data: bytes, timeout: float | None) -> None:
+    """``data`` to ``sink``: at once if it takes it, else awaited up to ``timeout`` seconds; a client
+    that has read nothing that long is cut off (the stream aborted) as a :class:`ClientDisconnected`."""
+    if sink.send_nowait(data):
+        return
+    if timeout is None:
+        return await sink.send(data)
+    try:
+        async with asyncio.timeout(timeout):
+            await sink.send(data)
+    except TimeoutError:
+        log.info("gRPC: the client read nothing for %g s; cutting the stream", timeout)
+        sink.abort()
+        raise ClientDisconnected(f"the client read nothing for {timeout:g} s") from None
 
 
 def _binary(value: bytes) -> bytes:
@@ -73,6 +103,10 @@ class GrpcStream:
 
     #: request headers that are not call metadata (beside the pseudo and grpc-* ones)
     not_metadata: frozenset[bytes] = frozenset()
+    #: seconds the body may stall inside a message (None: no bound); set by the route
+    stall_timeout: float | None = None
+    #: the method takes a stream of messages (set by :func:`run_call` from the handler)
+    client_streaming = True
 
     def __init__(self, reader: WebRequestReader, writer: MessageWriter, request_type: Any,
                  body: AsyncIterator[bytes], sink: WebSink, deadline: Deadline | None,
@@ -90,6 +124,7 @@ class GrpcStream:
         self._sink = sink
         self._events: deque[WebEvent] = deque()
         self._body_done = False
+        self._received = False  # a message has come
         self._started = False
         self.finished = False  # the trailer frame has been written
 
@@ -98,8 +133,8 @@ class GrpcStream:
             if self._body_done:
                 return None
             try:
-                chunk = await anext(self._body, None)
-            except APIError as e:  # the adapter refused the rest of the body (413)
+                chunk = await self._next_chunk()
+            except APIError as e:  # the adapter refused the rest of the body (413), or it stalled
                 raise _Abort(grpc_status(e), e.message) from None
             if chunk is None:
                 self._body_done = True
@@ -108,6 +143,7 @@ class GrpcStream:
                 self._events.extend(self._reader.receive_data(chunk))
         event = self._events.popleft()
         if isinstance(event, MessageReceived):
+            self._received = True
             try:
                 return self._request_type.FromString(event.data)
             except DecodeError as e:
@@ -116,6 +152,18 @@ class GrpcStream:
             raise _Abort(event.status, event.message)
         self._body_done = True  # RequestEnded
         return None
+
+    async def _next_chunk(self) -> bytes | None:
+        stall = self.stall_timeout
+        inside_a_message = self._reader.pending or not (self.client_streaming or self._received)
+        if stall is None or not inside_a_message:
+            return await anext(self._body, None)
+        try:
+            async with asyncio.timeout(stall):
+                return await anext(self._body, None)
+        except TimeoutError:
+            raise APIError(408, f"The request message stopped arriving ({stall:g} s without data).",
+                           "invalid_request_error", None, "request_timeout") from None
 
     def __aiter__(self) -> AsyncIterator[Any]:
         """The request messages (grpclib's reflection service reads them this way)."""
@@ -159,7 +207,8 @@ class WebStream(GrpcStream):
 
 
 async def serve_web_call(handlers: Mapping[str, Handler], path: str, headers: Mapping[bytes, bytes],
-                         body: AsyncIterator[bytes], sink: WebSink, codecs: Codecs, max_message: int) -> None:
+                         body: AsyncIterator[bytes], sink: WebSink, codecs: Codecs, max_message: int,
+                         stall_timeout: float | None = None) -> None:
     """Run one gRPC-Web call to its trailer frame (headers: lower-case names)."""
     opened = open_call(headers, codecs, max_message)
     if isinstance(opened, Rejection):
@@ -168,7 +217,9 @@ async def serve_web_call(handlers: Mapping[str, Handler], path: str, headers: Ma
         return
 
     def stream(request_type: Any, deadline: Deadline | None) -> GrpcStream:
-        return WebStream(opened, request_type, body, sink, deadline, headers)
+        s = WebStream(opened, request_type, body, sink, deadline, headers)
+        s.stall_timeout = stall_timeout
+        return s
 
     await run_call(handlers, path, headers, stream)
 
@@ -185,10 +236,12 @@ async def run_call(handlers: Mapping[str, Handler], path: str, headers: Mapping[
     elif (raw := headers.get(b"grpc-timeout")) is not None:
         try:
             timeout = parse_grpc_timeout(raw)
-        except APIError as e:
-            status, message = grpc_status(e), e.message
+        except APIError as e:  # a malformed header is a protocol error, as grpc-go answers it
+            status, message = Status.INTERNAL, e.message
     stream = stream_for(handler.request_type if handler else None,
                         Deadline.from_timeout(timeout) if timeout is not None else None)
+    if handler is not None:
+        stream.client_streaming = handler.cardinality.value.client_streaming
     if handler is not None and status is Status.OK:
         try:
             async with asyncio.timeout(timeout):

@@ -15,27 +15,30 @@ from collections.abc import AsyncIterator, Collection, Mapping
 
 from grpclib.const import Handler
 
+from ..http.common import HttpLimits
 from ..http.types import Request, ResponseSink
 from .compression import Codecs
 from .cors import preflight_headers, response_headers
 from .web import is_grpc_web
-from .web_call import serve_web_call
+from .web_call import serve_web_call, write_or_cut
 
 __all__ = ["GrpcWebRoute"]
 
 
 class _SinkAdapter:
-    """``WebSink`` over an HTTP ``ResponseSink`` (HTTP 200, CORS headers added)."""
+    """``WebSink`` over an HTTP ``ResponseSink`` (HTTP 200, CORS headers added; a client that reads
+    nothing for ``write_timeout`` is cut off: :func:`~gateway.grpc.web_call.write_or_cut`)."""
 
-    def __init__(self, sink: ResponseSink, extra: list[tuple[bytes, bytes]]) -> None:
+    def __init__(self, sink: ResponseSink, extra: list[tuple[bytes, bytes]], write_timeout: float | None) -> None:
         self._sink = sink
         self._extra = extra
+        self._write_timeout = write_timeout
 
     async def start(self, headers: list[tuple[bytes, bytes]]) -> None:
         self._sink.start(200, headers + self._extra)
 
     async def write(self, data: bytes) -> None:
-        await self._sink.send(data)
+        await write_or_cut(self._sink, data, self._write_timeout)
 
 
 async def _body(request: Request) -> AsyncIterator[bytes]:
@@ -48,9 +51,15 @@ async def _body(request: Request) -> AsyncIterator[bytes]:
 
 
 class GrpcWebRoute:
+    """``stall_timeout``: how long a streamed body may stall inside a message; ``write_timeout``: how
+    long a client may read nothing (None: no bound); see :mod:`.web_call`."""
+
     def __init__(self, handlers: Mapping[str, Handler], codecs: Codecs, max_message: int,
-                 allowed_origins: Collection[bytes] | None = None) -> None:
+                 allowed_origins: Collection[bytes] | None = None,
+                 stall_timeout: float = HttpLimits().body_timeout, write_timeout: float | None = None) -> None:
         self._handlers = handlers
+        self._write_timeout = write_timeout
+        self._stall = stall_timeout
         self._codecs = codecs
         self._max_message = max_message
         self._origins = allowed_origins
@@ -72,7 +81,7 @@ class GrpcWebRoute:
         if request.method != "POST":
             sink.respond(405, [(b"allow", b"POST, OPTIONS")], b"")
             return
-        out = _SinkAdapter(sink, response_headers(origin, self._origins))
+        out = _SinkAdapter(sink, response_headers(origin, self._origins), self._write_timeout)
         await serve_web_call(self._handlers, request.path, dict(request.headers), _body(request), out,
-                             self._codecs, self._max_message)
+                             self._codecs, self._max_message, self._stall)
         sink.end()

@@ -15,6 +15,10 @@ HTTP/3: aioquic credits QUIC flow control as data arrives and has no public way 
 back, so there the body limit alone bounds what is held (as it bounds a body read whole).
 HTTP/2: the connection window is shared: bodies fed but never read hold it until their call
 ends (16 MiB by default, against a stream window of 1 MiB).
+
+Pieces are held joined, up to :data:`PIECE` bytes each: flow control counts payload bytes, and a
+client sending DATA frames of one byte (or none, with padding) must not make each byte of
+window cost a tuple and an object (about 100 bytes of memory per byte held).
 """
 
 from __future__ import annotations
@@ -27,7 +31,9 @@ import h2.connection
 
 from gateway.http.common import protocol_error
 
-__all__ = ["BodyStream", "H2BodyStream"]
+__all__ = ["BodyStream", "H2BodyStream", "PIECE"]
+
+PIECE = 16 << 10  # small pieces are joined up to this size while they wait to be read
 
 
 class BodyStream:
@@ -38,7 +44,7 @@ class BodyStream:
     def __init__(self, limit: int) -> None:
         self._limit = limit  # the body limit (HttpLimits.max_body_bytes)
         self._received = 0
-        self._pieces: deque[tuple[bytes, int]] = deque()  # (data, flow-controlled length)
+        self._pieces: deque[tuple[bytes | bytearray, int]] = deque()  # (data, flow-controlled length)
         self._ended = False
         self._error: BaseException | None = None
         self._waiter: asyncio.Future[None] | None = None
@@ -56,7 +62,15 @@ class BodyStream:
     def feed(self, data: bytes, flow_length: int = 0) -> bool:
         """One piece; False if it took the body past the limit (the body has failed: 413)."""
         self._received += len(data)
-        self._pieces.append((data, flow_length))
+        pieces = self._pieces
+        if pieces and len(pieces[-1][0]) + len(data) <= PIECE:  # joined to the last unread piece
+            held, n = pieces[-1]
+            if type(held) is not bytearray:
+                held = bytearray(held)
+            held += data
+            pieces[-1] = (held, n + flow_length)
+        else:
+            pieces.append((data, flow_length))
         if self._received > self._limit:
             self.fail(protocol_error(413, f"request body exceeds {self._limit} bytes"))
             return False
@@ -85,7 +99,7 @@ class BodyStream:
                 data, n = self._pieces.popleft()
                 self._ack(n)
                 if data:
-                    return data
+                    return data if type(data) is bytes else bytes(data)
                 continue  # a frame of padding only
             if self._ended:
                 return b""

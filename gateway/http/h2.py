@@ -117,9 +117,9 @@ class H2Protocol(StreamAdapter):
                 self._window_opened(ev.stream_id)
             elif isinstance(ev, h2.events.RemoteSettingsChanged):
                 self._window_opened(0)
-            elif isinstance(ev, h2.events.ConnectionTerminated):
+            elif isinstance(ev, h2.events.ConnectionTerminated):  # the client's GOAWAY (H2ServerConnection)
                 self._goaway_sent = True  # no new streams either way
-                if not self._streams:
+                if not self._streams or ev.error_code:  # an error: it gives up on its calls too
                     self._close()
         if self._h2.malformed:
             self._answer_malformed(now)
@@ -207,7 +207,7 @@ class H2Protocol(StreamAdapter):
         st.body_len += len(data)
         if st.body_len > self._limits.max_body_bytes:
             return self._reject(st, 413, f"request body exceeds {self._limits.max_body_bytes} bytes")
-        st.body.append(data)
+        st.add_body(data)
         st.last_rx = now
 
     def _on_end(self, sid: int) -> None:
@@ -237,9 +237,7 @@ class H2Protocol(StreamAdapter):
 
     # ---- requests ---------------------------------------------------------
     def _dispatch(self, st: H2Stream) -> None:
-        parts = st.body
-        st.body = []
-        self._start(st, self._request(st, parts[0] if len(parts) == 1 else b"".join(parts)))
+        self._start(st, self._request(st, st.take_body()))
 
     def _request(self, st: H2Stream, body: bytes) -> Request:
         return Request(st.method, st.path, st.query, st.headers, body, "h2", self._scheme, self._client)

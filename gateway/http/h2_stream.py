@@ -20,10 +20,10 @@ import h2.events
 import h2.exceptions
 import h2.settings
 from h2.errors import ErrorCodes
-from hyperframe.frame import DataFrame, Frame, HeadersFrame
+from hyperframe.frame import DataFrame, Frame, GoAwayFrame, HeadersFrame
 
 from gateway.http.adapter import SinkState
-from gateway.http.body_stream import H2BodyStream
+from gateway.http.body_stream import PIECE, H2BodyStream
 from gateway.http.common import HOST_CHARS, ClientDisconnected, HttpLimits, decode_target, http_date
 from gateway.http.types import Call, Headers
 
@@ -88,6 +88,23 @@ class H2ServerConnection(h2.connection.H2Connection):
             self.malformed.append((sid, str(e), "END_STREAM" in frame.flags, 0))
             return [], []
 
+    def _receive_goaway_frame(self, frame: GoAwayFrame) -> tuple[list[Frame], list[h2.events.Event]]:
+        """The client's GOAWAY, reported (ConnectionTerminated) and nothing more.
+
+        h2 closes its whole connection on it, both ways, and drops the output it has queued: the
+        calls the client still waits for could send nothing more and their DATA would be a
+        connection error. But a GOAWAY only says its sender opens no more streams (RFC 9113
+        6.8): the adapter refuses new ones and finishes the open ones (or, for a GOAWAY that
+        carries an error, closes the connection and cancels them)."""
+        ev = h2.events.ConnectionTerminated()
+        try:
+            ev.error_code = ErrorCodes(frame.error_code)
+        except ValueError:
+            ev.error_code = frame.error_code
+        ev.last_stream_id = frame.last_stream_id
+        ev.additional_data = frame.additional_data or None
+        return [], [ev]
+
     def _receive_data_frame(self, frame: DataFrame) -> tuple[list[Frame], list[h2.events.Event]]:
         try:
             return super()._receive_data_frame(frame)
@@ -129,7 +146,7 @@ class H2Stream:
         self.path = ""
         self.query = ""
         self.headers: Headers = []
-        self.body: list[bytes] = []
+        self.body: list[bytes | bytearray] = []  # a body read whole, as it arrives (add_body)
         self.body_len = 0
         self.last_rx = now
         self.phase = RECEIVING
@@ -144,6 +161,25 @@ class H2Stream:
         self.waiter: asyncio.Future[None] | None = None  # a send() waiting for out to empty
         self.trailers: Headers | None = None  # a trailing HEADERS frame ends the stream, after out
         self.body_stream: H2BodyStream | None = None  # the request body, when the call reads it as it comes
+
+    def add_body(self, data: bytes) -> None:
+        """Body bytes of a request read whole. Small DATA frames are joined up to ``PIECE`` bytes,
+        as a streamed body's are: a client sending its body a byte a frame must not make each
+        byte cost an object (40 bytes of memory per byte under the body limit)."""
+        body = self.body
+        if body and len(body[-1]) + len(data) <= PIECE:
+            last = body[-1]
+            if type(last) is not bytearray:
+                body[-1] = last = bytearray(last)
+            last += data
+        else:
+            body.append(data)
+
+    def take_body(self) -> bytes:
+        parts, self.body = self.body, []
+        if len(parts) == 1 and type(parts[0]) is bytes:
+            return parts[0]
+        return b"".join(parts)
 
     def drop_body(self, error: BaseException) -> None:
         """A streamed body nobody will read: fail it (what it held goes back to the windows)."""

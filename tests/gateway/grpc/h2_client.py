@@ -12,6 +12,7 @@ import h2.config
 import h2.connection
 import h2.events
 import h2.settings
+from hyperframe.frame import GoAwayFrame
 
 __all__ = ["RawH2"]
 
@@ -19,9 +20,10 @@ __all__ = ["RawH2"]
 class RawH2:
     """``async with RawH2(port) as c:`` then ``c.request(...)``, ``c.data(...)``, ``await c.until(...)``."""
 
-    def __init__(self, port: int, host: str = "127.0.0.1", window: int | None = None) -> None:
+    def __init__(self, port: int, host: str = "127.0.0.1", window: int | None = None, ack: bool = True) -> None:
         self._addr = (host, port)
         self._window = window  # our INITIAL_WINDOW_SIZE (None: h2's default, 65535)
+        self._ack = ack  # hand the window back as DATA arrives (False: a client that never reads)
         self.conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding=None))
         self.events: list[h2.events.Event] = []
         self._reader: asyncio.StreamReader | None = None
@@ -57,7 +59,7 @@ class RawH2:
         while data := await self._reader.read(65536):
             events = self.conn.receive_data(data)
             for ev in events:
-                if isinstance(ev, h2.events.DataReceived):  # the test reads at once: hand the window back
+                if isinstance(ev, h2.events.DataReceived) and self._ack:  # the test reads at once: hand the window back
                     self.conn.acknowledge_received_data(ev.flow_controlled_length, ev.stream_id)
             self.events.extend(events)
             self._flush()
@@ -87,6 +89,20 @@ class RawH2:
     def reset(self, sid: int) -> None:
         self.conn.reset_stream(sid)
         self._flush()
+
+    def goaway(self, last_stream_id: int = 0, error_code: int = 0) -> None:
+        """A GOAWAY frame, built by hand: h2 would stop our own side from receiving after it."""
+        assert self._writer is not None
+        self._writer.write(GoAwayFrame(0, last_stream_id=last_stream_id, error_code=error_code).serialize())
+
+    def raw(self, data: bytes) -> None:
+        """Bytes as they are (frames built by hand: what h2 would not let us send)."""
+        assert self._writer is not None
+        self._writer.write(data)
+
+    def window(self, sid: int) -> int:
+        """What we may still send on ``sid`` (the smaller of its and the connection's windows)."""
+        return self.conn.local_flow_control_window(sid)
 
     def body(self, sid: int) -> bytes:
         return b"".join(e.data or b"" for e in self.events

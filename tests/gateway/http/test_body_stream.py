@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gateway.errors import APIError
-from gateway.http.body_stream import BodyStream
+from gateway.http.body_stream import PIECE, BodyStream
 from gateway.http.common import ClientDisconnected
 
 
@@ -71,3 +71,16 @@ async def test_a_failure_wakes_a_waiting_reader() -> None:
     body.fail(RuntimeError("later"))  # the first error wins
     with pytest.raises(ClientDisconnected):
         await body.read()
+
+
+async def test_small_pieces_are_held_joined() -> None:
+    """A byte a piece, or padding only: held as a few pieces of up to PIECE bytes, not one each."""
+    body = Recorded(1 << 20)
+    for _ in range(3 * PIECE):
+        assert body.feed(b"x", 2)
+    assert body.feed(b"", 7)
+    assert len(body._pieces) == 3
+    body.end()
+    got = [await body.read() for _ in range(3)]
+    assert [len(g) for g in got] == [PIECE] * 3 and all(type(g) is bytes for g in got)
+    assert await body.read() == b"" and body.acked == 6 * PIECE + 7

@@ -6,6 +6,7 @@ A real listener on 127.0.0.1 port 0 and the raw h2 client of tests/gateway/grpc/
 from __future__ import annotations
 
 import asyncio
+import tracemalloc
 from collections.abc import AsyncIterator
 
 import h2.events
@@ -128,3 +129,38 @@ async def test_a_body_ended_by_the_client_reads_to_its_end(served: tuple[StreamL
         c.end(sid)
         await c.until(lambda: c.ended(sid))
         assert c.body(sid) == b"6" and reader.got == b"abcdef"
+
+
+def _one_byte_frames(sid: int, n: int) -> bytes:
+    """``n`` DATA frames of one byte each, built by hand (h2 would send them too, but slowly)."""
+    return (b"\x00\x00\x01\x00\x00" + sid.to_bytes(4, "big") + b"x") * n
+
+
+@pytest.mark.parametrize("path", ["/stream", "/whole"])
+async def test_a_body_sent_a_byte_a_frame_costs_about_a_byte_a_byte(served: tuple[StreamListener, Reader],
+                                                                    path: str) -> None:
+    """Unread (streamed) or not yet ended (read whole), a body held as one object per DATA frame
+    cost ~100 (streamed) or ~40 (whole) bytes of memory per byte of window or body limit: with
+    the 16 MiB connection window, GBs a connection. Small frames are joined as they arrive."""
+    listener, reader = served
+    n = 20_000  # under the stream window and the body limit
+    async with RawH2(listener.port, window=1 << 20) as c:
+        sid = c.request(path, [])
+        await asyncio.sleep(0.05)
+        tracemalloc.start()
+        try:
+            base = tracemalloc.get_traced_memory()[0]
+            frames = _one_byte_frames(sid, 5_000)
+            for _ in range(n // 5_000):
+                c.raw(frames)
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.3)
+            grown = tracemalloc.get_traced_memory()[0] - base
+        finally:
+            tracemalloc.stop()
+        assert grown < 8 * n, f"{grown / n:.0f} bytes of memory per byte held"
+        reader.go.set()
+        c.end(sid)
+        await c.until(lambda: c.ended(sid))
+        assert c.body(sid) == b"%d" % n and bytes(reader.got) == b"x" * n
+    assert listener.in_flight == 0
