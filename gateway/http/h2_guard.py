@@ -29,7 +29,9 @@ __all__ = ["H2FrameGuard", "GuardLimits", "Violation"]
 
 _DATA, _HEADERS, _PRIORITY, _RST, _SETTINGS, _PUSH, _PING, _GOAWAY, _WINDOW, _CONT = range(10)
 _END_HEADERS = 0x4
-_CHEAP = frozenset({_RST, _PING, _SETTINGS, _PRIORITY, _WINDOW})
+# frames that cost us work and the peer nothing; GOAWAY too: a graceful one lets open streams
+# finish (h2.py), so a peer could otherwise send them without end
+_CHEAP = frozenset({_RST, _PING, _SETTINGS, _PRIORITY, _WINDOW, _GOAWAY})
 _PREFACE = 24  # b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n": not a frame
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import h2.config
 import h2.connection
-from hyperframe.frame import ContinuationFrame, HeadersFrame, PingFrame, RstStreamFrame
+from hyperframe.frame import ContinuationFrame, GoAwayFrame, HeadersFrame, PingFrame, RstStreamFrame
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -100,3 +100,12 @@ def test_cheap_frames_draw_on_a_bucket() -> None:
     g2.feed(PREFACE, 0.0)
     for i in range(500):  # at the sustained rate: never
         assert g2.feed(ping, i / 100.0) is None
+
+
+def test_a_goaway_flood_draws_on_the_same_bucket() -> None:
+    g = H2FrameGuard(LIMITS, 0.0)
+    g.feed(PREFACE, 0.0)
+    goaway = GoAwayFrame(0, last_stream_id=0, error_code=0).serialize()
+    for _ in range(50):
+        assert g.feed(goaway, 0.0) is None
+    assert g.feed(goaway, 0.0) is not None
