@@ -213,6 +213,8 @@ class H3Protocol(QuicConnectionProtocol):
         except UnicodeDecodeError:
             decoded = ""
         if not method or not decoded.startswith("/"):
+            if at_headers:  # answered before its body: the client should stop sending it
+                self._quic.stop_stream(st.sid, ErrorCode.H3_NO_ERROR)
             self._answer_error(st, APIError(400, "Malformed request: :method and :path are required.",
                                             "invalid_request_error", None, "bad_request"))
             return
@@ -231,6 +233,8 @@ class H3Protocol(QuicConnectionProtocol):
             self._early_bytes += st.early_bytes
             if not state.early_allowed(m, decoded, self._early_bytes):
                 state.early_refused += 1
+                if at_headers:
+                    self._quic.stop_stream(st.sid, ErrorCode.H3_NO_ERROR)
                 self._answer_error(st, APIError(425, "The request was sent in TLS early data (0-RTT), which "
                                                 "this route does not accept; repeat it.", "invalid_request_error",
                                                 None, "too_early"))

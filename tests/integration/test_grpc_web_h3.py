@@ -167,3 +167,24 @@ async def test_other_requests_still_read_whole_with_streams_body_on(tmp_path: Pa
     async with _gateway(tmp_path, conn) as listener, h3_connect(listener.address[1]) as client:
         r = await client.request("POST", "/v1/chat/completions", chat_body(4), [(b"content-type", b"application/json")])
     assert r.status == 200 and r.json()["choices"][0]["message"]["content"] == "abcd"
+
+
+async def test_a_request_refused_at_its_headers_stops_the_upload(tmp_path: Path) -> None:
+    """With streamed bodies on, a malformed request is answered at its headers: the client is told
+    to stop sending the body (STOP_SENDING) instead of uploading into an ignored stream."""
+    async with _gateway(tmp_path, ScriptedWorkerConnection()) as listener, h3_connect(listener.address[1]) as client:
+        sid = client._quic.get_next_available_stream_id()
+        client.h3.send_headers(sid, [(b":method", b"POST"), (b":scheme", b"https"), (b":authority", b"127.0.0.1"),
+                                     (b":path", b"no-slash"), (b"content-type", b"application/grpc-web")],
+                               end_stream=False)
+        resp = client.responses[sid] = H3Response(sid)
+        client.transmit()
+        await asyncio.wait_for(resp.done.wait(), 10)
+        assert resp.status == 400
+        async with asyncio.timeout(5):
+            while not resp.stop_sending:
+                await asyncio.sleep(0.01)
+        ok = await client.request("POST", GENERATE, frame(pb.GenerateRequest(
+            model="tiny", prompt="a", sampling=pb.Sampling(max_tokens=1)).SerializeToString()),
+            [(b"content-type", b"application/grpc-web")])
+        assert parse_body(ok.body, None).trailers == {"grpc-status": "0"}

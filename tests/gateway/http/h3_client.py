@@ -24,7 +24,7 @@ from aioquic.asyncio.protocol import QuicConnectionProtocol
 from aioquic.h3.connection import H3_ALPN, H3Connection
 from aioquic.h3.events import DataReceived, H3Event, HeadersReceived
 from aioquic.quic.configuration import QuicConfiguration
-from aioquic.quic.events import HandshakeCompleted, QuicEvent, StreamReset
+from aioquic.quic.events import HandshakeCompleted, QuicEvent, StopSendingReceived, StreamReset
 from aioquic.tls import SessionTicket
 
 from gateway.app import App
@@ -47,6 +47,7 @@ class H3Response:
     chunks: list[bytes] = field(default_factory=list)
     first_byte_at: float | None = None  # perf_counter of the first response DATA
     reset: bool = False
+    stop_sending: bool = False  # the server asked us to stop sending the request body
     done: asyncio.Event = field(default_factory=asyncio.Event)
     got_data: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -100,6 +101,10 @@ class H3Client(QuicConnectionProtocol):
         if isinstance(event, HandshakeCompleted):
             self.early_data_accepted = event.early_data_accepted
             self.session_resumed = event.session_resumed
+        elif isinstance(event, StopSendingReceived):
+            resp = self.responses.get(event.stream_id)
+            if resp is not None:
+                resp.stop_sending = True
         elif isinstance(event, StreamReset):
             resp = self.responses.get(event.stream_id)
             if resp is not None:
