@@ -60,6 +60,9 @@ class NativeServer:
         await self.listener.close()
 
 
+_UNBOUNDED = 1 << 62
+
+
 async def start_native(backend: Backend, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *,
                        reuse_port: bool = False, codecs: Codecs | None = None, max_message: int = 4 << 20,
                        limits: HttpLimits | None = None, write_timeout: float | None = None) -> NativeServer:
@@ -71,7 +74,11 @@ async def start_native(backend: Backend, host: str = "127.0.0.1", port: int = DE
         handlers.update(service.__mapping__())
     limits = limits or HttpLimits()
     route = NativeRoute(handlers, codecs or Codecs(), max_message, limits.body_timeout, write_timeout)
-    limits = replace(limits, max_body_bytes=max(limits.max_body_bytes, max_message + HEADER_SIZE))
+    # HTTP/1.1 reads a body whole before the route can answer 505: bound it by one message. Over
+    # HTTP/2 a call's body is read as it arrives, each message bounded by ``max_message`` and what is
+    # unread by flow control, so a long Chat is not capped in all.
+    limits = replace(limits, max_body_bytes=max(limits.max_body_bytes, max_message + HEADER_SIZE),
+                     max_streamed_body_bytes=_UNBOUNDED)
     listener = await start_listener(task_entrance(route), ListenerSpec("tcp", host, port, reuse_port=reuse_port),
                                     limits=limits, streams_body=route.streams_body)
     return NativeServer(listener, health, listener.port)

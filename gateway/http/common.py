@@ -55,6 +55,13 @@ class HttpLimits:
     max_pipelined: int = 16  # parsed-but-unanswered h1 requests before reading pauses
     linger_timeout: float = 2.0  # after an error response, drain input this long before closing
     send_buffer: int = 0  # SO_SNDBUF of accepted sockets (0: the kernel's autotuning, up to MBs a client)
+    # A body read as it arrives over HTTP/2 (Request.stream), in all; 0: max_body_bytes. What it holds
+    # unread is bounded by flow control, so a long bidi call (the gRPC port) may lift this.
+    max_streamed_body_bytes: int = 0
+
+    @property
+    def streamed_body_limit(self) -> int:
+        return self.max_streamed_body_bytes or self.max_body_bytes
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "max_header_bytes", "h2_max_concurrent_streams", "max_pipelined"):

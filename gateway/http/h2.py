@@ -163,7 +163,7 @@ class H2Protocol(StreamAdapter):
         if wants_stream is not None and not st.client_done:
             request = self._request(st, b"")
             if wants_stream(request):  # the call reads the body as it comes (full duplex)
-                st.body_stream = H2BodyStream(self._h2, st.id, self._schedule_flush, self._limits.max_body_bytes)
+                st.body_stream = H2BodyStream(self._h2, st.id, self._schedule_flush, self._limits.streamed_body_limit)
                 request.stream = st.body_stream
                 self._start(st, request)
 
