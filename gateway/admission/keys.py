@@ -11,6 +11,14 @@ stored key: finding a preimage is the whole point of SHA-256.) Revoking a key
 is deleting its line; :meth:`KeyStore.reload` (SIGHUP) or
 :meth:`KeyStore.maybe_reload` (mtime, clock passed in) picks the change up
 without a restart, and a broken file keeps the previous keys and reports why.
+
+Hashing costs a third of a microsecond per request, so the digests of
+recently presented tokens are cached (a bounded dict, cleared when full and
+on every reload). Those tokens thus stay in this process's memory a while, as
+the request buffers that carried them do; they are never logged, written or
+exposed, and the store itself still holds digests only. The cache maps a token
+to its digest and nothing else: whether the key is valid is still decided by
+the current records and ``compare_digest``, so revocation needs no purge.
 """
 
 from __future__ import annotations
@@ -172,13 +180,18 @@ def bearer_token(authorization: bytes | None) -> bytes | None:
 _MISSING = ("You didn't provide an API key. You need to provide your API key in an Authorization header "
             "using Bearer auth (i.e. Authorization: Bearer YOUR_KEY).")
 _INVALID = "Incorrect API key provided."
+_sha256 = hashlib.sha256
+_DIGESTS_MAX = 4096  # cached digests of presented tokens: valid and invalid alike, so a flood of bad keys
+# only costs its hashing again (the cache is cleared, never searched); revocation needs no purge: the
+# digest still has to be among the current records
+_compare = hmac.compare_digest
 
 
 class KeyStore:
     """Key records by digest; reloadable from ``path`` without a restart."""
 
     __slots__ = ("path", "_inline", "_by_digest", "_mtime", "_checked", "check_interval", "reloads",
-                 "reload_failures")
+                 "reload_failures", "next_check", "_digests")
 
     def __init__(self, inline: Iterable[str] = (), path: str = "",
                  check_interval: float = DEFAULT_CHECK_INTERVAL) -> None:
@@ -186,8 +199,10 @@ class KeyStore:
         self._inline = tuple(inline)
         self.check_interval = check_interval
         self._by_digest: dict[bytes, KeyRecord] = {}
+        self._digests: dict[bytes, bytes] = {}  # presented token -> its SHA-256 (bounded; in memory only)
         self._mtime: float | None = None
         self._checked = -float("inf")
+        self.next_check = -float("inf") if path else float("inf")  # when maybe_reload has work again
         self.reloads = self.reload_failures = 0
         problems = self.reload()
         if problems:
@@ -220,6 +235,7 @@ class KeyStore:
                         "; ".join(problems))
             return problems
         self._by_digest = {r.digest: r for r in records}
+        self._digests.clear()
         self.reloads += 1
         log.info("API keys loaded: %d (ids: %s)", len(records), ", ".join(sorted(r.id for r in records)))
         return []
@@ -229,6 +245,7 @@ class KeyStore:
         if not self.path or now - self._checked < self.check_interval:
             return []
         self._checked = now
+        self.next_check = now + self.check_interval
         try:
             mtime: float | None = os.stat(self.path).st_mtime
         except OSError:
@@ -237,12 +254,21 @@ class KeyStore:
 
     def authenticate(self, authorization: bytes | None) -> KeyRecord:
         """The record for the bearer key in ``authorization``, or a 401 in OpenAI's shape."""
-        token = bearer_token(authorization)
-        if token is None:
-            raise APIError(401, _MISSING, "invalid_request_error", None, None)
-        digest = hashlib.sha256(token).digest()
+        if authorization is not None and authorization[:7] == b"Bearer " and authorization[7:8] > b" " \
+                and authorization[-1] > 32:
+            token = authorization[7:]  # the usual form, already trimmed
+        else:
+            bearer = bearer_token(authorization)
+            if bearer is None:
+                raise APIError(401, _MISSING, "invalid_request_error", None, None)
+            token = bearer
+        digest = self._digests.get(token)
+        if digest is None:
+            if len(self._digests) >= _DIGESTS_MAX:
+                self._digests.clear()
+            digest = self._digests[token] = _sha256(token).digest()
         rec = self._by_digest.get(digest)
-        if rec is None or not hmac.compare_digest(rec.digest, digest):
+        if rec is None or not _compare(rec.digest, digest):
             raise APIError(401, _INVALID, "invalid_request_error", None, "invalid_api_key")
         return rec
 

@@ -109,7 +109,7 @@ class LoadShedder:
         st = self._pools.get(pool)
         outstanding = 0 if st is None else st.outstanding
         est = _NO_ESTIMATE if st is None else st.estimator
-        bound = self.bound(priority)
+        bound = self._bounds[priority] if 0 <= priority < self.classes else self.bound(priority)
         if outstanding >= bound:
             self.shed += 1
             raise APIError(503, f"The server is overloaded ({pool!r} is at its queue bound); retry shortly.",

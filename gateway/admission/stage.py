@@ -14,7 +14,7 @@ from __future__ import annotations
 from ..api.openai import prompt_estimate
 from ..api.params import GenerationRequest
 from ..http.types import Request
-from .gate import Admission, AdmissionContext, Grant
+from .gate import Admission, Grant
 
 __all__ = ["AdmissionStageAdapter", "PRIORITY_OF_TIER"]
 
@@ -31,10 +31,13 @@ class AdmissionStageAdapter:
         self.admission = admission
 
     def admit(self, req: Request, g: GenerationRequest, now: float) -> Grant:
-        client = req.client[0] if req.client is not None else None
-        ctx = AdmissionContext(req.header(b"authorization"), client, g.model, req.path, prompt_estimate(g),
-                               g.params.max_tokens, None, PRIORITY_OF_TIER.get(g.service_tier or "", None))
-        return self.admission.admit(ctx, now)
+        adm = self.admission
+        client = req.client
+        tier = g.service_tier
+        return adm.admit_request(req.header(b"authorization") if adm.auth_required else None,
+                                 None if client is None else client[0], g.model, req.path,
+                                 prompt_estimate(g) + g.params.max_tokens,
+                                 None if tier is None else PRIORITY_OF_TIER.get(tier), now)
 
     def headers(self, grant: object) -> tuple[tuple[bytes, bytes], ...]:
         assert isinstance(grant, Grant)

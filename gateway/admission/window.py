@@ -130,11 +130,26 @@ class SlidingWindowLimiter:
         return rem if rem > 0.0 else 0.0, self._last[-1] + self.window - now
 
     def try_take(self, cost: float, now: float) -> tuple[float, float, float]:
-        """:meth:`wait` then, if it is 0, :meth:`take`, in one call: (wait, remaining, reset_in)."""
+        """:meth:`wait` then, if it is 0, :meth:`take`, in one call: (wait, remaining, reset_in).
+
+        The hot path of every admission: written out (no nested call) for the usual case of an
+        admission in the newest slice."""
         if now >= self._horizon:
             self._expire(now)
         if cost > self.limit - self._total:
             return self.wait(cost, now), 0.0, 0.0
+        total = self._total + cost
+        ks = self._k
+        if ks and ks[-1] == now // self._width:  # float floor: equal to int(now // width) as a key
+            self._count[-1] += cost
+            last = self._last[-1]
+            if now > last:
+                self._last[-1] = last = now
+            self._total = total
+            if now > self._seen:
+                self._seen = now
+            rem = self.limit - total
+            return 0.0, rem if rem > 0.0 else 0.0, last + self.window - now
         rem, reset = self.take(cost, now)
         return 0.0, rem, reset
 
@@ -153,7 +168,13 @@ class SlidingWindowLimiter:
             self._expire(now)
         k = int(at // self._width)
         ks = self._k
-        for i in range(len(ks) - 1, -1, -1):  # newest first: a request's end is usually soon after it
+        if ks and ks[-1] == k:  # usually: the request ended in the slice it started in
+            count = self._count[-1]
+            new = count - amount if count > amount else 0.0
+            self._total += new - count
+            self._count[-1] = new
+            return
+        for i in range(len(ks) - 2, -1, -1):  # newest first: a request's end is usually soon after it
             if ks[i] == k:
                 new = max(0.0, self._count[i] - amount)
                 self._total += new - self._count[i]
