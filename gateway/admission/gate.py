@@ -5,11 +5,13 @@ first and that must not leave anything taken when a later one refuses:
 
 1. auth -- the bearer key's record (401), then its model allow-list (403);
 2. load shedding -- pool bound for the request's priority class, predicted
-   wait against the deadline (503), the key's concurrency cap (429); checked
-   only, nothing taken yet;
+   wait against the deadline (503), the key's concurrency cap (429); the slot
+   is taken in the same call (one dict lookup on the usual path);
 3. rate limits -- every matching rule on requests and on tokens (prompt +
-   max output, reserved), all-or-nothing (429 with ``x-ratelimit-*``);
-4. only then the shedding slot is taken and a :class:`Grant` returned.
+   max output, reserved), all-or-nothing (429 with ``x-ratelimit-*``); a
+   refusal gives the shedding slot back (``untake``: the wait estimate is
+   left as it was), so a refused request holds nothing;
+4. a :class:`Grant` returned.
 
 ``release`` settles the token reservation by the tokens actually used and
 frees the slot; a grant released twice is a bug in the caller and raises.
@@ -147,16 +149,19 @@ class Admission:
                 extra = self._key_steps(rec)
         if hint is not None and hint < priority:
             priority = hint
-        self.shedder.check(model, key_id, cap, priority, deadline)
+        capped = self.shedder.take(model, key_id, cap, priority, deadline, now)  # 503/429 with nothing held
         headers: Headers = ()
         reservation: Reservation | None = None
         if self._limited or extra:
-            r = self.limits.take((key_id, client, model, route), float(tokens), now, extra)
+            try:
+                r = self.limits.take((key_id, client, model, route), float(tokens), now, extra)
+            except APIError:  # a shared store that cannot decide (fail-closed)
+                self.shedder.untake(model, capped)
+                raise
             if isinstance(r, Verdict):
+                self.shedder.untake(model, capped)
                 raise refusal(r.wait, r.unit, render(r.requests, r.tokens))
             headers, reservation = r
-        capped = key_id if cap > 0 else None
-        self.shedder.enter(model, capped, now)  # checked above; nothing ran since
         self._outstanding += 1
         return Grant(key_id, priority, headers, reservation, model, capped, [False])
 

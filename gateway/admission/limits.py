@@ -153,10 +153,12 @@ class Verdict(NamedTuple):
     reservation: Reservation | None
 
 
-Step = tuple[int, str | None, LimiterTable, bool, tuple[bytes, bytes], RateRule]
+Step = tuple[int, str | None, LimiterTable, bool, tuple[bytes, bytes], float, tuple[bytes, bytes], RateRule]
 """One rule as the hot loop reads it: (index of its scope in the values tuple, the value it is
 limited to or None for every value, its limiter table, whether it counts tokens, its
-``x-ratelimit-limit-*`` header, the rule)."""
+``x-ratelimit-limit-*`` header, its window and the ``x-ratelimit-reset-*`` header of a window that
+resets in full -- what a sliding window answers whenever the request is its newest admission --,
+the rule)."""
 
 Admitted = tuple[Headers, Reservation | None]
 _INF = math.inf
@@ -164,8 +166,9 @@ _NO_PAIR = (b"", b"")
 
 
 def step(rule: RateRule, table: LimiterTable) -> Step:
-    return (SCOPES.index(rule.scope), None if rule.match == "*" else rule.match, table, rule.unit == "tokens",
-            limit_pair(rule.unit, rule.limit), rule)
+    tokens = rule.unit == "tokens"
+    return (SCOPES.index(rule.scope), None if rule.match == "*" else rule.match, table, tokens,
+            limit_pair(rule.unit, rule.limit), rule.window, reset_pair(rule.window, tokens), rule)
 
 
 class RateLimits:
@@ -191,10 +194,11 @@ class RateLimits:
         """
         req_rem = tok_rem = _INF
         req_reset = tok_reset = 0.0
-        req_pair = tok_pair = _NO_PAIR
+        req_pair = tok_pair = req_full = tok_full = _NO_PAIR
+        req_window = tok_window = 0.0
         held: tuple[Limiter, ...] = ()
         for s in (self._plan + extra) if extra else self._plan:
-            idx, match, table, on_tokens, pair, _ = s
+            idx, match, table, on_tokens, pair, window, full, _ = s
             value = values[idx]
             if value is None or (match is not None and match != value):
                 continue
@@ -215,17 +219,20 @@ class RateLimits:
             if on_tokens:
                 held += (lim,)
                 if rem < tok_rem:
-                    tok_rem, tok_reset, tok_pair = rem, reset, pair
+                    tok_rem, tok_reset, tok_pair, tok_window, tok_full = rem, reset, pair, window, full
             elif rem < req_rem:
-                req_rem, req_reset, req_pair = rem, reset, pair
+                req_rem, req_reset, req_pair, req_window, req_full = rem, reset, pair, window, full
         if req_rem != _INF:
+            req_r = req_full if req_reset == req_window else reset_pair(req_reset, False)
             if tok_rem != _INF:
-                h: Headers = (req_pair, (REMAINING_REQUESTS, b"%d" % req_rem), reset_pair(req_reset, False),
-                              tok_pair, (REMAINING_TOKENS, b"%d" % tok_rem), reset_pair(tok_reset, True))
+                h: Headers = (req_pair, (REMAINING_REQUESTS, b"%d" % req_rem), req_r, tok_pair,
+                              (REMAINING_TOKENS, b"%d" % tok_rem),
+                              tok_full if tok_reset == tok_window else reset_pair(tok_reset, True))
             else:
-                h = (req_pair, (REMAINING_REQUESTS, b"%d" % req_rem), reset_pair(req_reset, False))
+                h = (req_pair, (REMAINING_REQUESTS, b"%d" % req_rem), req_r)
         elif tok_rem != _INF:
-            h = (tok_pair, (REMAINING_TOKENS, b"%d" % tok_rem), reset_pair(tok_reset, True))
+            h = (tok_pair, (REMAINING_TOKENS, b"%d" % tok_rem),
+                 tok_full if tok_reset == tok_window else reset_pair(tok_reset, True))
         else:
             return _NOTHING
         return h, (Reservation(tokens, now, held) if held else None)
@@ -259,7 +266,7 @@ class RateLimits:
     def _refusal(self, values: Sequence[str | None], tokens: float, now: float,
                  extra: tuple[Step, ...]) -> Verdict:
         """A rule said no (nothing is held any more): the longest wait, and the headers' figures."""
-        picked = [(s[5], lim, tokens if s[3] else 1.0) for s, lim in self._matching(values, now, extra)]
+        picked = [(s[7], lim, tokens if s[3] else 1.0) for s, lim in self._matching(values, now, extra)]
         worst, unit = 0.0, ""
         for rule, lim, cost in picked:
             w = lim.wait(cost, now)

@@ -143,12 +143,13 @@ class SlidingWindowLimiter:
         if ks and ks[-1] == now // self._width:  # float floor: equal to int(now // width) as a key
             self._count[-1] += cost
             last = self._last[-1]
-            if now > last:
-                self._last[-1] = last = now
             self._total = total
             if now > self._seen:
                 self._seen = now
             rem = self.limit - total
+            if now >= last:  # the usual case: this is the newest admission, the window resets in full
+                self._last[-1] = now
+                return 0.0, rem if rem > 0.0 else 0.0, self.window
             return 0.0, rem if rem > 0.0 else 0.0, last + self.window - now
         rem, reset = self.take(cost, now)
         return 0.0, rem, reset

@@ -34,15 +34,21 @@ Validate = Callable[[str, str | None, Any], None]
 
 
 def prompt_estimate(g: GenerationRequest) -> int:
-    """Prompt tokens, estimated without a tokenizer (about 4 bytes of text a token)."""
+    """Prompt tokens, estimated without a tokenizer (about 4 bytes of text a token); worked out once
+    per request (admission and routing both ask)."""
+    n = g.prompt_tokens
+    if n >= 0:
+        return n
     if g.prompt_token_ids is not None:
-        return len(g.prompt_token_ids)
-    if g.prompt is not None:
-        return len(g.prompt) // 4 + 1
-    n = 0
-    for m in g.messages or ():
-        c = m.get("content")
-        n += (len(c) if isinstance(c, str) else 0) // 4 + 4
+        n = len(g.prompt_token_ids)
+    elif g.prompt is not None:
+        n = len(g.prompt) // 4 + 1
+    else:
+        n = 0
+        for m in g.messages or ():
+            c = m.get("content")
+            n += (len(c) if isinstance(c, str) else 0) // 4 + 4
+    g.prompt_tokens = n
     return n
 
 

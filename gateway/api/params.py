@@ -53,6 +53,7 @@ class GenerationRequest:
     deadline_ms: int = 0
     service_tier: str | None = None  # OpenAI's; admission reads it as a priority hint
     trace: dict[str, str] | None = None  # W3C trace context for the worker's spans (tracing on)
+    prompt_tokens: int = -1  # the prompt-size estimate, once worked out (openai.prompt_estimate); -1: not yet
 
     def make_submit(self, request_id: int) -> Submit:
         # A whole (non-streaming, no logprobs) response is delivered by the worker in one piece.

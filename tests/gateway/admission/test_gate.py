@@ -53,7 +53,8 @@ def test_refusal_takes_nothing() -> None:
     for i in range(20):
         with pytest.raises(APIError):
             adm.admit(_ctx(), 1.0 + i)
-    assert adm.outstanding() == 1
+    assert adm.outstanding() == 1 and adm.shedder.outstanding("tiny") == 1
+    assert adm.shedder.tracked() == (1, 0)
     free = Admission.from_settings(AdmissionSettings(limits=["client requests 100/1m"]))
     assert free.limits.check({"client": "10.0.0.1"}, 0.0, 30.0).wait == 0.0
     (limiter,) = [adm.limits._tables[0].get("10.0.0.1", 30.0)]
