@@ -82,6 +82,9 @@ class Grant(NamedTuple):
     released: list[bool]
 
 
+_new = tuple.__new__  # a NamedTuple without its Python-level __new__ (a frame per request saved)
+
+
 class Admission:
     """Auth + rate limits + load shedding for the request pipeline; sans-I/O, ``now`` passed in."""
 
@@ -163,7 +166,7 @@ class Admission:
                 raise refusal(r.wait, r.unit, render(r.requests, r.tokens))
             headers, reservation = r
         self._outstanding += 1
-        return Grant(key_id, priority, headers, reservation, model, capped, [False])
+        return _new(Grant, (key_id, priority, headers, reservation, model, capped, [False]))
 
     def release(self, grant: Grant, used_tokens: int, now: float) -> None:
         """At the request's end, exactly once: settle tokens by actual use, free the slot."""

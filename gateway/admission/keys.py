@@ -181,7 +181,7 @@ _MISSING = ("You didn't provide an API key. You need to provide your API key in 
             "using Bearer auth (i.e. Authorization: Bearer YOUR_KEY).")
 _INVALID = "Incorrect API key provided."
 _sha256 = hashlib.sha256
-_DIGESTS_MAX = 4096  # cached digests of presented tokens: valid and invalid alike, so a flood of bad keys
+_DIGESTS_MAX = 4096  # cached digests of presented keys: valid and invalid alike, so a flood of bad keys
 # only costs its hashing again (the cache is cleared, never searched); revocation needs no purge: the
 # digest still has to be among the current records
 _compare = hmac.compare_digest
@@ -199,7 +199,7 @@ class KeyStore:
         self._inline = tuple(inline)
         self.check_interval = check_interval
         self._by_digest: dict[bytes, KeyRecord] = {}
-        self._digests: dict[bytes, bytes] = {}  # presented token -> its SHA-256 (bounded; in memory only)
+        self._digests: dict[bytes, bytes] = {}  # Authorization value -> its token's SHA-256 (bounded)
         self._mtime: float | None = None
         self._checked = -float("inf")
         self.next_check = -float("inf") if path else float("inf")  # when maybe_reload has work again
@@ -254,19 +254,16 @@ class KeyStore:
 
     def authenticate(self, authorization: bytes | None) -> KeyRecord:
         """The record for the bearer key in ``authorization``, or a 401 in OpenAI's shape."""
-        if authorization is not None and authorization[:7] == b"Bearer " and authorization[7:8] > b" " \
-                and authorization[-1] > 32:
-            token = authorization[7:]  # the usual form, already trimmed
-        else:
-            bearer = bearer_token(authorization)
-            if bearer is None:
-                raise APIError(401, _MISSING, "invalid_request_error", None, None)
-            token = bearer
-        digest = self._digests.get(token)
+        if authorization is None:
+            raise APIError(401, _MISSING, "invalid_request_error", None, None)
+        digest = self._digests.get(authorization)  # by the header value as sent: no parsing when seen
         if digest is None:
+            token = bearer_token(authorization)
+            if token is None:
+                raise APIError(401, _MISSING, "invalid_request_error", None, None)
             if len(self._digests) >= _DIGESTS_MAX:
                 self._digests.clear()
-            digest = self._digests[token] = _sha256(token).digest()
+            digest = self._digests[authorization] = _sha256(token).digest()
         rec = self._by_digest.get(digest)
         if rec is None or not _compare(rec.digest, digest):
             raise APIError(401, _INVALID, "invalid_request_error", None, "invalid_api_key")

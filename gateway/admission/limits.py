@@ -162,6 +162,7 @@ the rule)."""
 
 Admitted = tuple[Headers, Reservation | None]
 _INF = math.inf
+_new = tuple.__new__  # a NamedTuple without its Python-level __new__ (a frame per request saved)
 _NO_PAIR = (b"", b"")
 
 
@@ -235,7 +236,7 @@ class RateLimits:
                  tok_full if tok_reset == tok_window else reset_pair(tok_reset, True))
         else:
             return _NOTHING
-        return h, (Reservation(tokens, now, held) if held else None)
+        return h, (_new(Reservation, (tokens, now, held)) if held else None)
 
     def check(self, values: dict[str, str | None], tokens: float, now: float,
               extra: Sequence[tuple[RateRule, LimiterTable, str]] = ()) -> Verdict:
