@@ -168,8 +168,11 @@ class Admission:
         self._outstanding += 1
         return _new(Grant, (key_id, priority, headers, reservation, model, capped, [False]))
 
-    def release(self, grant: Grant, used_tokens: int, now: float) -> None:
-        """At the request's end, exactly once: settle tokens by actual use, free the slot."""
+    def release(self, grant: object, used_tokens: int, now: float) -> None:
+        """At the request's end, exactly once: settle tokens by actual use, free the slot (``grant``:
+        what :meth:`admit` returned; typed ``object`` so the pipeline can call this directly)."""
+        if type(grant) is not Grant:
+            raise TypeError(f"not an admission grant: {grant!r}")
         released = grant.released
         if released[0]:
             raise RuntimeError("admission grant released twice")

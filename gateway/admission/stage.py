@@ -11,6 +11,10 @@ request's ``x-ratelimit-*`` headers go on its response.
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Callable
+from typing import cast
+
 from ..api.openai import prompt_estimate
 from ..api.params import GenerationRequest
 from ..http.types import Request
@@ -23,12 +27,18 @@ PRIORITY_OF_TIER = {"flex": 0, "default": 1, "auto": 1, "priority": 2}
 
 
 class AdmissionStageAdapter:
-    """``AdmissionStage`` over :class:`Admission`."""
+    """``AdmissionStage`` over :class:`Admission`. ``headers`` and ``release`` are the callables
+    themselves (a C item getter, the façade's bound method), not methods that forward: each forward
+    was a Python frame per request."""
 
-    __slots__ = ("admission",)
+    __slots__ = ("admission", "headers", "release")
 
     def __init__(self, admission: Admission) -> None:
         self.admission = admission
+        # (grant) -> its x-ratelimit-* headers
+        self.headers = cast(Callable[[object], tuple[tuple[bytes, bytes], ...]], operator.itemgetter(2))
+        assert Grant._fields[2] == "headers"
+        self.release: Callable[[object, int, float], None] = admission.release  # (grant, tokens, now), once
 
     def admit(self, req: Request, g: GenerationRequest, now: float) -> Grant:
         adm = self.admission
@@ -38,11 +48,3 @@ class AdmissionStageAdapter:
                                  None if client is None else client[0], g.model, req.path,
                                  prompt_estimate(g) + g.params.max_tokens,
                                  None if tier is None else PRIORITY_OF_TIER.get(tier), now)
-
-    def headers(self, grant: object) -> tuple[tuple[bytes, bytes], ...]:
-        assert isinstance(grant, Grant)
-        return grant.headers
-
-    def release(self, grant: object, completion_tokens: int, now: float) -> None:
-        assert isinstance(grant, Grant)
-        self.admission.release(grant, completion_tokens, now)
