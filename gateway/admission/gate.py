@@ -80,6 +80,7 @@ class Grant(NamedTuple):
     pool: str
     capped_key: str | None  # the key id when its concurrency is capped
     released: list[bool]
+    prompt: int  # the prompt-size estimate reserved with the output (release_completion adds it back)
 
 
 _new = tuple.__new__  # a NamedTuple without its Python-level __new__ (a frame per request saved)
@@ -124,14 +125,15 @@ class Admission:
 
     def admit(self, ctx: AdmissionContext, now: float) -> Grant:
         """A :class:`Grant`, or :class:`APIError` (401, 403, 429, 503) with nothing held."""
-        return self.admit_request(ctx.authorization, ctx.client, ctx.model, ctx.route,
-                                  ctx.prompt_tokens + ctx.max_tokens, ctx.priority, now, ctx.deadline)
+        return self.admit_request(ctx.authorization, ctx.client, ctx.model, ctx.route, ctx.prompt_tokens,
+                                  ctx.max_tokens, ctx.priority, now, ctx.deadline)
 
     def admit_request(self, authorization: bytes | None, client: str | None, model: str, route: str,
-                      tokens: int, hint: int | None, now: float, deadline: float | None = None) -> Grant:
+                      prompt: int, max_tokens: int, hint: int | None, now: float,
+                      deadline: float | None = None) -> Grant:
         """:meth:`admit` without building an :class:`AdmissionContext` (the pipeline's call):
-        ``tokens`` is the prompt estimate + the output tokens the request may generate, ``hint``
-        the request's priority hint."""
+        ``prompt`` the prompt-size estimate, ``max_tokens`` the output tokens the request may
+        generate (both are reserved on token rules), ``hint`` the request's priority hint."""
         key_id: str | None = None
         priority = self.default_priority
         cap = self.key_max_concurrency
@@ -157,7 +159,7 @@ class Admission:
         reservation: Reservation | None = None
         if self._limited or extra:
             try:
-                r = self.limits.take((key_id, client, model, route), float(tokens), now, extra)
+                r = self.limits.take((key_id, client, model, route), float(prompt + max_tokens), now, extra)
             except APIError:  # a shared store that cannot decide (fail-closed)
                 self.shedder.untake(model, capped)
                 raise
@@ -166,11 +168,18 @@ class Admission:
                 raise refusal(r.wait, r.unit, render(r.requests, r.tokens))
             headers, reservation = r
         self._outstanding += 1
-        return _new(Grant, (key_id, priority, headers, reservation, model, capped, [False]))
+        return _new(Grant, (key_id, priority, headers, reservation, model, capped, [False], prompt))
 
     def release(self, grant: object, used_tokens: int, now: float) -> None:
         """At the request's end, exactly once: settle tokens by actual use, free the slot (``grant``:
         what :meth:`admit` returned; typed ``object`` so the pipeline can call this directly)."""
+        if type(grant) is not Grant:
+            raise TypeError(f"not an admission grant: {grant!r}")
+        self.release_completion(grant, used_tokens - grant.prompt, now)
+
+    def release_completion(self, grant: object, completion_tokens: int, now: float) -> None:
+        """:meth:`release` told only the completion tokens (the pipeline's call): the use settled
+        is the reserved prompt estimate plus them."""
         if type(grant) is not Grant:
             raise TypeError(f"not an admission grant: {grant!r}")
         released = grant.released
@@ -180,7 +189,7 @@ class Admission:
         self._outstanding -= 1
         res = grant.reservation
         if res is not None:
-            over = res.reserved - used_tokens
+            over = res.reserved - grant.prompt - completion_tokens
             if over != 0.0:
                 for lim in res.limiters:
                     lim.refund(over, res.at, now)

@@ -38,13 +38,13 @@ class AdmissionStageAdapter:
         # (grant) -> its x-ratelimit-* headers
         self.headers = cast(Callable[[object], tuple[tuple[bytes, bytes], ...]], operator.itemgetter(2))
         assert Grant._fields[2] == "headers"
-        self.release: Callable[[object, int, float], None] = admission.release  # (grant, tokens, now), once
+        # (grant, completion tokens, now), once; the prompt estimate it reserved counts as used
+        self.release: Callable[[object, int, float], None] = admission.release_completion
 
     def admit(self, req: Request, g: GenerationRequest, now: float) -> Grant:
         adm = self.admission
         client = req.client
         tier = g.service_tier
         return adm.admit_request(req.header(b"authorization") if adm.auth_required else None,
-                                 None if client is None else client[0], g.model, req.path,
-                                 prompt_estimate(g) + g.params.max_tokens,
-                                 None if tier is None else PRIORITY_OF_TIER.get(tier), now)
+                                 None if client is None else client[0], g.model, req.path, prompt_estimate(g),
+                                 g.params.max_tokens, None if tier is None else PRIORITY_OF_TIER.get(tier), now)

@@ -163,7 +163,7 @@ def bench_stage(n: int) -> float:
 
             def one(adm: Admission = adm) -> None:
                 now = time.time()
-                adm.release(adm.admit_request(ctx.authorization, ctx.client, ctx.model, ctx.route, 84, None, now),
+                adm.release(adm.admit_request(ctx.authorization, ctx.client, ctx.model, ctx.route, 20, 64, None, now),
                             40, now)
 
             figures[name] = per_call_us(one, n)
@@ -173,7 +173,7 @@ def bench_stage(n: int) -> float:
         def everything() -> None:
             now = time.time()
             reg.validate(ctx.route, ctx.model, CHAT)
-            adm.release(adm.admit_request(ctx.authorization, ctx.client, ctx.model, ctx.route, 84, None, now),
+            adm.release(adm.admit_request(ctx.authorization, ctx.client, ctx.model, ctx.route, 20, 64, None, now),
                         40, now)
 
         figures["keys + 2 rules + schema (all on)"] = per_call_us(everything, n)
