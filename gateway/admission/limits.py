@@ -153,12 +153,13 @@ class Verdict(NamedTuple):
     reservation: Reservation | None
 
 
-Step = tuple[int, str | None, LimiterTable, bool, tuple[bytes, bytes], float, tuple[bytes, bytes], RateRule]
+Step = tuple[int, str | None, Callable[[str], "Limiter | None"], Callable[[str], None], LimiterTable, bool,
+             tuple[bytes, bytes], float, tuple[bytes, bytes], RateRule]
 """One rule as the hot loop reads it: (index of its scope in the values tuple, the value it is
-limited to or None for every value, its limiter table, whether it counts tokens, its
-``x-ratelimit-limit-*`` header, its window and the ``x-ratelimit-reset-*`` header of a window that
-resets in full -- what a sliding window answers whenever the request is its newest admission --,
-the rule)."""
+limited to or None for every value, its table's bound ``get`` and ``move_to_end``, the table,
+whether it counts tokens, its ``x-ratelimit-limit-*`` header, its window and the
+``x-ratelimit-reset-*`` header of a window that resets in full -- what a sliding window answers
+whenever the request is its newest admission --, the rule)."""
 
 Admitted = tuple[Headers, Reservation | None]
 _INF = math.inf
@@ -168,8 +169,9 @@ _NO_PAIR = (b"", b"")
 
 def step(rule: RateRule, table: LimiterTable) -> Step:
     tokens = rule.unit == "tokens"
-    return (SCOPES.index(rule.scope), None if rule.match == "*" else rule.match, table, tokens,
-            limit_pair(rule.unit, rule.limit), rule.window, reset_pair(rule.window, tokens), rule)
+    return (SCOPES.index(rule.scope), None if rule.match == "*" else rule.match, table.items.get,
+            table.items.move_to_end, table, tokens, limit_pair(rule.unit, rule.limit), rule.window,
+            reset_pair(rule.window, tokens), rule)
 
 
 class RateLimits:
@@ -199,16 +201,15 @@ class RateLimits:
         req_window = tok_window = 0.0
         held: tuple[Limiter, ...] = ()
         for s in (self._plan + extra) if extra else self._plan:
-            idx, match, table, on_tokens, pair, window, full, _ = s
+            idx, match, get, move_to_end, table, on_tokens, pair, window, full, _ = s
             value = values[idx]
             if value is None or (match is not None and match != value):
                 continue
-            items = table.items
-            lim = items.get(value)
+            lim = get(value)
             if lim is None:
                 lim = table.get(value, now)
             else:
-                items.move_to_end(value)
+                move_to_end(value)
             try:
                 w, rem, reset = lim.try_take(tokens if on_tokens else 1.0, now)  # optimistic: usually yes
             except APIError:  # a limiter that cannot decide (shared store down, fail-closed)
@@ -227,12 +228,12 @@ class RateLimits:
             req_r = req_full if req_reset == req_window else reset_pair(req_reset, False)
             if tok_rem != _INF:
                 h: Headers = (req_pair, (REMAINING_REQUESTS, b"%d" % req_rem), req_r, tok_pair,
-                              (REMAINING_TOKENS, b"%d" % tok_rem),
+                              (REMAINING_TOKENS, b"%d" % int(tok_rem)),
                               tok_full if tok_reset == tok_window else reset_pair(tok_reset, True))
             else:
                 h = (req_pair, (REMAINING_REQUESTS, b"%d" % req_rem), req_r)
         elif tok_rem != _INF:
-            h = (tok_pair, (REMAINING_TOKENS, b"%d" % tok_rem),
+            h = (tok_pair, (REMAINING_TOKENS, b"%d" % int(tok_rem)),
                  tok_full if tok_reset == tok_window else reset_pair(tok_reset, True))
         else:
             return _NOTHING
@@ -253,7 +254,7 @@ class RateLimits:
 
     def _matching(self, values: Sequence[str | None], now: float, extra: tuple[Step, ...]
                   ) -> list[tuple[Step, Limiter]]:
-        return [(s, s[2].get(values[s[0]], now)) for s in (self._plan + extra)  # type: ignore[arg-type]
+        return [(s, s[4].get(values[s[0]], now)) for s in (self._plan + extra)  # type: ignore[arg-type]
                 if values[s[0]] is not None and (s[1] is None or s[1] == values[s[0]])]
 
     def _undo(self, refused: Step, values: Sequence[str | None], tokens: float, now: float,
@@ -262,12 +263,12 @@ class RateLimits:
         for s, lim in self._matching(values, now, extra):
             if s is refused:
                 return
-            lim.untake(tokens if s[3] else 1.0, now)
+            lim.untake(tokens if s[5] else 1.0, now)
 
     def _refusal(self, values: Sequence[str | None], tokens: float, now: float,
                  extra: tuple[Step, ...]) -> Verdict:
         """A rule said no (nothing is held any more): the longest wait, and the headers' figures."""
-        picked = [(s[7], lim, tokens if s[3] else 1.0) for s, lim in self._matching(values, now, extra)]
+        picked = [(s[9], lim, tokens if s[5] else 1.0) for s, lim in self._matching(values, now, extra)]
         worst, unit = 0.0, ""
         for rule, lim, cost in picked:
             w = lim.wait(cost, now)
