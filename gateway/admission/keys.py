@@ -12,13 +12,15 @@ is deleting its line; :meth:`KeyStore.reload` (SIGHUP) or
 :meth:`KeyStore.maybe_reload` (mtime, clock passed in) picks the change up
 without a restart, and a broken file keeps the previous keys and reports why.
 
-Hashing costs a third of a microsecond per request, so the digests of
-recently presented tokens are cached (a bounded dict, cleared when full and
-on every reload). Those tokens thus stay in this process's memory a while, as
-the request buffers that carried them do; they are never logged, written or
-exposed, and the store itself still holds digests only. The cache maps a token
-to its digest and nothing else: whether the key is valid is still decided by
-the current records and ``compare_digest``, so revocation needs no purge.
+Hashing costs a third of a microsecond per request, so the digests of valid
+keys are cached by the Authorization value that carried them (a bounded dict
+of short values, cleared when full and on every reload; invalid keys are
+hashed every time, so garbage can neither fill nor flush it). Those values
+thus stay in this process's memory a while, as the request buffers that
+carried them do; they are never logged, written or exposed, and the store
+itself still holds digests only. The cache maps a value to its digest and
+nothing else: whether the key is valid is still decided by the current
+records and ``compare_digest``, so revocation needs no purge.
 """
 
 from __future__ import annotations
@@ -181,9 +183,9 @@ _MISSING = ("You didn't provide an API key. You need to provide your API key in 
             "using Bearer auth (i.e. Authorization: Bearer YOUR_KEY).")
 _INVALID = "Incorrect API key provided."
 _sha256 = hashlib.sha256
-_DIGESTS_MAX = 4096  # cached digests of presented keys: valid and invalid alike, so a flood of bad keys
-# only costs its hashing again (the cache is cleared, never searched); revocation needs no purge: the
-# digest still has to be among the current records
+_DIGESTS_MAX = 4096  # cached digests of valid keys (by Authorization value; cleared when full and on reload)
+_CACHED_MAX_LEN = 512  # longer Authorization values are hashed every time (the cache's memory stays small)
+# Revocation needs no purge: a cached digest still has to be among the current records.
 _compare = hmac.compare_digest
 
 
@@ -257,16 +259,19 @@ class KeyStore:
         if authorization is None:
             raise APIError(401, _MISSING, "invalid_request_error", None, None)
         digest = self._digests.get(authorization)  # by the header value as sent: no parsing when seen
+        cached = digest is not None
         if digest is None:
             token = bearer_token(authorization)
             if token is None:
                 raise APIError(401, _MISSING, "invalid_request_error", None, None)
-            if len(self._digests) >= _DIGESTS_MAX:
-                self._digests.clear()
-            digest = self._digests[authorization] = _sha256(token).digest()
+            digest = _sha256(token).digest()
         rec = self._by_digest.get(digest)
         if rec is None or not _compare(rec.digest, digest):
             raise APIError(401, _INVALID, "invalid_request_error", None, "invalid_api_key")
+        if not cached and len(authorization) <= _CACHED_MAX_LEN:  # valid keys only, short headers only:
+            if len(self._digests) >= _DIGESTS_MAX:  # garbage can neither fill the cache nor flush it
+                self._digests.clear()
+            self._digests[authorization] = digest
         return rec
 
 
