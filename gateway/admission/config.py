@@ -62,7 +62,7 @@ def parse_rule(text: str) -> RateRule:
 
 @dataclass(frozen=True, slots=True)
 class AdmissionSettings:
-    enabled: bool = True  # false: no admission stage and no schema check at all (benchmark baselines)
+    enabled: bool = True  # false: no stage, no extra schemas (baselines); the built-in schemas stay on
     auth: str = "auto"  # "auto" (on when any key is configured) | "on" | "off"
     keys: list[str] = field(default_factory=list)  # "id:sha256hex" (all models, default policy)
     keys_file: str = ""  # TOML [[keys]] or JSON lines; reloaded on SIGHUP and when its mtime changes

@@ -5,11 +5,13 @@ first and that must not leave anything taken when a later one refuses:
 
 1. auth -- the bearer key's record (401), then its model allow-list (403);
 2. load shedding -- pool bound for the request's priority class, predicted
-   wait against the deadline (503), the key's concurrency cap (429); checked
-   only, nothing taken yet;
+   wait against the deadline (503), the key's concurrency cap (429); the slot
+   is taken in the same call (one dict lookup on the usual path);
 3. rate limits -- every matching rule on requests and on tokens (prompt +
-   max output, reserved), all-or-nothing (429 with ``x-ratelimit-*``);
-4. only then the shedding slot is taken and a :class:`Grant` returned.
+   max output, reserved), all-or-nothing (429 with ``x-ratelimit-*``); a
+   refusal gives the shedding slot back (``untake``: the wait estimate is
+   left as it was), so a refused request holds nothing;
+4. a :class:`Grant` returned.
 
 ``release`` settles the token reservation by the tokens actually used and
 frees the slot; a grant released twice is a bug in the caller and raises.
@@ -19,7 +21,6 @@ spend local leases and a separate refresher keeps them topped up.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -34,10 +35,12 @@ from .limits import (
     RateLimits,
     RateRule,
     Reservation,
+    Step,
     Verdict,
-    format_reset,
     local_limiter,
+    step,
 )
+from .ratelimit_headers import Headers, refusal, render
 from .shed import DEFAULT_PRIORITY, LoadShedder
 
 __all__ = ["Admission", "AdmissionContext", "Grant"]
@@ -77,13 +80,17 @@ class Grant(NamedTuple):
     pool: str
     capped_key: str | None  # the key id when its concurrency is capped
     released: list[bool]
+    prompt: int  # the prompt-size estimate reserved with the output (release_completion adds it back)
+
+
+_new = tuple.__new__  # a NamedTuple without its Python-level __new__ (a frame per request saved)
 
 
 class Admission:
     """Auth + rate limits + load shedding for the request pipeline; sans-I/O, ``now`` passed in."""
 
     __slots__ = ("keys", "auth_required", "limits", "shedder", "default_priority", "key_max_concurrency",
-                 "_key_tables", "_max_keys", "_make", "_outstanding")
+                 "_key_tables", "_key_plans", "_max_keys", "_make", "_outstanding", "_limited")
 
     def __init__(self, keys: KeyStore | None, limits: RateLimits, shedder: LoadShedder, *,
                  auth_required: bool, default_priority: int = DEFAULT_PRIORITY, key_max_concurrency: int = 0,
@@ -98,6 +105,8 @@ class Admission:
         self.default_priority = default_priority
         self.key_max_concurrency = key_max_concurrency
         self._key_tables: dict[RateRule, LimiterTable] = {}  # per-key rules from key records
+        self._key_plans: dict[str, tuple[tuple[RateRule, ...], tuple[Step, ...]]] = {}  # by key id
+        self._limited = bool(limits.rules)
         self._max_keys = max_keys
         self._make = make
         self._outstanding = 0
@@ -116,39 +125,74 @@ class Admission:
 
     def admit(self, ctx: AdmissionContext, now: float) -> Grant:
         """A :class:`Grant`, or :class:`APIError` (401, 403, 429, 503) with nothing held."""
-        rec: KeyRecord | None = None
-        if self.auth_required:
-            assert self.keys is not None
-            self.keys.maybe_reload(now)
-            rec = self.keys.authenticate(ctx.authorization)
-            if not rec.allows(ctx.model):
-                raise APIError(403, f"This API key ({rec.id}) is not allowed to use the model '{ctx.model}'.",
-                               "invalid_request_error", "model", "model_not_allowed")
-        priority = self.default_priority if rec is None else rec.priority
-        if ctx.priority is not None and ctx.priority < priority:
-            priority = ctx.priority
-        key_id = None if rec is None else rec.id
-        cap = self.key_max_concurrency if rec is None or rec.max_concurrency == 0 else rec.max_concurrency
-        self.shedder.check(ctx.model, key_id, cap, priority, ctx.deadline)
-        extra = () if rec is None or not rec.limits else tuple(
-            (r, self._key_table(r), rec.id) for r in rec.limits)
-        values = {"key": key_id, "client": ctx.client, "model": ctx.model, "route": ctx.route}
-        verdict = self.limits.check(values, float(ctx.prompt_tokens + ctx.max_tokens), now, extra)
-        headers = _headers(verdict)
-        if verdict.wait > 0.0:
-            raise _refusal(verdict, headers)
-        capped = key_id if cap > 0 else None
-        self.shedder.enter(ctx.model, capped, now)  # checked above; nothing ran since
-        self._outstanding += 1
-        return Grant(key_id, priority, headers, verdict.reservation, ctx.model, capped, [False])
+        return self.admit_request(ctx.authorization, ctx.client, ctx.model, ctx.route, ctx.prompt_tokens,
+                                  ctx.max_tokens, ctx.priority, now, ctx.deadline)
 
-    def release(self, grant: Grant, used_tokens: int, now: float) -> None:
-        """At the request's end, exactly once: settle tokens by actual use, free the slot."""
-        if grant.released[0]:
+    def admit_request(self, authorization: bytes | None, client: str | None, model: str, route: str,
+                      prompt: int, max_tokens: int, hint: int | None, now: float,
+                      deadline: float | None = None) -> Grant:
+        """:meth:`admit` without building an :class:`AdmissionContext` (the pipeline's call):
+        ``prompt`` the prompt-size estimate, ``max_tokens`` the output tokens the request may
+        generate (both are reserved on token rules), ``hint`` the request's priority hint."""
+        key_id: str | None = None
+        priority = self.default_priority
+        cap = self.key_max_concurrency
+        extra: tuple[Step, ...] = ()
+        if self.auth_required:
+            keys = self.keys
+            assert keys is not None
+            if now >= keys.next_check:
+                keys.maybe_reload(now)
+            rec = keys.authenticate(authorization)
+            if rec.models and model not in rec.models:
+                raise APIError(403, f"This API key ({rec.id}) is not allowed to use the model '{model}'.",
+                               "invalid_request_error", "model", "model_not_allowed")
+            key_id, priority = rec.id, rec.priority
+            if rec.max_concurrency:
+                cap = rec.max_concurrency
+            if rec.limits:
+                extra = self._key_steps(rec)
+        if hint is not None and hint < priority:
+            priority = hint
+        capped = self.shedder.take(model, key_id, cap, priority, deadline, now)  # 503/429 with nothing held
+        headers: Headers = ()
+        reservation: Reservation | None = None
+        if self._limited or extra:
+            try:
+                r = self.limits.take((key_id, client, model, route), float(prompt + max_tokens), now, extra)
+            except APIError:  # a shared store that cannot decide (fail-closed)
+                self.shedder.untake(model, capped)
+                raise
+            if isinstance(r, Verdict):
+                self.shedder.untake(model, capped)
+                raise refusal(r.wait, r.unit, render(r.requests, r.tokens))
+            headers, reservation = r
+        self._outstanding += 1
+        return _new(Grant, (key_id, priority, headers, reservation, model, capped, [False], prompt))
+
+    def release(self, grant: object, used_tokens: int, now: float) -> None:
+        """At the request's end, exactly once: settle tokens by actual use, free the slot (``grant``:
+        what :meth:`admit` returned; typed ``object`` so the pipeline can call this directly)."""
+        if type(grant) is not Grant:
+            raise TypeError(f"not an admission grant: {grant!r}")
+        self.release_completion(grant, used_tokens - grant.prompt, now)
+
+    def release_completion(self, grant: object, completion_tokens: int, now: float) -> None:
+        """:meth:`release` told only the completion tokens (the pipeline's call): the use settled
+        is the reserved prompt estimate plus them."""
+        if type(grant) is not Grant:
+            raise TypeError(f"not an admission grant: {grant!r}")
+        released = grant.released
+        if released[0]:
             raise RuntimeError("admission grant released twice")
-        grant.released[0] = True
+        released[0] = True
         self._outstanding -= 1
-        RateLimits.settle(grant.reservation, float(used_tokens), now)
+        res = grant.reservation
+        if res is not None:
+            over = res.reserved - grant.prompt - completion_tokens
+            if over != 0.0:
+                for lim in res.limiters:
+                    lim.refund(over, res.at, now)
         self.shedder.leave(grant.pool, grant.capped_key, now)
 
     def reload_keys(self) -> list[str]:
@@ -158,54 +202,19 @@ class Admission:
     def outstanding(self) -> int:
         return self._outstanding
 
+    def _key_steps(self, rec: KeyRecord) -> tuple[Step, ...]:
+        """The plan steps of a key's own rules, built once per key record."""
+        cached = self._key_plans.get(rec.id)
+        if cached is not None and cached[0] is rec.limits:
+            return cached[1]
+        if len(self._key_plans) > self._max_keys:
+            self._key_plans.clear()
+        steps = tuple(step(r, self._key_table(r)) for r in rec.limits)
+        self._key_plans[rec.id] = (rec.limits, steps)
+        return steps
+
     def _key_table(self, rule: RateRule) -> LimiterTable:
         table = self._key_tables.get(rule)
         if table is None:
             table = self._key_tables[rule] = LimiterTable(lambda value: self._make(rule, value), self._max_keys)
         return table
-
-
-_H_REQ = (b"x-ratelimit-limit-requests", b"x-ratelimit-remaining-requests", b"x-ratelimit-reset-requests")
-_H_TOK = (b"x-ratelimit-limit-tokens", b"x-ratelimit-remaining-tokens", b"x-ratelimit-reset-tokens")
-_LIMITS: dict[tuple[bytes, float], tuple[bytes, bytes]] = {}  # the limit header pair, per rule limit
-
-
-def _limit_pair(name: bytes, limit: float) -> tuple[bytes, bytes]:
-    pair = _LIMITS.get((name, limit))
-    if pair is None:
-        if len(_LIMITS) > 4096:
-            _LIMITS.clear()
-        pair = _LIMITS[(name, limit)] = (name, b"%d" % limit)
-    return pair
-_RESETS: dict[int, bytes] = {}  # reset text by its resolution step: ms below a minute, s above
-
-
-def _reset_text(seconds: float) -> bytes:
-    step = math.ceil(seconds * 1000) if seconds < 60.0 else -math.ceil(seconds)
-    text = _RESETS.get(step)
-    if text is None:
-        if len(_RESETS) > 8192:
-            _RESETS.clear()
-        text = _RESETS[step] = format_reset(seconds).encode()
-    return text
-
-
-def _headers(v: Verdict) -> tuple[tuple[bytes, bytes], ...]:
-    req, tok = v.requests, v.tokens
-    if req is None and tok is None:
-        return ()
-    out: tuple[tuple[bytes, bytes], ...] = ()
-    if req is not None:
-        out = (_limit_pair(_H_REQ[0], req[0]), (_H_REQ[1], b"%d" % req[1]), (_H_REQ[2], _reset_text(req[2])))
-    if tok is not None:
-        out += (_limit_pair(_H_TOK[0], tok[0]), (_H_TOK[1], b"%d" % tok[1]), (_H_TOK[2], _reset_text(tok[2])))
-    return out
-
-
-def _refusal(v: Verdict, headers: tuple[tuple[bytes, bytes], ...]) -> APIError:
-    if math.isinf(v.wait):
-        return APIError(429, f"Request too large: it needs more {v.unit} than the limit allows in a whole "
-                        "window; lower max_tokens or the prompt.", v.unit, None, "rate_limit_exceeded", None,
-                        headers)
-    return APIError(429, f"Rate limit reached for {v.unit}; retry in {v.wait:.3g} s.", v.unit, None,
-                    "rate_limit_exceeded", v.wait, headers)

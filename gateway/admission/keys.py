@@ -11,6 +11,16 @@ stored key: finding a preimage is the whole point of SHA-256.) Revoking a key
 is deleting its line; :meth:`KeyStore.reload` (SIGHUP) or
 :meth:`KeyStore.maybe_reload` (mtime, clock passed in) picks the change up
 without a restart, and a broken file keeps the previous keys and reports why.
+
+Hashing costs a third of a microsecond per request, so the digests of valid
+keys are cached by the Authorization value that carried them (a bounded dict
+of short values, cleared when full and on every reload; invalid keys are
+hashed every time, so garbage can neither fill nor flush it). Those values
+thus stay in this process's memory a while, as the request buffers that
+carried them do; they are never logged, written or exposed, and the store
+itself still holds digests only. The cache maps a value to its digest and
+nothing else: whether the key is valid is still decided by the current
+records and ``compare_digest``, so revocation needs no purge.
 """
 
 from __future__ import annotations
@@ -172,13 +182,18 @@ def bearer_token(authorization: bytes | None) -> bytes | None:
 _MISSING = ("You didn't provide an API key. You need to provide your API key in an Authorization header "
             "using Bearer auth (i.e. Authorization: Bearer YOUR_KEY).")
 _INVALID = "Incorrect API key provided."
+_sha256 = hashlib.sha256
+_DIGESTS_MAX = 4096  # cached digests of valid keys (by Authorization value; cleared when full and on reload)
+_CACHED_MAX_LEN = 512  # longer Authorization values are hashed every time (the cache's memory stays small)
+# Revocation needs no purge: a cached digest still has to be among the current records.
+_compare = hmac.compare_digest
 
 
 class KeyStore:
     """Key records by digest; reloadable from ``path`` without a restart."""
 
     __slots__ = ("path", "_inline", "_by_digest", "_mtime", "_checked", "check_interval", "reloads",
-                 "reload_failures")
+                 "reload_failures", "next_check", "_digests")
 
     def __init__(self, inline: Iterable[str] = (), path: str = "",
                  check_interval: float = DEFAULT_CHECK_INTERVAL) -> None:
@@ -186,8 +201,10 @@ class KeyStore:
         self._inline = tuple(inline)
         self.check_interval = check_interval
         self._by_digest: dict[bytes, KeyRecord] = {}
+        self._digests: dict[bytes, bytes] = {}  # Authorization value -> its token's SHA-256 (bounded)
         self._mtime: float | None = None
         self._checked = -float("inf")
+        self.next_check = -float("inf") if path else float("inf")  # when maybe_reload has work again
         self.reloads = self.reload_failures = 0
         problems = self.reload()
         if problems:
@@ -220,6 +237,7 @@ class KeyStore:
                         "; ".join(problems))
             return problems
         self._by_digest = {r.digest: r for r in records}
+        self._digests.clear()
         self.reloads += 1
         log.info("API keys loaded: %d (ids: %s)", len(records), ", ".join(sorted(r.id for r in records)))
         return []
@@ -229,6 +247,7 @@ class KeyStore:
         if not self.path or now - self._checked < self.check_interval:
             return []
         self._checked = now
+        self.next_check = now + self.check_interval
         try:
             mtime: float | None = os.stat(self.path).st_mtime
         except OSError:
@@ -237,13 +256,22 @@ class KeyStore:
 
     def authenticate(self, authorization: bytes | None) -> KeyRecord:
         """The record for the bearer key in ``authorization``, or a 401 in OpenAI's shape."""
-        token = bearer_token(authorization)
-        if token is None:
+        if authorization is None:
             raise APIError(401, _MISSING, "invalid_request_error", None, None)
-        digest = hashlib.sha256(token).digest()
+        digest = self._digests.get(authorization)  # by the header value as sent: no parsing when seen
+        cached = digest is not None
+        if digest is None:
+            token = bearer_token(authorization)
+            if token is None:
+                raise APIError(401, _MISSING, "invalid_request_error", None, None)
+            digest = _sha256(token).digest()
         rec = self._by_digest.get(digest)
-        if rec is None or not hmac.compare_digest(rec.digest, digest):
+        if rec is None or not _compare(rec.digest, digest):
             raise APIError(401, _INVALID, "invalid_request_error", None, "invalid_api_key")
+        if not cached and len(authorization) <= _CACHED_MAX_LEN:  # valid keys only, short headers only:
+            if len(self._digests) >= _DIGESTS_MAX:  # garbage can neither fill the cache nor flush it
+                self._digests.clear()
+            self._digests[authorization] = digest
         return rec
 
 

@@ -23,11 +23,19 @@ from typing import NamedTuple
 from ..errors import APIError
 from .bucket import TokenBucketLimiter
 from .limiter import Limiter
+from .ratelimit_headers import (
+    REMAINING_REQUESTS,
+    REMAINING_TOKENS,
+    Headers,
+    format_reset,
+    limit_pair,
+    reset_pair,
+)
 from .window import DEFAULT_SLICES, SlidingWindowLimiter
 
 __all__ = [
-    "RateRule", "LimiterTable", "RateLimits", "Reservation", "Verdict", "SCOPES", "UNITS",
-    "local_limiter", "format_reset", "DEFAULT_MAX_KEYS",
+    "RateRule", "LimiterTable", "RateLimits", "Reservation", "Verdict", "Step", "Admitted", "SCOPES", "UNITS",
+    "local_limiter", "format_reset", "step", "DEFAULT_MAX_KEYS",
 ]
 
 SCOPES = ("key", "client", "model", "route")
@@ -84,32 +92,32 @@ def local_limiter(rule: RateRule, value: str) -> Limiter:
 class LimiterTable:
     """Limiters by scope value, at most ``max_keys``; idle ones are dropped first, then the LRU."""
 
-    __slots__ = ("_make", "_max", "_items", "evicted_busy")
+    __slots__ = ("_make", "_max", "items", "evicted_busy")
 
     def __init__(self, make: Callable[[str], Limiter], max_keys: int = DEFAULT_MAX_KEYS) -> None:
         if max_keys < 1:
             raise ValueError("max_keys must be >= 1")
         self._make = make
         self._max = max_keys
-        self._items: OrderedDict[str, Limiter] = OrderedDict()
+        self.items: OrderedDict[str, Limiter] = OrderedDict()
         self.evicted_busy = 0  # limiters dropped while still counting (their clients got a fresh window)
 
     def get(self, value: str, now: float) -> Limiter:
-        lim = self._items.get(value)
+        lim = self.items.get(value)
         if lim is not None:
-            self._items.move_to_end(value)
+            self.items.move_to_end(value)
             return lim
         self._sweep(now)
-        if len(self._items) >= self._max:
-            _, old = self._items.popitem(last=False)
+        if len(self.items) >= self._max:
+            _, old = self.items.popitem(last=False)
             if not old.idle(now):
                 self.evicted_busy += 1
-        lim = self._items[value] = self._make(value)
+        lim = self.items[value] = self._make(value)
         return lim
 
     def _sweep(self, now: float, budget: int = 8) -> None:
         """Drop up to ``budget`` idle limiters from the LRU end: amortised, no timer."""
-        items = self._items
+        items = self.items
         while budget and items:
             value, lim = next(iter(items.items()))
             if not lim.idle(now):
@@ -118,7 +126,7 @@ class LimiterTable:
             budget -= 1
 
     def __len__(self) -> int:
-        return len(self._items)
+        return len(self.items)
 
 
 class Reservation(NamedTuple):
@@ -131,13 +139,11 @@ class Reservation(NamedTuple):
 
 
 class Verdict(NamedTuple):
-    """The outcome of :meth:`RateLimits.check`: ``wait`` 0 means admitted.
-
-    A NamedTuple rather than a frozen dataclass: one is built per request on the hot path, and a
-    frozen dataclass's ``__init__`` (one ``object.__setattr__`` per field) costs several times more.
+    """A refusal (``wait`` > 0), or what :meth:`RateLimits.check` answers; ``wait`` 0 means admitted.
 
     ``requests`` and ``tokens`` are the tightest (limit, remaining, reset seconds) of each unit,
-    for OpenAI's ``x-ratelimit-*`` headers; ``None`` when no rule of that unit applied.
+    for OpenAI's ``x-ratelimit-*`` headers; ``None`` when no rule of that unit applied (and in
+    :meth:`RateLimits.check`'s answer for an admitted request: :meth:`RateLimits.take` renders them).
     """
 
     wait: float
@@ -147,8 +153,29 @@ class Verdict(NamedTuple):
     reservation: Reservation | None
 
 
+Step = tuple[int, str | None, Callable[[str], "Limiter | None"], Callable[[str], None], LimiterTable, bool,
+             tuple[bytes, bytes], float, tuple[bytes, bytes], RateRule]
+"""One rule as the hot loop reads it: (index of its scope in the values tuple, the value it is
+limited to or None for every value, its table's bound ``get`` and ``move_to_end``, the table,
+whether it counts tokens, its ``x-ratelimit-limit-*`` header, its window and the
+``x-ratelimit-reset-*`` header of a window that resets in full -- what a sliding window answers
+whenever the request is its newest admission --, the rule)."""
+
+Admitted = tuple[Headers, Reservation | None]
+_INF = math.inf
+_new = tuple.__new__  # a NamedTuple without its Python-level __new__ (a frame per request saved)
+_NO_PAIR = (b"", b"")
+
+
+def step(rule: RateRule, table: LimiterTable) -> Step:
+    tokens = rule.unit == "tokens"
+    return (SCOPES.index(rule.scope), None if rule.match == "*" else rule.match, table.items.get,
+            table.items.move_to_end, table, tokens, limit_pair(rule.unit, rule.limit), rule.window,
+            reset_pair(rule.window, tokens), rule)
+
+
 class RateLimits:
-    """Every rule's limiters; ``check`` admits all-or-nothing, ``settle`` corrects tokens."""
+    """Every rule's limiters; ``take`` admits all-or-nothing, ``settle`` corrects tokens."""
 
     __slots__ = ("rules", "_tables", "_plan")
 
@@ -156,54 +183,92 @@ class RateLimits:
                  max_keys: int = DEFAULT_MAX_KEYS) -> None:
         self.rules = tuple(rules)
         self._tables = tuple(LimiterTable(_bind(make, r), max_keys) for r in self.rules)
-        # what the hot loop needs per rule, without attribute lookups
-        self._plan = tuple((r.scope, r.match, r, t) for r, t in zip(self.rules, self._tables, strict=True))
+        self._plan = tuple(step(r, t) for r, t in zip(self.rules, self._tables, strict=True))
+
+    def take(self, values: Sequence[str | None], tokens: float, now: float,
+             extra: tuple[Step, ...] = ()) -> Admitted | Verdict:
+        """Admit one request of ``tokens`` (prompt + max output) if every matching rule allows it:
+        its ``x-ratelimit-*`` headers and token reservation; else the refusal :class:`Verdict`, with
+        nothing taken anywhere.
+
+        ``values`` holds this request's value of each scope in :data:`SCOPES` order (``None``: the
+        scope does not apply). ``extra`` adds steps, e.g. a key's own limits. Nothing is allocated
+        per rule but the limiter's answer: the tightest rule of each unit is tracked in locals.
+        """
+        req_rem = tok_rem = _INF
+        req_reset = tok_reset = 0.0
+        req_pair = tok_pair = req_full = tok_full = _NO_PAIR
+        req_window = tok_window = 0.0
+        held: tuple[Limiter, ...] = ()
+        for s in (self._plan + extra) if extra else self._plan:
+            idx, match, get, move_to_end, table, on_tokens, pair, window, full, _ = s
+            value = values[idx]
+            if value is None or (match is not None and match != value):
+                continue
+            lim = get(value)
+            if lim is None:
+                lim = table.get(value, now)
+            else:
+                move_to_end(value)
+            try:
+                w, rem, reset = lim.try_take(tokens if on_tokens else 1.0, now)  # optimistic: usually yes
+            except APIError:  # a limiter that cannot decide (shared store down, fail-closed)
+                self._undo(s, values, tokens, now, extra)
+                raise
+            if w > 0.0:
+                self._undo(s, values, tokens, now, extra)
+                return self._refusal(values, tokens, now, extra)
+            if on_tokens:
+                held += (lim,)
+                if rem < tok_rem:
+                    tok_rem, tok_reset, tok_pair, tok_window, tok_full = rem, reset, pair, window, full
+            elif rem < req_rem:
+                req_rem, req_reset, req_pair, req_window, req_full = rem, reset, pair, window, full
+        if req_rem != _INF:
+            req_r = req_full if req_reset == req_window else reset_pair(req_reset, False)
+            if tok_rem != _INF:
+                h: Headers = (req_pair, (REMAINING_REQUESTS, b"%d" % req_rem), req_r, tok_pair,
+                              (REMAINING_TOKENS, b"%d" % int(tok_rem)),
+                              tok_full if tok_reset == tok_window else reset_pair(tok_reset, True))
+            else:
+                h = (req_pair, (REMAINING_REQUESTS, b"%d" % req_rem), req_r)
+        elif tok_rem != _INF:
+            h = (tok_pair, (REMAINING_TOKENS, b"%d" % int(tok_rem)),
+                 tok_full if tok_reset == tok_window else reset_pair(tok_reset, True))
+        else:
+            return _NOTHING
+        return h, (_new(Reservation, (tokens, now, held)) if held else None)
 
     def check(self, values: dict[str, str | None], tokens: float, now: float,
               extra: Sequence[tuple[RateRule, LimiterTable, str]] = ()) -> Verdict:
-        """Admit one request of ``tokens`` (prompt + max output) if every matching rule allows it.
+        """:meth:`take` with the scopes by name and a :class:`Verdict` either way (tests, benchmarks).
 
-        ``values`` maps each scope to this request's value (``None``: the scope does not apply).
-        ``extra`` adds (rule, table, value) triples, e.g. a key's own limits.
+        ``extra`` adds (rule, table, value) triples of scope ``key``; ``values["key"]`` is their value.
         """
-        taken: list[tuple[Limiter, float]] = []
-        held: list[Limiter] = []
-        req: tuple[float, float, float] | None = None
-        tok: tuple[float, float, float] | None = None
-        todo = [(rule, table, value) for scope, match, rule, table in self._plan
-                if (value := values.get(scope)) is not None and (match == "*" or match == value)]
-        todo += extra
-        for rule, table, value in todo:
-            lim = table.get(value, now)
-            on_tokens = rule.unit == "tokens"
-            cost = tokens if on_tokens else 1.0
-            try:
-                w, rem, reset = lim.try_take(cost, now)  # optimistic: the usual answer is yes
-            except APIError:  # a limiter that cannot decide (shared store down, fail-closed)
-                for done, c in taken:
-                    done.untake(c, now)
-                raise
-            if w > 0.0:
-                return self._refuse(taken, todo, tokens, now)
-            taken.append((lim, cost))
-            if on_tokens:
-                held.append(lim)
-                if tok is None or rem < tok[1]:
-                    tok = (rule.limit, rem, reset)
-            elif req is None or rem < req[1]:
-                req = (rule.limit, rem, reset)
-        if not taken:
-            return _NOTHING
-        return Verdict(0.0, "", req, tok, Reservation(tokens, now, tuple(held)) if held else None)
+        if extra:
+            values = {**values, "key": extra[0][2]}
+        r = self.take(tuple(values.get(sc) for sc in SCOPES), tokens, now, tuple(step(x[0], x[1]) for x in extra))
+        if isinstance(r, Verdict):
+            return r
+        return Verdict(0.0, "", None, None, r[1])
 
-    @staticmethod
-    def _refuse(taken: list[tuple[Limiter, float]], todo: list[tuple[RateRule, LimiterTable, str]],
-                tokens: float, now: float) -> Verdict:
-        """A rule said no: undo what was taken, then work out the longest wait and the headers."""
-        for lim, cost in taken:
-            lim.untake(cost, now)
-        picked = [(rule, table.get(value, now), tokens if rule.unit == "tokens" else 1.0)
-                  for rule, table, value in todo]
+    def _matching(self, values: Sequence[str | None], now: float, extra: tuple[Step, ...]
+                  ) -> list[tuple[Step, Limiter]]:
+        return [(s, s[4].get(values[s[0]], now)) for s in (self._plan + extra)  # type: ignore[arg-type]
+                if values[s[0]] is not None and (s[1] is None or s[1] == values[s[0]])]
+
+    def _undo(self, refused: Step, values: Sequence[str | None], tokens: float, now: float,
+              extra: tuple[Step, ...]) -> None:
+        """Give back what the steps before ``refused`` took from their limiters."""
+        for s, lim in self._matching(values, now, extra):
+            if s is refused:
+                return
+            lim.untake(tokens if s[5] else 1.0, now)
+
+    def _refusal(self, values: Sequence[str | None], tokens: float, now: float,
+                 extra: tuple[Step, ...]) -> Verdict:
+        """A rule said no (nothing is held any more): the longest wait, and the headers' figures."""
+        picked = [(s[9], lim, tokens if s[5] else 1.0) for s, lim in self._matching(values, now, extra)]
         worst, unit = 0.0, ""
         for rule, lim, cost in picked:
             w = lim.wait(cost, now)
@@ -244,16 +309,4 @@ def _tightest(picked: list[tuple[RateRule, Limiter, float]], now: float
     return req, tok
 
 
-_NOTHING = Verdict(0.0, "", None, None, None)
-
-
-def format_reset(seconds: float) -> str:
-    """OpenAI's duration form for ``x-ratelimit-reset-*``: ``20ms``, ``1.5s``, ``6m0s``, ``1h2m3s``."""
-    if seconds < 1.0:
-        return f"{max(0, math.ceil(seconds * 1000))}ms"
-    if seconds < 60.0:
-        return f"{math.ceil(seconds * 1000) / 1000:g}s"
-    total = math.ceil(seconds)
-    h, rem = divmod(total, 3600)
-    m, s = divmod(rem, 60)
-    return f"{h}h{m}m{s}s" if h else f"{m}m{s}s"
+_NOTHING: Admitted = ((), None)

@@ -24,7 +24,7 @@ log = logging.getLogger("quicserve.admission")
 @dataclass(slots=True)
 class AdmissionParts:
     stage: AdmissionStageAdapter | None  # None: admission off ([admission] enabled = false)
-    schemas: SchemaRegistry | None
+    schemas: SchemaRegistry | None  # None: the built-in schemas only (params.py checks them itself)
     leases: RedisLeases | None  # run() as a task while serving; close() at shutdown
     warning: str | None  # say it loudly at startup
 

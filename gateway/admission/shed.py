@@ -109,7 +109,7 @@ class LoadShedder:
         st = self._pools.get(pool)
         outstanding = 0 if st is None else st.outstanding
         est = _NO_ESTIMATE if st is None else st.estimator
-        bound = self.bound(priority)
+        bound = self._bounds[priority] if 0 <= priority < self.classes else self.bound(priority)
         if outstanding >= bound:
             self.shed += 1
             raise APIError(503, f"The server is overloaded ({pool!r} is at its queue bound); retry shortly.",
@@ -124,6 +124,38 @@ class LoadShedder:
             self.shed += 1
             raise APIError(429, f"Too many concurrent requests for this key (limit {key_cap}).",
                            "requests", None, "rate_limit_exceeded", max(est.wait(1), _MIN_RETRY))
+
+    def take(self, pool: str, key_id: str | None, key_cap: int, priority: int, deadline: float | None,
+             now: float) -> str | None:
+        """:meth:`check` and :meth:`enter` in one call (the admission hot path); returns the
+        ``capped_key`` to :meth:`leave` with. :meth:`untake` gives the slot back if a later check
+        refuses the request."""
+        st = self._pools.get(pool)
+        if st is None or st.outstanding >= self._bounds[0] or deadline is not None or key_cap > 0 \
+                or not 0 <= priority < self.classes:  # anything but the plain case: the general path
+            self.check(pool, key_id, key_cap, priority, deadline)
+            capped = key_id if key_cap > 0 else None
+            self.enter(pool, capped, now)
+            return capped
+        # an existing pool below even the lowest class's bound, no deadline, no key cap: admitted
+        est = st.estimator
+        if st.outstanding == 0:
+            est._busy_since = now
+        st.outstanding += 1
+        return None
+
+    def untake(self, pool: str, capped_key: str | None) -> None:
+        """Undo the :meth:`take` just made (nothing completed: the wait estimate is left as it was)."""
+        st = self._pools[pool]
+        st.outstanding -= 1
+        if st.outstanding == 0:
+            st.estimator._busy_since = None
+        if capped_key is not None:
+            held = self._per_key[capped_key] - 1
+            if held > 0:
+                self._per_key[capped_key] = held
+            else:
+                del self._per_key[capped_key]
 
     def admit(self, pool: str, key_id: str | None, key_cap: int, priority: int, deadline: float | None,
               now: float) -> ShedTicket:
@@ -153,8 +185,17 @@ class LoadShedder:
         """Free what :meth:`enter` took."""
         st = self._pools.get(pool)
         if st is not None and st.outstanding > 0:
-            st.outstanding -= 1
-            st.estimator.completed(now, st.outstanding)
+            n = st.outstanding = st.outstanding - 1
+            est = st.estimator  # WaitEstimator.completed, written out: this runs once per request
+            since, last = est._busy_since, est._last
+            est._last = now
+            if since is not None:  # (not busy: no sample)
+                sample = now - (last if last > since else since)
+                if sample > 0.0:
+                    gap = est.gap
+                    est.gap = sample if gap is None else gap + est.alpha * (sample - gap)
+            if n == 0:
+                est._busy_since = None
         if capped_key is not None:
             held = self._per_key.get(capped_key, 0) - 1
             if held > 0:

@@ -11,10 +11,14 @@ request's ``x-ratelimit-*`` headers go on its response.
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Callable
+from typing import cast
+
 from ..api.openai import prompt_estimate
 from ..api.params import GenerationRequest
 from ..http.types import Request
-from .gate import Admission, AdmissionContext, Grant
+from .gate import Admission, Grant
 
 __all__ = ["AdmissionStageAdapter", "PRIORITY_OF_TIER"]
 
@@ -23,23 +27,24 @@ PRIORITY_OF_TIER = {"flex": 0, "default": 1, "auto": 1, "priority": 2}
 
 
 class AdmissionStageAdapter:
-    """``AdmissionStage`` over :class:`Admission`."""
+    """``AdmissionStage`` over :class:`Admission`. ``headers`` and ``release`` are the callables
+    themselves (a C item getter, the façade's bound method), not methods that forward: each forward
+    was a Python frame per request."""
 
-    __slots__ = ("admission",)
+    __slots__ = ("admission", "headers", "release")
 
     def __init__(self, admission: Admission) -> None:
         self.admission = admission
+        # (grant) -> its x-ratelimit-* headers
+        self.headers = cast(Callable[[object], tuple[tuple[bytes, bytes], ...]], operator.itemgetter(2))
+        assert Grant._fields[2] == "headers"
+        # (grant, completion tokens, now), once; the prompt estimate it reserved counts as used
+        self.release: Callable[[object, int, float], None] = admission.release_completion
 
     def admit(self, req: Request, g: GenerationRequest, now: float) -> Grant:
-        client = req.client[0] if req.client is not None else None
-        ctx = AdmissionContext(req.header(b"authorization"), client, g.model, req.path, prompt_estimate(g),
-                               g.params.max_tokens, None, PRIORITY_OF_TIER.get(g.service_tier or "", None))
-        return self.admission.admit(ctx, now)
-
-    def headers(self, grant: object) -> tuple[tuple[bytes, bytes], ...]:
-        assert isinstance(grant, Grant)
-        return grant.headers
-
-    def release(self, grant: object, completion_tokens: int, now: float) -> None:
-        assert isinstance(grant, Grant)
-        self.admission.release(grant, completion_tokens, now)
+        adm = self.admission
+        client = req.client
+        tier = g.service_tier
+        return adm.admit_request(req.header(b"authorization") if adm.auth_required else None,
+                                 None if client is None else client[0], g.model, req.path, prompt_estimate(g),
+                                 g.params.max_tokens, None if tier is None else PRIORITY_OF_TIER.get(tier), now)

@@ -48,9 +48,15 @@ DEFAULT_SLICES = 100
 
 
 class SlidingWindowLimiter:
-    """At most ``limit`` units in any ``window`` seconds; sans-I/O, ``now`` passed in."""
+    """At most ``limit`` units in any ``window`` seconds; sans-I/O, ``now`` passed in.
 
-    __slots__ = ("limit", "window", "slices", "_width", "_k", "_count", "_last", "_total", "_seen", "_horizon")
+    Layout: the newest slice holding admissions lives in three plain slots (key, count, latest
+    admission), the older ones in three deques, oldest first. Nearly every decision lands in the
+    newest slice, so the hot path touches this one object and no deque.
+    """
+
+    __slots__ = ("limit", "window", "slices", "_width", "_k", "_count", "_last", "_hk", "_hc", "_hl", "_total",
+                 "_seen", "_horizon")
 
     def __init__(self, limit: float, window: float, slices: int = DEFAULT_SLICES) -> None:
         if not limit > 0:
@@ -63,8 +69,11 @@ class SlidingWindowLimiter:
         self.window = float(window)
         self.slices = slices
         self._width = self.window / slices
-        # Only slices that hold admissions, oldest first: memory follows activity, not ``slices``.
-        self._k: deque[int] = deque()
+        # Only slices that hold admissions: memory follows activity, not ``slices``.
+        self._hk: int | None = None  # the newest one (None: no slice holds anything)
+        self._hc = 0.0
+        self._hl = -math.inf
+        self._k: deque[int] = deque()  # the older ones, oldest first
         self._count: deque[float] = deque()
         self._last: deque[float] = deque()
         self._total = 0.0
@@ -82,9 +91,16 @@ class SlidingWindowLimiter:
             self._total -= counts.popleft()
         if ks:
             self._horizon = min(lasts[0] + self.window, (ks[0] + self.slices + 1) * self._width)
-        else:
+            return
+        hk = self._hk
+        if hk is not None and (hk < oldest_k or self._hl <= start):
+            self._hk, self._hc, self._hl = None, 0.0, -math.inf
+            hk = None
+        if hk is None:
             self._total = 0.0  # no float residue once empty
             self._horizon = math.inf
+        else:
+            self._horizon = min(self._hl + self.window, (hk + self.slices + 1) * self._width)
 
     def used(self, now: float) -> float:
         """Units counted against the window at ``now`` (never below the true number)."""
@@ -107,41 +123,61 @@ class SlidingWindowLimiter:
             free += count
             if cost <= free:
                 return max(last + self.window - now, 0.0) or math.ulp(now)
+        if self._hk is not None and cost <= free + self._hc:
+            return max(self._hl + self.window - now, 0.0) or math.ulp(now)
         return self.window  # unreachable while counts are non-negative; a safe upper bound
 
     def take(self, cost: float, now: float) -> tuple[float, float]:
         """Record ``cost`` units admitted at ``now`` (the caller checked :meth:`wait` at this ``now``,
         which expired the old slices); returns :meth:`status` after it."""
         k = int(now // self._width)
-        if self._k and self._k[-1] == k:
-            self._count[-1] += cost
-            if now > self._last[-1]:
-                self._last[-1] = now
+        hk = self._hk
+        if hk == k:
+            self._hc += cost
+            if now > self._hl:
+                self._hl = now
         else:
-            if not self._k:
+            if hk is None:
                 self._horizon = min(now + self.window, (k + self.slices + 1) * self._width)
-            self._k.append(k)
-            self._count.append(cost)
-            self._last.append(now)
+            else:  # a new slice: the newest one joins the older ones
+                self._k.append(hk)
+                self._count.append(self._hc)
+                self._last.append(self._hl)
+            self._hk, self._hc, self._hl = k, cost, now
         self._total += cost
         if now > self._seen:
             self._seen = now
         rem = self.limit - self._total
-        return rem if rem > 0.0 else 0.0, self._last[-1] + self.window - now
+        return rem if rem > 0.0 else 0.0, self._hl + self.window - now
 
     def try_take(self, cost: float, now: float) -> tuple[float, float, float]:
-        """:meth:`wait` then, if it is 0, :meth:`take`, in one call: (wait, remaining, reset_in)."""
+        """:meth:`wait` then, if it is 0, :meth:`take`, in one call: (wait, remaining, reset_in).
+
+        The hot path of every admission, written out (no nested call, no deque) for the usual
+        case: an admission in the newest slice."""
         if now >= self._horizon:
             self._expire(now)
-        if cost > self.limit - self._total:
+        total = self._total
+        if cost > self.limit - total:
             return self.wait(cost, now), 0.0, 0.0
+        if self._hk == now // self._width:  # float floor: equal to int(now // width) as a key
+            self._hc += cost
+            self._total = total = total + cost
+            if now > self._seen:
+                self._seen = now
+            rem = self.limit - total
+            last = self._hl
+            if now >= last:  # the usual case: this is the newest admission, the window resets in full
+                self._hl = now
+                return 0.0, rem if rem > 0.0 else 0.0, self.window
+            return 0.0, rem if rem > 0.0 else 0.0, last + self.window - now
         rem, reset = self.take(cost, now)
         return 0.0, rem, reset
 
     def untake(self, cost: float, now: float) -> None:
         """Undo the :meth:`take` just made at ``now`` (another rule refused the request)."""
-        if self._k and self._k[-1] == int(now // self._width):
-            self._count[-1] -= cost
+        if self._hk == int(now // self._width):
+            self._hc -= cost
             self._total -= cost
 
     def refund(self, amount: float, at: float, now: float) -> None:
@@ -152,6 +188,12 @@ class SlidingWindowLimiter:
         if now >= self._horizon:
             self._expire(now)
         k = int(at // self._width)
+        if self._hk == k:  # usually: the request ended in the slice it started in
+            count = self._hc
+            new = count - amount if count > amount else 0.0
+            self._total += new - count
+            self._hc = new
+            return
         ks = self._k
         for i in range(len(ks) - 1, -1, -1):  # newest first: a request's end is usually soon after it
             if ks[i] == k:
@@ -165,13 +207,13 @@ class SlidingWindowLimiter:
     def reset_in(self, now: float) -> float:
         """Seconds until the window is empty again (OpenAI's ``x-ratelimit-reset-*``)."""
         self._expire(now)
-        return max(0.0, self._last[-1] + self.window - now) if self._last else 0.0
+        return max(0.0, self._hl + self.window - now) if self._hk is not None else 0.0
 
     def status(self, now: float) -> tuple[float, float]:
         """(remaining, reset_in) after one expiry pass."""
         if now >= self._horizon:
             self._expire(now)
-        reset = self._last[-1] + self.window - now if self._last else 0.0
+        reset = self._hl + self.window - now if self._hk is not None else 0.0
         return max(0.0, self.limit - self._total), max(0.0, reset)
 
     def idle(self, now: float) -> bool:

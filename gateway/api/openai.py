@@ -29,19 +29,26 @@ MODELS_ROUTE = "/v1/models"
 Parser = Callable[..., GenerationRequest]
 Validate = Callable[[str, str | None, Any], None]
 """A compiled JSON Schema check of a parsed body: (route, model, body), raising a 400 APIError
-(``gateway.admission.schema.SchemaRegistry.validate``)."""
+(``gateway.admission.schema.SchemaRegistry.validate``). It must include the route's built-in schema
+(the registry's always does): params.py then skips its own run of it."""
 
 
 def prompt_estimate(g: GenerationRequest) -> int:
-    """Prompt tokens, estimated without a tokenizer (about 4 bytes of text a token)."""
+    """Prompt tokens, estimated without a tokenizer (about 4 bytes of text a token); worked out once
+    per request (admission and routing both ask)."""
+    n = g.prompt_tokens
+    if n >= 0:
+        return n
     if g.prompt_token_ids is not None:
-        return len(g.prompt_token_ids)
-    if g.prompt is not None:
-        return len(g.prompt) // 4 + 1
-    n = 0
-    for m in g.messages or ():
-        c = m.get("content")
-        n += (len(c) if isinstance(c, str) else 0) // 4 + 4
+        n = len(g.prompt_token_ids)
+    elif g.prompt is not None:
+        n = len(g.prompt) // 4 + 1
+    else:
+        n = 0
+        for m in g.messages or ():
+            c = m.get("content")
+            n += (len(c) if isinstance(c, str) else 0) // 4 + 4
+    g.prompt_tokens = n
     return n
 
 
@@ -57,15 +64,20 @@ class OpenAIApi:
         self.validate = validate
 
     def parse(self, parse: Parser, req: Request) -> GenerationRequest:
-        """Parse the JSON once, check it against the route's compiled schema (the model's too), then
-        what a schema cannot say (``params``)."""
+        """Parse the JSON once, check it against the compiled schemas of its kind (built-in, plus the
+        operator's for the route and the model when admission is on), then what a schema cannot say
+        (``params``). The schemas are picked by the parser, not ``req.path``: a gRPC call is checked
+        as the OpenAI body it is turned into."""
         try:
             d = parse_json_body(req.body)
-            if self.validate is not None:
+            validate = self.validate
+            if validate is not None:
                 model = d.get("model")
-                self.validate(req.path, model if type(model) is str else None, d)
+                validate(CHAT_ROUTE if parse is parse_chat else COMPLETIONS_ROUTE,
+                         model if type(model) is str else None, d)
             return parse(d, default_max_tokens=self.api.default_max_tokens,
-                         max_tokens_limit=self.api.max_tokens_limit, deadline_ms=self._deadline_ms)
+                         max_tokens_limit=self.api.max_tokens_limit, deadline_ms=self._deadline_ms,
+                         schema_checked=validate is not None)
         except APIError:
             # Only now, off the success path: a compressed body fails to parse, and "not valid JSON"
             # would send its sender looking in the wrong place.

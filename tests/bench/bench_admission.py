@@ -8,12 +8,17 @@
 * Limiter decisions per second: a local sliding window, and Redis-leased (a
   real ``redis-server`` started here on loopback, its renewal loop running),
   each against the same offered load, half refused.
-* The admission stage per request: each part alone, then ``admit`` +
-  schema + ``release`` with keys, two rate rules and shedding on, and that
-  against the gateway's own per-request path (``bench_gateway_path``'s
-  non-streaming chat) measured in the same run: the share it would add.
+* The admission stage per request in a warm loop: each part alone, then
+  ``admit`` + schema + ``release`` with keys, two rate rules and shedding on.
+* The done-when figure of #18: gateway CPU per non-streaming request with
+  keys + limits + schema on against admission off, both through the in-process
+  gateway of ``bench_gateway_path`` (h1 parser, app, pool, transport, writer)
+  in the same run, alternating rounds (process CPU: other processes on a
+  shared host do not count); the median of the per-round ratios against the
+  +15% target. (A warm loop flatters the stage: inside the gateway its code
+  and data are cold at every request, and it costs about twice as much.)
 
-    .venv/bin/python -m tests.bench.bench_admission [--n 20000] [--rounds 100]
+    .venv/bin/python -m tests.bench.bench_admission [--n 20000] [--rounds 400] [--only-pipeline]
 """
 
 from __future__ import annotations
@@ -131,9 +136,12 @@ def bench_limiters(n: int) -> None:
           f"{trips} round trips)   {rrate / rate:.2f}x local")
 
 
+BENCH_KEY = "sk-bench-0123456789"
+
+
 def bench_stage(n: int) -> float:
     """Per request: each part alone, then all of it; returns the all-on figure (µs)."""
-    key = "sk-bench-0123456789"
+    key = BENCH_KEY
     with tempfile.TemporaryDirectory() as tmp:
         f = Path(tmp) / "keys.toml"
         f.write_text(f'[[keys]]\nid = "bench"\nsha256 = "{hash_key(key)}"\nmodels = ["tiny"]\n')
@@ -148,14 +156,15 @@ def bench_stage(n: int) -> float:
         }
         reg = SchemaRegistry()
         ctx = AdmissionContext(b"Bearer " + key.encode(), "10.0.0.1", "tiny", "/v1/chat/completions", 20, 64)
-        print("admission stage per request, CPU µs (admit + release; schema where named):")
+        print("admission stage per request, warm loop, CPU µs (admit + release; schema where named):")
         figures = {}
         for name, settings in parts.items():
             adm = Admission.from_settings(settings)
 
             def one(adm: Admission = adm) -> None:
                 now = time.time()
-                adm.release(adm.admit(ctx, now), 40, now)
+                adm.release(adm.admit_request(ctx.authorization, ctx.client, ctx.model, ctx.route, 20, 64, None, now),
+                            40, now)
 
             figures[name] = per_call_us(one, n)
         figures["schema alone"] = per_call_us(lambda: reg.validate(ctx.route, ctx.model, CHAT), n)
@@ -164,7 +173,8 @@ def bench_stage(n: int) -> float:
         def everything() -> None:
             now = time.time()
             reg.validate(ctx.route, ctx.model, CHAT)
-            adm.release(adm.admit(ctx, now), 40, now)
+            adm.release(adm.admit_request(ctx.authorization, ctx.client, ctx.model, ctx.route, 20, 64, None, now),
+                        40, now)
 
         figures["keys + 2 rules + schema (all on)"] = per_call_us(everything, n)
     for name, us in figures.items():
@@ -172,31 +182,90 @@ def bench_stage(n: int) -> float:
     return figures["keys + 2 rules + schema (all on)"]
 
 
-def bench_gateway_share(stage_us: float, rounds: int) -> None:
-    """The stage against the gateway's own per-request path (bench_gateway_path), same run."""
+def _stage_settings(keys_file: str) -> AdmissionSettings:
+    """Keys + two rate rules (requests per key, tokens per model) + shedding: admission all on."""
+    return AdmissionSettings(keys_file=keys_file, limits=["key requests 100000000/1m", "model tokens 1e12/1m"])
+
+
+async def _pipeline_ab(rounds: int, concurrency: int, keys_file: str) -> dict[str, list[float]]:
+    """Gateway CPU µs per non-streaming request, admission all on and all off, alternating rounds."""
+    from gateway.admission.setup import build_admission
+    from gateway.app import App
+    from gateway.http.common import HttpLimits, ServerState
+    from gateway.http.h1 import H1Protocol
+    from gateway.loadgen import chat_request
+    from gateway.observability.metrics import GatewayMetrics
+    from gateway.settings import ApiSettings
+
+    from .bench_gateway_path import _FakeTransport, _round, _setup
+
+    off_app, conn, worker, sink, off = await _setup(concurrency)  # App(pool): admission None
+    parts = build_admission(_stage_settings(keys_file), "127.0.0.1")
+    assert parts.stage is not None and parts.schemas is not None
+    on_app = App(off_app.pool, GatewayMetrics(), ApiSettings(), admission=parts.stage,
+                 validate=parts.schemas.validate)
+    state = ServerState(on_app.handle, HttpLimits(), None)
+    on = []
+    for _ in range(concurrency):
+        proto = H1Protocol(state)
+        tr = _FakeTransport()
+        proto.connection_made(tr)
+        on.append((proto, tr))
+    # the same bytes for both sides (the key is read only where keys are on)
+    req = chat_request("127.0.0.1", 8080, stream=False, max_tokens=16, api_key=BENCH_KEY)
+    sides = {"off": off, "on": on}
+    for _ in range(max(5, rounds // 10)):
+        for clients in sides.values():
+            await _round(req, conn, worker, sink, clients, True)
+    out: dict[str, list[float]] = {"off": [], "on": []}
+    for r in range(rounds):
+        for name in (("off", "on") if r % 2 == 0 else ("on", "off")):
+            out[name].append(await _round(req, conn, worker, sink, sides[name], True) / concurrency * 1e6)
+    return out
+
+
+def bench_pipeline(rounds: int, concurrency: int = 32) -> float:
+    """The done-when figure of #18: gateway CPU per non-streaming request (bench_gateway_path's
+    in-process gateway, c=32, 16 tokens) with keys + 2 rate rules + shedding + the extra-schema
+    registry on, against [admission] off (the built-in schemas are checked either way), same run,
+    alternating rounds. Returns the median of the per-round ratios."""
     import statistics
 
     import uvloop
 
-    from gateway.loadgen import chat_request
+    from gateway.serve import tune_gc
 
-    from .bench_gateway_path import _scenario
-
-    xs = uvloop.run(_scenario(chat_request("127.0.0.1", 8080, stream=False, max_tokens=16), 32, rounds, True))
-    path = statistics.median(xs)
-    print(f"gateway path, non-streaming chat (bench_gateway_path): {path:.1f} µs/request; admission all on "
-          f"adds {stage_us:.1f} µs = +{stage_us / path:.0%} (target <= +15%)")
+    tune_gc()
+    with tempfile.TemporaryDirectory() as tmp:
+        f = Path(tmp) / "keys.toml"
+        f.write_text(f'[[keys]]\nid = "bench"\nsha256 = "{hash_key(BENCH_KEY)}"\nmodels = ["tiny"]\n')
+        xs = uvloop.run(_pipeline_ab(rounds, concurrency, str(f)))
+    ratios = [b / a for a, b in zip(xs["off"], xs["on"], strict=True)]
+    ratio = statistics.median(ratios)
+    print(f"gateway CPU per non-streaming request (in-process path, c={concurrency}, {rounds} alternating rounds):")
+    for name in ("off", "on"):
+        v = xs[name]
+        q = statistics.quantiles(v, n=10)
+        print(f"  admission {name:<4}{statistics.median(v):8.1f} µs median  {min(v):7.1f} best  "
+              f"p10 {q[0]:.1f}  p90 {q[-1]:.1f}")
+    best = min(xs["on"]) / min(xs["off"])
+    verdict = "meets" if ratio <= 1.15 else "misses"
+    print(f"  on/off: {ratio:.3f} (median of per-round ratios), {best:.3f} (best/best); "
+          f"+{ratio - 1:.0%}: {verdict} the <= +15% target")
+    return ratio
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--n", type=int, default=20000)
-    ap.add_argument("--rounds", type=int, default=100, help="bench_gateway_path rounds for the baseline")
+    ap.add_argument("--rounds", type=int, default=400, help="alternating rounds of the in-process gateway A/B")
+    ap.add_argument("--only-pipeline", action="store_true", help="only the on/off gateway figure")
     args = ap.parse_args()
-    bench_schemas(args.n)
-    bench_limiters(args.n * 5)
-    stage = bench_stage(args.n)
-    bench_gateway_share(stage, args.rounds)
+    if not args.only_pipeline:
+        bench_schemas(args.n)
+        bench_limiters(args.n * 5)
+        bench_stage(args.n)
+    bench_pipeline(args.rounds)
 
 
 if __name__ == "__main__":

@@ -53,7 +53,8 @@ def test_refusal_takes_nothing() -> None:
     for i in range(20):
         with pytest.raises(APIError):
             adm.admit(_ctx(), 1.0 + i)
-    assert adm.outstanding() == 1
+    assert adm.outstanding() == 1 and adm.shedder.outstanding("tiny") == 1
+    assert adm.shedder.tracked() == (1, 0)
     free = Admission.from_settings(AdmissionSettings(limits=["client requests 100/1m"]))
     assert free.limits.check({"client": "10.0.0.1"}, 0.0, 30.0).wait == 0.0
     (limiter,) = [adm.limits._tables[0].get("10.0.0.1", 30.0)]
@@ -126,3 +127,16 @@ def test_buckets_cannot_be_shared_in_redis() -> None:
     problems = []
     AdmissionSettings(limits=["key requests 10/1s bucket"])._validate(problems)
     assert problems == []
+
+
+def test_pipeline_release_counts_the_prompt() -> None:
+    """The pipeline knows only the completion tokens at the end: the reserved prompt estimate stays
+    counted (before, it was refunded with the unused output, so token rules counted completions only)."""
+    adm = Admission.from_settings(AdmissionSettings(limits=["model tokens 1000/1s"]))
+    g = adm.admit_request(None, "10.0.0.1", "tiny", "/v1/chat/completions", 100, 300, None, 0.0)
+    assert dict(g.headers)[b"x-ratelimit-remaining-tokens"] == b"600"
+    adm.release_completion(g, 50, 0.1)  # 100 prompt + 50 completion used
+    g2 = adm.admit_request(None, "10.0.0.1", "tiny", "/v1/chat/completions", 0, 1, None, 0.2)
+    assert dict(g2.headers)[b"x-ratelimit-remaining-tokens"] == b"849"
+    with pytest.raises(RuntimeError, match="twice"):
+        adm.release(g, 150, 0.3)

@@ -163,3 +163,20 @@ def test_auth_off_admits_anonymous() -> None:
     assert g.key_id is None and g.priority == AdmissionSettings().default_priority
     with pytest.raises(ValueError):
         Admission.from_settings(AdmissionSettings(auth="on"))
+
+
+def test_digest_cache_holds_valid_short_keys_only() -> None:
+    """The digest cache saves hashing for keys seen before; garbage is not cached (no flooding), long
+    values are not cached (bounded memory), and a revoked key fails though its digest was cached."""
+    store = KeyStore([f"good:{hash_key('sk-good')}"])
+    assert store.authenticate(b"Bearer sk-good").id == "good"
+    assert store.authenticate(b"Bearer sk-good").id == "good"  # from the cache
+    for i in range(100):
+        with pytest.raises(APIError):
+            store.authenticate(b"Bearer sk-bad-%d" % i)
+    assert list(store._digests) == [b"Bearer sk-good"]
+    store._inline = ()  # revoke: the inline key is gone at the next reload
+    store.reload()
+    with pytest.raises(APIError) as e:
+        store.authenticate(b"Bearer sk-good")
+    assert e.value.status == 401
