@@ -49,6 +49,8 @@ class Codec(Protocol):
     name: str
     #: Bytes every compressed output has at least: shorter inputs cannot shrink.
     overhead: int
+    #: Messages up to this size go uncompressed without trying (at least ``overhead``).
+    min_size: int
 
     def compress(self, data: bytes) -> bytes: ...
 
@@ -61,8 +63,9 @@ class GzipCodec:
     name = "gzip"
     overhead = 18  # 10-byte gzip header + CRC32 and size trailer
 
-    def __init__(self, level: int = 6) -> None:
+    def __init__(self, level: int = 6, min_size: int = 0) -> None:
         self.level = level
+        self.min_size = max(self.overhead, min_size)
 
     def compress(self, data: bytes) -> bytes:
         return zlib.compress(data, self.level, wbits=31)
@@ -84,8 +87,9 @@ class ZstdCodec:
     name = "zstd"
     overhead = 8  # 4-byte magic, frame header descriptor, 3-byte block header
 
-    def __init__(self, level: int = 3) -> None:
+    def __init__(self, level: int = 3, min_size: int = 0) -> None:
         self.level = level
+        self.min_size = max(self.overhead, min_size)
         self._compressor = zstandard.ZstdCompressor(level=level)
         self._decompressor = zstandard.ZstdDecompressor()
 
@@ -116,8 +120,10 @@ _ZSTD_STEP = 128
 
 
 def encode_message(payload: bytes, codec: Codec | None) -> bytes:
-    """One message frame, compressed (flag 0x01) only when that makes it smaller."""
-    if codec is not None and len(payload) > codec.overhead:
+    """One message frame, compressed (flag 0x01) only when that makes it smaller. Messages up to
+    the codec's ``min_size`` are not tried: a streamed token's delta is a few bytes, which no codec
+    shrinks, and trying costs more CPU per stream than the rest of the message's path."""
+    if codec is not None and len(payload) > codec.min_size:
         packed = codec.compress(payload)
         if len(packed) < len(payload):
             return encode_frame(FLAG_COMPRESSED, packed)
@@ -145,8 +151,9 @@ class UnsupportedEncoding:
 class Codecs:
     """The codecs this server offers, built once from its settings (levels)."""
 
-    def __init__(self, zstd_level: int = 3, gzip_level: int = 6) -> None:
-        self._by_name: dict[str, Codec] = {"zstd": ZstdCodec(zstd_level), "gzip": GzipCodec(gzip_level)}
+    def __init__(self, zstd_level: int = 3, gzip_level: int = 6, min_size: int = 64) -> None:
+        self._by_name: dict[str, Codec] = {"zstd": ZstdCodec(zstd_level, min_size),
+                                           "gzip": GzipCodec(gzip_level, min_size)}
         #: The ``grpc-accept-encoding`` value we send, in order of preference.
         self.accept_encoding = ",".join([*self._by_name, "identity"])
 

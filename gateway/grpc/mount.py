@@ -22,7 +22,7 @@ __all__ = ["mount_grpc"]
 async def mount_grpc(app: App, settings: GrpcSettings, host: str) -> NativeServer | None:
     """Mount gRPC-Web on ``app`` (if enabled) and start native gRPC (if its port is not -1)."""
     backend = PipelineBackend(app.pool, app.generations, app.openai)
-    codecs = Codecs(settings.zstd_level, settings.gzip_level)
+    codecs = Codecs(settings.zstd_level, settings.gzip_level, settings.compress_min_bytes)
     if settings.web:
         handlers = InferenceService(backend).__mapping__()
         origins = [o.encode() for o in settings.allowed_origins] or None

@@ -116,3 +116,14 @@ def test_corrupt_data_is_corrupt(codec: GzipCodec | ZstdCodec) -> None:
 def test_gzip_trailing_bytes_are_corrupt() -> None:
     with pytest.raises(CorruptMessage):
         GzipCodec().decompress(GzipCodec().compress(TEXT) + b"junk", 10_000)
+
+
+def test_messages_up_to_min_size_are_not_tried() -> None:
+    codecs = Codecs(min_size=64)
+    gz = codecs.negotiate("identity", "gzip").response
+    assert gz is not None and gz.min_size == 64
+    small, large = b"a" * 64, b"a" * 65  # both compressible: only the larger one is tried
+    assert _unframe(encode_message(small, gz)) == (0, small)
+    flags, body = _unframe(encode_message(large, gz))
+    assert flags == 1 and gz.decompress(body, 65) == large
+    assert Codecs(min_size=0).negotiate(None, "zstd").response.min_size == ZstdCodec.overhead  # type: ignore[union-attr]
