@@ -9,7 +9,9 @@ timeout), retries, metrics and its one end. :class:`DeltaWriter` is the gRPC
 writer: instead of bytes for an HTTP sink it hands each engine step's text to
 the service, which frames protobuf messages itself (through the call core
 of :mod:`.web_call`, native and gRPC-Web alike), and ends with :class:`Finished` or the
-:class:`APIError` the service maps to a gRPC status.
+:class:`APIError` the service maps to a gRPC status. Native ``Generate`` passes the service by:
+:meth:`PipelineBackend.start` with a :class:`~gateway.grpc.frame_writer.GrpcFrameWriter` on its
+HTTP/2 sink (:mod:`.native_generate`).
 """
 
 from __future__ import annotations
