@@ -286,17 +286,24 @@ class GenerationCall:
             self._fail(from_wire_code(ev.code, ev.message))  # type: ignore[attr-defined]
 
     def _write_last(self, data: bytes, status: int, tokens: int) -> None:
-        """A stream's last bytes, then its end; the call ends once they are written."""
+        """A stream's last bytes, then its end (with the writer's trailers, if it has any: native
+        gRPC's status); the call ends once they are written."""
         sink = self._sink
         if sink.send_nowait(data):
-            sink.end()
+            self._end_sink()
             self._end(status, tokens)
             return
 
         async def last() -> None:
             try:
-                await sink.send(data)
-                sink.end()
+                await asyncio.wait_for(sink.send(data), self._ctx.write_timeout)
+                self._end_sink()
+            except TimeoutError:  # the client reads nothing: cut the stream, as _resume does
+                self._resumer = None
+                sink.abort()
+                if not self._ended:
+                    self._end(408, 0)
+                return
             except (ConnectionError, asyncio.CancelledError):
                 return  # the adapter cancels the call (499)
             self._resumer = None
@@ -304,6 +311,13 @@ class GenerationCall:
                 self._end(status, tokens)
 
         self._resumer = asyncio.ensure_future(last())
+
+    def _end_sink(self) -> None:
+        trailers = self._w.trailers
+        if trailers is None:
+            self._sink.end()
+        else:
+            self._sink.end(trailers)
 
     def _fail(self, err: APIError) -> None:
         """An error: a whole error response before anything was sent, a terminal event after."""

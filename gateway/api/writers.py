@@ -42,6 +42,7 @@ _dumps = orjson.dumps
 class Writer(Protocol):
     streaming: bool  # True: start + chunks + end; False: one whole response at the finish
     headers: Headers  # of a successful response
+    trailers: Headers | None  # a stream ends with these, read once it has ended (None: none)
 
     def opening(self) -> bytes:
         """A stream's first bytes, sent with its head (b"" if none)."""
@@ -74,6 +75,7 @@ class _OpenAIWriter:
 
     __slots__ = ("g", "_lps", "_offset")
 
+    trailers: Headers | None = None  # HTTP responses end with none
     g: GenerationRequest
     _lps: Any  # logprobs of what is being written (chat: list; legacy: dict of lists)
     _offset: int  # legacy completions' text_offset

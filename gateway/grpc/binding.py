@@ -9,23 +9,26 @@ timeout), retries, metrics and its one end. :class:`DeltaWriter` is the gRPC
 writer: instead of bytes for an HTTP sink it hands each engine step's text to
 the service, which frames protobuf messages itself (through the call core
 of :mod:`.web_call`, native and gRPC-Web alike), and ends with :class:`Finished` or the
-:class:`APIError` the service maps to a gRPC status.
+:class:`APIError` the service maps to a gRPC status. Native ``Generate`` passes the service by:
+:meth:`PipelineBackend.start` with a :class:`~gateway.grpc.frame_writer.GrpcFrameWriter` on its
+HTTP/2 sink (:mod:`.native_generate`).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import orjson
 
 from transport.messages import Finish, TokenEntry
 
-from ..api.generate import Generations
+from ..api.generate import Fail, Generations
 from ..api.openai import OpenAIApi
 from ..api.params import GenerationRequest, parse_chat, parse_completion
+from ..api.writers import Writer
 from ..errors import APIError, Headers
-from ..http.types import Call, Request
+from ..http.types import Call, Request, ResponseSink
 from ..routing.pool import ModelPool
 from .backend import Finished, GenerateSpec, OnDelta, OnEnd
 
@@ -41,6 +44,7 @@ class DeltaWriter:
     __slots__ = ("_on_delta", "_on_end")
     streaming = True
     headers: Headers = []
+    trailers: Headers | None = None
 
     def __init__(self, on_delta: OnDelta, on_end: OnEnd) -> None:
         self._on_delta = on_delta
@@ -124,16 +128,20 @@ class PipelineBackend:
         return self._pool.models()
 
     def generate(self, spec: GenerateSpec, on_delta: OnDelta, on_end: OnEnd) -> _Handle:
-        t0 = _perf()
+        writer = DeltaWriter(on_delta, on_end)
+        return _Handle(self.start(spec, writer, lambda sink, err: on_end(err), _SINK, _noop, _perf()))
+
+    def start(self, spec: GenerateSpec, writer: Writer, fail: Fail, sink: ResponseSink, done: Callable[[], None],
+              t0: float) -> Call:
+        """``spec`` through the pipeline with ``writer`` on ``sink`` (the service's callbacks above; native
+        ``Generate``'s framed messages straight to its HTTP/2 stream: :mod:`.native_generate`)."""
         headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in spec.metadata]
         body = _body(spec)
         chat = spec.messages is not None
         req = Request("POST", GRPC_ROUTE, "", headers, body, self._protocol, "grpc")
         timeout = None if spec.deadline is None else max(0.0, spec.deadline - time.monotonic())
-        writer = DeltaWriter(on_delta, on_end)
-        call = self._gen.start(req, lambda r: self._parse(chat, r), lambda g: writer,
-                               lambda sink, err: on_end(err), _SINK, _noop, GRPC_ROUTE, t0, timeout)
-        return _Handle(call)
+        return self._gen.start(req, lambda r: self._parse(chat, r), lambda g: writer, fail, sink, done, GRPC_ROUTE,
+                               t0, timeout)
 
     def _parse(self, chat: bool, req: Request) -> GenerationRequest:
         g = self._api.parse(parse_chat if chat else parse_completion, req)

@@ -11,7 +11,8 @@ gRPC-Web through :func:`~gateway.grpc.web_call.run_call` on a
 :class:`NativeStream`, whose status goes in HTTP/2 trailers
 (``ResponseSink.end(trailers)``). A client's RST_STREAM or lost connection
 cancels the call's task (the adapter's ``call.cancel()``), and with it the
-generation; ``grpc-timeout`` ends it with DEADLINE_EXCEEDED.
+generation; ``grpc-timeout`` ends it with DEADLINE_EXCEEDED. (With the pipeline as backend,
+``Generate`` does not come here: :mod:`.native_generate` answers it without a handler task.)
 """
 
 from __future__ import annotations

@@ -27,10 +27,13 @@ from grpclib.health.check import ServiceStatus
 
 from ..http.common import HttpLimits, task_entrance
 from ..http.listeners import ListenerSpec, StreamListener, start_listener
+from ..http.types import Entrance
 from .backend import Backend
+from .binding import PipelineBackend
 from .compression import Codecs
 from .framing import HEADER_SIZE
 from .native_call import NativeRoute
+from .native_generate import NativeEntrance
 from .service import build_services
 
 __all__ = ["NativeServer", "start_native"]
@@ -73,12 +76,16 @@ async def start_native(backend: Backend, host: str = "127.0.0.1", port: int = DE
     for service in services:
         handlers.update(service.__mapping__())
     limits = limits or HttpLimits()
-    route = NativeRoute(handlers, codecs or Codecs(), max_message, limits.body_timeout, write_timeout)
+    codecs = codecs or Codecs()
+    route = NativeRoute(handlers, codecs, max_message, limits.body_timeout, write_timeout)
+    entrance: Entrance = task_entrance(route)
+    if isinstance(backend, PipelineBackend):  # native Generate on the pipeline directly (no task per token)
+        entrance = NativeEntrance(backend, entrance, codecs, max_message, limits.body_timeout, write_timeout)
     # HTTP/1.1 reads a body whole before the route can answer 505: bound it by one message. Over
     # HTTP/2 a call's body is read as it arrives, each message bounded by ``max_message`` and what is
     # unread by flow control, so a long Chat is not capped in all.
     limits = replace(limits, max_body_bytes=max(limits.max_body_bytes, max_message + HEADER_SIZE),
                      max_streamed_body_bytes=_UNBOUNDED)
-    listener = await start_listener(task_entrance(route), ListenerSpec("tcp", host, port, reuse_port=reuse_port),
+    listener = await start_listener(entrance, ListenerSpec("tcp", host, port, reuse_port=reuse_port),
                                     limits=limits, streams_body=route.streams_body)
     return NativeServer(listener, health, listener.port)

@@ -1,0 +1,269 @@
+"""Native gRPC ``Generate`` answered by the pipeline directly: no handler task, nothing woken per token.
+
+How it works: the gRPC port's entrance is :class:`NativeEntrance`. A ``Generate`` call (server
+streaming: its request is one message) is read -- by a short task that only waits for that one
+message, bounded by the body stall timeout and ``grpc-timeout`` as the service's calls are -- and
+then handed to the pipeline (:meth:`~gateway.grpc.binding.PipelineBackend.start`: admission,
+routing, the generation call) with a :class:`~gateway.grpc.frame_writer.GrpcFrameWriter` on the
+call's own HTTP/2 sink. From there on it is written the way SSE is: each engine step's message
+goes out from the transport's token callback (``send_nowait``), the status in the trailers the
+call ends the sink with. The reading task has ended by then. Every other call (Chat, Complete,
+ListModels, health, reflection), and anything that is not a gRPC call over HTTP/2, takes the
+service path (:class:`~gateway.grpc.native_call.NativeRoute` in a task).
+
+What stays as it was: ``grpc-encoding`` negotiation (UNIMPLEMENTED for an unknown one), the
+message bounds (RESOURCE_EXHAUSTED), a malformed ``grpc-timeout`` (INTERNAL), the deadline (the
+generation call's timeout; DEADLINE_EXCEEDED), RST_STREAM (``cancel()``: the worker's request is
+cancelled), a client that reads nothing for ``write_timeout`` (reset, generation cancelled), the
+metadata admission sees and the metrics route (``GRPC_ROUTE``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+from google.protobuf.message import DecodeError
+
+from ..errors import APIError
+from ..http.common import spawn
+from ..http.types import Call, Entrance, Headers, Request, RequestBodyStream, ResponseSink
+from .binding import PipelineBackend
+from .compression import Codecs
+from .convert import spec_from
+from .frame_writer import GrpcFrameWriter, status_trailers
+from .native import NativeCall, NativeRejection, NativeResponseWriter, is_grpc, open_call
+from .quicserve.v1 import quicserve_pb2 as pb
+from .status import Status, grpc_status, parse_grpc_timeout
+from .web import CallFailed, MessageReceived, WebEvent
+
+__all__ = ["GENERATE", "NativeEntrance"]
+
+GENERATE = "/quicserve.v1.Inference/Generate"
+# request headers that are not call metadata (as NativeStream leaves them out), beside grpc-* and -bin
+_NOT_METADATA = frozenset((b"te", b"content-type", b"user-agent", b"host"))
+_perf = time.perf_counter
+
+
+class _Failed(Exception):
+    """Internal: the call ends with this status before its generation starts."""
+
+    def __init__(self, status: Status, message: str) -> None:
+        self.status = status
+        self.message = message
+
+
+class _WriteBounded:
+    """The HTTP/2 sink, its awaited ``send`` bounded by ``write_timeout`` (TimeoutError past it: the
+    generation call cuts the stream); the no-wait methods are the sink's own, bound once."""
+
+    __slots__ = ("respond", "start", "send_nowait", "end", "abort", "_send", "_timeout")
+
+    def __init__(self, sink: ResponseSink, timeout: float) -> None:
+        self.respond = sink.respond
+        self.start = sink.start
+        self.send_nowait = sink.send_nowait
+        self.end = sink.end
+        self.abort = sink.abort
+        self._send = sink.send
+        self._timeout = timeout
+
+    async def send(self, data: bytes) -> None:
+        async with asyncio.timeout(self._timeout):
+            await self._send(data)
+
+
+class _Generate:
+    """One native ``Generate`` call (the adapter's :class:`Call`): its message, then its generation."""
+
+    __slots__ = ("_entrance", "_request", "_sink", "_done", "_opened", "_timeout", "_t0", "_reader", "_call")
+
+    def __init__(self, entrance: NativeEntrance, request: Request, sink: ResponseSink, done: Callable[[], None],
+                 opened: NativeCall, timeout: float | None, t0: float) -> None:
+        self._entrance = entrance
+        self._request = request
+        self._sink = sink
+        self._done = done
+        self._opened = opened
+        self._timeout = timeout
+        self._t0 = t0
+        self._call: Call | None = None  # the generation, once started (it calls done() itself)
+        self._reader: asyncio.Task[None] | None = None
+
+    def begin(self, body: RequestBodyStream | None) -> None:
+        if body is None:  # the body came whole (END_STREAM on the HEADERS: none)
+            try:
+                self._started(_one_message(self._opened, [self._request.body]))
+            except _Failed as f:
+                self._answer(f.status, f.message)
+                asyncio.get_running_loop().call_soon(self._done)
+            return
+        self._reader = spawn(asyncio.get_running_loop(), self._read(body))
+        self._reader.add_done_callback(self._read_done)
+
+    async def _read(self, body: RequestBodyStream) -> None:
+        """Wait for the one message (each wait bounded by the stall timeout, all by grpc-timeout)."""
+        try:
+            async with asyncio.timeout(self._timeout):
+                message = await _read_message(self._opened, body, self._entrance.stall_timeout)
+        except _Failed as f:
+            return self._answer(f.status, f.message)
+        except TimeoutError:
+            return self._answer(Status.DEADLINE_EXCEEDED, "Deadline exceeded")
+        except ConnectionError:
+            return  # the client went away: nobody to tell
+        try:
+            self._started(message)
+        except _Failed as f:
+            self._answer(f.status, f.message)
+
+    def _read_done(self, task: asyncio.Task[None]) -> None:
+        self._reader = None
+        if not task.cancelled() and task.exception() is not None:
+            self._answer(Status.INTERNAL, "Internal Server Error")
+        if self._call is None:  # never handed to the pipeline: the call ends here
+            self._done()
+
+    def _started(self, message: pb.GenerateRequest) -> None:
+        """Hand the request to the pipeline (which answers refusals and calls done() itself)."""
+        deadline = None if self._timeout is None else time.monotonic() - (_perf() - self._t0) + self._timeout
+        try:
+            spec = spec_from(message, deadline, _metadata(self._request.headers))
+        except APIError as e:
+            raise _Failed(grpc_status(e), e.message) from None
+        entrance, writer = self._entrance, self._opened.writer
+        sink = self._sink if entrance.write_timeout is None else _WriteBounded(self._sink, entrance.write_timeout)
+        self._call = entrance.backend.start(spec, GrpcFrameWriter(writer), _failer(writer), sink, self._done,
+                                            self._t0)
+
+    def _answer(self, status: Status, message: str) -> None:
+        _trailers_only(self._sink, self._opened.writer, status, message)
+
+    def cancel(self) -> bool:
+        """RST_STREAM or a lost connection: stop reading, or cancel the generation."""
+        if self._call is not None:
+            return bool(self._call.cancel())
+        if self._reader is not None:
+            return self._reader.cancel()
+        return False
+
+
+class NativeEntrance:
+    """The gRPC port's entrance: native ``Generate`` on the pipeline directly (:class:`_Generate`),
+    every other request through ``other`` (the service's route, a task per call)."""
+
+    def __init__(self, backend: PipelineBackend, other: Entrance, codecs: Codecs, max_message: int,
+                 stall_timeout: float | None = None, write_timeout: float | None = None) -> None:
+        self.backend = backend
+        self.stall_timeout = stall_timeout
+        self.write_timeout = write_timeout
+        self._other = other
+        self._codecs = codecs
+        self._max_message = max_message
+
+    def __call__(self, request: Request, sink: ResponseSink, done: Callable[[], None]) -> Call:
+        if (request.path != GENERATE or request.method != "POST" or request.protocol != "h2"
+                or not is_grpc(request.header(b"content-type", b"") or b"")):
+            return self._other(request, sink, done)
+        t0 = _perf()
+        headers = dict(request.headers)
+        opened = open_call(headers, self._codecs, self._max_message)
+        if isinstance(opened, NativeRejection):  # an encoding we do not offer: UNIMPLEMENTED
+            return _answered(sink, opened.writer, opened.status, opened.message, done)
+        timeout: float | None = None
+        if (raw := headers.get(b"grpc-timeout")) is not None:
+            try:
+                timeout = parse_grpc_timeout(raw)
+            except APIError as e:  # a protocol error, as grpc-go answers it
+                return _answered(sink, opened.writer, Status.INTERNAL, e.message, done)
+        call = _Generate(self, request, sink, done, opened, timeout, t0)
+        call.begin(request.stream)
+        return call
+
+
+class _Answered:
+    __slots__ = ()
+
+    def cancel(self) -> bool:
+        return False
+
+
+_ANSWERED = _Answered()
+
+
+def _answered(sink: ResponseSink, writer: NativeResponseWriter, status: Status, message: str,
+              done: Callable[[], None]) -> Call:
+    """A call answered at its headers (trailers-only); ``done`` on the next loop iteration."""
+    _trailers_only(sink, writer, status, message)
+    asyncio.get_running_loop().call_soon(done)
+    return _ANSWERED
+
+
+def _trailers_only(sink: ResponseSink, writer: NativeResponseWriter, status: Status, message: str) -> None:
+    """The status in the one HEADERS frame (END_STREAM on it), as gRPC's Trailers-Only response."""
+    sink.respond(200, [*writer.headers(), *writer.trailers(status, message)], b"")
+
+
+def _failer(writer: NativeResponseWriter) -> Callable[[ResponseSink, APIError], None]:
+    """The pipeline's ``fail`` (a refusal: parse, admission, routing): a trailers-only response."""
+
+    def fail(sink: ResponseSink, err: APIError) -> None:
+        sink.respond(200, [*writer.headers(), *status_trailers(writer, err)], b"")
+
+    return fail
+
+
+def _metadata(headers: Headers) -> tuple[tuple[str, str], ...]:
+    """The call's text metadata (what :func:`~gateway.grpc.convert.text_metadata` gives the service)."""
+    return tuple(dict((k.decode("latin-1"), v.decode("latin-1")) for k, v in headers
+                      if not k.startswith((b":", b"grpc-")) and k not in _NOT_METADATA
+                      and not k.endswith(b"-bin")).items())
+
+
+def _first(opened: NativeCall, events: list[WebEvent]) -> pb.GenerateRequest | None:
+    for event in events:
+        if isinstance(event, MessageReceived):
+            try:
+                return pb.GenerateRequest.FromString(event.data)
+            except DecodeError as e:
+                raise _Failed(Status.INTERNAL, f"cannot parse the request message: {e}") from None
+        if isinstance(event, CallFailed):
+            raise _Failed(event.status, event.message)
+        raise _Failed(Status.INTERNAL, "no request message")  # RequestEnded
+    return None
+
+
+def _one_message(opened: NativeCall, chunks: list[bytes]) -> pb.GenerateRequest:
+    """The one message of a body that came whole."""
+    reader = opened.reader
+    events: list[WebEvent] = []
+    for chunk in chunks:
+        if chunk:
+            events.extend(reader.receive_data(chunk))
+    events.extend(reader.end_of_stream())
+    message = _first(opened, events)
+    if message is None:
+        raise _Failed(Status.INTERNAL, "no request message")
+    return message
+
+
+async def _read_message(opened: NativeCall, body: RequestBodyStream, stall: float | None) -> pb.GenerateRequest:
+    """The one message of a body read as it arrives (a wait for more bounded by ``stall``: DEADLINE_EXCEEDED,
+    as the service's unary calls are)."""
+    reader = opened.reader
+    while True:
+        try:
+            async with asyncio.timeout(stall):
+                chunk = await body.read()
+        except TimeoutError:
+            raise _Failed(Status.DEADLINE_EXCEEDED,
+                          f"The request message stopped arriving ({stall:g} s without data).") from None
+        except APIError as e:  # the adapter refused the rest of the body (413)
+            raise _Failed(grpc_status(e), e.message) from None
+        events = reader.receive_data(chunk) if chunk else reader.end_of_stream()
+        message = _first(opened, events)
+        if message is not None:
+            return message
+        if not chunk:
+            raise _Failed(Status.INTERNAL, "no request message")
