@@ -16,7 +16,7 @@ import pytest
 
 from gateway.grpc.quicserve.v1 import quicserve_pb2 as pb
 from tests.gateway.grpc.h2_client import RawH2
-from tests.gateway.grpc.web_client import frame, parse_body
+from tests.gateway.grpc.web_client import chat_replies, chat_turn, frame, parse_body
 
 from .test_gateway_e2e import Gateway, start_gateway, stop_gateway
 
@@ -90,21 +90,6 @@ async def test_grpc_web_on_the_http_port(gw: tuple[Gateway, str], http2: bool) -
     await asyncio.sleep(0)
 
 
-def _turn(text: str, max_tokens: int, model: str = "") -> bytes:
-    t = pb.Turn(model=model, messages=[pb.Message(role="user", content=text)],
-                sampling=pb.Sampling(max_tokens=max_tokens))
-    return frame(pb.ChatRequest(turn=t).SerializeToString())
-
-
-def _chat_replies(body: bytes) -> list[pb.ChatResponse]:
-    out, pos = [], 0
-    while len(body) - pos >= 5 and len(body) - pos >= 5 + (n := int.from_bytes(body[pos + 1:pos + 5], "big")):
-        if not body[pos] & 0x80:
-            out.append(pb.ChatResponse.FromString(body[pos + 5:pos + 5 + n]))
-        pos += 5 + n
-    return out
-
-
 async def _until_metric(g: Gateway, name: str, value: float) -> float:
     deadline = time.monotonic() + 10  # the worker's stats come with its heartbeat
     while (got := await asyncio.to_thread(g.metric, name)) != value and time.monotonic() < deadline:
@@ -118,13 +103,13 @@ async def test_grpc_web_chat_over_h2_is_full_duplex_and_a_reset_frees_the_worker
     g, _ = gw
     async with RawH2(int(g.http.rsplit(":", 1)[1])) as c:
         sid = c.request("/quicserve.v1.Inference/Chat", [(b"content-type", b"application/grpc-web+proto")])
-        c.data(sid, _turn("hello", 5, model="tiny"))
-        await c.until(lambda: any(r.finish_reason for r in _chat_replies(c.body(sid))), 30)
+        c.data(sid, chat_turn("hello", 5, model="tiny"))
+        await c.until(lambda: any(r.finish_reason for r in chat_replies(c.body(sid))), 30)
         assert not c.ended(sid)
-        first = _chat_replies(c.body(sid))
+        first = chat_replies(c.body(sid))
         assert first[-1].turn == 1 and first[-1].usage.completion_tokens == 5
-        c.data(sid, _turn("again", 4000))
-        await c.until(lambda: any(r.turn == 2 for r in _chat_replies(c.body(sid))), 30)
+        c.data(sid, chat_turn("again", 4000))
+        await c.until(lambda: any(r.turn == 2 for r in chat_replies(c.body(sid))), 30)
         assert await _until_metric(g, "quicserve_worker_running", 1) == 1  # turn 2 is generating
         c.reset(sid)
         assert await _until_metric(g, "quicserve_worker_running", 0) == 0

@@ -19,7 +19,7 @@ from gateway.http.quic_listener import QuicListener, start_quic_listener
 from gateway.routing.pool import ModelPool
 from gateway.settings import GrpcSettings
 from tests.gateway.doubles import ScriptedWorkerConnection
-from tests.gateway.grpc.web_client import CODECS, decode_text, frame, parse_body
+from tests.gateway.grpc.web_client import CODECS, chat_replies, chat_turn, decode_text, frame, parse_body
 from tests.gateway.http.h3_client import H3Client, H3Response, chat_body, h3_connect, make_cert
 
 GENERATE = "/quicserve.v1.Inference/Generate"
@@ -96,21 +96,6 @@ async def test_cors_over_h3(tmp_path: Path) -> None:
         assert other.header(b"access-control-allow-origin") is None
 
 
-def _turn(text: str, max_tokens: int, model: str = "") -> bytes:
-    t = pb.Turn(model=model, messages=[pb.Message(role="user", content=text)],
-                sampling=pb.Sampling(max_tokens=max_tokens))
-    return frame(pb.ChatRequest(turn=t).SerializeToString())
-
-
-def _replies(body: bytes) -> list[pb.ChatResponse]:
-    out, pos = [], 0
-    while len(body) - pos >= 5 and len(body) - pos >= 5 + (n := int.from_bytes(body[pos + 1:pos + 5], "big")):
-        if not body[pos] & 0x80:
-            out.append(pb.ChatResponse.FromString(body[pos + 5:pos + 5 + n]))
-        pos += 5 + n
-    return out
-
-
 async def _until(cond: Callable[[], bool], resp: H3Response) -> None:
     async with asyncio.timeout(10):
         while not cond():
@@ -132,11 +117,11 @@ async def test_chat_over_h3_is_full_duplex(tmp_path: Path) -> None:
     conn = ScriptedWorkerConnection()
     async with _gateway(tmp_path, conn) as listener, h3_connect(listener.address[1]) as client:
         resp = _open_chat(client)
-        client.h3.send_data(resp.stream_id, _turn("hello", 3, model="tiny"), end_stream=False)
+        client.h3.send_data(resp.stream_id, chat_turn("hello", 3, model="tiny"), end_stream=False)
         client.transmit()
-        await _until(lambda: any(r.finish_reason for r in _replies(resp.body)), resp)
+        await _until(lambda: any(r.finish_reason for r in chat_replies(resp.body)), resp)
         assert not resp.done.is_set() and len(conn.submits) == 1  # turn 2 not sent yet
-        client.h3.send_data(resp.stream_id, _turn("again", 2), end_stream=True)
+        client.h3.send_data(resp.stream_id, chat_turn("again", 2), end_stream=True)
         client.transmit()
         await asyncio.wait_for(resp.done.wait(), 10)
     parsed = parse_body(resp.body, None)
@@ -149,9 +134,9 @@ async def test_a_reset_mid_chat_over_h3_cancels_the_workers_request(tmp_path: Pa
     conn = ScriptedWorkerConnection(hang_after=2)
     async with _gateway(tmp_path, conn) as listener, h3_connect(listener.address[1]) as client:
         resp = _open_chat(client)
-        client.h3.send_data(resp.stream_id, _turn("hello", 50, model="tiny"), end_stream=False)
+        client.h3.send_data(resp.stream_id, chat_turn("hello", 50, model="tiny"), end_stream=False)
         client.transmit()
-        await _until(lambda: len(_replies(resp.body)) >= 1, resp)
+        await _until(lambda: len(chat_replies(resp.body)) >= 1, resp)
         client.cancel(resp)
         async with asyncio.timeout(10):
             while not conn.cancels:

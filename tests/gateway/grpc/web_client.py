@@ -7,8 +7,9 @@ import struct
 from dataclasses import dataclass
 
 from gateway.grpc.compression import GzipCodec, ZstdCodec
+from gateway.grpc.quicserve.v1 import quicserve_pb2 as pb
 
-__all__ = ["CODECS", "Parsed", "frame", "parse_body", "decode_text"]
+__all__ = ["CODECS", "Parsed", "frame", "parse_body", "decode_text", "chat_turn", "chat_replies"]
 
 CODECS = {"gzip": GzipCodec(), "zstd": ZstdCodec()}
 
@@ -51,3 +52,20 @@ def parse_body(raw: bytes, encoding: str | None) -> Parsed:
             messages.append(payload)
     assert tflags >= 0, "no trailer frame"
     return Parsed(messages, trailers, tflags)
+
+
+def chat_turn(text: str, max_tokens: int, model: str = "") -> bytes:
+    """One framed ChatRequest carrying a user turn."""
+    t = pb.Turn(model=model, messages=[pb.Message(role="user", content=text)],
+                sampling=pb.Sampling(max_tokens=max_tokens))
+    return frame(pb.ChatRequest(turn=t).SerializeToString())
+
+
+def chat_replies(body: bytes) -> list[pb.ChatResponse]:
+    """The ChatResponse messages of a (possibly partial) body, trailer frame skipped."""
+    out, pos = [], 0
+    while len(body) - pos >= 5 and len(body) - pos >= 5 + (n := int.from_bytes(body[pos + 1:pos + 5], "big")):
+        if not body[pos] & 0x80:
+            out.append(pb.ChatResponse.FromString(body[pos + 5:pos + 5 + n]))
+        pos += 5 + n
+    return out
