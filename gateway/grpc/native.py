@@ -23,7 +23,11 @@ from .compression import Codec, Codecs, UnsupportedEncoding, encode_message
 from .status import Status, encode_grpc_message
 from .web import WebRequestReader
 
-__all__ = ["CONTENT_TYPE", "NativeCall", "NativeRejection", "NativeResponseWriter", "is_grpc", "open_call"]
+__all__ = ["CONTENT_TYPE", "NOT_METADATA", "NativeCall", "NativeRejection", "NativeResponseWriter", "is_grpc", "open_call"]
+
+# request headers of a native call that are not its metadata (beside the pseudo and grpc-* ones), as
+# grpclib leaves them out; host is the adapter's copy of :authority
+NOT_METADATA = frozenset((b"te", b"content-type", b"user-agent", b"host"))
 
 CONTENT_TYPE = b"application/grpc"
 _ACCEPTED = (b"application/grpc", b"application/grpc+proto")

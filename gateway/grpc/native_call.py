@@ -25,9 +25,9 @@ from grpclib.metadata import Deadline
 
 from ..http.types import Headers, Request, ResponseSink
 from .compression import Codecs
-from .native import NativeCall, NativeRejection, NativeResponseWriter, is_grpc, open_call
+from .native import NOT_METADATA, NativeCall, NativeRejection, NativeResponseWriter, is_grpc, open_call
 from .status import Status
-from .web_call import GrpcStream, run_call, write_or_cut
+from .web_call import GrpcStream, request_body, run_call, write_or_cut
 
 __all__ = ["NativeRoute", "NativeStream"]
 
@@ -50,8 +50,7 @@ class _Sink:
 class NativeStream(GrpcStream):
     """One native call: the status goes in HTTP/2 trailers."""
 
-    # as grpclib leaves them out; host is the adapter's copy of :authority
-    not_metadata = frozenset((b"te", b"content-type", b"user-agent", b"host"))
+    not_metadata = NOT_METADATA
 
     def __init__(self, call: NativeCall, request_type: Any, body: AsyncIterator[bytes], sink: _Sink,
                  deadline: Deadline | None, headers: Mapping[bytes, bytes]) -> None:
@@ -61,15 +60,6 @@ class NativeStream(GrpcStream):
 
     async def _end(self, status: Status, message: str, metadata: Sequence[tuple[str, str]]) -> None:
         self._http.end(self._native.trailers(status, message, metadata))
-
-
-async def _body(request: Request) -> AsyncIterator[bytes]:
-    if request.stream is None:
-        if request.body:
-            yield request.body
-        return
-    while chunk := await request.stream.read():
-        yield chunk
 
 
 def _refuse(sink: ResponseSink, status: int, why: str) -> None:
@@ -103,7 +93,7 @@ class NativeRoute:
         if isinstance(opened, NativeRejection):
             return _rejected(sink, opened.writer, opened.status, opened.message)
         out = _Sink(sink, self._write_timeout)
-        body = _body(request)
+        body = request_body(request)
 
         def stream(request_type: Any, deadline: Deadline | None) -> GrpcStream:
             s = NativeStream(opened, request_type, body, out, deadline, headers)

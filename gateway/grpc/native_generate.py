@@ -14,8 +14,9 @@ service path (:class:`~gateway.grpc.native_call.NativeRoute` in a task).
 What stays as it was: ``grpc-encoding`` negotiation (UNIMPLEMENTED for an unknown one), the
 message bounds (RESOURCE_EXHAUSTED), a malformed ``grpc-timeout`` (INTERNAL), the deadline (the
 generation call's timeout; DEADLINE_EXCEEDED), RST_STREAM (``cancel()``: the worker's request is
-cancelled), a client that reads nothing for ``write_timeout`` (reset, generation cancelled), the
-metadata admission sees and the metrics route (``GRPC_ROUTE``).
+cancelled), a client that reads nothing for ``[api] write_timeout`` (the generation call resets the
+stream and cancels the generation, as for SSE), the metadata admission sees and the metrics route
+(``GRPC_ROUTE``).
 """
 
 from __future__ import annotations
@@ -28,21 +29,20 @@ from google.protobuf.message import DecodeError
 
 from ..errors import APIError
 from ..http.common import spawn
-from ..http.types import Call, Entrance, Headers, Request, RequestBodyStream, ResponseSink
+from ..http.types import Call, Entrance, Request, RequestBodyStream, ResponseSink
 from .binding import PipelineBackend
 from .compression import Codecs
-from .convert import spec_from
+from .convert import spec_from, text_metadata
 from .frame_writer import GrpcFrameWriter, status_trailers
-from .native import NativeCall, NativeRejection, NativeResponseWriter, is_grpc, open_call
+from .native import NOT_METADATA, NativeCall, NativeRejection, NativeResponseWriter, is_grpc, open_call
 from .quicserve.v1 import quicserve_pb2 as pb
 from .status import Status, grpc_status, parse_grpc_timeout
 from .web import CallFailed, MessageReceived, WebEvent
+from .web_call import call_metadata
 
 __all__ = ["GENERATE", "NativeEntrance"]
 
 GENERATE = "/quicserve.v1.Inference/Generate"
-# request headers that are not call metadata (as NativeStream leaves them out), beside grpc-* and -bin
-_NOT_METADATA = frozenset((b"te", b"content-type", b"user-agent", b"host"))
 _perf = time.perf_counter
 
 
@@ -52,26 +52,6 @@ class _Failed(Exception):
     def __init__(self, status: Status, message: str) -> None:
         self.status = status
         self.message = message
-
-
-class _WriteBounded:
-    """The HTTP/2 sink, its awaited ``send`` bounded by ``write_timeout`` (TimeoutError past it: the
-    generation call cuts the stream); the no-wait methods are the sink's own, bound once."""
-
-    __slots__ = ("respond", "start", "send_nowait", "end", "abort", "_send", "_timeout")
-
-    def __init__(self, sink: ResponseSink, timeout: float) -> None:
-        self.respond = sink.respond
-        self.start = sink.start
-        self.send_nowait = sink.send_nowait
-        self.end = sink.end
-        self.abort = sink.abort
-        self._send = sink.send
-        self._timeout = timeout
-
-    async def send(self, data: bytes) -> None:
-        async with asyncio.timeout(self._timeout):
-            await self._send(data)
 
 
 class _Generate:
@@ -129,13 +109,13 @@ class _Generate:
         """Hand the request to the pipeline (which answers refusals and calls done() itself)."""
         deadline = None if self._timeout is None else time.monotonic() - (_perf() - self._t0) + self._timeout
         try:
-            spec = spec_from(message, deadline, _metadata(self._request.headers))
+            spec = spec_from(message, deadline, text_metadata(call_metadata(dict(self._request.headers), NOT_METADATA)))
         except APIError as e:
             raise _Failed(grpc_status(e), e.message) from None
-        entrance, writer = self._entrance, self._opened.writer
-        sink = self._sink if entrance.write_timeout is None else _WriteBounded(self._sink, entrance.write_timeout)
-        self._call = entrance.backend.start(spec, GrpcFrameWriter(writer), _failer(writer), sink, self._done,
-                                            self._t0)
+        writer = self._opened.writer
+        # the generation call bounds every wait for the client by [api] write_timeout, as for SSE
+        self._call = self._entrance.backend.start(spec, GrpcFrameWriter(writer), _failer(writer), self._sink,
+                                                  self._done, self._t0)
 
     def _answer(self, status: Status, message: str) -> None:
         _trailers_only(self._sink, self._opened.writer, status, message)
@@ -154,10 +134,9 @@ class NativeEntrance:
     every other request through ``other`` (the service's route, a task per call)."""
 
     def __init__(self, backend: PipelineBackend, other: Entrance, codecs: Codecs, max_message: int,
-                 stall_timeout: float | None = None, write_timeout: float | None = None) -> None:
+                 stall_timeout: float | None = None) -> None:
         self.backend = backend
         self.stall_timeout = stall_timeout
-        self.write_timeout = write_timeout
         self._other = other
         self._codecs = codecs
         self._max_message = max_message
@@ -214,14 +193,7 @@ def _failer(writer: NativeResponseWriter) -> Callable[[ResponseSink, APIError], 
     return fail
 
 
-def _metadata(headers: Headers) -> tuple[tuple[str, str], ...]:
-    """The call's text metadata (what :func:`~gateway.grpc.convert.text_metadata` gives the service)."""
-    return tuple(dict((k.decode("latin-1"), v.decode("latin-1")) for k, v in headers
-                      if not k.startswith((b":", b"grpc-")) and k not in _NOT_METADATA
-                      and not k.endswith(b"-bin")).items())
-
-
-def _first(opened: NativeCall, events: list[WebEvent]) -> pb.GenerateRequest | None:
+def _first(events: list[WebEvent]) -> pb.GenerateRequest | None:
     for event in events:
         if isinstance(event, MessageReceived):
             try:
@@ -242,7 +214,7 @@ def _one_message(opened: NativeCall, chunks: list[bytes]) -> pb.GenerateRequest:
         if chunk:
             events.extend(reader.receive_data(chunk))
     events.extend(reader.end_of_stream())
-    message = _first(opened, events)
+    message = _first(events)
     if message is None:
         raise _Failed(Status.INTERNAL, "no request message")
     return message
@@ -262,7 +234,7 @@ async def _read_message(opened: NativeCall, body: RequestBodyStream, stall: floa
         except APIError as e:  # the adapter refused the rest of the body (413)
             raise _Failed(grpc_status(e), e.message) from None
         events = reader.receive_data(chunk) if chunk else reader.end_of_stream()
-        message = _first(opened, events)
+        message = _first(events)
         if message is not None:
             return message
         if not chunk:

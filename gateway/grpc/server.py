@@ -80,7 +80,7 @@ async def start_native(backend: Backend, host: str = "127.0.0.1", port: int = DE
     route = NativeRoute(handlers, codecs, max_message, limits.body_timeout, write_timeout)
     entrance: Entrance = task_entrance(route)
     if isinstance(backend, PipelineBackend):  # native Generate on the pipeline directly (no task per token)
-        entrance = NativeEntrance(backend, entrance, codecs, max_message, limits.body_timeout, write_timeout)
+        entrance = NativeEntrance(backend, entrance, codecs, max_message, limits.body_timeout)
     # HTTP/1.1 reads a body whole before the route can answer 505: bound it by one message. Over
     # HTTP/2 a call's body is read as it arrives, each message bounded by ``max_message`` and what is
     # unread by flow control, so a long Chat is not capped in all.

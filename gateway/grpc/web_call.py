@@ -42,12 +42,13 @@ from grpclib.metadata import Deadline, decode_bin_value
 
 from ..errors import APIError
 from ..http.common import ClientDisconnected
-from ..http.types import ResponseSink
+from ..http.types import Request, ResponseSink
 from .compression import Codecs
 from .status import Status, grpc_status, parse_grpc_timeout
 from .web import CallFailed, MessageReceived, Rejection, WebCall, WebEvent, WebRequestReader, open_call
 
-__all__ = ["WebSink", "MessageWriter", "GrpcStream", "WebStream", "run_call", "serve_web_call", "write_or_cut"]
+__all__ = ["WebSink", "MessageWriter", "GrpcStream", "WebStream", "run_call", "serve_web_call", "write_or_cut",
+           "request_body", "call_metadata"]
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +84,23 @@ def _binary(value: bytes) -> bytes:
         return value
 
 
+def call_metadata(headers: Mapping[bytes, bytes], skip: frozenset[bytes] = frozenset()) -> dict[str, str | bytes]:
+    """Call metadata as grpclib presents it: request headers but the pseudo and grpc-* ones and
+    ``skip``, binary (-bin) values decoded to bytes."""
+    return {k.decode("latin-1"): _binary(v) if k.endswith(b"-bin") else v.decode("latin-1")
+            for k, v in headers.items() if not k.startswith((b":", b"grpc-")) and k not in skip}
+
+
+async def request_body(request: Request) -> AsyncIterator[bytes]:
+    """A call's body as chunks: read as it arrives (``Request.stream``) or the one body read whole."""
+    if request.stream is None:
+        if request.body:
+            yield request.body
+        return
+    while chunk := await request.stream.read():
+        yield chunk
+
+
 class MessageWriter(Protocol):
     """The response side of a call's core: its HTTP headers and its message frames."""
 
@@ -112,11 +130,7 @@ class GrpcStream:
                  body: AsyncIterator[bytes], sink: WebSink, deadline: Deadline | None,
                  headers: Mapping[bytes, bytes]) -> None:
         self.deadline = deadline
-        # Call metadata as grpclib presents it: request headers but the pseudo and grpc-* ones,
-        # binary (-bin) values decoded to bytes.
-        self.metadata: Mapping[str, str | bytes] = {
-            k.decode("latin-1"): _binary(v) if k.endswith(b"-bin") else v.decode("latin-1")
-            for k, v in headers.items() if not k.startswith((b":", b"grpc-")) and k not in self.not_metadata}
+        self.metadata: Mapping[str, str | bytes] = call_metadata(headers, self.not_metadata)
         self._reader = reader
         self._writer = writer
         self._request_type = request_type

@@ -11,7 +11,7 @@ sent at once, replies streamed: what HTTP/1.1 browsers can do).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Collection, Mapping
+from collections.abc import Collection, Mapping
 
 from grpclib.const import Handler
 
@@ -20,7 +20,7 @@ from ..http.types import Request, ResponseSink
 from .compression import Codecs
 from .cors import preflight_headers, response_headers
 from .web import is_grpc_web
-from .web_call import serve_web_call, write_or_cut
+from .web_call import request_body, serve_web_call, write_or_cut
 
 __all__ = ["GrpcWebRoute"]
 
@@ -39,15 +39,6 @@ class _SinkAdapter:
 
     async def write(self, data: bytes) -> None:
         await write_or_cut(self._sink, data, self._write_timeout)
-
-
-async def _body(request: Request) -> AsyncIterator[bytes]:
-    if request.stream is None:
-        if request.body:
-            yield request.body
-        return
-    while chunk := await request.stream.read():
-        yield chunk
 
 
 class GrpcWebRoute:
@@ -82,6 +73,6 @@ class GrpcWebRoute:
             sink.respond(405, [(b"allow", b"POST, OPTIONS")], b"")
             return
         out = _SinkAdapter(sink, response_headers(origin, self._origins), self._write_timeout)
-        await serve_web_call(self._handlers, request.path, dict(request.headers), _body(request), out,
+        await serve_web_call(self._handlers, request.path, dict(request.headers), request_body(request), out,
                              self._codecs, self._max_message, self._stall)
         sink.end()

@@ -37,7 +37,7 @@ from gateway.http.listeners import ListenerSpec, StreamListener, start_listener
 from gateway.http.quic_listener import QuicListener, start_quic_listener
 from gateway.http.quic_settings import QuicSettings
 from gateway.routing.pool import ModelPool
-from gateway.settings import GrpcSettings
+from gateway.settings import ApiSettings, GrpcSettings
 from tests.gateway.doubles import ScriptedWorkerConnection
 from tests.gateway.grpc.h2_client import RawH2
 from tests.gateway.grpc.web_client import CODECS, frame
@@ -64,11 +64,12 @@ class Native:
 @asynccontextmanager
 async def native(worker: ScriptedWorkerConnection | None = None, limits: HttpLimits | None = None,
                  write_timeout: float | None = None) -> AsyncIterator[Native]:
-    """The gRPC port on the real pipeline, the scripted worker behind it."""
+    """The gRPC port on the real pipeline, the scripted worker behind it (``write_timeout``: the
+    port's and the app's, which native Generate's generation call applies)."""
     w = worker or ScriptedWorkerConnection()
     pool = ModelPool()
     pool.add(w)
-    app = App(pool)
+    app = App(pool, api=None if write_timeout is None else ApiSettings(write_timeout=write_timeout))
     server = await start_native(PipelineBackend(pool, app.generations, app.openai), "127.0.0.1", 0,
                                 max_message=MAX_MESSAGE, limits=limits, write_timeout=write_timeout)
     try:
