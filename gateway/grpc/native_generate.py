@@ -33,7 +33,7 @@ from ..http.types import Call, Entrance, Request, RequestBodyStream, ResponseSin
 from .binding import PipelineBackend
 from .compression import Codecs
 from .convert import spec_from, text_metadata
-from .frame_writer import GrpcFrameWriter, status_trailers
+from .frame_writer import GrpcFrameWriter
 from .native import NOT_METADATA, NativeCall, NativeRejection, NativeResponseWriter, is_grpc, open_call
 from .quicserve.v1 import quicserve_pb2 as pb
 from .status import Status, grpc_status, parse_grpc_timeout
@@ -112,10 +112,11 @@ class _Generate:
             spec = spec_from(message, deadline, text_metadata(call_metadata(dict(self._request.headers), NOT_METADATA)))
         except APIError as e:
             raise _Failed(grpc_status(e), e.message) from None
-        writer = self._opened.writer
-        # the generation call bounds every wait for the client by [api] write_timeout, as for SSE
-        self._call = self._entrance.backend.start(spec, GrpcFrameWriter(writer), _failer(writer), self._sink,
-                                                  self._done, self._t0)
+        frames = GrpcFrameWriter(self._opened.writer)
+        # a refusal (parse, admission, routing) is the writer's trailers-only error; the generation
+        # call bounds every wait for the client by [api] write_timeout, as for SSE
+        self._call = self._entrance.backend.start(spec, frames, lambda sink, err: sink.respond(*frames.error(err)),
+                                                  self._sink, self._done, self._t0)
 
     def _answer(self, status: Status, message: str) -> None:
         _trailers_only(self._sink, self._opened.writer, status, message)
@@ -182,15 +183,6 @@ def _answered(sink: ResponseSink, writer: NativeResponseWriter, status: Status, 
 def _trailers_only(sink: ResponseSink, writer: NativeResponseWriter, status: Status, message: str) -> None:
     """The status in the one HEADERS frame (END_STREAM on it), as gRPC's Trailers-Only response."""
     sink.respond(200, [*writer.headers(), *writer.trailers(status, message)], b"")
-
-
-def _failer(writer: NativeResponseWriter) -> Callable[[ResponseSink, APIError], None]:
-    """The pipeline's ``fail`` (a refusal: parse, admission, routing): a trailers-only response."""
-
-    def fail(sink: ResponseSink, err: APIError) -> None:
-        sink.respond(200, [*writer.headers(), *status_trailers(writer, err)], b"")
-
-    return fail
 
 
 def _first(events: list[WebEvent]) -> pb.GenerateRequest | None:
