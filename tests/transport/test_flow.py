@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from array import array
 from collections import Counter
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -61,6 +63,49 @@ class Pair:
 
     def ends(self) -> Counter[int]:
         return Counter(e.result.request_id for e in self.gw_events if isinstance(e, RequestEnded))
+
+    # what the random-operations test drives (a HeldPair sends through its ResultHold)
+    def submit(self, sub: Submit) -> None:
+        self.gw.submit(sub)
+
+    @property
+    def sender(self) -> Any:
+        return self.wk
+
+    def kill(self) -> None:
+        self.gw_events += self.gw.connection_lost("killed")
+        self.wk_events += self.wk.connection_lost("killed")
+
+
+def run_random_ops(p: Pair, ops: list[tuple[str, int]], buffered: Callable[[int], bool] = lambda rid: False
+                   ) -> tuple[set[int], set[int]]:
+    """Random submits, drains, cancels, finishes, errors and a kill (rid 6), then close: the ids
+    submitted and those cancelled."""
+    submitted: set[int] = set()
+    cancelled: set[int] = set()
+    for op, rid in ops:
+        if p.gw.closed:
+            break
+        if op == "s" and not p.gw.is_open(rid) and rid not in submitted:
+            p.submit(Submit(rid, "m", prompt="x", buffered=buffered(rid)))
+            submitted.add(rid)
+        elif op == "d":
+            p.gw.consumed(rid, 2)
+        elif op == "c":
+            p.gw_events += p.gw.cancel(rid)
+            cancelled.add(rid)
+        elif op in "fe" and p.wk.is_open(rid):
+            if op == "f":
+                p.sender.send_finish(Finish(rid, FinishReason.STOP, 1, 1))
+            else:
+                p.sender.send_error(Error(rid, ErrorCode.INTERNAL, "x"))
+        elif op == "k" and p.wk.is_open(rid) and p.wk.credit(rid):
+            p.sender.send_tokens(batch([rid]))
+        elif op == "x" and rid == 6:
+            p.kill()
+        p.pump()
+    p.gw_events += p.gw.close()
+    return submitted, cancelled
 
 
 def batch(rids: list[int], n: int = 1) -> TokenBatch:
@@ -237,31 +282,7 @@ def test_protocol_errors_reach_the_peer() -> None:
 def test_every_request_ends_exactly_once(ops: list[tuple[str, int]]) -> None:
     """Random submits, drains, cancels, finishes, errors and a kill: each submit ends once."""
     p = Pair(credit=4)
-    submitted: set[int] = set()
-    cancelled: set[int] = set()
-    for op, rid in ops:
-        if p.gw.closed:
-            break
-        if op == "s" and not p.gw.is_open(rid) and rid not in submitted:
-            p.gw.submit(Submit(rid, "m", prompt="x"))
-            submitted.add(rid)
-        elif op == "d":
-            p.gw.consumed(rid, 2)
-        elif op == "c":
-            p.gw_events += p.gw.cancel(rid)
-            cancelled.add(rid)
-        elif op in "fe" and p.wk.is_open(rid):
-            if op == "f":
-                p.wk.send_finish(Finish(rid, FinishReason.STOP, 1, 1))
-            else:
-                p.wk.send_error(Error(rid, ErrorCode.INTERNAL, "x"))
-        elif op == "k" and p.wk.is_open(rid) and p.wk.credit(rid):
-            p.wk.send_tokens(batch([rid]))
-        elif op == "x" and rid == 6:
-            p.gw_events += p.gw.connection_lost("killed")
-            p.wk_events += p.wk.connection_lost("killed")
-        p.pump()
-    p.gw_events += p.gw.close()
+    submitted, _ = run_random_ops(p, ops)
     ends = p.ends()
     assert set(ends) == submitted
     assert all(n == 1 for n in ends.values())

@@ -16,7 +16,7 @@ from transport.flow import UNLIMITED, CancelReceived, RequestEnded, TokensReceiv
 from transport.hold import ResultHold, window
 from transport.messages import Error, ErrorCode, Finish, FinishReason, SamplingParams, Submit, TokenBatch
 
-from .test_flow import Pair, _tokens, batch
+from .test_flow import Pair, _tokens, batch, run_random_ops
 
 
 class HeldPair(Pair):
@@ -30,6 +30,17 @@ class HeldPair(Pair):
 
     def submit(self, sub: Submit) -> None:
         self.gw.submit(sub, window(sub))
+
+    @property
+    def sender(self) -> ResultHold:
+        assert self.ws is not None
+        return self.ws
+
+    def kill(self) -> None:
+        self.gw_events += self.gw.connection_lost("killed")
+        evs = self.wk.connection_lost("killed")
+        self.sender.observe(evs)
+        self.wk_events += evs
 
     def pump(self) -> None:
         while True:
@@ -161,34 +172,7 @@ def test_every_request_ends_exactly_once_and_held_tokens_come_right_before_their
         ops: list[tuple[str, int]]) -> None:
     """Random submits (even ids buffered), drains, cancels, finishes, errors and a kill."""
     p = HeldPair(credit=4)
-    assert p.ws is not None
-    submitted: set[int] = set()
-    cancelled: set[int] = set()
-    for op, rid in ops:
-        if p.gw.closed:
-            break
-        if op == "s" and not p.gw.is_open(rid) and rid not in submitted:
-            p.submit(Submit(rid, "m", prompt="x", buffered=rid % 2 == 0))
-            submitted.add(rid)
-        elif op == "d":
-            p.gw.consumed(rid, 2)
-        elif op == "c":
-            p.gw_events += p.gw.cancel(rid)
-            cancelled.add(rid)
-        elif op in "fe" and p.wk.is_open(rid):
-            if op == "f":
-                p.ws.send_finish(Finish(rid, FinishReason.STOP, 1, 1))
-            else:
-                p.ws.send_error(Error(rid, ErrorCode.INTERNAL, "x"))
-        elif op == "k" and p.wk.is_open(rid) and p.wk.credit(rid):
-            p.ws.send_tokens(batch([rid]))
-        elif op == "x" and rid == 6:
-            p.gw_events += p.gw.connection_lost("killed")
-            evs = p.wk.connection_lost("killed")
-            p.ws.observe(evs)
-            p.wk_events += evs
-        p.pump()
-    p.gw_events += p.gw.close()
+    submitted, cancelled = run_random_ops(p, ops, buffered=lambda rid: rid % 2 == 0)
     ends = p.ends()
     for i, e in enumerate(p.gw_events):  # a buffered request's tokens come right before its end
         if isinstance(e, TokensReceived):
