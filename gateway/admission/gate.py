@@ -143,7 +143,9 @@ class Admission:
             assert keys is not None
             if now >= keys.next_check:
                 keys.maybe_reload(now)
-            rec = keys.authenticate(authorization)
+            rec = keys.seen.get(authorization) if authorization is not None else None  # a key seen before
+            if rec is None:
+                rec = keys.authenticate(authorization)
             if rec.models and model not in rec.models:
                 raise APIError(403, f"This API key ({rec.id}) is not allowed to use the model '{model}'.",
                                "invalid_request_error", "model", "model_not_allowed")

@@ -183,9 +183,8 @@ _MISSING = ("You didn't provide an API key. You need to provide your API key in 
             "using Bearer auth (i.e. Authorization: Bearer YOUR_KEY).")
 _INVALID = "Incorrect API key provided."
 _sha256 = hashlib.sha256
-_DIGESTS_MAX = 4096  # cached digests of valid keys (by Authorization value; cleared when full and on reload)
+_SEEN_MAX = 4096  # Authorization values of valid keys remembered (cleared when full and on every reload)
 _CACHED_MAX_LEN = 512  # longer Authorization values are hashed every time (the cache's memory stays small)
-# Revocation needs no purge: a cached digest still has to be among the current records.
 _compare = hmac.compare_digest
 
 
@@ -193,7 +192,7 @@ class KeyStore:
     """Key records by digest; reloadable from ``path`` without a restart."""
 
     __slots__ = ("path", "_inline", "_by_digest", "_mtime", "_checked", "check_interval", "reloads",
-                 "reload_failures", "next_check", "_digests")
+                 "reload_failures", "next_check", "seen")
 
     def __init__(self, inline: Iterable[str] = (), path: str = "",
                  check_interval: float = DEFAULT_CHECK_INTERVAL) -> None:
@@ -201,7 +200,10 @@ class KeyStore:
         self._inline = tuple(inline)
         self.check_interval = check_interval
         self._by_digest: dict[bytes, KeyRecord] = {}
-        self._digests: dict[bytes, bytes] = {}  # Authorization value -> its token's SHA-256 (bounded)
+        # Authorization value as sent -> its record, for valid keys only (bounded): a key seen before is
+        # one dict lookup, no parsing or hashing. Cleared on every reload, so a revoked key is not in it.
+        # Read directly by the admission hot path (``seen.get(value) or authenticate(value)``).
+        self.seen: dict[bytes, KeyRecord] = {}
         self._mtime: float | None = None
         self._checked = -float("inf")
         self.next_check = -float("inf") if path else float("inf")  # when maybe_reload has work again
@@ -237,7 +239,7 @@ class KeyStore:
                         "; ".join(problems))
             return problems
         self._by_digest = {r.digest: r for r in records}
-        self._digests.clear()
+        self.seen.clear()
         self.reloads += 1
         log.info("API keys loaded: %d (ids: %s)", len(records), ", ".join(sorted(r.id for r in records)))
         return []
@@ -258,20 +260,20 @@ class KeyStore:
         """The record for the bearer key in ``authorization``, or a 401 in OpenAI's shape."""
         if authorization is None:
             raise APIError(401, _MISSING, "invalid_request_error", None, None)
-        digest = self._digests.get(authorization)  # by the header value as sent: no parsing when seen
-        cached = digest is not None
-        if digest is None:
-            token = bearer_token(authorization)
-            if token is None:
-                raise APIError(401, _MISSING, "invalid_request_error", None, None)
-            digest = _sha256(token).digest()
+        rec = self.seen.get(authorization)
+        if rec is not None:
+            return rec
+        token = bearer_token(authorization)
+        if token is None:
+            raise APIError(401, _MISSING, "invalid_request_error", None, None)
+        digest = _sha256(token).digest()
         rec = self._by_digest.get(digest)
         if rec is None or not _compare(rec.digest, digest):
             raise APIError(401, _INVALID, "invalid_request_error", None, "invalid_api_key")
-        if not cached and len(authorization) <= _CACHED_MAX_LEN:  # valid keys only, short headers only:
-            if len(self._digests) >= _DIGESTS_MAX:  # garbage can neither fill the cache nor flush it
-                self._digests.clear()
-            self._digests[authorization] = digest
+        if len(authorization) <= _CACHED_MAX_LEN:  # valid keys only, short headers only:
+            if len(self.seen) >= _SEEN_MAX:  # garbage can neither fill the cache nor flush it
+                self.seen.clear()
+            self.seen[authorization] = rec
         return rec
 
 

@@ -174,7 +174,7 @@ def test_digest_cache_holds_valid_short_keys_only() -> None:
     for i in range(100):
         with pytest.raises(APIError):
             store.authenticate(b"Bearer sk-bad-%d" % i)
-    assert list(store._digests) == [b"Bearer sk-good"]
+    assert list(store.seen) == [b"Bearer sk-good"]
     store._inline = ()  # revoke: the inline key is gone at the next reload
     store.reload()
     with pytest.raises(APIError) as e:
