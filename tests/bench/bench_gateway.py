@@ -41,17 +41,10 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from gateway.loadgen import run_processes  # noqa: E402
+from tests.bench.proc_cpu import cpu_seconds  # noqa: E402
 
-TCK = os.sysconf("SC_CLK_TCK")
 TARGET_UNARY_US = 100.0
 TARGET_STREAM_US = 250.0
-
-
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of one process (not its children)."""
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    fields = stat[stat.rindex(")") + 2:].split()
-    return (int(fields[11]) + int(fields[12])) / TCK
 
 
 def children(pid: int) -> list[int]:

@@ -85,6 +85,7 @@ import orjson  # noqa: E402
 
 from gateway.grpc.compression import Codec, GzipCodec, ZstdCodec  # noqa: E402
 from gateway.grpc.quicserve.v1 import quicserve_pb2 as pb  # noqa: E402
+from tests.bench.proc_cpu import cpu_seconds  # noqa: E402
 from tests.bench.wire_relay import CountingRelay  # noqa: E402
 
 TOKENS = 256
@@ -93,7 +94,6 @@ SEED = 1
 MODEL = "tiny"
 METHOD = "/quicserve.v1.Inference/Generate"
 COMPLETE = "/quicserve.v1.Inference/Complete"  # the whole completion in one message: one that can shrink
-TCK = os.sysconf("SC_CLK_TCK")
 TARGET_CPU = 1.2
 TARGET_BYTES = 0.2
 LIMIT = 1 << 22
@@ -102,12 +102,10 @@ CODECS: dict[str, Codec] = {"gzip": GzipCodec(), "zstd": ZstdCodec()}
 
 
 def proc_cpu_io(pid: int) -> tuple[float, int, int]:
-    """utime + stime (seconds), wchar (bytes written) and syscw (write calls) of one process, all its
-    threads, not its children."""
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    fields = stat[stat.rindex(")") + 2:].split()
+    """CPU seconds (:func:`~tests.bench.proc_cpu.cpu_seconds`), wchar (bytes written) and syscw (write
+    calls) of one process, not its children."""
     io = dict(line.split(": ") for line in Path(f"/proc/{pid}/io").read_text().splitlines())
-    return (int(fields[11]) + int(fields[12])) / TCK, int(io["wchar"]), int(io["syscw"])
+    return cpu_seconds(pid), int(io["wchar"]), int(io["syscw"])
 
 
 def _children(pid: int) -> list[int]:

@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import ssl
 import statistics
 import sys
@@ -54,6 +53,7 @@ import httpx
 import orjson
 from aioquic.tls import SessionTicket
 
+from tests.bench.proc_cpu import cpu_seconds
 from tests.gateway.http.h3_client import chat_body, h3_connect, make_cert
 from tests.netrelay import Link, TcpRelay, UdpRelay
 
@@ -81,11 +81,6 @@ async def serve(state_dir: Path) -> None:
         early_data_routes=[*DEFAULT_EARLY_DATA_ROUTES, f"POST {CHAT}"]))
     print(json.dumps({"tls": tls.port, "quic": quic.address[1]}), flush=True)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until the parent closes it
-
-
-def child_cpu(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 # -- clients ----------------------------------------------------------------------------------------
@@ -167,9 +162,9 @@ async def cpu_round(ports: dict[str, int], pid: int, streams: int) -> dict[str, 
 
     out = {}
     for name, run in (("h2", h2), ("h3", h3), ("h2 again", h2), ("h3 again", h3)):
-        c0 = child_cpu(pid)
+        c0 = cpu_seconds(pid)
         await run()
-        out[name] = (child_cpu(pid) - c0) / (streams // 8 * 8)
+        out[name] = (cpu_seconds(pid) - c0) / (streams // 8 * 8)
     return out
 
 

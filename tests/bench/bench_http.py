@@ -33,14 +33,10 @@ from typing import Any
 
 import uvloop
 
+from tests.bench.proc_cpu import cpu_seconds
+
 REQ = b"GET /v1/models HTTP/1.1\r\nhost: x\r\nuser-agent: bench\r\n\r\n"
 FIXED = b'HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 11\r\n\r\n{"ok":true}'
-
-
-def _cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def _serve(kind: str) -> None:
@@ -175,9 +171,9 @@ def _run(kind: str, proto: str, total: int, conns: int, tree: str | None = None)
         port = int(child.stdout.readline())
         drive = _drive_h1 if proto == "h1" else _drive_h2
         uvloop.run(drive(port, max(conns, total // 10), conns))  # warm up
-        cpu0 = _cpu_seconds(child.pid)
+        cpu0 = cpu_seconds(child.pid)
         wall = uvloop.run(drive(port, total, conns))
-        cpu = _cpu_seconds(child.pid) - cpu0
+        cpu = cpu_seconds(child.pid) - cpu0
     finally:
         child.kill()
         child.wait()
