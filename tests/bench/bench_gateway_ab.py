@@ -19,6 +19,12 @@ load drifts (other jobs on a shared host) moves least::
 
     .venv/bin/python -m tests.bench.bench_gateway_ab --baseline /tmp/base --keep --rounds 12 --duration 2
 
+``--control`` (with ``--keep``): a second gateway of the baseline tree, started after this tree's,
+takes its turn in every round; its ratios to the baseline are what noise alone gives in the same
+run (on a shared 2-core VM, paired medians of 12 slices of two identical trees were seen from
+0.90 to 1.03), so a ratio for this tree is read against them. With three gateways each takes the
+first turn of a round in rotation.
+
 ``--perf-stat`` (with ``--keep``): each slice also runs under ``perf stat -p`` on its gateway, and
 the table after the CPU figures gives, per scenario and side, the median per request of
 instructions (where the machine exposes the counter: a VM often does not), system calls
@@ -171,22 +177,26 @@ def print_counts(counts: dict[str, list[list[Counts]]], events: list[tuple[str, 
     """The ``--perf-stat`` / ``--callgrind`` table: median counts per request, per scenario and side."""
     print(f"{'per request':<28}" + "".join(f"{label:>30}" for _, label in events)
           + "   (median of the slices; base / this / ratio)")
-    for i, (name, _) in enumerate(SCENARIOS):
-        cells = []
-        for event, _ in events:
-            med: dict[str, float | None] = {}
-            for side in ("baseline", "this"):
-                vals = [v for c in counts[side] if (v := c[i][event]) is not None]
-                med[side] = statistics.median(vals) if vals else None
-            b, t = med["baseline"], med["this"]
-            cells.append("n/a" if b is None or t is None else f"{_num(b)} / {_num(t)} / {t / b:.3f}")
-        print(f"{name:<28}" + "".join(f"{c:>30}" for c in cells))
+
+    def median(side: str, i: int, event: str) -> float | None:
+        vals = [v for c in counts[side] if (v := c[i][event]) is not None]
+        return statistics.median(vals) if vals else None
+
+    for side in [k for k in counts if k != "baseline"]:
+        for i, (name, _) in enumerate(SCENARIOS):
+            cells = []
+            for event, _ in events:
+                b, t = median("baseline", i, event), median(side, i, event)
+                cells.append("n/a" if b is None or t is None else f"{_num(b)} / {_num(t)} / {t / b:.3f}")
+            label = name if side == "this" else f"{name} ({side})"
+            print(f"{label:<28}" + "".join(f"{c:>30}" for c in cells))
 
 
 def keep_mode(a: argparse.Namespace, trees: dict[str, Path], envs: dict[str, list[str]], pin: bool,
               cpus: list[int]) -> dict[str, list[list[float]]]:
-    """Both gateways running for the whole run; ``a.rounds`` alternating slices per scenario (with
-    ``a.perf_stat``, each slice's counts per request are printed after the CPU table)."""
+    """Every gateway (baseline, this, control) running for the whole run; ``a.rounds`` alternating
+    slices per scenario (with ``a.perf_stat`` or ``a.callgrind``, each slice's counts per request
+    are printed after the CPU table)."""
     runs: dict[str, list[list[float]]] = {k: [] for k in trees}
     counts: dict[str, list[list[Counts]]] = {k: [] for k in trees}
     counting = a.perf_stat or a.callgrind
@@ -216,8 +226,9 @@ def keep_mode(a: argparse.Namespace, trees: dict[str, Path], envs: dict[str, lis
         for r in range(a.rounds):
             figs: dict[str, list[float]] = {name: [] for name in names}
             cnts: dict[str, list[Counts]] = {name: [] for name in names}
+            order = names[r % len(names):] + names[:r % len(names)]  # each side first in turn
             for _, stream in SCENARIOS:
-                for name in names if r % 2 == 0 else names[::-1]:
+                for name in order if len(names) > 2 or r % 2 == 0 else names[::-1]:
                     pid, url = gws[name]
                     figs[name].append(_slice(url, pid, stream, a.duration, a.processes, a.api_key,
                                              cnts[name] if counting else None, meter, a.concurrency))
@@ -248,15 +259,20 @@ def main() -> int:
     p.add_argument("--callgrind", action="store_true",
                    help="with --keep: gateways under valgrind, exact user-space instructions per request")
     p.add_argument("--concurrency", type=int, default=32, help="connections (--keep; 1 for --callgrind)")
+    p.add_argument("--control", action="store_true",
+                   help="with --keep: a second baseline gateway, started last, measured like the others: "
+                        "its ratio to the first is this run's noise floor (an A/A pair)")
     a = p.parse_args()
-    if (a.perf_stat or a.callgrind or a.concurrency != 32) and not a.keep:
-        p.error("--perf-stat, --callgrind and --concurrency need --keep")
+    if (a.perf_stat or a.callgrind or a.control or a.concurrency != 32) and not a.keep:
+        p.error("--perf-stat, --callgrind, --control and --concurrency need --keep")
     cpus = sorted(os.sched_getaffinity(0))
     pin = len(cpus) >= 2
     if pin:
         os.sched_setaffinity(0, cpus[1:])
     trees = {"baseline": a.baseline.resolve(), "this": REPO}
     envs = {"baseline": a.baseline_env, "this": a.this_env}
+    if a.control:
+        trees["control"], envs["control"] = trees["baseline"], a.baseline_env
     runs: dict[str, list[list[float]]] = {k: [] for k in trees}
     print(f"A/B gateway CPU, {a.rounds} alternating {'slices' if a.keep else 'rounds'} x {a.duration:g} s"
           f"{' (one gateway per tree, kept)' if a.keep else ''}, c={a.concurrency}; load average {_load()}; "
@@ -272,14 +288,18 @@ def main() -> int:
                                                            zip(SCENARIOS, figs, strict=True)), flush=True)
     print(f"{'scenario':<28}{'baseline µs':>12}{'this µs':>10}{'this/base':>11}   (best of {a.rounds})"
           f"{'base med':>10}{'this med':>10}{'ratio':>7}{'paired':>8}")
-    for i, (name, _) in enumerate(SCENARIOS):
-        bs = [x[i] for x in runs["baseline"]]
-        ts = [x[i] for x in runs["this"]]
-        b, t = min(bs), min(ts)
-        bm, tm = statistics.median(bs), statistics.median(ts)
-        paired = statistics.median(y / x for x, y in zip(bs, ts, strict=True))
-        print(f"{name:<28}{b:>12.1f}{t:>10.1f}{t / b:>11.3f}{'':>17}{bm:>10.1f}{tm:>10.1f}{tm / bm:>7.3f}"
-              f"{paired:>8.3f}")
+    for side in [k for k in runs if k != "baseline"]:
+        if side == "control":
+            print("control: the baseline tree again (A/A); its ratios are what noise alone gives in this run")
+        for i, (name, _) in enumerate(SCENARIOS):
+            bs = [x[i] for x in runs["baseline"]]
+            ts = [x[i] for x in runs[side]]
+            b, t = min(bs), min(ts)
+            bm, tm = statistics.median(bs), statistics.median(ts)
+            paired = statistics.median(y / x for x, y in zip(bs, ts, strict=True))
+            label = name if side == "this" else f"{name} ({side})"
+            print(f"{label:<28}{b:>12.1f}{t:>10.1f}{t / b:>11.3f}{'':>17}{bm:>10.1f}{tm:>10.1f}{tm / bm:>7.3f}"
+                  f"{paired:>8.3f}")
     print(f"load average after: {_load()}")
     return 0
 
