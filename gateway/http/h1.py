@@ -347,7 +347,12 @@ class _H1Sink(SinkState):
 
     def end(self, trailers: Headers | None = None) -> None:
         if self._ending() and self._chunked and not self._head:
-            self._conn._write(wire.LAST_CHUNK)
+            conn = self._conn
+            t = conn._transport
+            if conn._out or t is None:
+                conn._write(wire.LAST_CHUNK)  # behind what is queued (or dropped: the client is gone)
+            else:  # a stream's last chunk went out from send_nowait: end it now, not a loop iteration later
+                t.write(wire.LAST_CHUNK)
 
     def abort(self) -> None:
         """Cut the response: the connection closes once the call is done, without the last

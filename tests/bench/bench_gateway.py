@@ -56,9 +56,11 @@ def children(pid: int) -> list[int]:
 
 
 def start_gateway(state: str, worker_options: list[str], repo: Path = REPO,
-                  extra_env: dict[str, str] | None = None) -> tuple[subprocess.Popen[str], str]:
-    """``quicserve serve --engine synthetic`` from the source tree ``repo`` (another checkout for A/B runs)."""
-    cmd = [sys.executable, "-m", "gateway.cli", "serve", "--engine", "synthetic", "--port", "0", "--no-tls",
+                  extra_env: dict[str, str] | None = None,
+                  prefix: list[str] | None = None) -> tuple[subprocess.Popen[str], str]:
+    """``quicserve serve --engine synthetic`` from the source tree ``repo`` (another checkout for A/B runs);
+    ``prefix``: a command the gateway runs under (``valgrind ...``; its worker runs without it)."""
+    cmd = [*(prefix or []), sys.executable, "-m", "gateway.cli", "serve", "--engine", "synthetic", "--port", "0", "--no-tls",
            "--progress", "off", "--log-level", "warning", "--state-dir", state]
     env = {**os.environ, "PYTHONPATH": str(repo), **(extra_env or {})}
     if (repo / "gateway" / "grpc" / "mount.py").exists():  # a newer tree: no gRPC port, no drain grace
@@ -67,7 +69,7 @@ def start_gateway(state: str, worker_options: list[str], repo: Path = REPO,
     cmd += [f"--worker-option={o}" for o in worker_options]
     proc = subprocess.Popen(cmd, cwd=repo, stdout=subprocess.PIPE, text=True, env=env)
     url = ""
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + (600 if prefix else 120)
     assert proc.stdout is not None
     while time.monotonic() < deadline:
         line = proc.stdout.readline()
@@ -78,7 +80,7 @@ def start_gateway(state: str, worker_options: list[str], repo: Path = REPO,
             url = m.group(1)
         if line.startswith("quicserve: ready"):
             return proc, url
-    raise RuntimeError("gateway not ready in 120 s")
+    raise RuntimeError("gateway not ready in time")
 
 
 @dataclass

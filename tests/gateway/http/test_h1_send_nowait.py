@@ -83,3 +83,31 @@ async def test_send_nowait_http10_unframed_body() -> None:
     await settle(lambda: t.closed)
     head, _, body = bytes(t.out).partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 200") and body == b"one two"
+
+
+async def test_end_after_a_direct_chunk_writes_at_once() -> None:
+    """A stream's last chunk went straight to the transport: ``end()`` writes the terminating
+    chunk then too, not from a flush a loop iteration later; with output queued it stays behind it."""
+    seen: list[bytes] = []
+
+    async def handler(req: Request, sink: ResponseSink) -> None:
+        sink.start(200, [])
+        await asyncio.sleep(0)  # the head is flushed: nothing queued
+        assert sink.send_nowait(b"x")
+        sink.end()
+        seen.append(bytes(t.out))
+        assert not proto._flush_scheduled
+
+    proto, t = serve(handler)
+    proto.data_received(GET)
+    await settle(lambda: len(seen) == 1)
+    assert seen[0].endswith(b"\r\n\r\n1\r\nx\r\n0\r\n\r\n")
+
+    async def queued(req: Request, sink: ResponseSink) -> None:
+        sink.start(200, [])  # the head is queued: the last chunk goes behind it
+        sink.end()
+
+    proto, t = serve(queued)
+    proto.data_received(GET + GET)
+    await settle(lambda: bytes(t.out).count(b"\r\n0\r\n\r\n") == 2)
+    assert [body for _, _, body in parse_responses(bytes(t.out))] == [b"", b""]
