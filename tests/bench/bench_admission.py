@@ -278,8 +278,8 @@ PROCESS_OFF_ENV = ["QUICSERVE_ADMISSION__ENABLED=false"]
 
 def bench_process(slices: int, duration: float, callgrind: bool = False) -> float:
     """The issue's figure: real gateways of this tree, admission all on ("this") against all off
-    ("baseline"), alternating slices of load (``bench_gateway_ab.keep_mode``); returns the paired
-    CPU ratio of the non-streaming scenario. ``callgrind``: both under valgrind at c=1, and the
+    ("baseline"), alternating slices of load (``bench_gateway_ab.keep_mode``); returns the
+    non-streaming CPU ratio on/off, the worse of the paired ratio and the ratio of the medians. ``callgrind``: both under valgrind at c=1, and the
     figure is user-space instructions per request (exact; the CPU figures of such a run mean
     nothing)."""
     import os
@@ -306,10 +306,10 @@ def bench_process(slices: int, duration: float, callgrind: bool = False) -> floa
         print(f"  {name:<26} off {min(off):6.1f} µs best {statistics.median(off):6.1f} med   on {min(on):6.1f} best "
               f"{statistics.median(on):6.1f} med   on/off paired {paired:.3f}, best/best {min(on) / min(off):.3f}")
         if i == 0:
-            unary = paired
-    if not callgrind:
+            unary = max(paired, statistics.median(on) / statistics.median(off))
+    if not callgrind:  # the verdict on the worse of the paired ratio and the ratio of the medians
         verdict = "meets" if unary <= 1.15 else "misses"
-        print(f"  non-streaming on/off CPU: {unary:.3f} (paired): {verdict} the <= +15% target")
+        print(f"  non-streaming on/off CPU: {unary:.3f} (the worse of paired and medians): {verdict} the <= +15% target")
     return unary
 
 
