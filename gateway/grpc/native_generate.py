@@ -25,8 +25,6 @@ import asyncio
 import time
 from collections.abc import Callable
 
-from google.protobuf.message import DecodeError
-
 from ..errors import APIError
 from ..http.common import spawn
 from ..http.types import Call, Entrance, Request, RequestBodyStream, ResponseSink
@@ -37,21 +35,13 @@ from .frame_writer import GrpcFrameWriter
 from .native import NOT_METADATA, NativeCall, NativeRejection, NativeResponseWriter, is_grpc, open_call
 from .quicserve.v1 import quicserve_pb2 as pb
 from .status import Status, grpc_status, parse_grpc_timeout
-from .web import CallFailed, MessageReceived, WebEvent
-from .web_call import call_metadata
+from .web import WebEvent
+from .web_call import CallAborted, call_metadata, request_message
 
 __all__ = ["GENERATE", "NativeEntrance"]
 
 GENERATE = "/quicserve.v1.Inference/Generate"
 _perf = time.perf_counter
-
-
-class _Failed(Exception):
-    """Internal: the call ends with this status before its generation starts."""
-
-    def __init__(self, status: Status, message: str) -> None:
-        self.status = status
-        self.message = message
 
 
 class _Generate:
@@ -75,7 +65,7 @@ class _Generate:
         if body is None:  # the body came whole (END_STREAM on the HEADERS: none)
             try:
                 self._started(_one_message(self._opened, [self._request.body]))
-            except _Failed as f:
+            except CallAborted as f:
                 self._answer(f.status, f.message)
                 asyncio.get_running_loop().call_soon(self._done)
             return
@@ -87,7 +77,7 @@ class _Generate:
         try:
             async with asyncio.timeout(self._timeout):
                 message = await _read_message(self._opened, body, self._entrance.stall_timeout)
-        except _Failed as f:
+        except CallAborted as f:
             return self._answer(f.status, f.message)
         except TimeoutError:
             return self._answer(Status.DEADLINE_EXCEEDED, "Deadline exceeded")
@@ -95,7 +85,7 @@ class _Generate:
             return  # the client went away: nobody to tell
         try:
             self._started(message)
-        except _Failed as f:
+        except CallAborted as f:
             self._answer(f.status, f.message)
 
     def _read_done(self, task: asyncio.Task[None]) -> None:
@@ -111,7 +101,7 @@ class _Generate:
         try:
             spec = spec_from(message, deadline, text_metadata(call_metadata(dict(self._request.headers), NOT_METADATA)))
         except APIError as e:
-            raise _Failed(grpc_status(e), e.message) from None
+            raise CallAborted(grpc_status(e), e.message) from None
         frames = GrpcFrameWriter(self._opened.writer)
         # a refusal (parse, admission, routing) is the writer's trailers-only error; the generation
         # call bounds every wait for the client by [api] write_timeout, as for SSE
@@ -186,16 +176,14 @@ def _trailers_only(sink: ResponseSink, writer: NativeResponseWriter, status: Sta
 
 
 def _first(events: list[WebEvent]) -> pb.GenerateRequest | None:
-    for event in events:
-        if isinstance(event, MessageReceived):
-            try:
-                return pb.GenerateRequest.FromString(event.data)
-            except DecodeError as e:
-                raise _Failed(Status.INTERNAL, f"cannot parse the request message: {e}") from None
-        if isinstance(event, CallFailed):
-            raise _Failed(event.status, event.message)
-        raise _Failed(Status.INTERNAL, "no request message")  # RequestEnded
-    return None
+    """The request message the first of ``events`` carries (None: no event yet); the end of the
+    requests before it is an error."""
+    if not events:
+        return None
+    message: pb.GenerateRequest | None = request_message(events[0], pb.GenerateRequest)
+    if message is None:
+        raise CallAborted(Status.INTERNAL, "no request message")  # RequestEnded
+    return message
 
 
 def _one_message(opened: NativeCall, chunks: list[bytes]) -> pb.GenerateRequest:
@@ -208,7 +196,7 @@ def _one_message(opened: NativeCall, chunks: list[bytes]) -> pb.GenerateRequest:
     events.extend(reader.end_of_stream())
     message = _first(events)
     if message is None:
-        raise _Failed(Status.INTERNAL, "no request message")
+        raise CallAborted(Status.INTERNAL, "no request message")
     return message
 
 
@@ -221,13 +209,13 @@ async def _read_message(opened: NativeCall, body: RequestBodyStream, stall: floa
             async with asyncio.timeout(stall):
                 chunk = await body.read()
         except TimeoutError:
-            raise _Failed(Status.DEADLINE_EXCEEDED,
+            raise CallAborted(Status.DEADLINE_EXCEEDED,
                           f"The request message stopped arriving ({stall:g} s without data).") from None
         except APIError as e:  # the adapter refused the rest of the body (413)
-            raise _Failed(grpc_status(e), e.message) from None
+            raise CallAborted(grpc_status(e), e.message) from None
         events = reader.receive_data(chunk) if chunk else reader.end_of_stream()
         message = _first(events)
         if message is not None:
             return message
         if not chunk:
-            raise _Failed(Status.INTERNAL, "no request message")
+            raise CallAborted(Status.INTERNAL, "no request message")

@@ -48,7 +48,7 @@ from .status import Status, grpc_status, parse_grpc_timeout
 from .web import CallFailed, MessageReceived, Rejection, WebCall, WebEvent, WebRequestReader, open_call
 
 __all__ = ["WebSink", "MessageWriter", "GrpcStream", "WebStream", "run_call", "serve_web_call", "write_or_cut",
-           "request_body", "call_metadata"]
+           "request_body", "call_metadata", "CallAborted", "request_message"]
 
 log = logging.getLogger(__name__)
 
@@ -109,10 +109,25 @@ class MessageWriter(Protocol):
     def message(self, payload: bytes) -> bytes: ...
 
 
-class _Abort(Exception):
+class CallAborted(Exception):
+    """The call ends with this status (raised inside a call core, caught where its status is sent)."""
+
     def __init__(self, status: Status, message: str) -> None:
         self.status = status
         self.message = message
+
+
+def request_message(event: WebEvent, request_type: Any) -> Any:
+    """The request message ``event`` carries, or None at the end of the requests; a frame the
+    reader could not take, or a message that does not parse, is :class:`CallAborted`."""
+    if isinstance(event, MessageReceived):
+        try:
+            return request_type.FromString(event.data)
+        except DecodeError as e:
+            raise CallAborted(Status.INTERNAL, f"cannot parse the request message: {e}") from None
+    if isinstance(event, CallFailed):
+        raise CallAborted(event.status, event.message)
+    return None  # RequestEnded
 
 
 class GrpcStream:
@@ -149,7 +164,7 @@ class GrpcStream:
             try:
                 chunk = await self._next_chunk()
             except APIError as e:  # the adapter refused the rest of the body (413), or it stalled
-                raise _Abort(grpc_status(e), e.message) from None
+                raise CallAborted(grpc_status(e), e.message) from None
             if chunk is None:
                 self._body_done = True
                 self._events.extend(self._reader.end_of_stream())
@@ -158,14 +173,10 @@ class GrpcStream:
         event = self._events.popleft()
         if isinstance(event, MessageReceived):
             self._received = True
-            try:
-                return self._request_type.FromString(event.data)
-            except DecodeError as e:
-                raise _Abort(Status.INTERNAL, f"cannot parse the request message: {e}") from None
-        if isinstance(event, CallFailed):
-            raise _Abort(event.status, event.message)
-        self._body_done = True  # RequestEnded
-        return None
+        message = request_message(event, self._request_type)
+        if message is None:
+            self._body_done = True  # RequestEnded
+        return message
 
     async def _next_chunk(self) -> bytes | None:
         stall = self.stall_timeout
@@ -260,7 +271,7 @@ async def run_call(handlers: Mapping[str, Handler], path: str, headers: Mapping[
         try:
             async with asyncio.timeout(timeout):
                 await handler.func(stream)
-        except _Abort as a:
+        except CallAborted as a:
             status, message = a.status, a.message
         except TimeoutError:
             status, message = Status.DEADLINE_EXCEEDED, "Deadline exceeded"

@@ -206,26 +206,18 @@ async def _pipeline_ab(rounds: int, concurrency: int, keys_file: str) -> dict[st
     """Gateway CPU µs per non-streaming request, admission all on and all off, alternating rounds."""
     from gateway.admission.setup import build_admission
     from gateway.app import App
-    from gateway.http.common import HttpLimits, ServerState
-    from gateway.http.h1 import H1Protocol
     from gateway.loadgen import chat_request
     from gateway.observability.metrics import GatewayMetrics
     from gateway.settings import ApiSettings
 
-    from .bench_gateway_path import _FakeTransport, _round, _setup
+    from .bench_gateway_path import _clients, _round, _setup
 
     off_app, conn, worker, sink, off = await _setup(concurrency)  # App(pool): admission None
     parts = build_admission(_stage_settings(keys_file), "127.0.0.1")
     assert parts.stage is not None and parts.schemas is not None
     on_app = App(off_app.pool, GatewayMetrics(), ApiSettings(), admission=parts.stage,
                  validate=parts.schemas.validate)
-    state = ServerState(on_app.handle, HttpLimits(), None)
-    on = []
-    for _ in range(concurrency):
-        proto = H1Protocol(state)
-        tr = _FakeTransport()
-        proto.connection_made(tr)
-        on.append((proto, tr))
+    on = _clients(on_app.handle, concurrency)
     # the same bytes for both sides (the key is read only where keys are on)
     req = chat_request("127.0.0.1", 8080, stream=False, max_tokens=16, api_key=BENCH_KEY)
     sides = {"off": off, "on": on}

@@ -170,14 +170,19 @@ async def _setup(concurrency: int) -> tuple[App, ClientConnection, _WorkerDouble
     pool.add(conn)
     app = App(pool, GatewayMetrics(), ApiSettings())
     entrance: Any = vars(App).get("handle")  # App.handle; a tree before the one entrance takes the app
-    state = ServerState(app.handle if entrance is not None else app, HttpLimits(), None)
+    return app, conn, worker, sink, _clients(app.handle if entrance is not None else app, concurrency)
+
+
+def _clients(entrance: Any, concurrency: int) -> list[tuple[H1Protocol, _FakeTransport]]:
+    """``concurrency`` HTTP/1.1 connections into ``entrance``, each on a fake transport."""
+    state = ServerState(entrance, HttpLimits(), None)
     clients = []
     for _ in range(concurrency):
         proto = H1Protocol(state)
         tr = _FakeTransport()
         proto.connection_made(tr)
         clients.append((proto, tr))
-    return app, conn, worker, sink, clients
+    return clients
 
 
 async def _settle(n: int = 4) -> None:

@@ -77,6 +77,13 @@ class Pair:
         self.wk_events += self.wk.connection_lost("killed")
 
 
+# Hypothesis: lists of (operation, request id) for run_random_ops (s submit, d drain, c cancel,
+# f finish, e error, k a token, x kill the connection), as a test decorator.
+random_ops = settings(database=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+                      max_examples=80, deadline=None)(
+    given(st.lists(st.tuples(st.sampled_from("sdcfexk"), st.integers(1, 6)), max_size=60)))
+
+
 def run_random_ops(p: Pair, ops: list[tuple[str, int]], buffered: Callable[[int], bool] = lambda rid: False
                    ) -> tuple[set[int], set[int]]:
     """Random submits, drains, cancels, finishes, errors and a kill (rid 6), then close: the ids
@@ -272,13 +279,7 @@ def test_protocol_errors_reach_the_peer() -> None:
     assert w.closed and evs[-1].error.code == ErrorCode.PROTOCOL  # type: ignore[union-attr]
 
 
-@settings(
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-    max_examples=80,
-    deadline=None,
-)
-@given(st.lists(st.tuples(st.sampled_from("sdcfexk"), st.integers(1, 6)), max_size=60))
+@random_ops
 def test_every_request_ends_exactly_once(ops: list[tuple[str, int]]) -> None:
     """Random submits, drains, cancels, finishes, errors and a kill: each submit ends once."""
     p = Pair(credit=4)

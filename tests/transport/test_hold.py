@@ -9,14 +9,11 @@ from __future__ import annotations
 from array import array
 from collections import Counter
 
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
 from transport.flow import UNLIMITED, CancelReceived, RequestEnded, TokensReceived
 from transport.hold import ResultHold, window
 from transport.messages import Error, ErrorCode, Finish, FinishReason, SamplingParams, Submit, TokenBatch
 
-from .test_flow import Pair, _tokens, batch, run_random_ops
+from .test_flow import Pair, _tokens, batch, random_ops, run_random_ops
 
 
 class HeldPair(Pair):
@@ -161,13 +158,7 @@ def test_a_connection_error_sends_the_ended_results_first() -> None:
     assert p.ends() == Counter({1: 1}) and p.gw.closed
 
 
-@settings(
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-    max_examples=80,
-    deadline=None,
-)
-@given(st.lists(st.tuples(st.sampled_from("sdcfexk"), st.integers(1, 6)), max_size=60))
+@random_ops
 def test_every_request_ends_exactly_once_and_held_tokens_come_right_before_their_end(
         ops: list[tuple[str, int]]) -> None:
     """Random submits (even ids buffered), drains, cancels, finishes, errors and a kill."""
