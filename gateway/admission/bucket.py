@@ -82,5 +82,9 @@ class TokenBucketLimiter(TakeAfterWait):
     def idle(self, now: float) -> bool:
         return self._refill(now) >= self.burst
 
+    def latest(self) -> float:
+        """The last time it was asked (it refills lazily from then)."""
+        return self._at
+
     def __repr__(self) -> str:
         return f"TokenBucketLimiter(limit={self.limit:g}, window={self.window:g}, burst={self.burst:g})"

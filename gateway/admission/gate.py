@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from ..errors import APIError
 from .config import AdmissionSettings, parse_rule
@@ -43,7 +43,14 @@ from .limits import (
 from .ratelimit_headers import Headers, refusal, render
 from .shed import DEFAULT_PRIORITY, LoadShedder
 
-__all__ = ["Admission", "AdmissionContext", "Grant"]
+if TYPE_CHECKING:
+    from ..api.params import GenerationRequest
+    from ..http.types import Request
+
+__all__ = ["Admission", "AdmissionContext", "Grant", "PRIORITY_OF_TIER"]
+
+# OpenAI's service_tier as a priority hint (it may lower a key's class, never raise it)
+PRIORITY_OF_TIER = {"flex": 0, "default": 1, "auto": 1, "priority": 2}
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +97,7 @@ class Admission:
     """Auth + rate limits + load shedding for the request pipeline; sans-I/O, ``now`` passed in."""
 
     __slots__ = ("keys", "auth_required", "limits", "shedder", "default_priority", "key_max_concurrency",
-                 "_key_tables", "_key_plans", "_max_keys", "_make", "_outstanding", "_limited")
+                 "_key_tables", "_key_plans", "_max_keys", "_make", "_limited", "_plain_bound")
 
     def __init__(self, keys: KeyStore | None, limits: RateLimits, shedder: LoadShedder, *,
                  auth_required: bool, default_priority: int = DEFAULT_PRIORITY, key_max_concurrency: int = 0,
@@ -107,9 +114,10 @@ class Admission:
         self._key_tables: dict[RateRule, LimiterTable] = {}  # per-key rules from key records
         self._key_plans: dict[str, tuple[tuple[RateRule, ...], tuple[Step, ...]]] = {}  # by key id
         self._limited = bool(limits.rules)
+        # admit_call's plain case: a pool holding fewer than the lowest class's bound admits any class
+        self._plain_bound = shedder.bound(0)
         self._max_keys = max_keys
         self._make = make
-        self._outstanding = 0
 
     @classmethod
     def from_settings(cls, s: AdmissionSettings,
@@ -127,6 +135,65 @@ class Admission:
         """A :class:`Grant`, or :class:`APIError` (401, 403, 429, 503) with nothing held."""
         return self.admit_request(ctx.authorization, ctx.client, ctx.model, ctx.route, ctx.prompt_tokens,
                                   ctx.max_tokens, ctx.priority, now, ctx.deadline)
+
+    def admit_call(self, req: Request, g: GenerationRequest, now: float, deadline: float | None = None) -> Grant:
+        """The pipeline's admit: :meth:`admit_request` for a parsed request, its usual case written
+        out in this one frame -- a key seen before, with no cap or rules of its own, allowed the
+        model; a pool below even the lowest class's bound; no deadline. Anything else is decided
+        by :meth:`admit_request` (tests/gateway/admission/test_admit_call.py drives both with the
+        same random requests and asserts the same answers and state). ``deadline``: seconds the
+        request may still take (gRPC's ``grpc-timeout``), None for none of its own."""
+        model = g.model
+        prompt = g.prompt_tokens
+        if prompt < 0:
+            prompt = g.prompt_estimate()
+        tier = g.service_tier
+        hint = None if tier is None else PRIORITY_OF_TIER.get(tier)
+        authorization: bytes | None = None
+        key_id: str | None = None
+        priority = self.default_priority
+        plain = deadline is None and not self.key_max_concurrency
+        if self.auth_required:
+            for name, value in req.headers:
+                if name == b"authorization":
+                    authorization = value
+                    break
+            keys = self.keys
+            assert keys is not None
+            rec = keys.seen.get(authorization) if authorization is not None else None
+            if rec is None or now >= keys.next_check or not rec.plain or (rec.models and model not in rec.models):
+                plain = False
+            else:
+                key_id, priority = rec.id, rec.priority
+        if hint is not None and hint < priority:
+            priority = hint
+        st = self.shedder.pools.get(model)
+        client = req.client
+        if not plain or st is None or st.outstanding >= self._plain_bound:
+            return self.admit_request(authorization, None if client is None else client[0], model, req.path,
+                                      prompt, g.params.max_tokens, hint, now, deadline)
+        if st.outstanding == 0:  # the shedder's take, its plain case: a slot in a pool with room
+            st.estimator._busy_since = now
+        st.outstanding += 1
+        headers: Headers = ()
+        reservation: Reservation | None = None
+        if self._limited:
+            limits = self.limits
+            address = None if client is None else client[0]
+            tokens = float(prompt + g.params.max_tokens)
+            fast = limits.fast(key_id, address, model, req.path, tokens, now)  # the usual case, compiled
+            if fast is None:  # not the usual case: take decides
+                try:
+                    r = limits.take((key_id, address, model, req.path), tokens, now)
+                except APIError:  # a shared store that cannot decide (fail-closed)
+                    self.shedder.untake(model, None)
+                    raise
+                if isinstance(r, Verdict):
+                    self.shedder.untake(model, None)
+                    raise refusal(r.wait, r.unit, render(r.requests, r.tokens))
+                fast = r
+            headers, reservation = fast
+        return _new(Grant, (key_id, priority, headers, reservation, model, None, [False], prompt))
 
     def admit_request(self, authorization: bytes | None, client: str | None, model: str, route: str,
                       prompt: int, max_tokens: int, hint: int | None, now: float,
@@ -169,7 +236,6 @@ class Admission:
                 self.shedder.untake(model, capped)
                 raise refusal(r.wait, r.unit, render(r.requests, r.tokens))
             headers, reservation = r
-        self._outstanding += 1
         return _new(Grant, (key_id, priority, headers, reservation, model, capped, [False], prompt))
 
     def release(self, grant: object, used_tokens: int, now: float) -> None:
@@ -184,25 +250,25 @@ class Admission:
         is the reserved prompt estimate plus them."""
         if type(grant) is not Grant:
             raise TypeError(f"not an admission grant: {grant!r}")
-        released = grant.released
+        _, _, _, res, pool, capped, released, prompt = grant  # one unpack: a NamedTuple's field reads are slow
         if released[0]:
             raise RuntimeError("admission grant released twice")
         released[0] = True
-        self._outstanding -= 1
-        res = grant.reservation
         if res is not None:
-            over = res.reserved - grant.prompt - completion_tokens
+            reserved, at, limiters = res
+            over = reserved - prompt - completion_tokens
             if over != 0.0:
-                for lim in res.limiters:
-                    lim.refund(over, res.at, now)
-        self.shedder.leave(grant.pool, grant.capped_key, now)
+                for lim in limiters:
+                    lim.refund(over, at, now)
+        self.shedder.leave(pool, capped, now)
 
     def reload_keys(self) -> list[str]:
         """Re-read the key file now (SIGHUP); the problems, if any, with the old keys kept."""
         return [] if self.keys is None else self.keys.reload()
 
     def outstanding(self) -> int:
-        return self._outstanding
+        """Requests admitted and not yet released (each holds a slot in its pool)."""
+        return sum(st.outstanding for st in self.shedder.pools.values())
 
     def _key_steps(self, rec: KeyRecord) -> tuple[Step, ...]:
         """The plan steps of a key's own rules, built once per key record."""

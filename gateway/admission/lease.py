@@ -189,6 +189,9 @@ class LeasedLimiter(TakeAfterWait):
     def status(self, now: float) -> tuple[float, float]:
         return self.remaining(now), self.reset_in(now)
 
+    def latest(self) -> float:
+        return self._seen
+
     def idle(self, now: float) -> bool:
         return not self.lease and not self._spent and not self._corrections and self._seen <= now - self.rule.window
 

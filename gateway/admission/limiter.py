@@ -22,6 +22,7 @@ class Limiter(Protocol):
     def reset_in(self, now: float) -> float: ...
     def status(self, now: float) -> tuple[float, float]: ...  # (remaining, reset_in) in one pass
     def idle(self, now: float) -> bool: ...
+    def latest(self) -> float: ...  # when it was last used (admitted, for the local ones; -inf: never)
 
 
 class TakeAfterWait:

@@ -15,7 +15,6 @@ first, so memory stays bounded whatever the number of clients.
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -23,6 +22,8 @@ from typing import NamedTuple
 from ..errors import APIError
 from .bucket import TokenBucketLimiter
 from .limiter import Limiter
+from .plan import SCOPES as PLAN_SCOPES
+from .plan import Plan, compile_plan
 from .ratelimit_headers import (
     REMAINING_REQUESTS,
     REMAINING_TOKENS,
@@ -90,52 +91,73 @@ def local_limiter(rule: RateRule, value: str) -> Limiter:
 
 
 class LimiterTable:
-    """Limiters by scope value, at most ``max_keys``; idle ones are dropped first, then the LRU."""
+    """Limiters by scope value, at most ``max_keys``; idle ones are dropped first, then one unused
+    for longest (approximately: second chance).
 
-    __slots__ = ("_make", "_max", "items", "evicted_busy")
+    A hit is one plain dict lookup: nothing is recorded per use (an ``OrderedDict.move_to_end`` per
+    rule per request was most of the cost of a lookup). Recency comes from the limiters
+    themselves instead: each entry remembers when it was put at the back (``_since``), and when
+    the front one is reached on a miss it is dropped if it is idle or has not been used since
+    (``latest()``), else moved to the back for a second chance (CLOCK). The front thus drifts to
+    the entries unused for longest, and a miss costs amortised O(1).
+    """
+
+    __slots__ = ("_make", "_max", "items", "_since", "evicted_busy")
 
     def __init__(self, make: Callable[[str], Limiter], max_keys: int = DEFAULT_MAX_KEYS) -> None:
         if max_keys < 1:
             raise ValueError("max_keys must be >= 1")
         self._make = make
         self._max = max_keys
-        self.items: OrderedDict[str, Limiter] = OrderedDict()
+        self.items: dict[str, Limiter] = {}
+        self._since: dict[str, float] = {}  # when each entry was put at the back
         self.evicted_busy = 0  # limiters dropped while still counting (their clients got a fresh window)
 
     def get(self, value: str, now: float) -> Limiter:
         lim = self.items.get(value)
         if lim is not None:
-            self.items.move_to_end(value)
             return lim
         self._sweep(now)
         if len(self.items) >= self._max:
-            _, old = self.items.popitem(last=False)
-            if not old.idle(now):
-                self.evicted_busy += 1
+            self._evict(now)
         lim = self.items[value] = self._make(value)
+        self._since[value] = now
         return lim
 
     def _sweep(self, now: float, budget: int = 8) -> None:
-        """Drop up to ``budget`` idle limiters from the LRU end: amortised, no timer."""
+        """Drop up to ``budget`` idle limiters from the front: amortised, no timer."""
         items = self.items
         while budget and items:
-            value, lim = next(iter(items.items()))
-            if not lim.idle(now):
+            value = next(iter(items))
+            if not items[value].idle(now):
                 return
-            del items[value]
+            del items[value], self._since[value]
             budget -= 1
+
+    def _evict(self, now: float, budget: int = 64) -> None:
+        """Make room for one: the first entry from the front unused since it was put at the back
+        (within ``budget``; else the front one)."""
+        items, since = self.items, self._since
+        while True:
+            value = next(iter(items))
+            lim = items.pop(value)
+            put = since.pop(value)
+            budget -= 1
+            if lim.latest() <= put or lim.idle(now) or not budget:
+                if not lim.idle(now):
+                    self.evicted_busy += 1
+                return
+            items[value] = lim
+            since[value] = now
 
     def __len__(self) -> int:
         return len(self.items)
 
 
-class Reservation(NamedTuple):
-    """Token units taken at ``at`` from ``limiters``, to be settled by actual use (a NamedTuple:
-    one per request, see :class:`Verdict`)."""
-
-    reserved: float
-    at: float
-    limiters: tuple[Limiter, ...]
+Reservation = tuple[float, float, tuple[Limiter, ...]]
+"""(reserved, at, limiters): token units taken at ``at`` from ``limiters``, to be settled by actual
+use. A plain tuple: one is built per request, and a NamedTuple's construction and attribute reads
+cost several times a tuple's."""
 
 
 class Verdict(NamedTuple):
@@ -153,37 +175,39 @@ class Verdict(NamedTuple):
     reservation: Reservation | None
 
 
-Step = tuple[int, str | None, Callable[[str], "Limiter | None"], Callable[[str], None], LimiterTable, bool,
-             tuple[bytes, bytes], float, tuple[bytes, bytes], RateRule]
+Step = tuple[int, str | None, Callable[[str], "Limiter | None"], LimiterTable, bool, tuple[bytes, bytes], float,
+             tuple[bytes, bytes], RateRule]
 """One rule as the hot loop reads it: (index of its scope in the values tuple, the value it is
-limited to or None for every value, its table's bound ``get`` and ``move_to_end``, the table,
+limited to or None for every value, its table's bound dict ``get``, the table,
 whether it counts tokens, its ``x-ratelimit-limit-*`` header, its window and the
 ``x-ratelimit-reset-*`` header of a window that resets in full -- what a sliding window answers
 whenever the request is its newest admission --, the rule)."""
 
 Admitted = tuple[Headers, Reservation | None]
 _INF = math.inf
-_new = tuple.__new__  # a NamedTuple without its Python-level __new__ (a frame per request saved)
 _NO_PAIR = (b"", b"")
 
 
 def step(rule: RateRule, table: LimiterTable) -> Step:
+    """The plan step of ``rule`` with its limiters in ``table``."""
     tokens = rule.unit == "tokens"
-    return (SCOPES.index(rule.scope), None if rule.match == "*" else rule.match, table.items.get,
-            table.items.move_to_end, table, tokens, limit_pair(rule.unit, rule.limit), rule.window,
+    return (SCOPES.index(rule.scope), None if rule.match == "*" else rule.match, table.items.get, table, tokens, limit_pair(rule.unit, rule.limit), rule.window,
             reset_pair(rule.window, tokens), rule)
 
 
 class RateLimits:
     """Every rule's limiters; ``take`` admits all-or-nothing, ``settle`` corrects tokens."""
 
-    __slots__ = ("rules", "_tables", "_plan")
+    __slots__ = ("rules", "_tables", "_plan", "fast")
 
     def __init__(self, rules: Sequence[RateRule], make: Callable[[RateRule, str], Limiter] = local_limiter,
                  max_keys: int = DEFAULT_MAX_KEYS) -> None:
         self.rules = tuple(rules)
         self._tables = tuple(LimiterTable(_bind(make, r), max_keys) for r in self.rules)
         self._plan = tuple(step(r, t) for r, t in zip(self.rules, self._tables, strict=True))
+        # the usual case of take (no extra steps), compiled: None when it is not (nothing taken)
+        self.fast: Plan = compile_plan(self._plan)
+        assert PLAN_SCOPES == SCOPES
 
     def take(self, values: Sequence[str | None], tokens: float, now: float,
              extra: tuple[Step, ...] = ()) -> Admitted | Verdict:
@@ -197,19 +221,16 @@ class RateLimits:
         """
         req_rem = tok_rem = _INF
         req_reset = tok_reset = 0.0
-        req_pair = tok_pair = req_full = tok_full = _NO_PAIR
-        req_window = tok_window = 0.0
+        req_s = tok_s = _NO_STEP
         held: tuple[Limiter, ...] = ()
         for s in (self._plan + extra) if extra else self._plan:
-            idx, match, get, move_to_end, table, on_tokens, pair, window, full, _ = s
+            idx, match, get, table, on_tokens, _, _, _, _ = s
             value = values[idx]
             if value is None or (match is not None and match != value):
                 continue
             lim = get(value)
             if lim is None:
                 lim = table.get(value, now)
-            else:
-                move_to_end(value)
             try:
                 w, rem, reset = lim.try_take(tokens if on_tokens else 1.0, now)  # optimistic: usually yes
             except APIError:  # a limiter that cannot decide (shared store down, fail-closed)
@@ -221,23 +242,27 @@ class RateLimits:
             if on_tokens:
                 held += (lim,)
                 if rem < tok_rem:
-                    tok_rem, tok_reset, tok_pair, tok_window, tok_full = rem, reset, pair, window, full
+                    tok_rem = rem
+                    tok_reset = reset
+                    tok_s = s
             elif rem < req_rem:
-                req_rem, req_reset, req_pair, req_window, req_full = rem, reset, pair, window, full
+                req_rem = rem
+                req_reset = reset
+                req_s = s
         if req_rem != _INF:
-            req_r = req_full if req_reset == req_window else reset_pair(req_reset, False)
+            req_r = req_s[7] if req_reset == req_s[6] else reset_pair(req_reset, False)
             if tok_rem != _INF:
-                h: Headers = (req_pair, (REMAINING_REQUESTS, b"%d" % req_rem), req_r, tok_pair,
-                              (REMAINING_TOKENS, b"%d" % int(tok_rem)),
-                              tok_full if tok_reset == tok_window else reset_pair(tok_reset, True))
+                h: Headers = (req_s[5], (REMAINING_REQUESTS, b"%d" % req_rem), req_r, tok_s[5],
+                              (REMAINING_TOKENS, b"%d" % tok_rem),
+                              tok_s[7] if tok_reset == tok_s[6] else reset_pair(tok_reset, True))
             else:
-                h = (req_pair, (REMAINING_REQUESTS, b"%d" % req_rem), req_r)
+                h = (req_s[5], (REMAINING_REQUESTS, b"%d" % req_rem), req_r)
         elif tok_rem != _INF:
-            h = (tok_pair, (REMAINING_TOKENS, b"%d" % int(tok_rem)),
-                 tok_full if tok_reset == tok_window else reset_pair(tok_reset, True))
+            h = (tok_s[5], (REMAINING_TOKENS, b"%d" % tok_rem),
+                 tok_s[7] if tok_reset == tok_s[6] else reset_pair(tok_reset, True))
         else:
             return _NOTHING
-        return h, (_new(Reservation, (tokens, now, held)) if held else None)
+        return h, ((tokens, now, held) if held else None)
 
     def check(self, values: dict[str, str | None], tokens: float, now: float,
               extra: Sequence[tuple[RateRule, LimiterTable, str]] = ()) -> Verdict:
@@ -254,7 +279,7 @@ class RateLimits:
 
     def _matching(self, values: Sequence[str | None], now: float, extra: tuple[Step, ...]
                   ) -> list[tuple[Step, Limiter]]:
-        return [(s, s[4].get(values[s[0]], now)) for s in (self._plan + extra)  # type: ignore[arg-type]
+        return [(s, s[3].get(values[s[0]], now)) for s in (self._plan + extra)  # type: ignore[arg-type]
                 if values[s[0]] is not None and (s[1] is None or s[1] == values[s[0]])]
 
     def _undo(self, refused: Step, values: Sequence[str | None], tokens: float, now: float,
@@ -263,12 +288,12 @@ class RateLimits:
         for s, lim in self._matching(values, now, extra):
             if s is refused:
                 return
-            lim.untake(tokens if s[5] else 1.0, now)
+            lim.untake(tokens if s[4] else 1.0, now)
 
     def _refusal(self, values: Sequence[str | None], tokens: float, now: float,
                  extra: tuple[Step, ...]) -> Verdict:
         """A rule said no (nothing is held any more): the longest wait, and the headers' figures."""
-        picked = [(s[9], lim, tokens if s[5] else 1.0) for s, lim in self._matching(values, now, extra)]
+        picked = [(s[8], lim, tokens if s[4] else 1.0) for s, lim in self._matching(values, now, extra)]
         worst, unit = 0.0, ""
         for rule, lim, cost in picked:
             w = lim.wait(cost, now)
@@ -281,10 +306,11 @@ class RateLimits:
         """Correct a reservation by the tokens actually used (once, at the request's end)."""
         if reservation is None:
             return
-        over = reservation.reserved - used_tokens
+        reserved, at, limiters = reservation
+        over = reserved - used_tokens
         if over != 0.0:
-            for lim in reservation.limiters:
-                lim.refund(over, reservation.at, now)
+            for lim in limiters:
+                lim.refund(over, at, now)
 
     def sizes(self) -> tuple[int, ...]:
         """Limiters held per rule (for the bounded-memory assertion and a gauge)."""
@@ -310,3 +336,5 @@ def _tightest(picked: list[tuple[RateRule, Limiter, float]], now: float
 
 
 _NOTHING: Admitted = ((), None)
+_NO_RULE = RateRule("route", "requests", 1.0, 1.0)
+_NO_STEP = step(_NO_RULE, LimiterTable(_bind(local_limiter, _NO_RULE), 1))  # "no rule of this unit yet"

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from ..errors import APIError
 
-__all__ = ["LoadShedder", "ShedTicket", "WaitEstimator", "DEFAULT_QUEUE_LIMIT", "DEFAULT_CLASSES",
+__all__ = ["LoadShedder", "Pool", "ShedTicket", "WaitEstimator", "DEFAULT_QUEUE_LIMIT", "DEFAULT_CLASSES",
            "DEFAULT_HEADROOM", "DEFAULT_PRIORITY"]
 
 DEFAULT_QUEUE_LIMIT = 1024  # outstanding requests per model pool
@@ -73,7 +73,7 @@ class ShedTicket:
 
 
 @dataclass(slots=True)
-class _Pool:
+class Pool:
     outstanding: int
     estimator: WaitEstimator
 
@@ -81,7 +81,7 @@ class _Pool:
 class LoadShedder:
     """Bounded pools, per-key concurrency and deadline checks; ``admit``/``release`` pair up."""
 
-    __slots__ = ("queue_limit", "classes", "headroom", "max_pools", "_pools", "_per_key", "shed", "_bounds")
+    __slots__ = ("queue_limit", "classes", "headroom", "max_pools", "pools", "_per_key", "shed", "_bounds")
 
     def __init__(self, queue_limit: int = DEFAULT_QUEUE_LIMIT, classes: int = DEFAULT_CLASSES,
                  headroom: float = DEFAULT_HEADROOM,
@@ -94,7 +94,7 @@ class LoadShedder:
         self.classes = classes
         self.headroom = headroom
         self.max_pools = max_pools
-        self._pools: dict[str, _Pool] = {}
+        self.pools: dict[str, Pool] = {}  # read by Admission.admit_call's plain case
         self._per_key: dict[str, int] = {}
         self.shed = 0  # refusals, for a counter
         self._bounds = tuple(max(1, int(queue_limit * (1.0 - headroom * (classes - 1 - p)))) for p in range(classes))
@@ -106,7 +106,7 @@ class LoadShedder:
     def check(self, pool: str, key_id: str | None, key_cap: int, priority: int,
               deadline: float | None) -> None:
         """Raise :class:`APIError` (503 overloaded; 429 for the key's own cap) if ``admit`` would refuse."""
-        st = self._pools.get(pool)
+        st = self.pools.get(pool)
         outstanding = 0 if st is None else st.outstanding
         est = _NO_ESTIMATE if st is None else st.estimator
         bound = self._bounds[priority] if 0 <= priority < self.classes else self.bound(priority)
@@ -130,7 +130,7 @@ class LoadShedder:
         """:meth:`check` and :meth:`enter` in one call (the admission hot path); returns the
         ``capped_key`` to :meth:`leave` with. :meth:`untake` gives the slot back if a later check
         refuses the request."""
-        st = self._pools.get(pool)
+        st = self.pools.get(pool)
         if st is None or st.outstanding >= self._bounds[0] or deadline is not None or key_cap > 0 \
                 or not 0 <= priority < self.classes:  # anything but the plain case: the general path
             self.check(pool, key_id, key_cap, priority, deadline)
@@ -146,7 +146,7 @@ class LoadShedder:
 
     def untake(self, pool: str, capped_key: str | None) -> None:
         """Undo the :meth:`take` just made (nothing completed: the wait estimate is left as it was)."""
-        st = self._pools[pool]
+        st = self.pools[pool]
         st.outstanding -= 1
         if st.outstanding == 0:
             st.estimator._busy_since = None
@@ -168,11 +168,11 @@ class LoadShedder:
     def enter(self, pool: str, capped_key: str | None, now: float) -> None:
         """Take a slot that :meth:`check` allowed (the caller ran nothing in between); ``capped_key``
         is the key id when the key has a concurrency cap, else None."""
-        st = self._pools.get(pool)
+        st = self.pools.get(pool)
         if st is None:
-            if len(self._pools) >= self.max_pools:
+            if len(self.pools) >= self.max_pools:
                 self._drop_idle_pool()
-            st = self._pools[pool] = _Pool(0, WaitEstimator())
+            st = self.pools[pool] = Pool(0, WaitEstimator())
         if capped_key is not None:
             self._per_key[capped_key] = self._per_key.get(capped_key, 0) + 1
         st.estimator.started(now, st.outstanding)
@@ -183,7 +183,7 @@ class LoadShedder:
 
     def leave(self, pool: str, capped_key: str | None, now: float) -> None:
         """Free what :meth:`enter` took."""
-        st = self._pools.get(pool)
+        st = self.pools.get(pool)
         if st is not None and st.outstanding > 0:
             n = st.outstanding = st.outstanding - 1
             est = st.estimator  # WaitEstimator.completed, written out: this runs once per request
@@ -204,17 +204,17 @@ class LoadShedder:
                 self._per_key.pop(capped_key, None)
 
     def outstanding(self, pool: str) -> int:
-        st = self._pools.get(pool)
+        st = self.pools.get(pool)
         return 0 if st is None else st.outstanding
 
     def tracked(self) -> tuple[int, int]:
         """(pools, keys) held in memory: bounded by ``max_pools`` and by outstanding requests."""
-        return len(self._pools), len(self._per_key)
+        return len(self.pools), len(self._per_key)
 
     def _drop_idle_pool(self) -> None:
-        for name, st in self._pools.items():
+        for name, st in self.pools.items():
             if st.outstanding == 0:
-                del self._pools[name]
+                del self.pools[name]
                 return
         raise APIError(503, "The server is tracking too many model pools.", "server_error", None, "overloaded",
                        _MIN_RETRY)

@@ -47,6 +47,17 @@ __all__ = ["SlidingWindowLimiter", "DEFAULT_SLICES"]
 DEFAULT_SLICES = 100
 
 
+def _slice_end(k: int, width: float) -> float:
+    """The first time in a slice after slice ``k`` (``t // width > k``), exact whatever the rounding
+    of ``(k + 1) * width``: ``t // width`` is what keys the slices."""
+    t = (k + 1) * width
+    while t // width <= k:
+        t = math.nextafter(t, math.inf)
+    while (before := math.nextafter(t, -math.inf)) // width > k:
+        t = before
+    return t
+
+
 class SlidingWindowLimiter:
     """At most ``limit`` units in any ``window`` seconds; sans-I/O, ``now`` passed in.
 
@@ -56,7 +67,7 @@ class SlidingWindowLimiter:
     """
 
     __slots__ = ("limit", "window", "slices", "_width", "_k", "_count", "_last", "_hk", "_hc", "_hl", "_total",
-                 "_seen", "_horizon")
+                 "_horizon", "_until")
 
     def __init__(self, limit: float, window: float, slices: int = DEFAULT_SLICES) -> None:
         if not limit > 0:
@@ -77,8 +88,10 @@ class SlidingWindowLimiter:
         self._count: deque[float] = deque()
         self._last: deque[float] = deque()
         self._total = 0.0
-        self._seen = -math.inf  # latest admission, for idleness
         self._horizon = math.inf  # no expiry can happen before this time (the oldest slice's earliest end)
+        # The fast path's bound: before it, a ``now`` at or after the latest admission (``_hl``) is
+        # in the newest slice and expires nothing (min of the horizon and the slice's end; -inf: none).
+        self._until = -math.inf
 
     def _expire(self, now: float) -> None:
         """Drop, oldest first, the slices none of whose admissions is in (now - window, now]."""
@@ -91,6 +104,9 @@ class SlidingWindowLimiter:
             self._total -= counts.popleft()
         if ks:
             self._horizon = min(lasts[0] + self.window, (ks[0] + self.slices + 1) * self._width)
+            hk = self._hk
+            assert hk is not None  # older slices exist only behind a newest one
+            self._until = min(self._horizon, _slice_end(hk, self._width))
             return
         hk = self._hk
         if hk is not None and (hk < oldest_k or self._hl <= start):
@@ -99,8 +115,10 @@ class SlidingWindowLimiter:
         if hk is None:
             self._total = 0.0  # no float residue once empty
             self._horizon = math.inf
+            self._until = -math.inf
         else:
             self._horizon = min(self._hl + self.window, (hk + self.slices + 1) * self._width)
+            self._until = min(self._horizon, _slice_end(hk, self._width))
 
     def used(self, now: float) -> float:
         """Units counted against the window at ``now`` (never below the true number)."""
@@ -144,9 +162,8 @@ class SlidingWindowLimiter:
                 self._count.append(self._hc)
                 self._last.append(self._hl)
             self._hk, self._hc, self._hl = k, cost, now
+            self._until = min(self._horizon, _slice_end(k, self._width))
         self._total += cost
-        if now > self._seen:
-            self._seen = now
         rem = self.limit - self._total
         return rem if rem > 0.0 else 0.0, self._hl + self.window - now
 
@@ -154,23 +171,20 @@ class SlidingWindowLimiter:
         """:meth:`wait` then, if it is 0, :meth:`take`, in one call: (wait, remaining, reset_in).
 
         The hot path of every admission, written out (no nested call, no deque) for the usual
-        case: an admission in the newest slice."""
+        case: an admission in the newest slice, at or after its latest one, with no expiry due.
+        ``RateLimits.take`` has the same lines inline for the windows of its rules."""
+        if self._hl <= now < self._until:
+            total = self._total
+            if cost <= self.limit - total:
+                self._hc += cost
+                self._total = total = total + cost
+                self._hl = now
+                rem = self.limit - total
+                return 0.0, rem if rem > 0.0 else 0.0, self.window
         if now >= self._horizon:
             self._expire(now)
-        total = self._total
-        if cost > self.limit - total:
+        if cost > self.limit - self._total:
             return self.wait(cost, now), 0.0, 0.0
-        if self._hk == now // self._width:  # float floor: equal to int(now // width) as a key
-            self._hc += cost
-            self._total = total = total + cost
-            if now > self._seen:
-                self._seen = now
-            rem = self.limit - total
-            last = self._hl
-            if now >= last:  # the usual case: this is the newest admission, the window resets in full
-                self._hl = now
-                return 0.0, rem if rem > 0.0 else 0.0, self.window
-            return 0.0, rem if rem > 0.0 else 0.0, last + self.window - now
         rem, reset = self.take(cost, now)
         return 0.0, rem, reset
 
@@ -217,8 +231,13 @@ class SlidingWindowLimiter:
         return max(0.0, self.limit - self._total), max(0.0, reset)
 
     def idle(self, now: float) -> bool:
-        """True when nothing is counted any more: the limiter can be dropped without loss."""
-        return self._seen <= now - self.window
+        """True when nothing is counted any more: the limiter can be dropped without loss (the
+        newest slice's latest admission is the latest of all; -inf once every slice expired)."""
+        return self._hl <= now - self.window
+
+    def latest(self) -> float:
+        """The time of the latest admission (-inf: none counted)."""
+        return self._hl
 
     def __repr__(self) -> str:
         return f"SlidingWindowLimiter(limit={self.limit:g}, window={self.window:g}, slices={self.slices})"

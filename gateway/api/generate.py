@@ -25,7 +25,6 @@ from ..routing.errors import RoutingError
 from ..routing.policy import RouteRequest
 from ..routing.pool import ModelPool
 from .call import CallContext, GenerationCall
-from .openai import prompt_estimate
 from .params import GenerationRequest
 from .writers import Writer
 
@@ -38,8 +37,9 @@ _perf = time.perf_counter
 class AdmissionStage(Protocol):
     """What runs after parsing and before routing: auth, limits, shedding (``gateway.admission``)."""
 
-    def admit(self, req: Request, g: GenerationRequest, now: float) -> object:
-        """A grant for this request, or raise :class:`APIError` (401/403/429/503) to refuse it."""
+    def admit(self, req: Request, g: GenerationRequest, now: float, deadline: float | None) -> object:
+        """A grant for this request, or raise :class:`APIError` (401/403/429/503) to refuse it;
+        ``deadline``: the seconds the request may take, when it has its own (gRPC's timeout)."""
         ...
 
     def headers(self, grant: object) -> tuple[tuple[bytes, bytes], ...]:
@@ -103,7 +103,7 @@ class Generations:
         try:
             g = parse(req)
             if admission is not None:
-                grant = admission.admit(req, g, t0)
+                grant = admission.admit(req, g, t0, timeout)
             if self.tracer is not None:
                 span = self.tracer.start(route, _text(req.header(b"traceparent")), protocol=req.protocol)
                 if span is not None:
@@ -165,7 +165,7 @@ _NO_GRANT = object()
 def route_request(model: str, g: object) -> RouteRequest:
     """A generation request as a routing policy sees it (the pool's ``describe``)."""
     assert isinstance(g, GenerationRequest)
-    return RouteRequest(model, prompt_estimate(g), g.params.max_tokens)
+    return RouteRequest(model, g.prompt_estimate(), g.params.max_tokens)
 
 
 def _text(value: bytes | None) -> str | None:

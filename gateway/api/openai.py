@@ -20,7 +20,7 @@ from ..http.types import Request
 from ..settings import ApiSettings
 from .params import GenerationRequest, parse_chat, parse_completion, parse_json_body
 
-__all__ = ["OpenAIApi", "CHAT_ROUTE", "COMPLETIONS_ROUTE", "MODELS_ROUTE", "prompt_estimate"]
+__all__ = ["OpenAIApi", "CHAT_ROUTE", "COMPLETIONS_ROUTE", "MODELS_ROUTE"]
 
 CHAT_ROUTE = "/v1/chat/completions"
 COMPLETIONS_ROUTE = "/v1/completions"
@@ -31,25 +31,6 @@ Validate = Callable[[str, str | None, Any], None]
 """A compiled JSON Schema check of a parsed body: (route, model, body), raising a 400 APIError
 (``gateway.admission.schema.SchemaRegistry.validate``). It must include the route's built-in schema
 (the registry's always does): params.py then skips its own run of it."""
-
-
-def prompt_estimate(g: GenerationRequest) -> int:
-    """Prompt tokens, estimated without a tokenizer (about 4 bytes of text a token); worked out once
-    per request (admission and routing both ask)."""
-    n = g.prompt_tokens
-    if n >= 0:
-        return n
-    if g.prompt_token_ids is not None:
-        n = len(g.prompt_token_ids)
-    elif g.prompt is not None:
-        n = len(g.prompt) // 4 + 1
-    else:
-        n = 0
-        for m in g.messages or ():
-            c = m.get("content")
-            n += (len(c) if isinstance(c, str) else 0) // 4 + 4
-    g.prompt_tokens = n
-    return n
 
 
 class OpenAIApi:

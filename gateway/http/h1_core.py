@@ -347,11 +347,18 @@ def response_head(status: int, headers: Headers, date: bytes, framing: bytes, en
     (:func:`content_length`, :data:`CHUNKED` or nothing) and ``end`` (:data:`END_HEAD`,
     :data:`CLOSE` or :data:`KEEP_ALIVE`)."""
     buf = [_status_line(status), b"date: ", date, b"\r\n"]
-    for k, v in headers:
-        buf += (k, b": ", v, b"\r\n")
+    if len(headers) < 3:
+        for k, v in headers:
+            buf += (k, b": ", v, b"\r\n")
+    else:  # joined in C: the loop costs about 1.5k instructions a header, this 0.6k (and 1.6k more for one)
+        buf.append(b"\r\n".join(map(_name_value, headers)))
+        buf.append(b"\r\n")
     buf.append(framing)
     buf.append(end)
     return buf
+
+
+_name_value = b": ".join  # (name, value) -> b"name: value"
 
 
 def content_length(n: int) -> bytes:

@@ -36,11 +36,13 @@ class KeyCheck:
 
     def __init__(self) -> None:
         self.seen: list[bytes | None] = []
+        self.deadlines: list[float | None] = []
         self.released = 0
 
-    def admit(self, req: Request, g: object, now: float) -> object:
+    def admit(self, req: Request, g: object, now: float, deadline: float | None) -> object:
         key = req.header(b"x-api-key")
         self.seen.append(key)
+        self.deadlines.append(deadline)
         if key != b"k1":
             raise APIError(401, "bad key", "authentication_error", None, "invalid_api_key")
         return key
@@ -130,7 +132,7 @@ async def test_admission_sees_the_metadata_and_refuses_with_a_trailers_only_stat
         async with RawH2(server.port) as c:
             bad = c.request(GENERATE, [*GRPC, (b"x-api-key", b"nope")])
             c.data(bad, _request(3), end=True)
-            good = c.request(GENERATE, [*GRPC, (b"x-api-key", b"k1")])
+            good = c.request(GENERATE, [*GRPC, (b"x-api-key", b"k1"), (b"grpc-timeout", b"5S")])
             c.data(good, _request(3), end=True)
             await c.until(lambda: c.ended(bad) and c.ended(good))
         [only] = c.headers(bad)  # trailers-only: one HEADERS frame with the status
@@ -138,6 +140,9 @@ async def test_admission_sees_the_metadata_and_refuses_with_a_trailers_only_stat
         assert c.headers(good)[-1][b"grpc-status"] == b"0"
         assert "".join(m.text for m in _messages(c.body(good))) == "abc"
         assert check.seen == [b"nope", b"k1"] and check.released == 1
+        # the call's own deadline reaches admission (shedding refuses a predicted wait beyond it)
+        bad_deadline, good_deadline = check.deadlines
+        assert bad_deadline is None and good_deadline is not None and 4.0 < good_deadline <= 5.0
 
 
 @pytest.mark.parametrize(("headers", "body", "code"), [
