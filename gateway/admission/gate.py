@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ..errors import APIError
 from .config import AdmissionSettings, parse_rule
@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from ..api.params import GenerationRequest
     from ..http.types import Request
 
-__all__ = ["Admission", "AdmissionContext", "Grant", "PRIORITY_OF_TIER"]
+__all__ = ["Admission", "AdmissionContext", "Grant", "GrantInfo", "PRIORITY_OF_TIER"]
 
 # OpenAI's service_tier as a priority hint (it may lower a key's class, never raise it)
 PRIORITY_OF_TIER = {"flex": 0, "default": 1, "auto": 1, "priority": 2}
@@ -73,24 +73,24 @@ class AdmissionContext:
                 f"deadline={self.deadline!r}, priority={self.priority!r})")
 
 
-class Grant(NamedTuple):
-    """An admitted request: who (a key id, never the key), its class, and headers to send.
+Grant = list[Any]
+"""An admitted request: ``[key_id, priority, headers, reservation, pool, capped_key, released,
+prompt]`` (:class:`GrantInfo` names the fields). A list because one is built per request and a
+list is the cheapest object to build; ``released`` turns True at release, which makes a second
+release an error."""
 
-    Immutable like a frozen dataclass but built several times faster, which matters once per
-    request. ``released`` is the one mutable cell: it makes a second ``release`` an error.
-    """
 
-    key_id: str | None
-    priority: int
-    headers: tuple[tuple[bytes, bytes], ...]
-    reservation: Reservation | None
+class GrantInfo(NamedTuple):
+    """A grant's fields by name (tests, diagnostics): ``GrantInfo(*grant)``."""
+
+    key_id: str | None  # who (a key id, never the key)
+    priority: int  # its shedding class
+    headers: tuple[tuple[bytes, bytes], ...]  # x-ratelimit-* for the response
+    reservation: Reservation | None  # the tokens reserved, settled at release
     pool: str
     capped_key: str | None  # the key id when its concurrency is capped
-    released: list[bool]
+    released: bool
     prompt: int  # the prompt-size estimate reserved with the output (release_completion adds it back)
-
-
-_new = tuple.__new__  # a NamedTuple without its Python-level __new__ (a frame per request saved)
 
 
 class Admission:
@@ -180,7 +180,7 @@ class Admission:
         if self._limited:
             limits = self.limits
             address = None if client is None else client[0]
-            tokens = float(prompt + g.params.max_tokens)
+            tokens = prompt + g.params.max_tokens
             fast = limits.fast(key_id, address, model, req.path, tokens, now)  # the usual case, compiled
             if fast is None:  # not the usual case: take decides
                 try:
@@ -193,7 +193,7 @@ class Admission:
                     raise refusal(r.wait, r.unit, render(r.requests, r.tokens))
                 fast = r
             headers, reservation = fast
-        return _new(Grant, (key_id, priority, headers, reservation, model, None, [False], prompt))
+        return [key_id, priority, headers, reservation, model, None, False, prompt]
 
     def admit_request(self, authorization: bytes | None, client: str | None, model: str, route: str,
                       prompt: int, max_tokens: int, hint: int | None, now: float,
@@ -236,24 +236,24 @@ class Admission:
                 self.shedder.untake(model, capped)
                 raise refusal(r.wait, r.unit, render(r.requests, r.tokens))
             headers, reservation = r
-        return _new(Grant, (key_id, priority, headers, reservation, model, capped, [False], prompt))
+        return [key_id, priority, headers, reservation, model, capped, False, prompt]
 
     def release(self, grant: object, used_tokens: int, now: float) -> None:
         """At the request's end, exactly once: settle tokens by actual use, free the slot (``grant``:
         what :meth:`admit` returned; typed ``object`` so the pipeline can call this directly)."""
-        if type(grant) is not Grant:
+        if type(grant) is not list:
             raise TypeError(f"not an admission grant: {grant!r}")
-        self.release_completion(grant, used_tokens - grant.prompt, now)
+        self.release_completion(grant, used_tokens - grant[7], now)
 
     def release_completion(self, grant: object, completion_tokens: int, now: float) -> None:
         """:meth:`release` told only the completion tokens (the pipeline's call): the use settled
         is the reserved prompt estimate plus them."""
-        if type(grant) is not Grant:
+        if type(grant) is not list:
             raise TypeError(f"not an admission grant: {grant!r}")
-        _, _, _, res, pool, capped, released, prompt = grant  # one unpack: a NamedTuple's field reads are slow
-        if released[0]:
+        _, _, _, res, pool, capped, released, prompt = grant
+        if released:
             raise RuntimeError("admission grant released twice")
-        released[0] = True
+        grant[6] = True
         if res is not None:
             reserved, at, limiters = res
             over = reserved - prompt - completion_tokens

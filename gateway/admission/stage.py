@@ -15,7 +15,7 @@ import operator
 from collections.abc import Callable
 from typing import TYPE_CHECKING, cast
 
-from .gate import PRIORITY_OF_TIER, Admission, Grant
+from .gate import PRIORITY_OF_TIER, Admission, Grant, GrantInfo
 
 if TYPE_CHECKING:
     from ..api.params import GenerationRequest
@@ -37,6 +37,6 @@ class AdmissionStageAdapter:
         self.admit: Callable[[Request, GenerationRequest, float, float | None], Grant] = admission.admit_call
         # (grant) -> its x-ratelimit-* headers
         self.headers = cast(Callable[[object], tuple[tuple[bytes, bytes], ...]], operator.itemgetter(2))
-        assert Grant._fields[2] == "headers"
+        assert GrantInfo._fields[2] == "headers"
         # (grant, completion tokens, now), once; the prompt estimate it reserved counts as used
         self.release: Callable[[object, int, float], None] = admission.release_completion

@@ -10,7 +10,7 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.admission import Admission, AdmissionSettings, Grant, hash_key
+from gateway.admission import Admission, AdmissionSettings, Grant, GrantInfo, hash_key
 from gateway.admission.gate import PRIORITY_OF_TIER
 from gateway.api.params import parse_chat
 from gateway.errors import APIError
@@ -53,9 +53,10 @@ def _outcome(f: Any, *args: Any) -> tuple[tuple[object, ...], Grant | None]:
         g = f(*args)
     except APIError as e:
         return ("refused", e.status, e.message, e.type, e.param, e.code, e.retry_after, e.headers), None
-    assert type(g) is Grant
-    res = g.reservation
-    return ("admitted", g.key_id, g.priority, g.headers, g.pool, g.capped_key, g.prompt,
+    assert type(g) is list
+    i = GrantInfo(*g)
+    res = i.reservation
+    return ("admitted", i.key_id, i.priority, i.headers, i.pool, i.capped_key, i.released, i.prompt,
             None if res is None else (res[0], res[1], len(res[2]))), g
 
 
