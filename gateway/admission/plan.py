@@ -63,11 +63,12 @@ def compile_plan(steps: tuple[Step, ...]) -> Plan:
         idxs = units[on_tokens]
         if not idxs:
             continue
-        first = idxs[0]
-        # the tightest rule of the unit, the first of equals (RateLimits.take keeps the first too)
-        take.append(f"r{name}, p{name}, f{name} = r{first}, P{first}, F{first}")
-        take += [f"if r{i} < r{name}: r{name}, p{name}, f{name} = r{i}, P{i}, F{i}" for i in idxs[1:]]
-        headers.append(f"p{name}, ({label}, b'%d' % r{name}), f{name}")
+        r, p, f = f"r{idxs[0]}", f"P{idxs[0]}", f"F{idxs[0]}"
+        if len(idxs) > 1:  # the tightest rule of the unit, the first of equals (as RateLimits.take)
+            take.append(f"r{name}, p{name}, f{name} = {r}, {p}, {f}")
+            take += [f"if r{i} < r{name}: r{name}, p{name}, f{name} = r{i}, P{i}, F{i}" for i in idxs[1:]]
+            r, p, f = f"r{name}", f"p{name}", f"f{name}"
+        headers.append(f"{p}, ({label}, b'%d' % {r}), {f}")
     held = "".join(f"l{i}, " for i in units[True])
     reservation = f"(tokens, now, ({held}))" if held else "None"
     result = f"return ({', '.join(headers)}{',' if len(headers) == 1 else ''}), {reservation}" if headers \
