@@ -31,6 +31,7 @@ from .keys import KeyRecord, KeyStore
 from .limiter import Limiter
 from .limits import (
     DEFAULT_MAX_KEYS,
+    Admitted,
     LimiterTable,
     RateLimits,
     RateRule,
@@ -183,15 +184,7 @@ class Admission:
             tokens = prompt + g.params.max_tokens
             fast = limits.fast(key_id, address, model, req.path, tokens, now)  # the usual case, compiled
             if fast is None:  # not the usual case: take decides
-                try:
-                    r = limits.take((key_id, address, model, req.path), tokens, now)
-                except APIError:  # a shared store that cannot decide (fail-closed)
-                    self.shedder.untake(model, None)
-                    raise
-                if isinstance(r, Verdict):
-                    self.shedder.untake(model, None)
-                    raise refusal(r.wait, r.unit, render(r.requests, r.tokens))
-                fast = r
+                fast = self._take((key_id, address, model, req.path), tokens, now, (), model, None)
             headers, reservation = fast
         return [key_id, priority, headers, reservation, model, None, False, prompt]
 
@@ -227,16 +220,23 @@ class Admission:
         headers: Headers = ()
         reservation: Reservation | None = None
         if self._limited or extra:
-            try:
-                r = self.limits.take((key_id, client, model, route), float(prompt + max_tokens), now, extra)
-            except APIError:  # a shared store that cannot decide (fail-closed)
-                self.shedder.untake(model, capped)
-                raise
-            if isinstance(r, Verdict):
-                self.shedder.untake(model, capped)
-                raise refusal(r.wait, r.unit, render(r.requests, r.tokens))
-            headers, reservation = r
+            headers, reservation = self._take((key_id, client, model, route), prompt + max_tokens, now, extra, model,
+                                              capped)
         return [key_id, priority, headers, reservation, model, capped, False, prompt]
+
+    def _take(self, values: tuple[str | None, ...], tokens: float, now: float, extra: tuple[Step, ...], pool: str,
+              capped: str | None) -> Admitted:
+        """The rate limits' answer for a request that holds a shedding slot: on a refusal (or a
+        shared store that cannot decide, fail-closed) the slot is given back and the 429 raised."""
+        try:
+            r = self.limits.take(values, tokens, now, extra)
+        except APIError:
+            self.shedder.untake(pool, capped)
+            raise
+        if isinstance(r, Verdict):
+            self.shedder.untake(pool, capped)
+            raise refusal(r.wait, r.unit, render(r.requests, r.tokens))
+        return r
 
     def release(self, grant: object, used_tokens: int, now: float) -> None:
         """At the request's end, exactly once: settle tokens by actual use, free the slot (``grant``:

@@ -8,8 +8,10 @@
 * Limiter decisions per second: a local sliding window, and Redis-leased (a
   real ``redis-server`` started here on loopback, its renewal loop running),
   each against the same offered load, half refused.
-* The admission stage per request in a warm loop: each part alone, then
-  ``admit`` + schema + ``release`` with keys, two rate rules and shedding on.
+* The admission stage per request in a warm loop, through the pipeline's own entry
+  (``admit_call`` on a fresh parsed body, then ``release_completion``; the parse is printed
+  alone too): each part alone, then schema + admit + release with keys, two rate rules and
+  shedding on.
 * The done-when figure of #18, gateway CPU per non-streaming request with
   keys + limits + schema on against admission off, measured two ways:
 
@@ -28,7 +30,7 @@
     stage: inside the gateway its code and data are cold at every request.)
 
     .venv/bin/python -m tests.bench.bench_admission [--n 20000] [--rounds 400] [--only-pipeline]
-    .venv/bin/python -m tests.bench.bench_admission --process [--slices 20] [--duration 2]
+    .venv/bin/python -m tests.bench.bench_admission --process [--slices 20] [--duration 2] [--control]
     .venv/bin/python -m tests.bench.bench_admission --process --callgrind --slices 2 --duration 10
 
   With ``--callgrind`` both gateways run under valgrind at c=1 and the figure
@@ -52,6 +54,8 @@ import orjson
 from gateway.admission import Admission, AdmissionContext, AdmissionSettings, RateLimits, hash_key, parse_rule
 from gateway.admission.redis_limits import RedisLeases
 from gateway.admission.schema import SchemaRegistry, builtin_schema, compile_schema
+from gateway.api.params import parse_chat
+from gateway.http.types import Request
 
 from ..gateway.admission.redis_server import redis_server
 
@@ -171,25 +175,32 @@ def bench_stage(n: int) -> float:
         }
         reg = SchemaRegistry()
         ctx = AdmissionContext(b"Bearer " + key.encode(), "10.0.0.1", "tiny", "/v1/chat/completions", 20, 64)
-        print("admission stage per request, warm loop, CPU µs (admit + release; schema where named):")
+        # what the pipeline hands admission: the request (its headers as HTTP/1.1 parses them) and
+        # the parsed body; admit_call is the pipeline's entry (its usual case in one frame)
+        req = Request("POST", ctx.route, "", [(b"host", b"gw"), (b"content-type", b"application/json"),
+                                             (b"authorization", ctx.authorization or b"")], b"", "http/1.1", "http",
+                      (ctx.client or "", 5000))
+        print("admission stage per request, warm loop, CPU µs (admit_call + release; schema where named):")
         figures = {}
         for name, settings in parts.items():
             adm = Admission.from_settings(settings)
 
             def one(adm: Admission = adm) -> None:
                 now = time.time()
-                adm.release(adm.admit_request(ctx.authorization, ctx.client, ctx.model, ctx.route, 20, 64, None, now),
-                            40, now)
+                g = parse_chat(CHAT, default_max_tokens=16, max_tokens_limit=4096, schema_checked=True)
+                adm.release_completion(adm.admit_call(req, g, now), 40, now)
 
             figures[name] = per_call_us(one, n)
         figures["schema alone"] = per_call_us(lambda: reg.validate(ctx.route, ctx.model, CHAT), n)
+        figures["parse alone (in both)"] = per_call_us(
+            lambda: parse_chat(CHAT, default_max_tokens=16, max_tokens_limit=4096, schema_checked=True), n)
         adm = Admission.from_settings(parts["keys + 2 rules"])
 
         def everything() -> None:
             now = time.time()
             reg.validate(ctx.route, ctx.model, CHAT)
-            adm.release(adm.admit_request(ctx.authorization, ctx.client, ctx.model, ctx.route, 20, 64, None, now),
-                        40, now)
+            g = parse_chat(CHAT, default_max_tokens=16, max_tokens_limit=4096, schema_checked=True)
+            adm.release_completion(adm.admit_call(req, g, now), 40, now)
 
         figures["keys + 2 rules + schema (all on)"] = per_call_us(everything, n)
     for name, us in figures.items():
@@ -268,12 +279,13 @@ PROCESS_ON_ENV = [f'QUICSERVE_ADMISSION__KEYS=["bench:{BENCH_KEY_DIGEST}"]',
 PROCESS_OFF_ENV = ["QUICSERVE_ADMISSION__ENABLED=false"]
 
 
-def bench_process(slices: int, duration: float, callgrind: bool = False) -> float:
+def bench_process(slices: int, duration: float, callgrind: bool = False, control: bool = False) -> float:
     """The issue's figure: real gateways of this tree, admission all on ("this") against all off
     ("baseline"), alternating slices of load (``bench_gateway_ab.keep_mode``); returns the
     non-streaming CPU ratio on/off, the worse of the paired ratio and the ratio of the medians. ``callgrind``: both under valgrind at c=1, and the
     figure is user-space instructions per request (exact; the CPU figures of such a run mean
-    nothing)."""
+    nothing). ``control``: a second admission-off gateway alternating with the two, whose ratio to
+    the first is the run's own noise floor (A/A)."""
     import os
     import statistics
 
@@ -289,14 +301,21 @@ def bench_process(slices: int, duration: float, callgrind: bool = False) -> floa
                            callgrind=callgrind, concurrency=1 if callgrind else 32)
     print(f"gateway process per request, baseline = admission off, this = on (keys + 2 rules + schema), "
           f"{slices} alternating slices x {duration:g} s, c={a.concurrency}:")
-    runs = keep_mode(a, {"baseline": REPO, "this": REPO}, {"baseline": PROCESS_OFF_ENV, "this": PROCESS_ON_ENV},
-                     pin, cpus)
+    trees, envs = {"baseline": REPO, "this": REPO}, {"baseline": PROCESS_OFF_ENV, "this": PROCESS_ON_ENV}
+    if control:
+        trees["control"], envs["control"] = REPO, PROCESS_OFF_ENV
+    runs = keep_mode(a, trees, envs, pin, cpus)
     unary = 0.0
     for i, (name, _) in enumerate(SCENARIOS):
         off, on = [x[i] for x in runs["baseline"]], [x[i] for x in runs["this"]]
         paired = statistics.median(y / x for x, y in zip(off, on, strict=True))
         print(f"  {name:<26} off {min(off):6.1f} µs best {statistics.median(off):6.1f} med   on {min(on):6.1f} best "
               f"{statistics.median(on):6.1f} med   on/off paired {paired:.3f}, best/best {min(on) / min(off):.3f}")
+        if control:
+            aa = [x[i] for x in runs["control"]]
+            print(f"  {'':<26} control (off again) / off: paired "
+                  f"{statistics.median(y / x for x, y in zip(off, aa, strict=True)):.3f}, medians "
+                  f"{statistics.median(aa) / statistics.median(off):.3f}")
         if i == 0:
             unary = max(paired, statistics.median(on) / statistics.median(off))
     if not callgrind:  # the verdict on the worse of the paired ratio and the ratio of the medians
@@ -315,9 +334,10 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=2.0, help="--process: seconds of load per slice")
     ap.add_argument("--callgrind", action="store_true",
                     help="--process: instructions per request under valgrind (c=1) instead of CPU time")
+    ap.add_argument("--control", action="store_true", help="--process: a second admission-off gateway (A/A)")
     args = ap.parse_args()
     if args.process:
-        bench_process(args.slices, args.duration, args.callgrind)
+        bench_process(args.slices, args.duration, args.callgrind, args.control)
         return
     if not args.only_pipeline:
         bench_schemas(args.n)
