@@ -8,8 +8,10 @@ asks every matching limiter how long the request would wait and only when
 all say 0 does it take the units from each -- a refused request consumes
 nothing anywhere. Token rules reserve prompt + max output tokens up front;
 the :class:`Reservation` returned remembers where, so ``settle`` can correct
-by the tokens actually used. Tables are LRU-bounded and drop idle limiters
-first, so memory stays bounded whatever the number of clients.
+by the tokens actually used. Tables are bounded (second-chance eviction) and drop idle limiters
+first, so memory stays bounded whatever the number of clients. ``take`` decides every case; its
+usual one is also compiled per rule set (:attr:`RateLimits.fast`, :mod:`.plan`), which the
+pipeline tries first.
 """
 
 from __future__ import annotations

@@ -279,7 +279,8 @@ PROCESS_ON_ENV = [f'QUICSERVE_ADMISSION__KEYS=["bench:{BENCH_KEY_DIGEST}"]',
 PROCESS_OFF_ENV = ["QUICSERVE_ADMISSION__ENABLED=false"]
 
 
-def bench_process(slices: int, duration: float, callgrind: bool = False, control: bool = False) -> float:
+def bench_process(slices: int, duration: float, callgrind: bool = False, control: bool = False,
+                  perf_stat: bool = False) -> float:
     """The issue's figure: real gateways of this tree, admission all on ("this") against all off
     ("baseline"), alternating slices of load (``bench_gateway_ab.keep_mode``); returns the
     non-streaming CPU ratio on/off, the worse of the paired ratio and the ratio of the medians. ``callgrind``: both under valgrind at c=1, and the
@@ -297,7 +298,7 @@ def bench_process(slices: int, duration: float, callgrind: bool = False, control
     pin = len(cpus) >= 2
     if pin:
         os.sched_setaffinity(0, cpus[1:])
-    a = argparse.Namespace(rounds=slices, duration=duration, processes=2, api_key=BENCH_KEY, perf_stat=False,
+    a = argparse.Namespace(rounds=slices, duration=duration, processes=2, api_key=BENCH_KEY, perf_stat=perf_stat,
                            callgrind=callgrind, concurrency=1 if callgrind else 32)
     print(f"gateway process per request, baseline = admission off, this = on (keys + 2 rules + schema), "
           f"{slices} alternating slices x {duration:g} s, c={a.concurrency}:")
@@ -335,9 +336,10 @@ def main() -> None:
     ap.add_argument("--callgrind", action="store_true",
                     help="--process: instructions per request under valgrind (c=1) instead of CPU time")
     ap.add_argument("--control", action="store_true", help="--process: a second admission-off gateway (A/A)")
+    ap.add_argument("--perf-stat", action="store_true", help="--process: syscalls and context switches per request")
     args = ap.parse_args()
     if args.process:
-        bench_process(args.slices, args.duration, args.callgrind, args.control)
+        bench_process(args.slices, args.duration, args.callgrind, args.control, args.perf_stat)
         return
     if not args.only_pipeline:
         bench_schemas(args.n)
