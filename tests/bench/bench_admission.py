@@ -267,9 +267,8 @@ def bench_pipeline(rounds: int, concurrency: int = 32) -> float:
         print(f"  admission {name:<4}{statistics.median(v):8.1f} µs median  {min(v):7.1f} best  "
               f"p10 {q[0]:.1f}  p90 {q[-1]:.1f}")
     best = min(xs["on"]) / min(xs["off"])
-    verdict = "meets" if ratio <= 1.15 else "misses"
-    print(f"  on/off: {ratio:.3f} (median of per-round ratios), {best:.3f} (best/best); "
-          f"+{ratio - 1:.0%}: {verdict} the <= +15% target")
+    print(f"  on/off: {ratio:.3f} (median of per-round ratios), {best:.3f} (best/best): our Python only, where "
+          "admission's share is about twice a real process's (the issue's +15% figure: --process)")
     return ratio
 
 
