@@ -350,7 +350,7 @@ def response_head(status: int, headers: Headers, date: bytes, framing: bytes, en
     if len(headers) < 3:
         for k, v in headers:
             buf += (k, b": ", v, b"\r\n")
-    else:  # joined in C: the loop costs about 1.5k instructions a header, this 0.6k (and 1.6k more for one)
+    else:  # joined in C: about 0.7k instructions a header against the loop's 1.2k, but 1.6k more for one
         buf.append(b"\r\n".join(map(_name_value, headers)))
         buf.append(b"\r\n")
     buf.append(framing)
