@@ -162,7 +162,8 @@ class Admission:
             keys = self.keys
             assert keys is not None
             rec = keys.seen.get(authorization) if authorization is not None else None
-            if rec is None or now >= keys.next_check or not rec.plain or (rec.models and model not in rec.models):
+            if rec is None or now >= keys.next_check or rec.max_concurrency or rec.limits or (
+                    rec.models and model not in rec.models):
                 plain = False
             else:
                 key_id, priority = rec.id, rec.priority

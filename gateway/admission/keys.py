@@ -71,10 +71,6 @@ class KeyRecord:
     priority: int = 0  # higher is shed later
     max_concurrency: int = 0  # 0: no per-key cap
     limits: tuple[RateRule, ...] = ()
-    plain: bool = field(init=False, repr=False, compare=False)  # no cap and no rules of its own
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "plain", not self.max_concurrency and not self.limits)
 
     def allows(self, model: str) -> bool:
         return not self.models or model in self.models

@@ -24,7 +24,6 @@ from typing import NamedTuple
 from ..errors import APIError
 from .bucket import TokenBucketLimiter
 from .limiter import Limiter
-from .plan import SCOPES as PLAN_SCOPES
 from .plan import Plan, compile_plan
 from .ratelimit_headers import (
     REMAINING_REQUESTS,
@@ -187,14 +186,13 @@ whenever the request is its newest admission --, the rule)."""
 
 Admitted = tuple[Headers, Reservation | None]
 _INF = math.inf
-_NO_PAIR = (b"", b"")
 
 
 def step(rule: RateRule, table: LimiterTable) -> Step:
     """The plan step of ``rule`` with its limiters in ``table``."""
     tokens = rule.unit == "tokens"
-    return (SCOPES.index(rule.scope), None if rule.match == "*" else rule.match, table.items.get, table, tokens, limit_pair(rule.unit, rule.limit), rule.window,
-            reset_pair(rule.window, tokens), rule)
+    return (SCOPES.index(rule.scope), None if rule.match == "*" else rule.match, table.items.get, table, tokens,
+            limit_pair(rule.unit, rule.limit), rule.window, reset_pair(rule.window, tokens), rule)
 
 
 class RateLimits:
@@ -208,8 +206,7 @@ class RateLimits:
         self._tables = tuple(LimiterTable(_bind(make, r), max_keys) for r in self.rules)
         self._plan = tuple(step(r, t) for r, t in zip(self.rules, self._tables, strict=True))
         # the usual case of take (no extra steps), compiled: None when it is not (nothing taken)
-        self.fast: Plan = compile_plan(self._plan)
-        assert PLAN_SCOPES == SCOPES
+        self.fast: Plan = compile_plan(self._plan, SCOPES)
 
     def take(self, values: Sequence[str | None], tokens: float, now: float,
              extra: tuple[Step, ...] = ()) -> Admitted | Verdict:

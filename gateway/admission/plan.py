@@ -27,17 +27,17 @@ from .window import SlidingWindowLimiter
 if TYPE_CHECKING:
     from .limits import Admitted, Step
 
-SCOPES = ("key", "client", "model", "route")  # the plan's parameters: limits.SCOPES, in its order
 __all__ = ["Plan", "compile_plan"]
 
 Plan = Callable[[str | None, str | None, str, str, float, float], "Admitted | None"]
-"""(key id, client address, model, route -- the scope values in SCOPES order --, token cost, now)
+"""(key id, client address, model, route -- the scope values in ``limits.SCOPES`` order --, token cost, now)
 -> the admission's headers and reservation, or None: not the usual case, nothing taken (ask
 ``RateLimits.take``)."""
 
 
-def compile_plan(steps: tuple[Step, ...]) -> Plan:
-    """The usual case of ``steps`` (a ``RateLimits`` plan) as one function; see the module doc."""
+def compile_plan(steps: tuple[Step, ...], scopes: tuple[str, ...]) -> Plan:
+    """The usual case of ``steps`` (a ``RateLimits`` plan) as one function, its parameters named by
+    ``scopes`` (``limits.SCOPES``, the order of a step's scope index); see the module doc."""
     ns: dict[str, Any] = {"W": SlidingWindowLimiter, "RR": REMAINING_REQUESTS, "RT": REMAINING_TOKENS}
     check: list[str] = []
     take: list[str] = []
@@ -45,7 +45,7 @@ def compile_plan(steps: tuple[Step, ...]) -> Plan:
     for i, (idx, match, get, _, on_tokens, pair, _, full, _) in enumerate(steps):
         ns[f"get{i}"], ns[f"P{i}"], ns[f"F{i}"] = get, pair, full
         cost = "tokens" if on_tokens else "1.0"
-        value = SCOPES[idx]
+        value = scopes[idx]
         if match is None:
             check.append(f"if {value} is None: return None")
         else:
@@ -74,7 +74,7 @@ def compile_plan(steps: tuple[Step, ...]) -> Plan:
     result = f"return ({', '.join(headers)}{',' if len(headers) == 1 else ''}), {reservation}" if headers \
         else "return (), None"
     body = "\n".join(check + take + [result]).replace("\n", "\n    ")
-    src = f"def plan({', '.join(SCOPES)}, tokens, now):\n    {body}\n"
+    src = f"def plan({', '.join(scopes)}, tokens, now):\n    {body}\n"
     exec(compile(src, f"<rate plan of {len(steps)} rules>", "exec"), ns)  # our own source, from the configuration
     fn: Plan = ns["plan"]
     fn.__doc__ = src  # the source, for whoever debugs it

@@ -104,9 +104,8 @@ class SlidingWindowLimiter:
             self._total -= counts.popleft()
         if ks:
             self._horizon = min(lasts[0] + self.window, (ks[0] + self.slices + 1) * self._width)
-            hk = self._hk
-            assert hk is not None  # older slices exist only behind a newest one
-            self._until = min(self._horizon, _slice_end(hk, self._width))
+            assert self._hk is not None  # older slices exist only behind a newest one
+            self._bound_fast_path(self._hk)
             return
         hk = self._hk
         if hk is not None and (hk < oldest_k or self._hl <= start):
@@ -118,7 +117,11 @@ class SlidingWindowLimiter:
             self._until = -math.inf
         else:
             self._horizon = min(self._hl + self.window, (hk + self.slices + 1) * self._width)
-            self._until = min(self._horizon, _slice_end(hk, self._width))
+            self._bound_fast_path(hk)
+
+    def _bound_fast_path(self, newest: int) -> None:
+        """``_until`` after the horizon or the newest slice changed."""
+        self._until = min(self._horizon, _slice_end(newest, self._width))
 
     def used(self, now: float) -> float:
         """Units counted against the window at ``now`` (never below the true number)."""
@@ -162,7 +165,7 @@ class SlidingWindowLimiter:
                 self._count.append(self._hc)
                 self._last.append(self._hl)
             self._hk, self._hc, self._hl = k, cost, now
-            self._until = min(self._horizon, _slice_end(k, self._width))
+            self._bound_fast_path(k)
         self._total += cost
         rem = self.limit - self._total
         return rem if rem > 0.0 else 0.0, self._hl + self.window - now
@@ -172,7 +175,7 @@ class SlidingWindowLimiter:
 
         The hot path of every admission, written out (no nested call, no deque) for the usual
         case: an admission in the newest slice, at or after its latest one, with no expiry due.
-        ``RateLimits.take`` has the same lines inline for the windows of its rules."""
+        The compiled rate plans (:mod:`.plan`) write the same lines out for the windows of their rules."""
         if self._hl <= now < self._until:
             total = self._total
             if cost <= self.limit - total:

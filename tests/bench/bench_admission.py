@@ -282,9 +282,9 @@ def bench_process(slices: int, duration: float, callgrind: bool = False, control
                   perf_stat: bool = False) -> float:
     """The issue's figure: real gateways of this tree, admission all on ("this") against all off
     ("baseline"), alternating slices of load (``bench_gateway_ab.keep_mode``); returns the
-    non-streaming CPU ratio on/off, the worse of the paired ratio and the ratio of the medians. ``callgrind``: both under valgrind at c=1, and the
-    figure is user-space instructions per request (exact; the CPU figures of such a run mean
-    nothing). ``control``: a second admission-off gateway alternating with the two, whose ratio to
+    non-streaming CPU ratio on/off, the worse of the paired ratio and the ratio of the medians.
+    ``callgrind``: both under valgrind at c=1, and the figure is user-space instructions per
+    request (exact; the CPU figures of such a run mean nothing). ``control``: a second admission-off gateway alternating with the two, whose ratio to
     the first is the run's own noise floor (A/A)."""
     import os
     import statistics
