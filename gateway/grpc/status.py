@@ -15,7 +15,7 @@ import re
 from grpclib.const import Status
 from grpclib.metadata import decode_grpc_message, encode_grpc_message
 
-from ..errors import APIError
+from ..errors import APIError, retry_after_value
 
 __all__ = [
     "Status",
@@ -63,14 +63,15 @@ def grpc_status(err: APIError) -> Status:
 
 
 def retry_trailers(err: APIError) -> list[tuple[str, str]]:
-    """``retry-after`` (seconds, as on HTTP) when the error says when to retry.
+    """``retry-after`` when the error says when to retry: the HTTP header's value
+    (:func:`~gateway.errors.retry_after_value`: whole seconds, rounded up, at least 1).
 
     Not gRPC's ``grpc-retry-pushback-ms``: grpclib reserves every ``grpc-`` key
     for itself, and one trailer in both wire formats beats two spellings.
     """
     if err.retry_after is None:
         return []
-    return [("retry-after", str(max(1, round(err.retry_after))))]
+    return [("retry-after", retry_after_value(err.retry_after).decode("ascii"))]
 
 
 # TimeoutValue is at most 8 ASCII digits, then one unit (gRPC over HTTP/2 spec).

@@ -63,7 +63,7 @@ def test_errors_map_to_status_in_trailers_or_trailers_only() -> None:
     h = dict(headers)
     assert (status, body) == (200, b"")
     assert h[b"content-type"] == b"application/grpc" and h[b"grpc-status"] == b"8"
-    assert h[b"grpc-message"] == b"slow down" and h[b"retry-after"] == b"2"
+    assert h[b"grpc-message"] == b"slow down" and h[b"retry-after"] == b"3"  # 2.2 s rounded up
     assert w.trailers is None  # a trailers-only response carries its status itself
     assert w.stream_error(APIError(504, "too late")) == b""
     assert w.trailers is not None and dict(w.trailers)[b"grpc-status"] == b"4"

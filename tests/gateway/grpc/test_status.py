@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.errors import APIError, from_wire_code
+from gateway.errors import APIError, error_headers, from_wire_code
 from gateway.grpc.status import (
     Status,
     decode_grpc_message,
@@ -50,6 +50,14 @@ def test_worker_error_codes_reach_grpc_through_the_one_model(wire: int, expected
 def test_retry_after_becomes_a_trailer() -> None:
     assert retry_trailers(APIError(429, "slow down", retry_after=1.5)) == [("retry-after", "2")]
     assert retry_trailers(APIError(400, "bad")) == []
+
+
+@pytest.mark.parametrize(("wait", "seconds"), [(1.2, "2"), (2.5, "3"), (0.2, "1"), (0.0, "1"), (3.0, "3")])
+def test_retry_after_trailer_rounds_up_as_the_http_header_does(wait: float, seconds: str) -> None:
+    """A client told 1 for a 1.2 s wait retries too early and is refused again (issue #27)."""
+    err = APIError(429, "slow down", retry_after=wait)
+    assert retry_trailers(err) == [("retry-after", seconds)]
+    assert dict(error_headers(err))[b"retry-after"] == seconds.encode()
 
 
 @pytest.mark.parametrize(("value", "seconds"), [
