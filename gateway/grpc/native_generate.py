@@ -25,7 +25,7 @@ import asyncio
 import time
 from collections.abc import Callable
 
-from ..errors import APIError
+from ..errors import APIError, internal_error
 from ..http.common import spawn
 from ..http.types import Call, Entrance, Request, RequestBodyStream, ResponseSink
 from .binding import PipelineBackend
@@ -91,7 +91,8 @@ class _Generate:
     def _read_done(self, task: asyncio.Task[None]) -> None:
         self._reader = None
         if not task.cancelled() and task.exception() is not None:
-            self._answer(Status.INTERNAL, "Internal Server Error")
+            err = internal_error()
+            self._answer(grpc_status(err), err.message)
         if self._call is None:  # never handed to the pipeline: the call ends here
             self._done()
 

@@ -40,7 +40,7 @@ from google.protobuf.message import DecodeError
 from grpclib.const import Handler
 from grpclib.metadata import Deadline, decode_bin_value
 
-from ..errors import APIError
+from ..errors import APIError, internal_error
 from ..http.common import ClientDisconnected
 from ..http.types import Request, ResponseSink
 from .compression import Codecs
@@ -279,7 +279,8 @@ async def run_call(handlers: Mapping[str, Handler], path: str, headers: Mapping[
             return  # the client went away (stream reset, connection lost): nobody to tell
         except Exception:
             log.exception("gRPC handler for %s failed", path)
-            status, message = Status.INTERNAL, "Internal Server Error"
+            err = internal_error()
+            status, message = grpc_status(err), err.message
     try:
         await stream.send_trailing_metadata(status=status, status_message=message)
     except ConnectionError:
