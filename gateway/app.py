@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import functools
 import logging
-import time
 from collections.abc import Callable, Iterable
 
 import orjson
 
+from . import clock
 from .api.call import CallContext
 from .api.deadlines import DeadlineSweeper
 from .api.generate import ANSWERED, AdmissionStage, Generations
@@ -46,7 +46,7 @@ __all__ = ["App", "AdmissionStage"]
 
 log = logging.getLogger("quicserve.app")
 
-_perf = time.perf_counter
+_perf = clock.now  # the request clock (gateway/clock.py): t0, admission's now, latencies
 _OK = orjson.dumps({"status": "ok"})
 _METRICS_HEADERS = [(b"content-type", CONTENT_TYPE_LATEST.encode())]
 

@@ -26,6 +26,7 @@ import signal
 import sys
 from typing import TextIO
 
+from .admission.metrics import AdmissionCollector
 from .admission.setup import build_admission
 from .app import App
 from .discovery import watch_workers
@@ -86,6 +87,8 @@ async def run_gateway(settings: Settings, *, out: TextIO | None = None,
     metrics = GatewayMetrics()
     pool = ModelPool(retries=settings.api.retries, policy=settings.routing.build())
     adm = build_admission(settings.admission, settings.server.host)
+    if adm.stage is not None:
+        metrics.registry.register(AdmissionCollector(adm.stage.admission, adm.leases))
     if adm.warning:
         log.warning("%s", adm.warning)
         _say(out, adm.warning)

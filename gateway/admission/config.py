@@ -88,13 +88,9 @@ class AdmissionSettings:
             p.append("admission.auth: 'on' but no keys and no keys_file")
         for i, text in enumerate(self.limits):
             try:
-                rule = parse_rule(text)
+                parse_rule(text)
             except ValueError as e:
                 p.append(f"admission.limits[{i}]: {e}")
-                continue
-            if self.redis_url and rule.algorithm == "bucket":
-                p.append(f"admission.limits[{i}]: {text!r}: a token bucket cannot be shared in Redis "
-                         "(use a sliding window, the default)")
         if self.redis_url and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
             p.append(f"admission.redis_url: {self.redis_url!r} is not a redis://, rediss:// or unix:// URL")
         if self.redis_fail not in ("open", "closed"):

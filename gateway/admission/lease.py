@@ -1,4 +1,21 @@
-"""A rate limiter that spends a local lease of a shared (Redis) quota; sans-I/O.
+"""Rate limiters that spend a local lease of a shared (Redis) quota; sans-I/O.
+
+Two kinds, one lease scheme: :class:`LeasedWindow` (the sliding window of
+:mod:`.window`, shared) and :class:`LeasedBucket` (the token bucket of
+:mod:`.bucket`, shared as GCRA). What follows describes the window; the bucket
+differs only in what a lease is: its units are taken from the shared bucket
+when granted, and a settlement gives back what was not spent (see
+:class:`LeasedBucket`).
+
+Clocks: a limiter's times (``now`` in every method) are the gateway's request
+clock (:mod:`gateway.clock`); the store's are the Redis server's. They never
+meet: a :class:`Renewal` carries *ages* (how long before the call a spend was
+made), a :class:`Grant` carries *durations* (the lease may be spent in
+``start_in`` seconds, the window empties in ``reset_in``), and each side turns
+them into its own times. The conversion's only error is the network delay,
+and it falls on the safe side: a spend reaches the store a little later than
+it was made, so it is counted a little longer; a lease becomes spendable when
+its answer arrives, a little after the store granted it.
 
 How it works: the shared store keeps the same conservative sliding window as
 :mod:`.window` (slices with their latest admission) plus the *outstanding
@@ -16,9 +33,10 @@ counted in the store from before it is spent (inside its lease) until at
 least ``window`` after it was spent (its slice's latest time is no earlier),
 so the store's count is never below the true number admitted by all
 gateways in any window -- the local argument, unchanged. The exceptions are
-bounded and named: a limiter's very first request (a cold key has no lease
-yet) is admitted on credit and reported at once; and while the store is
-unreachable with ``fail_open`` nothing is counted (the adapter counts those).
+bounded and named: a cold limiter (a key seen for the first time) admits on
+credit until the store's first answer, one round trip, and reports those
+spends with its next call; and while the store is unreachable with
+``fail_open`` nothing is counted (the adapter counts those).
 
 Why it still reaches the limit: when the window is full the store does not
 just say "later": it grants a *future* lease, spendable from the moment the
@@ -47,64 +65,76 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..errors import APIError
 from .limiter import TakeAfterWait
 from .limits import RateRule
 
-__all__ = ["LeasedLimiter", "Renewal", "Grant", "DEFAULT_TTL", "DEFAULT_LEASE_SHARE"]
+__all__ = ["LeasedLimiter", "LeasedWindow", "LeasedBucket", "Renewal", "Grant", "DEFAULT_TTL",
+           "DEFAULT_LEASE_SHARE"]
 
 DEFAULT_TTL = 0.25  # seconds a lease may be spent: how long unspent units can be held from others
 DEFAULT_LEASE_SHARE = 0.1  # the most of a limit one lease takes
+MIN_LEASE = 4.0  # ... unless that is fewer units than this
 
 
 @dataclass(frozen=True, slots=True)
 class Renewal:
-    """One settle-and-lease call for the store: arguments of the script."""
+    """One settle-and-lease call for the store. ``now`` is the limiter's clock and stays here;
+    everything the store reads is a count or an age (seconds before the call)."""
 
     now: float
     old_lease: str  # "" when none
     new_lease: str  # "" when the limiter is going idle (settle only)
     want: float
     need: float
-    deltas: tuple[tuple[int, float, float], ...]  # (slice, units, latest time or -1 for a correction)
+    deltas: tuple[tuple[float, float, bool], ...] = ()  # window: (age, units, spend?) -- a spend's latest
+    # time, or a correction to the slice of a spend settled before (negative units)
     carry: float = 0.0  # unspent units of the old lease, still being spent while the call is out
+    returned: float = 0.0  # bucket: unspent units of a lease that ends here, given back
+    debit: float = 0.0  # bucket: units spent on credit, less refunds (negative: give back)
 
 
 @dataclass(frozen=True, slots=True)
 class Grant:
-    """The store's answer: units granted and from when (or when to retry if none), units counted."""
+    """The store's answer, in durations from when it ran: units granted and in how long they may be
+    spent (or when to retry if none), units counted, how long until the count is empty."""
 
     granted: float
-    start: float
+    start_in: float
     used: float
-    reset_at: float
+    reset_in: float
 
 
 class LeasedLimiter(TakeAfterWait):
-    """One (rule, scope value): spends its lease, asks for renewals, settles spends by slice."""
+    """One (rule, scope value): spends its lease, asks for renewals; what a spend leaves to settle
+    is the subclass's (per slice for a window, a debit for a bucket)."""
 
-    __slots__ = ("rule", "limit", "key", "ttl", "cap", "fail_open", "_ids", "_on_hungry",
-                 "lease", "units", "since", "until", "_spent", "_corrections", "_cold", "hungry", "retry_at",
-                 "_asked", "_need", "_asked_since", "_demand", "_used", "_reset_at", "down_until", "fail_open_admits",
+    kind = ""  # the script that serves it: "window" | "bucket"
+
+    __slots__ = ("rule", "limit", "capacity", "_reset_cap", "key", "ttl", "cap", "fail_open", "_ids", "_on_hungry",
+                 "lease", "units", "since", "until", "_cold", "hungry", "retry_at",
+                 "_asked", "_need", "_asked_since", "_demand", "_used", "_reset_at", "failing", "down_until", "fail_open_admits",
                  "_seen", "_size", "_in_flight")
 
     def __init__(self, rule: RateRule, key: str, ttl: float, lease_share: float, fail_open: bool,
                  ids: Callable[[], str], on_hungry: Callable[[LeasedLimiter], None]) -> None:
-        if rule.algorithm != "window":
-            raise ValueError("shared limits use the sliding window (a bucket's refill has no shared clock)")
+        if rule.algorithm != self.kind:
+            raise ValueError(f"{type(self).__name__} serves {self.kind} rules, not {rule.algorithm}")
         self.rule, self.limit, self.key, self.ttl = rule, rule.limit, key, ttl
-        self.cap = max(1.0, rule.limit * lease_share)
+        self.capacity = (rule.burst or rule.limit) if rule.algorithm == "bucket" else rule.limit  # most at once
+        # a lease of a few units at least, so a small limit's client does not meet an empty lease
+        # between two round trips (ttl still bounds how long they are held from other gateways)
+        self.cap = max(min(MIN_LEASE, self.capacity), self.capacity * lease_share)
+        self._reset_cap = rule.window * self.capacity / rule.limit
         self.fail_open = fail_open
         self._ids, self._on_hungry = ids, on_hungry
         self.lease = ""  # current lease id
         self.units = 0.0  # spendable now
         self.since = -math.inf  # lease may be spent from this time (a future lease: when capacity frees)
         self.until = -math.inf  # ... and before this time
-        self._spent: dict[int, list[float]] = {}  # slice -> [units, latest time], since the last settle
-        self._corrections: dict[int, float] = {}  # slice -> units to give back
-        self._cold = True  # no answer from the store yet: the first request goes on credit
+        self._cold = True  # no answer from the store yet: requests go on credit until the first one
         self.hungry = False
         self.retry_at = -math.inf  # the store said: nothing before this time
         self._asked = 0.0  # units asked since the last renewal (demand)
@@ -113,7 +143,8 @@ class LeasedLimiter(TakeAfterWait):
         self._demand = 0.0  # units per second, EWMA over renewals
         self._used = 0.0  # store's count at the last answer (for headers)
         self._reset_at = -math.inf
-        self.down_until = -math.inf  # store unreachable until then
+        self.failing = False  # the store's last answer was an error (until one succeeds)
+        self.down_until = -math.inf  # ... and it is not asked again before this time
         self.fail_open_admits = 0
         self._seen = -math.inf
         self._size = 0.0  # the current lease's size when granted (its low-water mark is a quarter)
@@ -122,19 +153,21 @@ class LeasedLimiter(TakeAfterWait):
     # --- the Limiter protocol (hot path, no I/O) ------------------------------------------
 
     def wait(self, cost: float, now: float) -> float:
-        if cost > self.limit:
+        if cost > self.capacity:
             return math.inf
         if self._seen == -math.inf:
             self._asked_since = now  # demand is measured from the first request
         self._seen = now
-        if now < self.down_until:
+        self._asked += cost  # demand, whether the lease covers it or not: sizes the next lease
+        if now < self.until and cost <= self.units:
+            return 0.0 if now >= self.since else self.since - now
+        if self.failing:  # the store's last answer was an error, and no lease covers this
+            if now >= self.down_until:
+                self._want(now)  # the backoff has passed: try the store again
             if self.fail_open:
                 return 0.0
             raise APIError(503, "The shared rate-limit store is unreachable.", "server_error", None,
                            "overloaded", 1.0)
-        self._asked += cost  # demand, whether the lease covers it or not: sizes the next lease
-        if now < self.until and cost <= self.units:
-            return 0.0 if now >= self.since else self.since - now
         self._need = min(self._need, cost)
         if self._cold:
             return 0.0
@@ -142,49 +175,32 @@ class LeasedLimiter(TakeAfterWait):
         return max(self.retry_at - now, self.ttl)
 
     def take(self, cost: float, now: float) -> tuple[float, float]:
-        if now < self.down_until:
-            self.fail_open_admits += 1
+        if self.failing and not (self.since <= now < self.until and cost <= self.units):
+            self.fail_open_admits += 1  # admitted uncounted: the store is unreachable (fail open)
             return self.status(now)
-        if self._cold:
-            self._cold = False
+        if self._cold:  # no answer from the store yet: on credit, reported with the next renewal
             self._want(now)
+            self._spend(cost, now, True)
         else:
-            self.units -= cost
+            units = self.units = self.units - cost
             if self._in_flight is not None:
                 self._in_flight += cost
-        k = int(now // (self.rule.window / self.rule.slices))
-        cell = self._spent.get(k)
-        if cell is None:
-            self._spent[k] = [cost, now]
-        else:
-            cell[0] += cost
-            cell[1] = now
+            elif units <= 0.25 * self._size:
+                self._on_hungry(self)  # down to its low-water mark: renew now, not at the next tick
+            self._spend(cost, now, False)
         return self.status(now)
 
-    def untake(self, cost: float, now: float) -> None:
-        """Undo the take just made: the units go back to the lease, the spend is forgotten."""
-        k = int(now // (self.rule.window / self.rule.slices))
-        cell = self._spent.get(k)
-        if cell is not None:
-            cell[0] = max(0.0, cell[0] - cost)
-            if now < self.until:
-                self.units += cost
-                if self._in_flight is not None:
-                    self._in_flight -= cost
-
-    def refund(self, amount: float, at: float, now: float) -> None:
-        k = int(at // (self.rule.window / self.rule.slices))
-        cell = self._spent.get(k)
-        if cell is not None:  # not settled yet: correct locally
-            cell[0] = max(0.0, cell[0] - amount)
-        else:
-            self._corrections[k] = self._corrections.get(k, 0.0) + amount
-
     def remaining(self, now: float) -> float:
-        return max(0.0, self.limit - self._used)
+        """Units left: the store's count at the last answer, less what this gateway's own lease
+        still holds unspent (they are counted there, and still free for this gateway's clients)."""
+        own = self.units if self.lease and now < self.until else 0.0
+        return max(0.0, self.capacity - self._used + own)
 
     def reset_in(self, now: float) -> float:
-        return max(0.0, self._reset_at - now)
+        """Until the count is empty: the store's answer, at most the longest a unit admitted now can
+        count (a window; a bucket's time to refill from empty) -- the store's figure also covers lease
+        entries, which are settled well before their expiry."""
+        return min(max(0.0, self._reset_at - now), self._reset_cap)
 
     def status(self, now: float) -> tuple[float, float]:
         return self.remaining(now), self.reset_in(now)
@@ -193,7 +209,34 @@ class LeasedLimiter(TakeAfterWait):
         return self._seen
 
     def idle(self, now: float) -> bool:
-        return not self.lease and not self._spent and not self._corrections and self._seen <= now - self.rule.window
+        return not self.lease and not self._unsettled() and self._seen <= now - self.rule.window
+
+    # --- what a spend leaves to settle (the kind's) -------------------------------------------
+
+    def untake(self, cost: float, now: float) -> None:
+        """Undo the take just made (another rule refused the request)."""
+        raise NotImplementedError
+
+    def refund(self, amount: float, at: float, now: float) -> None:
+        """Give back ``amount`` of what was taken at ``at`` (negative: charge more)."""
+        raise NotImplementedError
+
+    def _spend(self, cost: float, now: float, credit: bool) -> None:
+        """Record ``cost`` admitted at ``now``, from the lease or (``credit``) without one."""
+        raise NotImplementedError
+
+    def _unsettled(self) -> bool:
+        """Anything to send the store, lease or not."""
+        raise NotImplementedError
+
+    def _urgent(self) -> bool:
+        """Something that frees shared capacity (a refund): send it even while a lease goes on."""
+        raise NotImplementedError
+
+    def _settle(self, renewal: Renewal, dropped: float) -> Renewal:
+        """``renewal`` with what there is to settle (then forgotten here: sent once); ``dropped``:
+        unspent units of a lease that ends with this call."""
+        raise NotImplementedError
 
     # --- renewals (the adapter's side) ------------------------------------------------------
 
@@ -205,24 +248,24 @@ class LeasedLimiter(TakeAfterWait):
     def due(self, now: float, horizon: float) -> bool:
         """Needs the store before ``now + horizon``: lease ending or down to a quarter (renewed
         before it runs dry, so requests do not meet an empty lease), hungry past ``retry_at``,
-        corrections to send (they free capacity), or spends to settle while holding no lease."""
+        refunds to send (they free capacity), or spends to settle while holding no lease."""
         if self._in_flight is not None:
             return False  # one call at a time per limiter
         if self.hungry and now >= self.retry_at:
             return True
         if self.lease:
-            low = self.units < 0.25 * self._size and self._seen > now - self.rule.window
-            return self.until - now <= horizon or low or bool(self._corrections)
-        return bool(self._spent or self._corrections)
+            low = self.units <= 0.25 * self._size and self._seen > now - self.rule.window
+            return self.until - now <= horizon or low or self._urgent()
+        return self._unsettled()
 
     def renewal(self, now: float, horizon: float = 0.0) -> Renewal:
-        """The call to send now; the spends it carries are cleared (sent once). A lease that is
-        not ending keeps going: the call then only settles (spends sent early stay counted by
-        the lease entry too until it is settled -- conservative)."""
+        """The call to send now. A lease that is not ending keeps going: the call then only settles
+        (for a window, spends sent early stay counted by the lease entry too until it is settled --
+        conservative)."""
         hungry = self.hungry and now >= self.retry_at
-        low = self.units < 0.25 * self._size and self._seen > now - self.rule.window
+        low = self.units <= 0.25 * self._size and self._seen > now - self.rule.window
         if self.lease and self.until - now > horizon and not hungry and not low:
-            return Renewal(now, "", "", 0.0, 0.0, self._deltas())
+            return self._settle(Renewal(now, "", "", 0.0, 0.0), 0.0)
         elapsed = now - self._asked_since
         if math.isfinite(elapsed) and elapsed > 0:
             rate = self._asked / elapsed
@@ -237,40 +280,39 @@ class LeasedLimiter(TakeAfterWait):
         # is out (its unspent units are carried into the new lease); otherwise it ends here.
         live = self.lease and self.since <= now < self.until and self.units >= need
         carry = self.units if live and want > 0 else 0.0
-        call = Renewal(now, self.lease, self._ids() if want > 0 else "", want, min(need, want), self._deltas(),
-                       carry)
+        old, dropped = self.lease, 0.0
         if carry > 0:
             self._in_flight = 0.0
         else:
+            dropped = max(0.0, self.units) if self.lease else 0.0
             self.lease, self.units, self.since, self.until = "", 0.0, -math.inf, -math.inf
-        return call
+        call = Renewal(now, old, self._ids() if want > 0 else "", want, min(need, want), carry=carry)
+        return self._settle(call, dropped)
 
-    def _deltas(self) -> tuple[tuple[int, float, float], ...]:
-        deltas = tuple((k, c[0], c[1]) for k, c in self._spent.items()) + tuple(
-            (k, -a, -1.0) for k, a in self._corrections.items())
-        self._spent.clear()
-        self._corrections.clear()
-        return deltas
-
-    def granted(self, call: Renewal, grant: Grant) -> None:
-        """Apply the store's answer to ``call``."""
-        self._cold = False
-        self._used, self._reset_at = grant.used, grant.reset_at
+    def granted(self, call: Renewal, grant: Grant, now: float) -> None:
+        """Apply the store's answer to ``call``; ``now``: when it arrived (the grant's durations
+        count from then: a little after the store ran, which is the safe side)."""
+        self._cold = self.failing = False
+        self._used, self._reset_at = grant.used, now + grant.reset_in
         spent, self._in_flight = self._in_flight or 0.0, None
         if call.carry > 0 and grant.granted <= call.carry:  # carried on, nothing more for now
             self.lease, self.units = call.new_lease, grant.granted - spent
             self.until = call.now + self.ttl
         elif grant.granted > 0:
             self.lease, self.units = call.new_lease, grant.granted - spent
-            self.since, self.until = grant.start, grant.start + self.ttl
+            self.since = now + grant.start_in
+            self.until = self.since + self.ttl
             self._size = grant.granted
             self.hungry = False
             self.retry_at = -math.inf
         elif call.new_lease:
-            self.retry_at = grant.start  # stay hungry; the adapter comes back then
+            self.retry_at = now + grant.start_in  # stay hungry; the adapter comes back then
 
     def failed(self, call: Renewal, now: float, backoff: float) -> None:
-        """The store did not answer: spends are lost to it (counted locally as fail-open admits)."""
+        """The store did not answer: spends are lost to it. Until it answers again, a lease still
+        held is spent; beyond it requests are admitted uncounted (``fail_open``, counted here as
+        fail-open admits) or refused with 503, and after ``backoff`` the next request asks again."""
+        self.failing = True
         self.down_until = now + backoff
         self.hungry = False
         self._cold = False
@@ -285,4 +327,131 @@ class LeasedLimiter(TakeAfterWait):
             self.until = now
 
     def __repr__(self) -> str:
-        return f"LeasedLimiter({self.rule.scope} {self.rule.unit} {self.limit:g}/{self.rule.window:g}s)"
+        return f"{type(self).__name__}({self.rule.scope} {self.rule.unit} {self.limit:g}/{self.rule.window:g}s)"
+
+
+class LeasedWindow(LeasedLimiter):
+    """The shared sliding window: spends are kept per slice with their latest time and settled into
+    the store's slices at those times; a lease counts in full in the store until it is settled."""
+
+    kind = "window"
+
+    __slots__ = ("_width", "_spent", "_corrections", "_sent")
+
+    def __init__(self, rule: RateRule, key: str, ttl: float, lease_share: float, fail_open: bool,
+                 ids: Callable[[], str], on_hungry: Callable[[LeasedLimiter], None]) -> None:
+        super().__init__(rule, key, ttl, lease_share, fail_open, ids, on_hungry)
+        self._width = rule.window / rule.slices
+        self._spent: dict[int, list[float]] = {}  # local slice -> [units, latest time], since the last settle
+        self._corrections: dict[int, list[float]] = {}  # local slice -> [units to give back, its latest time]
+        self._sent: dict[int, float] = {}  # local slice -> latest time sent, while the store may hold it
+
+    def _spend(self, cost: float, now: float, credit: bool) -> None:
+        k = int(now // self._width)
+        cell = self._spent.get(k)
+        if cell is None:
+            self._spent[k] = [cost, now]
+        else:
+            cell[0] += cost
+            cell[1] = now
+
+    def untake(self, cost: float, now: float) -> None:
+        """Undo the take just made: the units go back to the lease, the spend is forgotten."""
+        cell = self._spent.get(int(now // self._width))
+        if cell is not None:
+            cell[0] = max(0.0, cell[0] - cost)
+            if now < self.until:
+                self.units += cost
+                if self._in_flight is not None:
+                    self._in_flight -= cost
+
+    def refund(self, amount: float, at: float, now: float) -> None:
+        k = int(at // self._width)
+        cell = self._spent.get(k)
+        if cell is not None:  # not settled yet: correct locally
+            cell[0] = max(0.0, cell[0] - amount)
+            return
+        latest = self._sent.get(k)
+        if latest is None:
+            return  # that slice left the window: nothing counted to correct
+        corr = self._corrections.get(k)
+        if corr is None:
+            self._corrections[k] = [amount, latest]
+        else:
+            corr[0] += amount
+
+    def _unsettled(self) -> bool:
+        return bool(self._spent or self._corrections)
+
+    def _urgent(self) -> bool:
+        return bool(self._corrections)
+
+    def _settle(self, renewal: Renewal, dropped: float) -> Renewal:
+        del dropped  # the store drops the old lease's entry: its unspent units are free again
+        now, window = renewal.now, self.rule.window
+        deltas = [(now - last, units, True) for units, last in self._spent.values()]
+        deltas += [(now - last, -units, False) for units, last in self._corrections.values()]
+        sent = self._sent
+        for k, (_, last) in self._spent.items():
+            sent[k] = last
+        if len(sent) > self.rule.slices:  # forget what the store no longer counts
+            for k in [k for k, last in sent.items() if last <= now - window]:
+                del sent[k]
+        self._spent.clear()
+        self._corrections.clear()
+        return replace(renewal, deltas=tuple(deltas))
+
+
+class LeasedBucket(LeasedLimiter):
+    """The shared token bucket (GCRA in the store): a lease's units leave the shared bucket when it
+    is granted, so spending them needs no settlement; a lease that ends unspent gives its units
+    back, and spends on credit (a cold key's, until the store's first answer) and refunds go as one
+    debit.
+
+    Why the bucket's bound holds across gateways: every unit admitted was taken from the one
+    shared bucket before it was spent (or, on credit, right after), and units go back only if
+    they were never spent -- so the admissions of all gateways are a subset of what one bucket
+    would admit. A give-back lands after the bucket refilled in the meantime and is capped at a
+    full bucket: a loss, never an excess.
+    """
+
+    kind = "bucket"
+
+    __slots__ = ("_debit", "_credit")
+
+    def __init__(self, rule: RateRule, key: str, ttl: float, lease_share: float, fail_open: bool,
+                 ids: Callable[[], str], on_hungry: Callable[[LeasedLimiter], None]) -> None:
+        super().__init__(rule, key, ttl, lease_share, fail_open, ids, on_hungry)
+        self._debit = 0.0
+        self._credit = False  # the take just made was on credit (for untake)
+
+    def _spend(self, cost: float, now: float, credit: bool) -> None:
+        self._credit = credit
+        if credit:
+            self._debit += cost
+
+    def untake(self, cost: float, now: float) -> None:
+        if self._credit:
+            self._debit -= cost
+        elif now < self.until:
+            self.units += cost
+            if self._in_flight is not None:
+                self._in_flight -= cost
+
+    def refund(self, amount: float, at: float, now: float) -> None:
+        del at  # a bucket has no slices: a refund refills it now (capped at full)
+        self._debit -= amount
+
+    def _unsettled(self) -> bool:
+        return self._debit != 0.0
+
+    def _urgent(self) -> bool:
+        return self._debit < 0.0
+
+    def _settle(self, renewal: Renewal, dropped: float) -> Renewal:
+        debit, self._debit = self._debit, 0.0
+        return replace(renewal, returned=dropped, debit=debit)
+
+
+LEASED: dict[str, type[LeasedLimiter]] = {"window": LeasedWindow, "bucket": LeasedBucket}
+"""The leased limiter for each rule algorithm."""

@@ -315,6 +315,10 @@ class RateLimits:
         """Limiters held per rule (for the bounded-memory assertion and a gauge)."""
         return tuple(len(t) for t in self._tables)
 
+    def evicted_busy(self) -> int:
+        """Limiters dropped from a full table while still counting, over every rule."""
+        return sum(t.evicted_busy for t in self._tables)
+
 
 def _bind(make: Callable[[RateRule, str], Limiter], rule: RateRule) -> Callable[[str], Limiter]:
     return lambda value: make(rule, value)

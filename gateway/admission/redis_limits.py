@@ -9,13 +9,22 @@ and sends them in one pipeline of ``EVALSHA`` calls -- one round trip per
 loop wake-up for all keys, whatever the request rate. The script
 (:data:`SCRIPT`) settles the old lease, applies spends and corrections to the
 shared slices, expires what left the window, and grants a new lease if the
-window has room, atomically per key. The accuracy argument is in
-:mod:`.lease`; the clock is the caller's (``now`` in the arguments), so
-gateways on several hosts need synchronised clocks (NTP): a skew of e ms
-moves each window edge by e.
+window has room, atomically per key (:mod:`.redis_scripts`: a sliding
+window, or a token bucket as GCRA). The accuracy argument is in :mod:`.lease`.
+
+Clocks: the store's times are the Redis server's (``TIME`` in the scripts);
+the limiters' are the gateway's request clock (:func:`gateway.clock.now`), which
+this loop must share with the request path -- it is the default, and nothing
+else should be passed outside tests. Only ages and durations are exchanged,
+so gateways need no synchronised clocks: a gateway whose clock is off by
+seconds limits exactly as one that is not (tested with two real gateways 4 s
+apart).
 
 Redis unreachable: ``fail_open`` admits and counts it (``fail_open_admits``,
-``errors``), otherwise the limiters answer 503 until ``backoff`` has passed.
+``errors``), otherwise the limiters answer 503 until ``backoff`` has passed;
+then the next renewal tries again. Redis restarted empty: the scripts are
+loaded again (``NOSCRIPT``) in the same step, and the limits start from an
+empty store (what was counted before the restart is lost with it).
 """
 
 from __future__ import annotations
@@ -24,94 +33,19 @@ import asyncio
 import hashlib
 import itertools
 import os
-import time
 from collections.abc import Callable
 from typing import Any
 
+from redis.exceptions import NoScriptError
+
+from .. import clock as _clock
 from .config import AdmissionSettings
-from .lease import DEFAULT_LEASE_SHARE, DEFAULT_TTL, Grant, LeasedLimiter, Renewal
+from .lease import DEFAULT_LEASE_SHARE, DEFAULT_TTL, LEASED, Grant, LeasedLimiter, Renewal
 from .limiter import Limiter
-from .limits import RateRule, local_limiter
+from .limits import RateRule
+from .redis_scripts import ARGS, SCRIPTS
 
-__all__ = ["RedisLeases", "SCRIPT"]
-
-# KEYS[1]: the limiter's hash. ARGV: now, window, width, slices, limit, want, need, ttl, old lease,
-# new lease, carry (unspent units of the old lease the gateway keeps spending: re-granted first, they
-# stay reserved), then (slice, units, latest-or--1) triples. Fields: c<slice>/l<slice> count and latest
-# admission; L<lease> "units:expiry". Returns granted, start (when the lease may be spent, or when
-# to retry if nothing was granted), used, reset -- as strings (Lua numbers become integers).
-SCRIPT = """
-local key = KEYS[1]
-local function str(x) return string.format('%.17g', x) end  -- tostring keeps 14 digits: not enough for epoch times
-local now, window, width = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
-local nslices, limit = tonumber(ARGV[4]), tonumber(ARGV[5])
-local want, need, ttl = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
-local old, new, carry = ARGV[9], ARGV[10], tonumber(ARGV[11])
-if old ~= '' then redis.call('HDEL', key, 'L' .. old) end
-local i = 12
-while i + 2 <= #ARGV do
-  local k, units, last = ARGV[i], tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])
-  local c = tonumber(redis.call('HGET', key, 'c' .. k) or '0')
-  if last >= 0 then
-    local l = tonumber(redis.call('HGET', key, 'l' .. k) or '-1')
-    redis.call('HSET', key, 'c' .. k, str(c + units), 'l' .. k, str(math.max(l, last)))
-  elseif c > 0 then
-    redis.call('HSET', key, 'c' .. k, str(math.max(0, c + units)))
-  end
-  i = i + 3
-end
-local all = redis.call('HGETALL', key)
-local counts, lasts, frees = {}, {}, {}
-local used, oldest, start = 0, math.floor(now / width) - nslices, now - window
-local reset = now
-for j = 1, #all, 2 do
-  local f, v = all[j], all[j + 1]
-  local tag = string.sub(f, 1, 1)
-  if tag == 'c' then counts[string.sub(f, 2)] = tonumber(v)
-  elseif tag == 'l' then lasts[string.sub(f, 2)] = tonumber(v)
-  elseif tag == 'L' then
-    local sep = string.find(v, ':')
-    local g, exp = tonumber(string.sub(v, 1, sep - 1)), tonumber(string.sub(v, sep + 1))
-    if exp <= now then redis.call('HDEL', key, f)
-    else used = used + g; frees[#frees + 1] = {exp, g}; reset = math.max(reset, exp) end
-  end
-end
-for k, c in pairs(counts) do
-  local l = lasts[k] or -1
-  if tonumber(k) < oldest or l <= start then redis.call('HDEL', key, 'c' .. k, 'l' .. k)
-  else used = used + c; frees[#frees + 1] = {l + window, c}; reset = math.max(reset, l + window) end
-end
-local granted, start = 0, now
-local free = limit - used
-if new ~= '' and carry > 0 then
-  -- the old lease goes on without a gap: its unspent units were counted and stay counted
-  granted = carry
-  if free - carry >= need then granted = carry + math.min(want, free - carry) end
-  local exp = now + ttl + window
-  redis.call('HSET', key, 'L' .. new, str(granted) .. ':' .. str(exp))
-  used = used - carry + granted
-  reset = math.max(reset, exp)
-elseif new ~= '' then
-  if free < need then
-    -- full: lease what frees first, spendable from then (a future lease), counted from now
-    table.sort(frees, function(a, b) return a[1] < b[1] end)
-    start = now + window
-    for _, e in ipairs(frees) do
-      free = free + e[2]
-      if free >= need then start = e[1]; break end
-    end
-  end
-  if free >= need then
-    granted = math.min(want, free)
-    local exp = start + ttl + window
-    redis.call('HSET', key, 'L' .. new, str(granted) .. ':' .. str(exp))
-    used = used + granted
-    reset = math.max(reset, exp)
-  end
-end
-redis.call('PEXPIRE', key, math.ceil((window + ttl) * 1000) + 1000)
-return {str(granted), str(start), str(used), str(reset)}
-"""
+__all__ = ["RedisLeases"]
 
 
 def _rule_id(rule: RateRule) -> str:
@@ -119,22 +53,29 @@ def _rule_id(rule: RateRule) -> str:
 
 
 class RedisLeases:
-    """Limiter factory + renewal loop for limits shared in Redis (``redis.asyncio`` client)."""
+    """Limiter factory + renewal loop for limits shared in Redis (``redis.asyncio`` client).
+
+    ``clock``: the limiters' clock, the request path's (:func:`gateway.clock.now`). ``store_clock``:
+    for tests only, a fixed "now" for the scripts in place of the Redis server's ``TIME``.
+    """
 
     def __init__(self, client: Any, *, prefix: str = "quicserve:rl:", ttl: float = DEFAULT_TTL,
                  tick: float = 0.005, lease_share: float = DEFAULT_LEASE_SHARE, fail_open: bool = True,
-                 backoff: float = 1.0,
-                 clock: Callable[[], float] = time.time) -> None:
+                 backoff: float = 1.0, clock: Callable[[], float] = _clock.now,
+                 store_clock: Callable[[], float] | None = None) -> None:
         self.client = client
         self.prefix, self.ttl, self.tick, self.lease_share = prefix, ttl, tick, lease_share
         self.fail_open, self.backoff, self.clock = fail_open, backoff, clock
+        self.store_clock = store_clock
         self._instance = f"{os.getpid()}-{os.urandom(4).hex()}"
         self._seq = itertools.count()
         self._limiters: set[LeasedLimiter] = set()
         self._wake = asyncio.Event()
-        self._sha: str | None = None
+        self._sha: dict[str, str] = {}  # kind -> the loaded script's SHA1
         self.round_trips = 0
-        self.errors = 0
+        self.errors = 0  # renewal rounds the store did not answer
+        self.reloads = 0  # scripts loaded again after NOSCRIPT (a store restarted empty)
+        self._fail_open_forgotten = 0  # fail-open admits of limiters dropped as idle
 
     @classmethod
     def from_url(cls, url: str, **kw: Any) -> RedisLeases:
@@ -156,19 +97,19 @@ class RedisLeases:
 
     @property
     def fail_open_admits(self) -> int:
-        return sum(lim.fail_open_admits for lim in self._limiters)
+        """Requests admitted uncounted while the store was unreachable (``fail_open``)."""
+        return self._fail_open_forgotten + sum(lim.fail_open_admits for lim in self._limiters)
+
+    def limiters(self) -> int:
+        """Leased limiters held (bounded by the rule tables, plus idle ones until their last settle)."""
+        return len(self._limiters)
 
     def make(self, rule: RateRule, value: str) -> Limiter:
-        """The factory for :class:`RateLimits`/:class:`Admission`: one leased limiter per scope value.
-
-        Token-bucket rules stay per gateway (a bucket's continuous refill has no shared slices);
-        ``config check`` refuses them in ``[admission] limits`` when ``redis_url`` is set, and a key
-        file's bucket rules are local by this rule.
-        """
-        if rule.algorithm != "window":
-            return local_limiter(rule, value)
-        key = f"{self.prefix}{_rule_id(rule)}:{value}"
-        lim = LeasedLimiter(rule, key, self.ttl, self.lease_share, self.fail_open, self._next_id, self._hungry)
+        """The factory for :class:`RateLimits`/:class:`Admission`: one leased limiter per scope value,
+        a sliding window or a token bucket as the rule says."""
+        key = f"{self.prefix}{rule.algorithm[0]}:{_rule_id(rule)}:{value}"
+        lim = LEASED[rule.algorithm](rule, key, self.ttl, self.lease_share, self.fail_open, self._next_id,
+                                     self._hungry)
         self._limiters.add(lim)
         return lim
 
@@ -186,36 +127,41 @@ class RedisLeases:
         for lim in idle:  # evicted from the tables or quiet for a window: forget
             if lim.hungry is False:
                 self._limiters.discard(lim)
+                self._fail_open_forgotten += lim.fail_open_admits
+                lim.fail_open_admits = 0
         if not due:
             return 0
         calls = [lim.renewal(now, self.tick * 2) for lim in due]
+        store_now = "" if self.store_clock is None else repr(self.store_clock())
         try:
-            if self._sha is None:
-                self._sha = await self.client.script_load(SCRIPT)
-            pipe = self.client.pipeline(transaction=False)
-            for lim, call in zip(due, calls, strict=True):
-                pipe.evalsha(self._sha, 1, lim.key, *self._args(lim.rule, call))
-            replies = await pipe.execute()
-            self.round_trips += 1
-        except Exception as e:  # any failure of the store: fall back as configured
-            if "NOSCRIPT" in str(e):
-                self._sha = None
+            try:
+                replies = await self._send(due, calls, store_now)
+            except NoScriptError:
+                # The store lost its scripts (restarted, or SCRIPT FLUSH): no call ran, so send
+                # them again once the scripts are back. (redis-py's message for it does not say
+                # "NOSCRIPT": matching the text, as this once did, never reloaded them.)
+                self._sha.clear()
+                self.reloads += 1
+                replies = await self._send(due, calls, store_now)
+        except Exception:  # any failure of the store: fall back as configured
             self.errors += 1
             for lim, call in zip(due, calls, strict=True):
                 lim.failed(call, now, self.backoff)
             return len(calls)
+        self.round_trips += 1
+        arrived = self.clock()
         for lim, call, reply in zip(due, calls, replies, strict=True):
-            g, start, used, reset = (float(x) for x in reply)
-            lim.granted(call, Grant(g, start, used, reset))
+            g, start_in, used, reset_in = (float(x) for x in reply)
+            lim.granted(call, Grant(g, start_in, used, reset_in), arrived)
         return len(calls)
 
-    def _args(self, rule: RateRule, call: Renewal) -> list[str]:
-        out = [repr(call.now), repr(rule.window), repr(rule.window / rule.slices), str(rule.slices),
-               repr(rule.limit), repr(call.want), repr(call.need), repr(self.ttl), call.old_lease, call.new_lease,
-               repr(call.carry)]
-        for k, units, last in call.deltas:
-            out += [str(k), repr(units), repr(last)]
-        return out
+    async def _send(self, due: list[LeasedLimiter], calls: list[Renewal], store_now: str) -> list[Any]:
+        for kind in {lim.kind for lim in due} - self._sha.keys():
+            self._sha[kind] = await self.client.script_load(SCRIPTS[kind])
+        pipe = self.client.pipeline(transaction=False)
+        for lim, call in zip(due, calls, strict=True):
+            pipe.evalsha(self._sha[lim.kind], 1, lim.key, *ARGS[lim.kind](lim.rule, call, self.ttl, store_now))
+        return list(await pipe.execute())
 
     async def run(self) -> None:
         """The renewal loop; run it as one task for the gateway's life, cancel it to stop."""

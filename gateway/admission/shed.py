@@ -81,7 +81,7 @@ class Pool:
 class LoadShedder:
     """Bounded pools, per-key concurrency and deadline checks; ``admit``/``release`` pair up."""
 
-    __slots__ = ("queue_limit", "classes", "headroom", "max_pools", "pools", "_per_key", "shed", "_bounds")
+    __slots__ = ("queue_limit", "classes", "headroom", "max_pools", "pools", "_per_key", "shed", "shed_by", "_bounds")
 
     def __init__(self, queue_limit: int = DEFAULT_QUEUE_LIMIT, classes: int = DEFAULT_CLASSES,
                  headroom: float = DEFAULT_HEADROOM,
@@ -97,6 +97,7 @@ class LoadShedder:
         self.pools: dict[str, Pool] = {}  # read by Admission.admit_call's plain case
         self._per_key: dict[str, int] = {}
         self.shed = 0  # refusals, for a counter
+        self.shed_by: dict[tuple[int, str], int] = {}  # (class, reason) -> refusals, on /metrics
         self._bounds = tuple(max(1, int(queue_limit * (1.0 - headroom * (classes - 1 - p)))) for p in range(classes))
 
     def bound(self, priority: int) -> int:
@@ -111,19 +112,24 @@ class LoadShedder:
         est = _NO_ESTIMATE if st is None else st.estimator
         bound = self._bounds[priority] if 0 <= priority < self.classes else self.bound(priority)
         if outstanding >= bound:
-            self.shed += 1
+            self._refused(priority, "queue_bound")
             raise APIError(503, f"The server is overloaded ({pool!r} is at its queue bound); retry shortly.",
                            "server_error", None, "overloaded",
                            max(est.wait(outstanding - bound + 1), _MIN_RETRY))
         if deadline is not None and est.wait(outstanding) > deadline:
-            self.shed += 1
+            self._refused(priority, "deadline")
             raise APIError(503, f"The predicted wait for {pool!r} ({est.wait(outstanding):.3g} s) exceeds the "
                            f"request's deadline ({deadline:.3g} s).", "server_error", None, "overloaded",
                            max(est.wait(1), _MIN_RETRY))
         if key_id is not None and key_cap > 0 and self._per_key.get(key_id, 0) >= key_cap:
-            self.shed += 1
+            self._refused(priority, "key_concurrency")
             raise APIError(429, f"Too many concurrent requests for this key (limit {key_cap}).",
                            "requests", None, "rate_limit_exceeded", max(est.wait(1), _MIN_RETRY))
+
+    def _refused(self, priority: int, reason: str) -> None:
+        self.shed += 1
+        cls = min(max(priority, 0), self.classes - 1)
+        self.shed_by[cls, reason] = self.shed_by.get((cls, reason), 0) + 1
 
     def take(self, pool: str, key_id: str | None, key_cap: int, priority: int, deadline: float | None,
              now: float) -> str | None:

@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from transport.messages import Finish, TokenEntry
 
+from .. import clock
 from ..errors import APIError, from_wire_code, internal_error
 from ..http.types import ResponseSink
 from ..routing.routed import RoutedStream
@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 __all__ = ["GenerationCall", "CallContext"]
 
 log = logging.getLogger("quicserve.api")
-_perf = time.perf_counter
+_perf = clock.now  # the request clock (gateway/clock.py): t0, admission's now, latencies
 
 EndHook = Callable[["GenerationCall", int, int], None]
 """(the call, status, completion tokens): its owner reads ``route``, ``t0``, ``t_first`` (perf_counter

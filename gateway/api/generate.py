@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
+from .. import clock
 from ..errors import APIError, from_routing, internal_error
 from ..http.types import Call, Request, ResponseSink
 from ..observability.logs import access_log
@@ -31,7 +32,7 @@ from .writers import Writer
 __all__ = ["Generations", "AdmissionStage", "Fail", "ANSWERED"]
 
 log = logging.getLogger("quicserve.api")
-_perf = time.perf_counter
+_perf = clock.now  # the request clock (gateway/clock.py): t0, admission's now, latencies
 
 
 class AdmissionStage(Protocol):

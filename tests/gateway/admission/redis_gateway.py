@@ -13,6 +13,7 @@ import time
 
 import orjson
 
+from gateway import clock
 from gateway.admission import Admission, AdmissionContext, AdmissionSettings
 from gateway.admission.redis_limits import RedisLeases
 from gateway.errors import APIError
@@ -40,8 +41,9 @@ async def main(url: str, rule: str, duration: float, rate: float) -> None:
         while offered < due:  # catch up on the arrivals a late wake-up missed, each at its own time
             offered += 1
             arrivals.append(now)
+            t = clock.now()  # the request clock (the renewal loop's); the log is in wall time
             try:
-                adm.release(adm.admit(ctx, now), 1, now)
+                adm.release(adm.admit(ctx, t), 1, t)
                 admitted.append(now)
             except APIError:
                 pass

@@ -1,4 +1,4 @@
-"""A real redis-server on a free loopback port, started and stopped by the tests."""
+"""A real redis-server on a free loopback port, started, stopped and restarted by the tests."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-__all__ = ["redis_server", "free_port"]
+__all__ = ["redis_server", "RedisProcess", "free_port"]
 
 
 def free_port() -> int:
@@ -19,29 +19,47 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@contextmanager
-def redis_server(workdir: Path) -> Iterator[str]:
-    """Yields ``redis://127.0.0.1:<port>/0``; the server keeps nothing on disk."""
-    exe = shutil.which("redis-server")
-    if exe is None:
-        raise RuntimeError("redis-server is not installed (make sysdeps installs it)")
-    port = free_port()
-    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                             "--dir", str(workdir)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
+class RedisProcess:
+    """One redis-server that keeps nothing on disk: a restart comes back empty, on the same port."""
+
+    def __init__(self, workdir: Path, port: int | None = None) -> None:
+        exe = shutil.which("redis-server")
+        if exe is None:
+            raise RuntimeError("redis-server is not installed (make sysdeps installs it)")
+        self.exe, self.workdir = exe, workdir
+        self.port = port if port is not None else free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> RedisProcess:
+        self.proc = subprocess.Popen([self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                                      "--appendonly", "no", "--dir", str(self.workdir)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10.0
         while True:
             try:
-                with socket.create_connection(("127.0.0.1", port), timeout=0.2) as c:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as c:
                     c.sendall(b"PING\r\n")
                     if c.recv(16).startswith(b"+PONG"):
-                        break
+                        return self
             except OSError:
                 pass
-            if time.monotonic() > deadline or proc.poll() is not None:
-                raise RuntimeError(f"redis-server did not start on port {port}")
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                raise RuntimeError(f"redis-server did not start on port {self.port}")
             time.sleep(0.02)
-        yield f"redis://127.0.0.1:{port}/0"
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()  # as a crash would: nothing saved
+            self.proc.wait(timeout=10)
+        self.proc = None
+
+
+@contextmanager
+def redis_server(workdir: Path) -> Iterator[str]:
+    """Yields ``redis://127.0.0.1:<port>/0``; the server keeps nothing on disk."""
+    server = RedisProcess(workdir).start()
+    try:
+        yield server.url
     finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+        server.stop()

@@ -1,7 +1,10 @@
 """Redis-shared limits against a real redis-server on loopback: two gateways within the bounds.
 
-The fake-clock tests run two :class:`RedisLeases` in one process (the script takes ``now`` as an
-argument, so a fake clock drives the real Redis); the real-time test runs two gateway processes.
+The fake-clock tests run two :class:`RedisLeases` in one process (the scripts take a test "now" in
+place of the server's ``TIME`` when ``store_clock`` is set, so a fake clock drives the real Redis);
+the real-time tests run on the default clocks (the store's ``TIME``, the gateway's request clock),
+one of them with two gateway processes. tests/integration/test_redis_gateways.py runs real
+``quicserve serve`` processes.
 """
 
 from __future__ import annotations
@@ -21,11 +24,22 @@ import redis.asyncio
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
+from gateway import clock
 from gateway.admission import Admission, AdmissionContext, AdmissionSettings, RateLimits, parse_rule
+from gateway.admission.limiter import Limiter
+from gateway.admission.limits import RateRule, local_limiter
 from gateway.admission.redis_limits import RedisLeases
 from gateway.errors import APIError
 
-from .accuracy import OVER, UNDER, exact_admissions, max_in_window, throughput_share
+from .accuracy import (
+    OVER,
+    UNDER,
+    bucket_excess,
+    exact_admissions,
+    exact_bucket,
+    max_in_window,
+    throughput_share,
+)
 from .redis_server import free_port, redis_server
 
 ROOT = Path(__file__).parents[3]
@@ -38,16 +52,29 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield url
 
 
-def _leases(url: str, **kw: object) -> RedisLeases:
+class FakeClock:
+    """One fake time for a test's limiters, its renewal loop and (as ``store_clock``) the scripts."""
+
+    def __init__(self, t: float = 1000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _leases(url: str, fake: FakeClock | None = None, **kw: object) -> RedisLeases:
     prefix = f"t{os.getpid()}-{next(_prefixes)}:"
+    if fake is not None:
+        kw.update(clock=fake, store_clock=fake)
     return RedisLeases(redis.asyncio.Redis.from_url(url), prefix=prefix, **kw)  # type: ignore[arg-type]
 
 
-async def _simulate(url: str, limit: int, window: float, mult: float, windows: int, step: float
-                    ) -> tuple[list[float], int]:
+async def _simulate(url: str, limit: int, window: float, mult: float, windows: int, step: float,
+                    algorithm: str = "window") -> tuple[list[float], int, list[float]]:
     """Two gateways, each offered half of ``mult * limit`` per window at evenly spaced times."""
-    rule = parse_rule(f"route requests {limit}/{window}s")
-    a, b = _leases(url), _leases(url)
+    rule = parse_rule(f"route requests {limit}/{window}s {algorithm}")
+    fake = FakeClock()
+    a, b = _leases(url, fake), _leases(url, fake)
     b.prefix = a.prefix  # the same shared limit
     gws = [RateLimits([rule], g.make) for g in (a, b)]
     admitted: list[float] = []
@@ -61,43 +88,60 @@ async def _simulate(url: str, limit: int, window: float, mult: float, windows: i
     for t, g in arrivals:
         now = base + t
         while nxt <= t:  # each gateway's renewal loop wakes every ``step``
-            trips += await a.step(base + nxt) + await b.step(base + nxt)
+            fake.t = base + nxt
+            trips += await a.step(fake.t) + await b.step(fake.t)
             nxt += step
+        fake.t = now
         if gws[g].check({"route": "/r"}, 0.0, now).wait == 0.0:
             admitted.append(now)  # the limiter's own float, so window edges compare as it did
     for g in (a, b):
         await g.close()
-    return admitted, trips
+    return admitted, trips, [base + t for t, _ in arrivals]
 
 
 @pytest.mark.parametrize("mult", [2.0, 10.0])
 async def test_two_gateways_fake_clock_within_bounds(redis_url: str, mult: float) -> None:
     limit, window, windows = 200, 1.0, 10
-    admitted, trips = await _simulate(redis_url, limit, window, mult, windows, step=0.002)
+    admitted, trips, _ = await _simulate(redis_url, limit, window, mult, windows, step=0.002)
     assert max_in_window(admitted, window) <= limit * OVER
     assert throughput_share(len(admitted), limit, window, windows * window) >= UNDER
     assert trips < len(admitted)  # fewer renewals than requests: no round trip per request
 
 
+@pytest.mark.parametrize("mult", [1.05, 2.0, 10.0])
+async def test_two_gateways_share_a_bucket_fake_clock(redis_url: str, mult: float) -> None:
+    """The shared token bucket (GCRA on the store's clock): never more than burst + rate x T in any
+    interval T, and about what one perfect bucket admits of the same arrivals."""
+    limit, window, windows = 200, 1.0, 10
+    admitted, trips, arrivals = await _simulate(redis_url, limit, window, mult, windows, step=0.002,
+                                                algorithm="bucket")
+    rate = limit / window
+    assert bucket_excess(admitted, rate) <= limit * OVER  # burst = limit
+    best = len(exact_bucket(arrivals, rate, limit))
+    assert len(admitted) >= UNDER * best, (len(admitted), best)
+    assert trips < len(admitted)
+
+
 async def test_token_reservations_settle_in_redis(redis_url: str) -> None:
-    leases = _leases(redis_url)
+    fake = FakeClock(5000.0)
+    leases = _leases(redis_url, fake)
     adm = Admission.from_settings(AdmissionSettings(limits=["model tokens 1000/10s"]), leases.make)
     ctx = AdmissionContext(None, None, "tiny", "/v1/completions", 100, 200)
-    now = 5000.0
-    g = adm.admit(ctx, now)  # cold: admitted on credit, renewal wanted
-    await leases.step(now)
+    g = adm.admit(ctx, fake.t)  # cold: admitted on credit, renewal wanted
+    await leases.step(fake.t)
     grants = [g]
     for _ in range(10):
-        now += 0.01
+        fake.t += 0.01
         try:
-            grants.append(adm.admit(ctx, now))
+            grants.append(adm.admit(ctx, fake.t))
         except APIError:
-            await leases.step(now)
+            await leases.step(fake.t)
     assert 2 <= len(grants) <= 3  # 300 each against 1000: at most three reserved at once
     for grant in grants:
-        adm.release(grant, 50, now)  # used 50 of 300
-    await leases.step(now + 0.1)  # settle spends and corrections
-    await leases.step(now + 0.2)
+        adm.release(grant, 50, fake.t)  # used 50 of 300
+    for dt in (0.1, 0.2):  # settle spends and corrections
+        fake.t += dt
+        await leases.step(fake.t)
     key = next(iter(leases._limiters)).key
     fields = await leases.client.hgetall(key)
     counted = sum(float(v) for f, v in fields.items() if f.startswith(b"c"))
@@ -173,7 +217,7 @@ def test_loop_runs_and_stops(redis_url: str) -> None:
         task = asyncio.create_task(leases.run())
         ok = 0
         for _ in range(200):
-            if limits.check({"client": "c"}, 0.0, time.time()).wait == 0.0:
+            if limits.check({"client": "c"}, 0.0, clock.now()).wait == 0.0:
                 ok += 1
             await asyncio.sleep(0.001)
         task.cancel()
@@ -183,15 +227,15 @@ def test_loop_runs_and_stops(redis_url: str) -> None:
     assert asyncio.run(go()) >= 150  # far below the limit: almost all admitted once leased
 
 
-async def test_from_settings_and_bucket_rules_stay_local(redis_url: str) -> None:
-    from gateway.admission.bucket import TokenBucketLimiter
-    from gateway.admission.lease import LeasedLimiter
+async def test_from_settings_and_both_kinds_shared(redis_url: str) -> None:
+    from gateway.admission.lease import LeasedBucket, LeasedWindow
 
     leases = RedisLeases.from_settings(AdmissionSettings(redis_url=redis_url, redis_fail="closed",
                                                          redis_lease_ttl=0.02))
     assert (leases.ttl, leases.fail_open) == (0.02, False)
-    assert isinstance(leases.make(parse_rule("key requests 5/1s bucket"), "k"), TokenBucketLimiter)
-    assert isinstance(leases.make(parse_rule("key requests 5/1s"), "k"), LeasedLimiter)
+    assert leases.clock is clock.now  # the request path's clock, by default
+    assert isinstance(leases.make(parse_rule("key requests 5/1s bucket"), "k"), LeasedBucket)
+    assert isinstance(leases.make(parse_rule("key requests 5/1s"), "k"), LeasedWindow)
     await leases.close()
 
 
@@ -200,8 +244,12 @@ async def test_fail_closed_refusal_takes_nothing_from_other_rules() -> None:
     client = redis.asyncio.Redis(host="127.0.0.1", port=free_port(), socket_connect_timeout=0.5,
                                  retry=Retry(NoBackoff(), 0))
     leases = RedisLeases(client, fail_open=False, backoff=5.0)
-    local = parse_rule("client requests 10/1s bucket")  # buckets stay local under Redis
-    limits = RateLimits([local, parse_rule("route requests 10/1s")], leases.make)
+    local = parse_rule("client requests 10/1s bucket")
+
+    def make(rule: RateRule, value: str) -> Limiter:
+        return local_limiter(rule, value) if rule is local else leases.make(rule, value)
+
+    limits = RateLimits([local, parse_rule("route requests 10/1s")], make)
     limits.check({"client": "c", "route": "/r"}, 0.0, 100.0)  # cold credit on the shared rule
     await leases.step(100.0)  # the store is down: fail closed from now on
     bucket = limits._tables[0].get("c", 100.0)
@@ -225,7 +273,7 @@ def test_below_the_limit_nothing_is_refused_once_leased(redis_url: str) -> None:
             due = int((now - start) * 500) + 1  # 500/s: half the limit
             while offered < due:
                 offered += 1
-                ok = limits.check({"client": "c"}, 0.0, time.time()).wait == 0.0
+                ok = limits.check({"client": "c"}, 0.0, clock.now()).wait == 0.0
                 if now - start > 0.75:
                     late += 1
                     refused_late += not ok
@@ -236,3 +284,22 @@ def test_below_the_limit_nothing_is_refused_once_leased(redis_url: str) -> None:
 
     refused, offered = asyncio.run(go())
     assert offered > 100 and refused <= offered * 0.01, f"{refused} of {offered} refused below the limit"
+
+
+async def test_scripts_reloaded_after_the_store_lost_them(redis_url: str) -> None:
+    """SCRIPT FLUSH (as a restart does): the next round loads the scripts again and goes through, no
+    error counted (before, the NOSCRIPT check matched a text redis-py never gives, and the store
+    stayed 'unreachable' for good)."""
+    fake = FakeClock()
+    leases = _leases(redis_url, fake)
+    limits = RateLimits([parse_rule("route requests 100/1s"), parse_rule("client requests 100/1s bucket")],
+                        leases.make)
+    assert limits.check({"route": "/r", "client": "c"}, 0.0, fake.t).wait == 0.0
+    await leases.step(fake.t)
+    await leases.client.script_flush()
+    for _ in range(3):  # the loop renews each lease before it ends (ttl 0.25 s)
+        fake.t += 0.2
+        await leases.step(fake.t)
+        assert limits.check({"route": "/r", "client": "c"}, 0.0, fake.t).wait == 0.0
+    assert leases.reloads == 1 and leases.errors == 0
+    await leases.close()
