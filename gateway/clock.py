@@ -7,9 +7,16 @@
   readings mean nothing outside this process, so none of them is ever sent
   anywhere: what crosses a process boundary is a *duration* (an age, a "valid for",
   a "retry in"), which needs no agreement between clocks.
-* :func:`wall` -- Unix time, only for what leaves the process as a date: the HTTP
-  ``Date`` header, a response's ``created``, a session ticket's issue time (RFC 8446
-  ticket ages are computed by the peer from it).
+* :func:`wall` (:func:`wall_ns`) -- Unix time, only for what leaves the process as a
+  date: the HTTP ``Date`` header, a response's ``created``, a session ticket's issue
+  time (RFC 8446 ticket ages are computed by the peer from it), trace span timestamps.
+
+A third clock runs beside them and never meets them: the event loop's (``loop.time()``,
+asyncio's monotonic clock), which the protocol adapters (HTTP/1.1, h2, h3, QUIC) and the
+transport use for their own timers -- keep-alive, write and body timeouts, heartbeats --
+each reading compared only with readings of the same clock. transport/ keeps
+``time.perf_counter`` for a result's ``first_token_at``; the gateway turns it into a request
+clock time through an age (``api/call.py``).
 
 Why this module exists: ``RedisLeases`` once ran on ``time.time`` while requests
 reached the limiters with ``perf_counter`` readings, ~1.8e9 s apart, and every
@@ -29,12 +36,13 @@ import os
 import time
 from collections.abc import Callable
 
-__all__ = ["now", "wall", "OFFSET"]
+__all__ = ["now", "wall", "wall_ns", "OFFSET"]
 
 OFFSET = float(os.environ.get("QUICSERVE_TEST_CLOCK_OFFSET") or 0.0)
 
 now: Callable[[], float]
 wall: Callable[[], float]
+wall_ns: Callable[[], int]  # the same in integer nanoseconds (trace spans)
 
 if OFFSET:
     _perf, _time = time.perf_counter, time.time
@@ -45,6 +53,9 @@ if OFFSET:
     def _wall() -> float:
         return _time() + OFFSET
 
-    now, wall = _now, _wall
+    def _wall_ns() -> int:
+        return time.time_ns() + int(OFFSET * 1e9)
+
+    now, wall, wall_ns = _now, _wall, _wall_ns
 else:
-    now, wall = time.perf_counter, time.time
+    now, wall, wall_ns = time.perf_counter, time.time, time.time_ns

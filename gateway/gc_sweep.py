@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import time
 from collections.abc import Callable
+
+from .clock import now as clock_now
 
 __all__ = ["CycleSweeper"]
 
@@ -43,7 +44,7 @@ class CycleSweeper:
         min_growth: int = 1000,
         collect: Callable[[], int] = gc.collect,
         counts: Callable[[], tuple[int, int, int]] = gc.get_count,
-        clock: Callable[[], float] = time.perf_counter,
+        clock: Callable[[], float] = clock_now,
     ) -> None:
         self.interval = interval
         self.budget = budget

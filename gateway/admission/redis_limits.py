@@ -40,7 +40,8 @@ from redis.exceptions import NoScriptError
 
 from .. import clock as _clock
 from .config import AdmissionSettings
-from .lease import DEFAULT_LEASE_SHARE, DEFAULT_TTL, LEASED, Grant, LeasedLimiter, Renewal
+from .lease import DEFAULT_LEASE_SHARE, DEFAULT_TTL, Grant, LeasedLimiter, Renewal
+from .lease_kinds import LEASED
 from .limiter import Limiter
 from .limits import RateRule
 from .redis_scripts import ARGS, SCRIPTS

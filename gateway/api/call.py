@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -44,6 +45,7 @@ __all__ = ["GenerationCall", "CallContext"]
 
 log = logging.getLogger("quicserve.api")
 _perf = clock.now  # the request clock (gateway/clock.py): t0, admission's now, latencies
+_transport_clock = time.perf_counter  # transport/'s (client_stream.Result.first_token_at)
 
 EndHook = Callable[["GenerationCall", int, int], None]
 """(the call, status, completion tokens): its owner reads ``route``, ``t0``, ``t_first`` (perf_counter
@@ -146,7 +148,10 @@ class GenerationCall:
                 self._read()
                 return
             # the end, at once: nothing can move or retry it before _end closes the routed stream
-            self.t_first = res.first_token_at  # delivered whole: when the transport saw it
+            # delivered whole: when the transport saw it, on the transport's clock (perf_counter), brought
+            # onto the request clock as an age
+            t = res.first_token_at
+            self.t_first = _perf() - (_transport_clock() - t) if t else 0.0
             if type(fin) is not Finish:
                 self._fail(from_wire_code(fin.code, fin.message))
                 return

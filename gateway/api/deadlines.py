@@ -12,9 +12,9 @@ CPU as the rest of routing.
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Protocol
 
+from .. import clock
 from ..errors import APIError
 
 __all__ = ["DeadlineSweeper", "Expirable"]
@@ -40,7 +40,7 @@ class DeadlineSweeper:
         return len(self._deadlines)
 
     def add(self, call: Expirable, timeout: float) -> None:
-        self._deadlines[call] = time.monotonic() + timeout
+        self._deadlines[call] = clock.now() + timeout
         if self._timer is None:
             self._timer = asyncio.get_running_loop().call_later(min(self.interval, timeout), self._sweep)
 
@@ -53,7 +53,7 @@ class DeadlineSweeper:
 
     def _sweep(self) -> None:
         self._timer = None
-        now = time.monotonic()
+        now = clock.now()
         overdue = [c for c, d in self._deadlines.items() if d <= now]
         for c in overdue:
             del self._deadlines[c]

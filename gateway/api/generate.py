@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable
 from typing import Protocol
 
@@ -178,7 +177,7 @@ def _observed(req: Request, model: str, span: RequestSpan | None, access: bool, 
     """The end of a request for its span and the access log (only when either is on)."""
     ttft = t_first - t0 if t_first else None
     if span is not None:
-        end_ns = time.time_ns()
+        end_ns = clock.wall_ns()
         if t_first:
             span.first_token(end_ns - int((now - t_first) * 1e9))
         span.end(status, model=model, completion_tokens=tokens, now_ns=end_ns)

@@ -9,12 +9,12 @@ the generation call and the writers (:mod:`gateway.api.writers`).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
 import orjson
 
+from .. import clock
 from ..errors import APIError
 from ..http.types import Request
 from ..settings import ApiSettings
@@ -40,7 +40,7 @@ class OpenAIApi:
 
     def __init__(self, api: ApiSettings, validate: Validate | None = None) -> None:
         self.api = api
-        self.created = int(time.time())
+        self.created = int(clock.wall())
         self._deadline_ms = int(api.request_timeout * 1000)
         self.validate = validate
 

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import itertools
 import os
-import time
 from typing import Any
 
 import orjson
 
 from transport.messages import Finish, FinishReason, TokenEntry
+
+from .. import clock
 
 __all__ = [
     "ChunkTemplate",
@@ -118,7 +119,7 @@ def response_body(chat: bool, model: str, text: str, fin: Finish, logprobs: Any)
              "prompt_tokens_details": {"cached_tokens": fin.cached_tokens}}
     if chat:
         body: dict[str, Any] = {
-            "id": f"chatcmpl-{_PREFIX}{next(_counter):x}", "object": "chat.completion", "created": int(time.time()),
+            "id": f"chatcmpl-{_PREFIX}{next(_counter):x}", "object": "chat.completion", "created": int(clock.wall()),
             "model": model,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
                          "logprobs": logprobs, "finish_reason": reason}],
@@ -126,7 +127,7 @@ def response_body(chat: bool, model: str, text: str, fin: Finish, logprobs: Any)
         }
     else:
         body = {
-            "id": f"cmpl-{_PREFIX}{next(_counter):x}", "object": "text_completion", "created": int(time.time()),
+            "id": f"cmpl-{_PREFIX}{next(_counter):x}", "object": "text_completion", "created": int(clock.wall()),
             "model": model, "choices": [{"text": text, "index": 0, "logprobs": logprobs, "finish_reason": reason}],
             "usage": usage,
         }
@@ -142,7 +143,7 @@ class ChunkTemplate:
         self.chat = chat
         self.started = False  # set once the response headers are on their way
         self.rid = rid
-        self.created = int(time.time())
+        self.created = int(clock.wall())
         self.model_json = orjson.dumps(model)
         obj = b"chat.completion.chunk" if chat else b"text_completion"
         self.usage_null = b',"usage":null' if include_usage else b""

@@ -61,7 +61,7 @@ class GenerateSpec:
     top_p: float | None = None
     stop: tuple[str, ...] = ()
     seed: int | None = None
-    deadline: float | None = None  # time.monotonic() by which it must end (grpc-timeout)
+    deadline: float | None = None  # the request clock's time (gateway.clock.now) by which it must end (grpc-timeout)
     #: The caller's text metadata (lower-case names; ``grpc-*`` and pseudo-headers left out),
     #: for admission: ``authorization``, API keys, ``user-agent``.
     metadata: tuple[tuple[str, str], ...] = ()

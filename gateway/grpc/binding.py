@@ -16,13 +16,13 @@ HTTP/2 sink (:mod:`.native_generate`).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 
 import orjson
 
 from transport.messages import Finish, TokenEntry
 
+from .. import clock
 from ..api.generate import Fail, Generations
 from ..api.openai import OpenAIApi
 from ..api.params import GenerationRequest, parse_chat, parse_completion
@@ -35,7 +35,7 @@ from .backend import Finished, GenerateSpec, OnDelta, OnEnd
 __all__ = ["PipelineBackend", "DeltaWriter", "GRPC_ROUTE"]
 
 GRPC_ROUTE = "grpc:quicserve.v1.Inference"  # the metrics route of every RPC
-_perf = time.perf_counter
+_perf = clock.now  # the request clock (gateway/clock.py)
 
 
 class DeltaWriter:
@@ -139,7 +139,7 @@ class PipelineBackend:
         body = _body(spec)
         chat = spec.messages is not None
         req = Request("POST", GRPC_ROUTE, "", headers, body, self._protocol, "grpc")
-        timeout = None if spec.deadline is None else max(0.0, spec.deadline - time.monotonic())
+        timeout = None if spec.deadline is None else max(0.0, spec.deadline - _perf())
         return self._gen.start(req, lambda r: self._parse(chat, r), lambda g: writer, fail, sink, done, GRPC_ROUTE,
                                t0, timeout)
 

@@ -22,9 +22,9 @@ stream and cancels the generation, as for SSE), the metadata admission sees and 
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable
 
+from .. import clock
 from ..errors import APIError, internal_error
 from ..http.common import spawn
 from ..http.types import Call, Entrance, Request, RequestBodyStream, ResponseSink
@@ -41,7 +41,7 @@ from .web_call import CallAborted, call_metadata, request_message
 __all__ = ["GENERATE", "NativeEntrance"]
 
 GENERATE = "/quicserve.v1.Inference/Generate"
-_perf = time.perf_counter
+_perf = clock.now  # the request clock (gateway/clock.py)
 
 
 class _Generate:
@@ -98,7 +98,7 @@ class _Generate:
 
     def _started(self, message: pb.GenerateRequest) -> None:
         """Hand the request to the pipeline (which answers refusals and calls done() itself)."""
-        deadline = None if self._timeout is None else time.monotonic() - (_perf() - self._t0) + self._timeout
+        deadline = None if self._timeout is None else self._t0 + self._timeout  # on the request clock
         try:
             spec = spec_from(message, deadline, text_metadata(call_metadata(dict(self._request.headers), NOT_METADATA)))
         except APIError as e:

@@ -10,7 +10,6 @@ expired ``grpc-timeout`` cancel the handler task (:func:`.web_call.run_call`); t
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
@@ -19,6 +18,7 @@ from grpclib.health.service import Health
 from grpclib.metadata import Deadline
 from grpclib.reflection.service import ServerReflection
 
+from .. import clock
 from ..errors import APIError
 from .backend import Backend, Finished, Generation
 from .chat import ChatSession
@@ -54,7 +54,7 @@ class CallStream(Protocol[_Req, _Resp]):
 
 
 def _deadline(stream: CallStream[Any, Any]) -> float | None:
-    return None if stream.deadline is None else time.monotonic() + stream.deadline.time_remaining()
+    return None if stream.deadline is None else clock.now() + stream.deadline.time_remaining()
 
 
 async def _fail(stream: CallStream[Any, Any], err: APIError) -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
-import time
 import urllib.parse
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
@@ -22,6 +21,8 @@ from typing import Any, Protocol
 
 from gateway.errors import APIError, error_headers, internal_error, render_json
 from gateway.http.types import Call, Entrance, Handler, Headers, Request, ResponseSink, StreamsBody
+
+from .. import clock
 
 __all__ = [
     "HttpLimits",
@@ -107,7 +108,7 @@ _date_cache: list[Any] = [0, b""]
 
 def http_date() -> bytes:
     """The ``date`` header value (RFC 9110 IMF-fixdate), rebuilt once a second."""
-    now = int(time.time())
+    now = int(clock.wall())
     if now != _date_cache[0]:
         _date_cache[0] = now
         _date_cache[1] = formatdate(now, usegmt=True).encode()

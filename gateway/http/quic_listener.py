@@ -11,7 +11,6 @@ creating connections while draining.
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import TYPE_CHECKING, Any, cast
 
 from aioquic._buffer import Buffer
@@ -27,6 +26,8 @@ from gateway.http.h3_state import H3ServerState
 from gateway.http.quic_settings import QuicSettings
 from gateway.http.quic_tickets import TicketStore
 from gateway.http.types import Entrance, StreamsBody
+
+from .. import clock
 
 __all__ = ["QuicListener", "start_quic_listener"]
 
@@ -123,10 +124,10 @@ async def start_quic_listener(entrance: Entrance, host: str, port: int, certfile
                           capacity=settings.max_tickets, single_use=settings.replay_protection)
 
     def issue(ticket: SessionTicket) -> None:
-        tickets.issue(ticket, time.time())
+        tickets.issue(ticket, clock.wall())
 
     def take(identity: bytes) -> SessionTicket | None:
-        return tickets.take(identity, time.time())
+        return tickets.take(identity, clock.wall())
 
     server = _Server(configuration=config, create_protocol=protocol_factory(state),
                      session_ticket_fetcher=take, session_ticket_handler=issue, retry=settings.retry)

@@ -20,10 +20,11 @@ request; ``tracer.shutdown()`` after the drain.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from .. import clock
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace.export import SpanExporter
@@ -117,7 +118,7 @@ class RequestTracer:
         if attributes:
             attrs.update(attributes)
         span = self._tracer.start_span(f"{method} {route}", context=parent, kind=SpanKind.SERVER, attributes=attrs,
-                                       start_time=now_ns if now_ns is not None else time.time_ns())
+                                       start_time=now_ns if now_ns is not None else clock.wall_ns())
         carrier: dict[str, str] = {}
         self._propagator.inject(carrier, context=set_span_in_context(span))
         return RequestSpan(span, carrier["traceparent"])

@@ -25,7 +25,6 @@ import logging
 import os
 import signal
 import sys
-import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -34,6 +33,7 @@ import orjson
 from transport.api import WorkerConnection
 from transport.worker_options import PERMANENT_EXITS, to_flags
 
+from .. import clock
 from ..observability.metrics import GatewayMetrics
 from ..observability.progress import ProgressDisplay
 from ..settings import WorkersSettings
@@ -110,7 +110,7 @@ class _Worker:
     async def loop(self) -> None:
         backoff = Backoff(self.sup.ws.restart_backoff_initial, self.sup.ws.restart_backoff_max)
         while not self.stopping:
-            t0 = time.monotonic()
+            t0 = clock.now()
             self.starts += 1
             try:
                 await self.run_once()
@@ -131,7 +131,7 @@ class _Worker:
                 log.error("%s %s; not restarting it (fix the [workers] settings)", self.name, self.failure)
                 self.sup.changed.set()
                 return
-            delay = backoff.next_delay(time.monotonic() - t0)
+            delay = backoff.next_delay(clock.now() - t0)
             self.sup.metrics.worker_restarts.inc()
             self.sup.progress.note(self.name, f"{why}; restarting in {delay:.1f} s")
             log.warning("%s %s; restarting in %.1f s", self.name, why, delay)

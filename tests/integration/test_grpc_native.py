@@ -11,7 +11,6 @@ import json
 import queue
 import subprocess
 import sys
-import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import grpc
 import httpx
 import pytest
 
+from gateway import clock
 from gateway.errors import APIError
 from gateway.grpc.compression import GzipCodec
 from gateway.grpc.quicserve.v1 import quicserve_pb2 as pb
@@ -207,12 +207,12 @@ async def test_deadline_expiry_cancels_the_generation(target: str, backend: Echo
     backend.hang_after = 1
 
     def call() -> tuple[grpc.StatusCode, float, float]:
-        started = time.monotonic()
+        started = clock.now()
         with _channel(target) as ch:
             try:
                 list(_server_stream(ch)(pb.GenerateRequest(model="tiny", prompt="a b c"), timeout=0.5))
             except grpc.RpcError as e:
-                return e.code(), started, time.monotonic()  # type: ignore[attr-defined]
+                return e.code(), started, clock.now()  # type: ignore[attr-defined]
         raise AssertionError("the stream ended OK")
 
     code, started, ended = await asyncio.to_thread(call)

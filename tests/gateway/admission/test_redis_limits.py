@@ -228,7 +228,7 @@ def test_loop_runs_and_stops(redis_url: str) -> None:
 
 
 async def test_from_settings_and_both_kinds_shared(redis_url: str) -> None:
-    from gateway.admission.lease import LeasedBucket, LeasedWindow
+    from gateway.admission.lease_kinds import LeasedBucket, LeasedWindow
 
     leases = RedisLeases.from_settings(AdmissionSettings(redis_url=redis_url, redis_fail="closed",
                                                          redis_lease_ttl=0.02))
