@@ -22,7 +22,12 @@ How it works. Requests wait in ``_waiting`` (FIFO) and run in ``_running``
   ``commit(plan, outputs, now)`` -> events
       feeds each sampled token to its sequence (text delta, stop checks),
       finishes the done ones, registers newly full blocks in the prefix cache
-      and tells the batch window how long the step took.
+      and tells the batch window how long the step took. A runner that could
+      not run one sequence returns a :class:`~inference.runner.SeqFault` for it:
+      its request ends with an INTERNAL error, or (``hang``) it turns HUNG and
+      stays in ``_running``, holding its slot and blocks, skipped by every later
+      step until it is cancelled, times out or is aborted (or preempted like
+      any running sequence when the cache runs short: then it is recomputed).
 
 Cancelling frees a request's blocks at once; a result for it that arrives
 later is dropped. Every request added ends exactly once: a :class:`Finished`
@@ -57,7 +62,7 @@ from transport.worker_options import WorkerOptions
 
 from .batch_window import BatchWindow, FixedWindow
 from .kv_cache import KVCache
-from .runner import ModelRunner, SeqOutput, SeqWork, StepPlan
+from .runner import ModelRunner, SeqFault, SeqOutput, SeqWork, StepPlan
 from .sequence import Delta, EngineEvent, Failed, Finished, SeqStatus, Sequence
 from .tokenizer import Tokenizer
 
@@ -180,7 +185,7 @@ class Engine:
     def pause(self, key: Hashable, now: float) -> None:
         """Take a request off the batch (its client is not reading); it keeps its KV blocks."""
         s = self._by_key.get(key)
-        if s is None or s.status is SeqStatus.PAUSED:
+        if s is None or s.status is SeqStatus.PAUSED or s.status is SeqStatus.HUNG:
             return
         if s.status is SeqStatus.RUNNING:
             self._running.remove(s)
@@ -350,6 +355,9 @@ class Engine:
             s = self._by_id.get(work.seq_id)
             if s is None or s.status is not SeqStatus.RUNNING:
                 continue  # cancelled while the step ran
+            if out.fault is not None:
+                self._fault(s, out.fault, events)
+                continue
             s.num_computed = work.start_pos + len(work.token_ids)
             self.kv.register(s.seq_id, s.tokens, s.num_computed)
             delta, reason = s.accept(out, self.max_model_len)
@@ -396,6 +404,13 @@ class Engine:
             return True
         return False
 
+    def _fault(self, s: Sequence, fault: SeqFault, events: list[EngineEvent]) -> None:
+        if fault.hang:
+            s.status = SeqStatus.HUNG  # stays in _running: _plan_decodes skips it
+            return
+        self._retire(s)
+        events.append(Failed(s.key, ErrorCode.INTERNAL, fault.message))
+
     def _preempt(self, s: Sequence) -> None:
         self.kv.free(s.seq_id)
         self._running.remove(s)
@@ -406,7 +421,7 @@ class Engine:
 
     def _retire(self, s: Sequence) -> None:
         self.kv.free(s.seq_id)
-        if s.status is SeqStatus.RUNNING:
+        if s.status is SeqStatus.RUNNING or s.status is SeqStatus.HUNG:
             self._running.remove(s)
         elif s.status is SeqStatus.WAITING:
             self._waiting.remove(s)

@@ -24,7 +24,7 @@ from typing import Protocol
 
 from transport.messages import SamplingParams
 
-__all__ = ["SeqWork", "StepPlan", "SeqOutput", "ModelRunner"]
+__all__ = ["SeqWork", "StepPlan", "SeqFault", "SeqOutput", "ModelRunner"]
 
 
 # SeqWork, SeqOutput (and the engine's Delta) are built once per sequence per step: plain slotted
@@ -63,6 +63,21 @@ class StepPlan:
         return len(self.prefills) + len(self.decodes)
 
 
+@dataclass(frozen=True, slots=True)
+class SeqFault:
+    """What a runner returns in place of a token for one sequence that failed while the rest of
+    its step ran. (A runner whose whole step fails raises instead: the worker then ends every
+    request with an INTERNAL error.)
+
+    ``hang`` False: the request ends with an INTERNAL error carrying ``message``. True: the
+    sequence stops where it is, keeping its batch slot and KV blocks, with no token and no end,
+    until it is cancelled, passes its deadline or the worker stops. The synthetic engine's
+    injected faults are the only source today (``inference.synthetic``)."""
+
+    message: str
+    hang: bool = False
+
+
 @dataclass(slots=True)
 class SeqOutput:
     seq_id: int
@@ -70,6 +85,7 @@ class SeqOutput:
     logprob: float  # log-softmax of the sampled token (always computed)
     top_ids: tuple[int, ...] = ()  # params.top_logprobs alternatives
     top_logprobs: tuple[float, ...] = ()
+    fault: SeqFault | None = None  # set: no token was sampled for this sequence (token_id is ignored)
 
 
 class ModelRunner(Protocol):

@@ -62,6 +62,7 @@ class SeqStatus(enum.Enum):
     PAUSED = 3  # off the batch: its client is not reading (KV kept until memory is short)
     RESUMING = 4  # its client reads again; kept KV, waiting for a batch slot
     DONE = 5
+    HUNG = 6  # a runner's SeqFault(hang=True): keeps its batch slot and KV, never stepped again
 
 
 class Sequence:
