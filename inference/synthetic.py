@@ -9,19 +9,56 @@ request's seed and ``num_generated``. So outputs are deterministic printable
 bytes (32..126, for the byte-level tokenizer), the same seed and prompt give
 the same text whatever the batch, and a scheduler or prefix-cache bug that
 hands a sequence the wrong blocks changes the output (tests rely on this).
-An optional per-step sleep imitates model latency. No JAX import.
+No JAX import.
+
+Worker options (``quicserve worker --synthetic-step-ms 5``, ``[workers]`` keys,
+``quicserve serve --worker-option=synthetic_step_ms=5``; defaults and checks in
+:mod:`transport.worker_options`). At their defaults a step takes no time and
+nothing fails.
+
+Cost model (:class:`SyntheticCost`): each step sleeps ::
+
+    synthetic_slowdown * (synthetic_step_ms
+                          + synthetic_step_ms_per_seq * sequences in the step
+                          + synthetic_prefill_us_per_token * prompt tokens it prefills)
+
+Prompt tokens the prefix cache holds are not prefilled: the engine's own
+prefix cache (:mod:`inference.kv_cache`: full blocks of ``block_size`` tokens
+named by :mod:`transport.prefix`'s hash chain, LRU-evicted) hands the runner
+only the uncached rest. Its capacity is the KV cache, ``num_blocks`` (8 bytes a
+token here, so set it freely). So a request's TTFT is its queueing plus one
+step whose prefill term is ``uncached prompt tokens * prefill cost``, and its
+usage reports the cached part (``prompt_tokens_details.cached_tokens``).
+
+Faults (:class:`SyntheticFaults`), drawn from ``synthetic_fault_seed`` by a
+counter-based hash of the sequence id (engine arrival order) or the step
+number, so one seed and one arrival order give the same faults whatever the
+batching:
+
+- ``synthetic_error_rate``: share of requests that end with an INTERNAL error
+  (``synthetic fault: ...``) once they have streamed ``synthetic_error_after``
+  tokens (a request that finishes sooner finishes normally);
+- ``synthetic_hang_rate``: share of requests that stop at that point: no
+  token, no end, holding their batch slot, until cancelled (or past their
+  deadline);
+- ``synthetic_step_fail_rate``: share of steps that raise, as a failing model
+  call does; the worker's loop (:mod:`inference.service`) then ends every
+  request it holds with INTERNAL ``engine step failed: ...``, as for any runner;
+- ``synthetic_slowdown``: factor on every modelled time.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from .runner import SeqOutput, SeqWork, StepPlan
+from .runner import SeqFault, SeqOutput, SeqWork, StepPlan
 
-__all__ = ["SyntheticRunner", "expected_token"]
+__all__ = ["SyntheticRunner", "SyntheticCost", "SyntheticFaults", "SyntheticStepFailure", "expected_token"]
 
 _MASK = (1 << 64) - 1
 
@@ -52,6 +89,77 @@ def _token(digest: int, seed: int, num_generated: int, temperature: float) -> in
     return 32 + _mix(digest, s, num_generated) % 95
 
 
+@dataclass(frozen=True, slots=True)
+class SyntheticCost:
+    """The modelled time of a step, in seconds (see the module docstring)."""
+
+    step_s: float = 0.0
+    per_seq_s: float = 0.0
+    prefill_token_s: float = 0.0
+    slowdown: float = 1.0
+
+    @classmethod
+    def from_options(cls, o: Any) -> SyntheticCost:
+        """From the ``synthetic_*`` worker options (a WorkerOptions or the worker's parsed flags)."""
+        return cls(o.synthetic_step_ms / 1e3, o.synthetic_step_ms_per_seq / 1e3,
+                   o.synthetic_prefill_us_per_token / 1e6, o.synthetic_slowdown)  # fmt: skip
+
+    @property
+    def free(self) -> bool:
+        """Every step takes no time (the worker then runs steps on its loop, not a thread)."""
+        return self.step_s == self.per_seq_s == self.prefill_token_s == 0
+
+    def seconds(self, sequences: int, prefill_tokens: int) -> float:
+        return self.slowdown * (self.step_s + self.per_seq_s * sequences + self.prefill_token_s * prefill_tokens)
+
+
+class SyntheticStepFailure(RuntimeError):
+    """An injected failure of a whole step (``synthetic_step_fail_rate``)."""
+
+
+_ERROR_SALT, _STEP_SALT = 1, 2
+
+
+def _uniform(*vals: int) -> float:
+    """A draw in [0, 1) that depends only on ``vals``."""
+    return _mix(*vals) / 2.0**64
+
+
+@dataclass(frozen=True, slots=True)
+class SyntheticFaults:
+    """Which requests and steps fail (see the module docstring); the default injects nothing."""
+
+    error_rate: float = 0.0
+    hang_rate: float = 0.0
+    error_after: int = 0
+    step_fail_rate: float = 0.0
+    seed: int = 0
+
+    @classmethod
+    def from_options(cls, o: Any) -> SyntheticFaults:
+        """From the ``synthetic_*`` worker options (a WorkerOptions or the worker's parsed flags)."""
+        return cls(o.synthetic_error_rate, o.synthetic_hang_rate, o.synthetic_error_after,
+                   o.synthetic_step_fail_rate, o.synthetic_fault_seed)  # fmt: skip
+
+    @property
+    def per_request(self) -> bool:
+        return self.error_rate > 0 or self.hang_rate > 0
+
+    def request_fault(self, seq_id: int) -> SeqFault | None:
+        """The fault sequence ``seq_id`` meets once it has ``error_after`` tokens, if any."""
+        u = _uniform(self.seed, _ERROR_SALT, seq_id)
+        if u < self.error_rate:
+            return SeqFault(f"synthetic fault: injected error after {self.error_after} tokens "
+                            f"(synthetic_error_rate={self.error_rate:g})")  # fmt: skip
+        if u < self.error_rate + self.hang_rate:
+            return SeqFault("synthetic fault: injected hang", hang=True)
+        return None
+
+    def step_fails(self, step: int) -> bool:
+        """Whether step number ``step`` (0, 1, ... in the runner's order) fails."""
+        return self.step_fail_rate > 0 and _uniform(self.seed, _STEP_SALT, step) < self.step_fail_rate
+
+
 class SyntheticRunner:
     """Implements :class:`inference.runner.ModelRunner` without a model."""
 
@@ -61,37 +169,54 @@ class SyntheticRunner:
         block_size: int = 16,
         num_blocks: int = 1024,
         max_model_len: int = 4096,
-        step_s: float = 0.0,
         eos_token_ids: tuple[int, ...] = (257,),
         sleep: Callable[[float], None] = time.sleep,
         verify: bool = True,
+        cost: SyntheticCost | None = None,
+        faults: SyntheticFaults | None = None,
     ) -> None:
         """``verify`` re-reads every sequence's whole context through its block
         table each step (tests); without it a decode extends the sequence's
         running checksum and only prefills read the cache back (same tokens,
-        much cheaper — for the worker and benchmarks)."""
+        much cheaper — for the worker and benchmarks). ``sleep`` is how a
+        step spends its modelled ``cost`` (a fake clock's advance, in tests)."""
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
-        self.step_s = step_s
+        self.cost = cost if cost is not None else SyntheticCost()
+        self.faults = faults if faults is not None else SyntheticFaults()
         self._sleep = sleep
         self._kv = np.full((num_blocks, block_size), -1, dtype=np.int64)
         self._w = _weights(max_model_len)
         self._w_list = self._w.tolist()
         self.verify = verify
         self._digests: dict[int, tuple[int, int]] = {}  # seq_id -> (positions, checksum)
-        self.steps = 0
+        self.steps = 0  # executed, failed ones included
         self.prefill_tokens = 0
 
     def execute(self, plan: StepPlan) -> list[SeqOutput]:
-        outs = [self._run(w) for w in plan.prefills]
-        outs += [self._run(w) for w in plan.decodes]
+        step = self.steps
         self.steps += 1
-        self.prefill_tokens += sum(len(w.token_ids) for w in plan.prefills)
-        if self.step_s > 0:
-            self._sleep(self.step_s)
-        return outs
+        prefill_tokens = sum(len(w.token_ids) for w in plan.prefills)
+        self.prefill_tokens += prefill_tokens
+        seconds = self.cost.seconds(plan.size, prefill_tokens)
+        if seconds > 0:
+            self._sleep(seconds)
+        faults = self.faults
+        if faults.step_fails(step):
+            raise SyntheticStepFailure(f"synthetic fault: step {step} failed "
+                                       f"(synthetic_step_fail_rate={faults.step_fail_rate:g})")  # fmt: skip
+        works = plan.prefills + plan.decodes
+        if faults.per_request:
+            return [self._faulted(w) or self._run(w) for w in works]
+        return [self._run(w) for w in works]
+
+    def _faulted(self, w: SeqWork) -> SeqOutput | None:
+        if w.num_generated < self.faults.error_after:
+            return None
+        fault = self.faults.request_fault(w.seq_id)
+        return None if fault is None else SeqOutput(w.seq_id, 0, 0.0, fault=fault)
 
     def _run(self, w: SeqWork) -> SeqOutput:
         bs = self.block_size

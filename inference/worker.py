@@ -97,11 +97,12 @@ def build_service(args: argparse.Namespace) -> WorkerService:
     """Load the runner and tokenizer and wire them to an engine."""
     tokenizer: Tokenizer
     if args.engine == "synthetic":
-        from .synthetic import SyntheticRunner
+        from .synthetic import SyntheticCost, SyntheticFaults, SyntheticRunner
 
         runner: Any = SyntheticRunner(block_size=args.block_size, num_blocks=args.num_blocks or SYNTHETIC_NUM_BLOCKS,
                                       max_model_len=args.max_model_len or SYNTHETIC_MAX_MODEL_LEN,
-                                      step_s=args.synthetic_step_ms / 1e3, verify=False)  # fmt: skip
+                                      cost=SyntheticCost.from_options(args), faults=SyntheticFaults.from_options(args),
+                                      verify=False)  # fmt: skip
         tokenizer = ByteTokenizer()
         served = args.served_name or args.model
         _progress("load", 1, 1, "synthetic engine (no model)")
@@ -131,7 +132,7 @@ def build_service(args: argparse.Namespace) -> WorkerService:
     engine = Engine(runner, tokenizer, cfg, window=args.batch_window)
     # A step runs in a one-thread executor so the loop keeps serving frames during it; a synthetic step
     # with no sleep takes microseconds, and the hand-off to a thread would cost more than the step.
-    threaded = args.engine != "synthetic" or args.synthetic_step_ms > 0
+    threaded = args.engine != "synthetic" or not runner.cost.free
     tracer = WorkerTracer(args.otlp_endpoint, service_name="quicserve-worker")
     return WorkerService(engine, tokenizer, served_name=served, model_id=args.model, identity=args.identity,
                          stats_interval=args.stats_interval, threaded=threaded, tracer=tracer)  # fmt: skip

@@ -115,7 +115,22 @@ class WorkerOptions:
     # ends with a TIMEOUT error after this long; a minute outlasts any reader that is merely slow.
     stall_timeout: float = _opt(60.0, "seconds a request may wait for its client to read before it ends with "
                                       "an error (0 = no limit; a paused request holds no batch slot)")
+    # The synthetic engine's cost model and fault injection (inference/synthetic.py explains them).
     synthetic_step_ms: float = _opt(0.0, "synthetic engine only: sleep per step, imitating model latency")
+    synthetic_step_ms_per_seq: float = _opt(0.0, "synthetic engine only: more sleep per sequence in the step")
+    synthetic_prefill_us_per_token: float = _opt(0.0, "synthetic engine only: more sleep per prompt token a step "
+                                                      "prefills (tokens the prefix cache holds cost nothing)")
+    synthetic_slowdown: float = _opt(1.0, "synthetic engine only: factor on every modelled time")
+    synthetic_error_rate: float = _opt(0.0, "synthetic engine only: share of requests that end with an injected "
+                                            "INTERNAL error")
+    synthetic_hang_rate: float = _opt(0.0, "synthetic engine only: share of requests that stop producing tokens "
+                                           "and never end until cancelled")
+    synthetic_error_after: int = _opt(0, "synthetic engine only: tokens a request streams before its injected "
+                                         "error or hang")
+    synthetic_step_fail_rate: float = _opt(0.0, "synthetic engine only: share of engine steps that fail (every "
+                                                "request the worker holds then ends with an error)")
+    synthetic_fault_seed: int = _opt(0, "synthetic engine only: seed of the injected faults (same seed, same "
+                                        "arrival order: same faults)")
     cpus: str = _opt("", "pin the worker to these CPUs, e.g. '0-3,6' ('' = no pinning)")
     numa_node: int = _opt(-1, "pin the worker to this NUMA node's CPUs (-1 = none)")
     metrics_listen: str = _opt("", "serve the worker's own Prometheus /metrics on HOST:PORT, for workers "
@@ -127,6 +142,8 @@ class WorkerOptions:
 _FIELDS = dataclasses.fields(WorkerOptions)
 _DEFAULTS = WorkerOptions()
 _AT_LEAST_ONE = ("max_batch", "max_prefill_batch", "max_prefill_tokens", "block_size")
+_SYNTHETIC_TIMES = ("synthetic_step_ms", "synthetic_step_ms_per_seq", "synthetic_prefill_us_per_token")
+_SYNTHETIC_RATES = ("synthetic_error_rate", "synthetic_hang_rate", "synthetic_step_fail_rate")
 
 
 def parse_cpus(spec: str) -> set[int]:
@@ -189,8 +206,7 @@ def option_problems(o: WorkerOptions) -> list[tuple[str, str]]:
         p.append(("stats_interval", f"must be > 0, got {o.stats_interval}"))
     if not (math.isfinite(o.stall_timeout) and o.stall_timeout >= 0):
         p.append(("stall_timeout", f"must be >= 0 (0 = no limit), got {o.stall_timeout}"))
-    if not (math.isfinite(o.synthetic_step_ms) and o.synthetic_step_ms >= 0):
-        p.append(("synthetic_step_ms", f"must be >= 0, got {o.synthetic_step_ms}"))
+    p += _synthetic_problems(o)
     if o.cpus:
         try:
             parse_cpus(o.cpus)
@@ -205,6 +221,21 @@ def option_problems(o: WorkerOptions) -> list[tuple[str, str]]:
             parse_host_port(o.metrics_listen)
         except ValueError as exc:
             p.append(("metrics_listen", str(exc)))
+    return p
+
+
+def _synthetic_problems(o: WorkerOptions) -> list[tuple[str, str]]:
+    p = [(k, f"must be >= 0, got {getattr(o, k)}") for k in _SYNTHETIC_TIMES
+         if not (math.isfinite(getattr(o, k)) and getattr(o, k) >= 0)]  # fmt: skip
+    if not (math.isfinite(o.synthetic_slowdown) and o.synthetic_slowdown > 0):
+        p.append(("synthetic_slowdown", f"must be > 0, got {o.synthetic_slowdown}"))
+    p += [(k, f"must be a share in [0, 1], got {getattr(o, k)}") for k in _SYNTHETIC_RATES
+          if not 0 <= getattr(o, k) <= 1]  # fmt: skip
+    if o.synthetic_error_rate + o.synthetic_hang_rate > 1:
+        p.append(("synthetic_hang_rate", f"synthetic_error_rate + synthetic_hang_rate must be <= 1 (shares of the "
+                                         f"same requests), got {o.synthetic_error_rate + o.synthetic_hang_rate}"))
+    if o.synthetic_error_after < 0:
+        p.append(("synthetic_error_after", f"must be >= 0, got {o.synthetic_error_after}"))
     return p
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from inference.engine import Engine, EngineConfig
 from inference.service import WorkerService
-from inference.synthetic import SyntheticRunner
+from inference.synthetic import SyntheticCost, SyntheticRunner
 from inference.tokenizer import ByteTokenizer
 from transport.messages import (
     Error,
@@ -114,7 +114,7 @@ async def test_bad_submits_get_one_error_each() -> None:
 
 async def test_cancel_and_disconnect() -> None:
     svc = make_service()
-    svc.engine.runner.step_s = 0.002  # type: ignore[attr-defined]
+    svc.engine.runner.cost = SyntheticCost(step_s=0.002)  # type: ignore[attr-defined]
     a, b = RecordingConnection(), RecordingConnection()
     svc.on_submit(a, Submit(1, "tiny", SamplingParams(max_tokens=200), prompt="long"))
     svc.on_submit(b, Submit(1, "tiny", SamplingParams(max_tokens=200), prompt="long"))

@@ -35,6 +35,14 @@ options_st = st.builds(
     prefix_cache=st.booleans(),
     stats_interval=st.floats(0.01, 10.0),
     synthetic_step_ms=st.floats(0.0, 100.0),
+    synthetic_step_ms_per_seq=st.floats(0.0, 10.0),
+    synthetic_prefill_us_per_token=st.floats(0.0, 1000.0),
+    synthetic_slowdown=st.floats(0.01, 100.0),
+    synthetic_error_rate=st.floats(0.0, 0.5),
+    synthetic_hang_rate=st.floats(0.0, 0.5),
+    synthetic_error_after=st.integers(0, 100),
+    synthetic_step_fail_rate=st.floats(0.0, 1.0),
+    synthetic_fault_seed=st.integers(-(2**63), 2**63),
     cpus=st.sampled_from(["", "0", "0-3,6"]),
     numa_node=st.integers(-1, 3),
     metrics_listen=st.sampled_from(["", "0.0.0.0:9090", "[::1]:0"]),
@@ -61,6 +69,20 @@ def test_defaults_are_not_written_and_bad_values_are_named_by_key() -> None:
     assert option_problems(WorkerOptions(engine="synthetic", max_model_len=2048 * 16)) == []
     ((key, why),) = option_problems(WorkerOptions(engine="synthetic", max_model_len=2048 * 16 + 1))
     assert key == "max_model_len" and "2048 blocks x 16 tokens = 32768" in why
+
+
+def test_synthetic_times_rates_and_counts_are_checked_by_key() -> None:
+    bad = WorkerOptions(synthetic_step_ms=-1, synthetic_step_ms_per_seq=float("nan"),
+                        synthetic_prefill_us_per_token=float("inf"), synthetic_slowdown=0,
+                        synthetic_error_rate=1.01, synthetic_hang_rate=-0.5, synthetic_step_fail_rate=float("nan"),
+                        synthetic_error_after=-1)  # fmt: skip
+    assert [key for key, _ in option_problems(bad)] == [
+        "synthetic_step_ms", "synthetic_step_ms_per_seq", "synthetic_prefill_us_per_token", "synthetic_slowdown",
+        "synthetic_error_rate", "synthetic_hang_rate", "synthetic_step_fail_rate", "synthetic_error_after"]
+    ((key, why),) = option_problems(WorkerOptions(synthetic_error_rate=0.7, synthetic_hang_rate=0.4))
+    assert key == "synthetic_hang_rate" and "synthetic_error_rate + synthetic_hang_rate must be <= 1" in why
+    assert option_problems(WorkerOptions(synthetic_error_rate=0.5, synthetic_hang_rate=0.5,
+                                         synthetic_step_fail_rate=1, synthetic_slowdown=0.5)) == []  # fmt: skip
 
 
 def test_metrics_listen_is_host_and_port() -> None:
