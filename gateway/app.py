@@ -28,6 +28,7 @@ import orjson
 
 from . import clock
 from .api.call import CallContext
+from .api.config import ApiSettings
 from .api.deadlines import DeadlineSweeper
 from .api.generate import ANSWERED, AdmissionStage, Generations
 from .api.openai import MODELS_ROUTE, OpenAIApi, Parser, Validate
@@ -40,7 +41,6 @@ from .observability.logs import access_log as write_access_log
 from .observability.metrics import CONTENT_TYPE_LATEST, GatewayMetrics
 from .observability.tracing import RequestTracer
 from .routing.pool import ModelPool
-from .settings import ApiSettings
 
 __all__ = ["App", "AdmissionStage"]
 

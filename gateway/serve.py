@@ -29,10 +29,9 @@ from typing import TextIO
 from .admission.metrics import AdmissionCollector
 from .admission.setup import build_admission
 from .app import App
-from .discovery import watch_workers
 from .gc_sweep import CycleSweeper
 from .grpc.mount import mount_grpc
-from .grpc.server import NativeServer
+from .grpc.native_server import NativeServer
 from .http.listeners import Listener
 from .http.quic_listener import QuicListener, start_quic_listener
 from .http.quic_settings import alt_svc as alt_svc_header
@@ -42,8 +41,9 @@ from .observability.metrics import GatewayMetrics
 from .observability.systemd import SystemdNotifier, required_models
 from .observability.tracing import RequestTracer
 from .routing.pool import ModelPool
-from .routing.supervisor import WorkerSupervisor
 from .settings import Settings, state_dir
+from .workers.discovery import watch_workers
+from .workers.supervisor import WorkerSupervisor
 
 __all__ = ["run_gateway", "serve_forever", "tune_gc"]
 

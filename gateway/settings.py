@@ -1,6 +1,11 @@
 """Gateway settings: TOML file + ``QUICSERVE_SECTION__KEY`` env vars + CLI flags.
 
-How it works: the defaults live in the dataclasses below (and are documented,
+This module only collects: each package owns its section (``[api]`` in ``api/config.py``,
+``[workers]`` in ``workers/config.py``, ``[admission]`` in ``admission/config.py``, ...) and no
+gateway module imports this one but the entry points (``cli.py``, ``serve.py``;
+tests/gateway/test_layout.py checks it).
+
+How it works: the defaults live in the sections' dataclasses (and are documented,
 one for one, in ``config/default.toml``). :func:`load_settings` starts from an
 empty mapping, merges the TOML file, then environment overrides, then CLI
 overrides (later wins), checks every key against the dataclass fields
@@ -21,14 +26,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from transport.logfmt import FORMATS as LOG_FORMATS
-from transport.worker_options import URL_SCHEMES, WorkerOptions, option_problems
-
 from .admission.config import AdmissionSettings
-from .discovery import DiscoverySettings
+from .api.config import ApiSettings
+from .grpc.config import GrpcSettings
+from .http.config import LimitsSettings
 from .http.quic_settings import QuicSettings
+from .observability.config import LogSettings
 from .observability.tracing import TraceSettings
 from .routing.config import RoutingSettings
+from .server_config import ServerSettings, ShutdownSettings
+from .workers.config import WorkersSettings
+from .workers.discovery import DiscoverySettings
 
 __all__ = [
     "Settings",
@@ -60,149 +68,6 @@ class SettingsError(ValueError):
     def __init__(self, problems: list[str]) -> None:
         super().__init__("invalid configuration:\n  " + "\n  ".join(problems))
         self.problems = problems
-
-
-@dataclass(frozen=True, slots=True)
-class ServerSettings:
-    host: str = "127.0.0.1"
-    port: int = 8080  # cleartext HTTP/1.1 + h2c; 0 = any free port
-    tls_port: int = 8443  # TLS with ALPN h2/http1.1; -1 disables TLS
-    tls_cert: str = ""  # PEM file; empty = self-signed cert in state_dir
-    tls_key: str = ""
-    state_dir: str = "~/.local/state/quicserve"
-    uvloop: bool = True
-    unix_socket: str = ""  # also serve HTTP/1.1 + h2c on this Unix socket path ("" = none)
-    reuse_port: bool = False  # SO_REUSEPORT: several gateway processes on one port (one per core)
-
-    def _validate(self, p: list[str]) -> None:
-        if not (0 <= self.port <= 65535):
-            p.append(f"server.port: {self.port} is not a TCP port (0..65535)")
-        if not (-1 <= self.tls_port <= 65535):
-            p.append(f"server.tls_port: {self.tls_port} is not a TCP port (0..65535, -1 = off)")
-        if bool(self.tls_cert) != bool(self.tls_key):
-            p.append("server.tls_cert and server.tls_key must be given together")
-        if not self.host:
-            p.append("server.host: must not be empty")
-
-
-@dataclass(frozen=True, slots=True)
-class LimitsSettings:
-    max_body_bytes: int = 1 << 20
-    max_header_bytes: int = 16 << 10
-    header_timeout: float = 10.0
-    body_timeout: float = 30.0
-    keepalive_timeout: float = 75.0
-    h2_max_concurrent_streams: int = 256
-    send_buffer_bytes: int = 0  # SO_SNDBUF per connection; 0 = the kernel's autotuning
-
-    def _validate(self, p: list[str]) -> None:
-        for f in dataclasses.fields(self):
-            if getattr(self, f.name) <= 0 and f.name != "send_buffer_bytes":
-                p.append(f"limits.{f.name}: must be > 0")
-        if self.send_buffer_bytes < 0:
-            p.append("limits.send_buffer_bytes: must be >= 0")
-
-
-@dataclass(frozen=True, slots=True)
-class WorkersSettings(WorkerOptions):
-    """How the gateway runs its workers, plus every ``quicserve worker`` option (inherited from
-    :class:`~transport.worker_options.WorkerOptions`, which holds their defaults and checks)."""
-
-    local: int = 1  # local worker processes started by `quicserve serve`
-    remote: list[str] = field(default_factory=list)  # URLs of workers started elsewhere
-    ready_timeout: float = 900.0
-    connect_timeout: float = 10.0
-    restart_backoff_initial: float = 0.5
-    restart_backoff_max: float = 30.0
-    stop_timeout: float = 10.0
-    heartbeat_interval: float = 1.0
-    dead_after: float = 5.0
-
-    def _validate(self, p: list[str]) -> None:
-        p += [f"workers.{key}: {why}" for key, why in option_problems(self)]
-        if self.local < 0:
-            p.append("workers.local: must be >= 0")
-        for u in self.remote:
-            if not u.startswith(URL_SCHEMES):
-                p.append(f"workers.remote: {u!r} is not a tcp://, unix:// or rdma:// URL")
-        for name in ("ready_timeout", "connect_timeout", "restart_backoff_initial", "stop_timeout",
-                     "heartbeat_interval", "dead_after"):
-            if getattr(self, name) <= 0:
-                p.append(f"workers.{name}: must be > 0")
-        if self.restart_backoff_max < self.restart_backoff_initial:
-            p.append("workers.restart_backoff_max: must be >= restart_backoff_initial")
-
-
-@dataclass(frozen=True, slots=True)
-class ApiSettings:
-    default_max_tokens: int = 256  # when the request gives none
-    max_tokens_limit: int = 4096  # larger requests get a 400
-    request_timeout: float = 600.0  # whole request, seconds
-    retries: int = 1  # resubmits on another worker if one dies before the first token
-    write_timeout: float = 60.0  # a streaming client that reads nothing this long is cut off
-
-    def _validate(self, p: list[str]) -> None:
-        if self.default_max_tokens < 1:
-            p.append("api.default_max_tokens: must be >= 1")
-        if self.max_tokens_limit < self.default_max_tokens:
-            p.append("api.max_tokens_limit: must be >= api.default_max_tokens")
-        if self.request_timeout <= 0:
-            p.append("api.request_timeout: must be > 0")
-        if self.retries < 0:
-            p.append("api.retries: must be >= 0")
-        if self.write_timeout <= 0:
-            p.append("api.write_timeout: must be > 0")
-
-
-@dataclass(frozen=True, slots=True)
-class GrpcSettings:
-    port: int = 50051  # native gRPC (h2c); -1 disables, 0 = any free port
-    host: str = ""  # "" = server.host
-    web: bool = True  # gRPC-Web on the HTTP listeners
-    allowed_origins: list[str] = field(default_factory=list)  # gRPC-Web CORS; empty = any origin
-    zstd_level: int = 3
-    gzip_level: int = 6
-    compress_min_bytes: int = 64  # smaller messages go uncompressed untried (a token's delta)
-    max_message_bytes: int = 4 << 20
-
-    def _validate(self, p: list[str]) -> None:
-        if not (-1 <= self.port <= 65535):
-            p.append(f"grpc.port: {self.port} is not a TCP port (0..65535, -1 = off)")
-        if not (-7 <= self.zstd_level <= 22):
-            p.append(f"grpc.zstd_level: {self.zstd_level} is not a zstd level (-7..22)")
-        if not (0 <= self.gzip_level <= 9):
-            p.append(f"grpc.gzip_level: {self.gzip_level} is not a gzip level (0..9)")
-        if self.compress_min_bytes < 0:
-            p.append("grpc.compress_min_bytes: must be >= 0")
-        if self.max_message_bytes < 1024:
-            p.append("grpc.max_message_bytes: must be >= 1024")
-
-
-@dataclass(frozen=True, slots=True)
-class ShutdownSettings:
-    drain_timeout: float = 30.0  # SIGTERM: finish in-flight requests for up to this long
-    sigint_drain_timeout: float = 3.0  # SIGINT: the same, faster
-    grace_period: float = 5.0  # SIGTERM: keep listening this long, /readyz 503 and new work refused, first
-
-    def _validate(self, p: list[str]) -> None:
-        if self.drain_timeout < 0 or self.sigint_drain_timeout < 0 or self.grace_period < 0:
-            p.append("shutdown: timeouts must be >= 0")
-
-
-@dataclass(frozen=True, slots=True)
-class LogSettings:
-    level: str = "info"
-    progress: str = "auto"  # "auto" (bar on a TTY, lines otherwise) | "bar" | "lines" | "off"
-    format: str = "text"  # "text" | "json" (one object a line); workers get the same
-    access_log: bool = False  # one line per finished request on the quicserve.access logger
-
-    def _validate(self, p: list[str]) -> None:
-        if self.format not in LOG_FORMATS:
-            p.append(f"log.format: {self.format!r} is not one of {', '.join(LOG_FORMATS)}")
-        if self.level.lower() not in ("debug", "info", "warning", "error", "critical"):
-            p.append(f"log.level: {self.level!r} is not a log level")
-        if self.progress not in ("auto", "bar", "lines", "off"):
-            p.append(f"log.progress: {self.progress!r} is not one of auto, bar, lines, off")
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,7 +17,7 @@ import orjson
 from .. import clock
 from ..errors import APIError
 from ..http.types import Request
-from ..settings import ApiSettings
+from .config import ApiSettings
 from .params import GenerationRequest, parse_chat, parse_completion, parse_json_body
 
 __all__ = ["OpenAIApi", "CHAT_ROUTE", "COMPLETIONS_ROUTE", "MODELS_ROUTE"]

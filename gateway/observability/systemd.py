@@ -27,7 +27,7 @@ import socket
 from collections.abc import Callable, Iterable, MutableMapping
 from pathlib import Path
 
-from ..settings import WorkersSettings
+from ..workers.config import WorkersSettings
 from .progress import ProgressDisplay
 
 __all__ = ["ReadinessGate", "SystemdNotifier", "encode", "required_models", "socket_address",

@@ -104,6 +104,14 @@ class ModelPool:
             req = self.prefix.annotate(req, make_submit, replicas)
         return req
 
+    def waiting_on(self, conn: WorkerConnection) -> dict[RoutedStream, None]:
+        """``conn``'s requests that have no token yet, oldest first: the set a :class:`RoutedStream`
+        joins while it waits (created empty if none)."""
+        w = self._waiting.get(conn)
+        if w is None:
+            w = self._waiting[conn] = {}
+        return w
+
     def waiting(self, conn: WorkerConnection) -> int:
         """Requests on ``conn`` that have no token yet."""
         return len(self._waiting.get(conn, ()))

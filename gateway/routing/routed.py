@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from transport.api import RequestStream, WorkerConnection
 from transport.errors import ConnectionClosed
@@ -25,10 +25,7 @@ from transport.messages import Error, ErrorCode, Submit
 
 from .errors import NoReplica, Unroutable
 
-if TYPE_CHECKING:
-    from .pool import ModelPool
-
-__all__ = ["RoutedStream", "RETRYABLE", "SubmitFactory"]
+__all__ = ["RoutedStream", "Replicas", "RETRYABLE", "SubmitFactory"]
 
 log = logging.getLogger("quicserve.routing")
 
@@ -38,13 +35,27 @@ RETRYABLE = frozenset({ErrorCode.CONNECTION_LOST, ErrorCode.SHUTTING_DOWN, Error
 SubmitFactory = Callable[[int], Submit]
 
 
+class Replicas(Protocol):
+    """What a routed stream asks of its pool (:class:`~gateway.routing.pool.ModelPool`)."""
+
+    retries: int
+    on_retry: Callable[[], None] | None
+
+    def choose(self, model: str, subject: object, exclude: tuple[WorkerConnection, ...],
+               make_submit: SubmitFactory | None) -> WorkerConnection | None: ...
+
+    def waiting_on(self, conn: WorkerConnection) -> dict[RoutedStream, None]:
+        """``conn``'s requests that have no token yet (created empty if none), oldest first."""
+        ...
+
+
 class RoutedStream:
     """One request's current stream and the replicas it has tried."""
 
     __slots__ = ("_pool", "model", "subject", "_make", "stream", "_tried", "_retries_left", "started", "_cancelled",
                  "conn", "on_moved", "_waiting")
 
-    def __init__(self, pool: ModelPool, model: str, subject: object, make_submit: SubmitFactory) -> None:
+    def __init__(self, pool: Replicas, model: str, subject: object, make_submit: SubmitFactory) -> None:
         self._pool = pool
         self.model = model
         self.subject = subject  # the pipeline's request, opaque here (the pool describes it to a policy)
@@ -79,12 +90,8 @@ class RoutedStream:
 
     def _wait_on(self, conn: WorkerConnection) -> None:
         """Join ``conn``'s set of requests that have no token yet (what a rebalance may move)."""
-        waiting = self._pool._waiting
-        w = waiting.get(conn)
-        if w is None:
-            w = waiting[conn] = {}
+        w = self._waiting = self._pool.waiting_on(conn)
         w[self] = None
-        self._waiting = w
 
     def start(self) -> None:
         """The first token (or the finish) arrived: the request stays where it is."""

@@ -9,10 +9,10 @@ from collections.abc import AsyncIterator
 import orjson
 import pytest
 
+from gateway.api.config import ApiSettings
 from gateway.app import App
 from gateway.http.types import Request
 from gateway.routing.pool import ModelPool
-from gateway.settings import ApiSettings
 from transport.errors import ConnectionClosed
 from transport.messages import ErrorCode, Stats
 

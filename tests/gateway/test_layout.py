@@ -11,7 +11,7 @@ GENERATED = GATEWAY / "grpc" / "quicserve"  # protoc's output (make proto)
 MAX_LINES = 400
 # getattr with a literal name: allowed only where the name is a platform constant, not a capability
 GETATTR_ALLOWED = {("http/h1.py", "POLLRDHUP"),  # Linux only
-                   ("discovery.py", "EAI_NODATA"),  # a resolver error code glibc has and others lack
+                   ("workers/discovery.py", "EAI_NODATA"),  # a resolver error code glibc has and others lack
                    ("settings.py", "__name__")}  # a type's name for an error message
 
 

@@ -13,13 +13,13 @@ from pathlib import Path
 import orjson
 import pytest
 
+from gateway.observability.config import LogSettings
 from gateway.observability.logs import (
     ACCESS_LOGGER,
     access_log,
     access_record,
     configure_logging,
 )
-from gateway.settings import LogSettings
 from tests.integration.test_gateway_e2e import wait_ready
 
 REPO = Path(__file__).resolve().parents[2]

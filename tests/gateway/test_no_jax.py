@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 GATEWAY_MODULES = [
     "gateway.cli", "gateway.app", "gateway.serve", "gateway.settings", "gateway.loadgen",
-    "gateway.api.openai", "gateway.routing.pool", "gateway.routing.supervisor", "gateway.observability.metrics",
+    "gateway.api.openai", "gateway.routing.pool", "gateway.workers.supervisor", "gateway.observability.metrics",
     "gateway.http.server", "gateway.http.tls",
 ]
 

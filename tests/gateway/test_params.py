@@ -163,9 +163,9 @@ def test_builtin_schema_always_enforced(with_registry: bool) -> None:
     (with the operator's extra schemas) and params.py does not run it twice. Either way the 400 names
     the JSON path and the keyword. A gRPC call (its own path) is checked as the OpenAI body it is."""
     from gateway.admission.schema import SchemaRegistry
+    from gateway.api.config import ApiSettings
     from gateway.api.openai import OpenAIApi
     from gateway.http.types import Request
-    from gateway.settings import ApiSettings
 
     api = OpenAIApi(ApiSettings(), SchemaRegistry().validate if with_registry else None)
     for path, parser in (("/v1/chat/completions", parse_chat), ("/quicserve.v1.Inference/Generate", parse_chat)):

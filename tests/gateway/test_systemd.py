@@ -18,7 +18,7 @@ from gateway.observability.systemd import (
     socket_address,
     watchdog_interval,
 )
-from gateway.settings import WorkersSettings
+from gateway.workers.config import WorkersSettings
 
 
 def test_encode_and_abstract_address() -> None:

@@ -18,8 +18,8 @@ import pytest
 import yaml
 
 from gateway.cli import build_parser
-from gateway.discovery import parse_worker_dns
 from gateway.settings import load_settings
+from gateway.workers.discovery import parse_worker_dns
 from inference.worker import parse_args as parse_worker_args
 from transport.worker_options import parse_host_port
 

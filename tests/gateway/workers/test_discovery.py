@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from gateway.discovery import (
+from gateway.workers.discovery import (
     DiscoverySettings,
     DnsWatch,
     NameNotFound,

@@ -36,8 +36,8 @@ from transport.worker_options import PERMANENT_EXITS, to_flags
 from .. import clock
 from ..observability.metrics import GatewayMetrics
 from ..observability.progress import ProgressDisplay
-from ..settings import WorkersSettings
-from .pool import ModelPool
+from ..routing.pool import ModelPool
+from .config import WorkersSettings
 
 __all__ = ["Backoff", "WorkerSupervisor", "LocalWorker", "RemoteWorker", "WorkerUnusable", "worker_command",
            "Connector"]

@@ -13,12 +13,11 @@ import pytest
 from gateway.observability.metrics import GatewayMetrics
 from gateway.observability.progress import ProgressDisplay
 from gateway.routing.pool import ModelPool
-from gateway.routing.supervisor import Backoff, WorkerSupervisor, worker_command
-from gateway.settings import WorkersSettings
+from gateway.workers.config import WorkersSettings
+from gateway.workers.supervisor import Backoff, WorkerSupervisor, worker_command
+from tests.gateway.doubles import ScriptedWorkerConnection
 
-from .doubles import ScriptedWorkerConnection
-
-FAKE = str(Path(__file__).with_name("fake_worker.py"))
+FAKE = str(Path(__file__).parents[1] / "fake_worker.py")
 WS = WorkersSettings(local=1, engine="synthetic", restart_backoff_initial=0.05, restart_backoff_max=0.2,
                      stop_timeout=2.0, ready_timeout=10.0)
 

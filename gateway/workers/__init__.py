@@ -1,0 +1,1 @@
+"""Local worker processes and remote worker connections: supervision, restarts, discovery."""

@@ -1,0 +1,39 @@
+"""``[workers]``: how the gateway runs its workers, plus every ``quicserve worker`` option."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from transport.worker_options import URL_SCHEMES, WorkerOptions, option_problems
+
+__all__ = ["WorkersSettings"]
+
+
+@dataclass(frozen=True, slots=True)
+class WorkersSettings(WorkerOptions):
+    """How the gateway runs its workers, plus every ``quicserve worker`` option (inherited from
+    :class:`~transport.worker_options.WorkerOptions`, which holds their defaults and checks)."""
+
+    local: int = 1  # local worker processes started by `quicserve serve`
+    remote: list[str] = field(default_factory=list)  # URLs of workers started elsewhere
+    ready_timeout: float = 900.0
+    connect_timeout: float = 10.0
+    restart_backoff_initial: float = 0.5
+    restart_backoff_max: float = 30.0
+    stop_timeout: float = 10.0
+    heartbeat_interval: float = 1.0
+    dead_after: float = 5.0
+
+    def _validate(self, p: list[str]) -> None:
+        p += [f"workers.{key}: {why}" for key, why in option_problems(self)]
+        if self.local < 0:
+            p.append("workers.local: must be >= 0")
+        for u in self.remote:
+            if not u.startswith(URL_SCHEMES):
+                p.append(f"workers.remote: {u!r} is not a tcp://, unix:// or rdma:// URL")
+        for name in ("ready_timeout", "connect_timeout", "restart_backoff_initial", "stop_timeout",
+                     "heartbeat_interval", "dead_after"):
+            if getattr(self, name) <= 0:
+                p.append(f"workers.{name}: must be > 0")
+        if self.restart_backoff_max < self.restart_backoff_initial:
+            p.append("workers.restart_backoff_max: must be >= restart_backoff_initial")
