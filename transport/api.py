@@ -26,16 +26,23 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import NamedTuple, Protocol
 
 from .messages import Error, Finish, Hello, Stats, Submit, TokenBatch, TokenEntry
 
-if TYPE_CHECKING:
-    from .client_stream import Collected
-
-__all__ = ["RequestStream", "WorkerConnection", "ServerConnection", "WorkerHandler", "Server", "StreamEvent"]
+__all__ = ["RequestStream", "WorkerConnection", "ServerConnection", "WorkerHandler", "Server", "StreamEvent",
+           "Collected"]
 
 StreamEvent = TokenEntry | Finish | Error
+
+
+class Collected(NamedTuple):
+    """What :meth:`ClientStream.collect` returns: the whole request, once it ended."""
+
+    text: bytes  # every text delta, joined
+    tokens: int  # token ids received
+    first_token_at: float  # time.perf_counter() when the first token arrived; 0.0 if none did
+    final: Finish | Error
 
 
 class RequestStream(Protocol):

@@ -45,7 +45,7 @@ class ClientConnection:
         self._idle.set()
         # Consumed tokens are handed to the core in batches of this size; the core
         # itself grants Credit at half a window, so this sends exactly the same frames.
-        self._grant_batch = max(1, core.local_hello.initial_credit // 2)
+        self.grant_batch = max(1, core.local_hello.initial_credit // 2)
 
     # --- WorkerConnection --------------------------------------------------------------------
 
@@ -89,12 +89,12 @@ class ClientConnection:
 
     # --- internals ---------------------------------------------------------------------------
 
-    def _consumed(self, rid: int, tokens: int) -> None:
+    def consumed(self, rid: int, tokens: int) -> None:
         self.core.consumed(rid, tokens)
         if self.core.has_data_to_send:
             self.endpoint.flush_soon()
 
-    def _cancel(self, rid: int) -> None:
+    def cancel_request(self, rid: int) -> None:
         if rid in self._streams:
             self.endpoint.deliver(self.core.cancel(rid))
 
@@ -109,7 +109,7 @@ class ClientConnection:
                 if not streams:
                     self._idle.set()
             elif t is TokensReceived:
-                deliver_tokens(streams, ev.batch, self._grant_batch)  # type: ignore[union-attr]
+                deliver_tokens(streams, ev.batch, self.grant_batch)  # type: ignore[union-attr]
             elif isinstance(ev, StatsReceived):
                 self.latest_stats = ev.stats
             elif isinstance(ev, PeerHello):

@@ -17,24 +17,22 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NamedTuple
+from typing import Protocol
 
-from .api import StreamEvent
+from .api import Collected, StreamEvent
 from .messages import Error, Finish, TokenBatch, TokenEntry
 
-if TYPE_CHECKING:
-    from .client import ClientConnection
-
-__all__ = ["ClientStream", "Collected", "deliver_tokens"]
+__all__ = ["ClientStream", "Collected", "StreamOwner", "deliver_tokens"]
 
 
-class Collected(NamedTuple):
-    """What :meth:`ClientStream.collect` returns: the whole request, once it ended."""
+class StreamOwner(Protocol):
+    """What a stream asks of its connection (:class:`~transport.client.ClientConnection`)."""
 
-    text: bytes  # every text delta, joined
-    tokens: int  # token ids received
-    first_token_at: float  # time.perf_counter() when the first token arrived; 0.0 if none did
-    final: Finish | Error
+    loop: asyncio.AbstractEventLoop
+    grant_batch: int  # tokens consumed before credit is granted back
+
+    def consumed(self, rid: int, tokens: int) -> None: ...
+    def cancel_request(self, rid: int) -> None: ...
 
 
 class ClientStream:
@@ -49,7 +47,7 @@ class ClientStream:
     __slots__ = ("request_id", "_conn", "_events", "_waiter", "done", "_final_returned", "_unacked",
                  "_parts", "_ntok", "_t_first", "_collector", "_extras", "_listener", "_listen_fut")
 
-    def __init__(self, conn: ClientConnection, request_id: int, extras: bool = False) -> None:
+    def __init__(self, conn: StreamOwner, request_id: int, extras: bool = False) -> None:
         self.request_id = request_id
         self._conn = conn
         self._events: list[StreamEvent] = []
@@ -95,7 +93,7 @@ class ClientStream:
 
     def _grant(self) -> None:
         n, self._unacked = self._unacked, 0
-        self._conn._consumed(self.request_id, n)
+        self._conn.consumed(self.request_id, n)
 
     async def next_events(self) -> list[StreamEvent]:
         if self._final_returned or self._parts is not None:
@@ -126,7 +124,7 @@ class ClientStream:
                 ntok += len(ev.token_ids)
         if ntok:
             self._unacked += ntok
-            if self._unacked >= self._conn._grant_batch:
+            if self._unacked >= self._conn.grant_batch:
                 self._grant()
         if self.done and not self._events:
             self._final_returned = True
@@ -135,7 +133,7 @@ class ClientStream:
     def deliver(self, entry: TokenEntry) -> None:
         """One entry, in whatever mode the stream is in (the per-entry path of :func:`deliver_tokens`)."""
         if self._parts is not None or self._listener is not None:
-            _text_entry(self, entry.text, len(entry.token_ids), self._conn._grant_batch)
+            _text_entry(self, entry.text, len(entry.token_ids), self._conn.grant_batch)
         else:
             self._push(entry)
 
@@ -173,7 +171,7 @@ class ClientStream:
         if final is not None:
             self.done = False  # let _end resolve the future with what was buffered
             self._end(final)
-        elif self._unacked >= self._conn._grant_batch:
+        elif self._unacked >= self._conn.grant_batch:
             self._grant()
         return fut
 
@@ -210,7 +208,7 @@ class ClientStream:
         else:
             self._listener = on_text
             self._listen_fut = fut
-        if self._unacked >= self._conn._grant_batch or (self._unacked and self._final_returned):
+        if self._unacked >= self._conn.grant_batch or (self._unacked and self._final_returned):
             self._grant()
         return fut
 
@@ -232,7 +230,7 @@ class ClientStream:
                 lf.set_exception(exc)
 
     def cancel(self) -> None:
-        self._conn._cancel(self.request_id)
+        self._conn.cancel_request(self.request_id)
 
 
 def _text_entry(st: ClientStream, text: bytes, n: int, grant: int) -> None:

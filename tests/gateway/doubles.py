@@ -95,12 +95,12 @@ class ScriptedWorkerConnection:
     def loop(self) -> asyncio.AbstractEventLoop:
         return asyncio.get_running_loop()
 
-    _grant_batch = 1 << 30
+    grant_batch = 1 << 30
 
-    def _consumed(self, rid: int, tokens: int) -> None:
+    def consumed(self, rid: int, tokens: int) -> None:
         pass
 
-    def _cancel(self, rid: int) -> None:
+    def cancel_request(self, rid: int) -> None:
         s = self.streams[rid]
         if not s.cancelled:
             s.cancelled = True
