@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 
 import httpx
@@ -16,36 +15,17 @@ import pytest
 
 from gateway.admission.config import AdmissionSettings
 from gateway.admission.keys import hash_key
-from gateway.admission.setup import build_admission
-from gateway.app import App
-from gateway.http.server import start_server
-from gateway.routing.pool import ModelPool
 from tests.gateway.doubles import ScriptedWorkerConnection
+from tests.integration.app_gateway import AppGateway, app_gateway
 from transport.messages import Finish, FinishReason
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 GOOD, OTHER = "sk-good-0123456789", "sk-other-9876543210"
 
 
-@dataclass
-class Gw:
-    app: App
-    conn: ScriptedWorkerConnection
-    url: str
-
-
-async def _gateway(settings: AdmissionSettings, conn: ScriptedWorkerConnection | None = None) -> AsyncIterator[Gw]:
-    conn = conn or ScriptedWorkerConnection(models=("tiny", "big"))
-    pool = ModelPool()
-    pool.add(conn)
-    parts = build_admission(settings, "127.0.0.1")
-    assert parts.schemas is not None
-    app = App(pool, admission=parts.stage, validate=parts.schemas.validate)
-    server = await start_server(app.handle, host="127.0.0.1", port=0)
-    try:
-        yield Gw(app, conn, f"http://127.0.0.1:{server.port}")
-    finally:
-        await server.close()
+def _gateway(settings: AdmissionSettings, conn: ScriptedWorkerConnection | None = None
+             ) -> AbstractAsyncContextManager[AppGateway]:
+    return app_gateway(conn or ScriptedWorkerConnection(models=("tiny", "big")), admission=settings)
 
 
 def _keyfile(path: Path, *entries: str) -> Path:
@@ -62,7 +42,7 @@ async def test_keys_missing_bad_restricted_revoked_and_reloaded(tmp_path: Path, 
                                                                 caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.DEBUG)
     kf = _keyfile(tmp_path / "keys.toml", _entry("alice", GOOD), _entry("bob", OTHER, '["tiny"]'))
-    async for gw in _gateway(AdmissionSettings(keys_file=str(kf), queue_limit=1000)):
+    async with _gateway(AdmissionSettings(keys_file=str(kf), queue_limit=1000)) as gw:
         async with httpx.AsyncClient(base_url=gw.url, http1=not http2, http2=http2) as c:
             async def chat(key: str | None, model: str = "tiny") -> httpx.Response:
                 headers = {"authorization": f"Bearer {key}"} if key else {}
@@ -92,7 +72,7 @@ async def test_keys_missing_bad_restricted_revoked_and_reloaded(tmp_path: Path, 
 
 async def test_rate_limit_429_with_openai_headers_then_recovers() -> None:
     s = AdmissionSettings(limits=["client requests 3/1s"], queue_limit=1000)
-    async for gw in _gateway(s):
+    async with _gateway(s) as gw:
         async with httpx.AsyncClient(base_url=gw.url) as c:
             ok = [await c.post("/v1/chat/completions", json=CHAT) for _ in range(3)]
             assert [r.status_code for r in ok] == [200] * 3
@@ -108,7 +88,7 @@ async def test_rate_limit_429_with_openai_headers_then_recovers() -> None:
 
 async def test_shedding_refuses_at_once_while_admitted_requests_finish() -> None:
     conn = ScriptedWorkerConnection(models=("tiny",), hang_after=1)  # a saturated worker: nothing finishes
-    async for gw in _gateway(AdmissionSettings(queue_limit=4, priority_classes=1), conn):
+    async with _gateway(AdmissionSettings(queue_limit=4, priority_classes=1), conn) as gw:
         async with httpx.AsyncClient(base_url=gw.url, timeout=10) as c:
             held = [asyncio.create_task(c.post("/v1/chat/completions", json={**CHAT, "stream": True}))
                     for _ in range(4)]
@@ -131,7 +111,7 @@ async def test_shedding_refuses_at_once_while_admitted_requests_finish() -> None
 
 
 async def test_schema_errors_name_the_path_and_keyword_and_sdk_sees_400() -> None:
-    async for gw in _gateway(AdmissionSettings(queue_limit=1000)):
+    async with _gateway(AdmissionSettings(queue_limit=1000)) as gw:
         async with httpx.AsyncClient(base_url=gw.url) as c:
             r = await c.post("/v1/chat/completions", json={**CHAT, "temperature": "hot"})
             err = r.json()["error"]

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 import h2.config
@@ -24,12 +23,13 @@ import orjson
 import pytest
 
 from gateway.app import App
-from gateway.http.server import HttpLimits, HttpServer, start_server
+from gateway.http.server import HttpLimits, start_server
 from gateway.routing.pool import ModelPool
-from tests.gateway.doubles import ScriptedWorkerConnection
 from tests.gateway.http.conftest import error_of
 from tests.gateway.http.test_h1_bytes import parse_responses
+from tests.integration.app_gateway import AppGateway, app_gateway
 from tests.transport.doubles import EchoWorker
+from tests.waiting import wait_for
 from transport.client import connect
 from transport.messages import Finish, FinishReason
 from transport.server import serve
@@ -38,26 +38,10 @@ CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_t
 LIMITS = HttpLimits(max_body_bytes=1 << 16, max_header_bytes=4096, linger_timeout=0.3)
 
 
-@dataclass
-class Gw:
-    app: App
-    conn: ScriptedWorkerConnection
-    server: HttpServer
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server.port}"
-
-
 @pytest.fixture
-async def gw() -> AsyncIterator[Gw]:
-    conn = ScriptedWorkerConnection(tokens_per_batch=1)
-    pool = ModelPool()
-    pool.add(conn)
-    app = App(pool)
-    server = await start_server(app.handle, host="127.0.0.1", port=0, limits=LIMITS, on_event=app.on_http_event)
-    yield Gw(app, conn, server)
-    await server.close()
+async def gw() -> AsyncIterator[AppGateway]:
+    async with app_gateway(limits=LIMITS) as g:
+        yield g
 
 
 def post(path: str, body: bytes, extra: bytes = b"") -> bytes:
@@ -72,7 +56,7 @@ def chat(**patch: Any) -> bytes:
 GET_MODELS = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
 
 
-async def exchange(gw: Gw, pieces: list[bytes], until: int, methods: list[str],
+async def exchange(gw: AppGateway, pieces: list[bytes], until: int, methods: list[str],
                    timeout: float = 3.0) -> list[tuple[int, dict[bytes, bytes], bytes]]:
     """Send ``pieces`` (each its own write), read until ``until`` responses are complete."""
     reader, writer = await asyncio.open_connection("127.0.0.1", gw.server.port)
@@ -94,15 +78,7 @@ async def exchange(gw: Gw, pieces: list[bytes], until: int, methods: list[str],
         writer.close()
 
 
-async def wait_for(cond: Any, timeout: float = 2.0) -> None:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout
-    while not cond():
-        assert loop.time() < end, "condition not reached in time"
-        await asyncio.sleep(0.005)
-
-
-async def still_serves(gw: Gw) -> None:
+async def still_serves(gw: AppGateway) -> None:
     async with httpx.AsyncClient(base_url=gw.url) as c:
         r = await c.post("/v1/chat/completions", json=CHAT)
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "abcdef"
@@ -120,7 +96,7 @@ MIXED = [
 
 
 @pytest.mark.parametrize("mode", ["one-write", "bytewise"])
-async def test_pipelined_mixed_requests_in_order(gw: Gw, mode: str) -> None:
+async def test_pipelined_mixed_requests_in_order(gw: AppGateway, mode: str) -> None:
     data = b"".join(MIXED)
     pieces = [data] if mode == "one-write" else [data[i:i + 1] for i in range(len(data))]
     res = await exchange(gw, [*pieces, GET_MODELS], 6, ["POST", "POST", "POST", "GET", "POST", "GET"])
@@ -139,7 +115,7 @@ async def test_pipelined_mixed_requests_in_order(gw: Gw, mode: str) -> None:
 
 
 @pytest.mark.parametrize("stream", [False, True])
-async def test_client_closing_after_a_request_cancels_it_on_the_worker(gw: Gw, stream: bool) -> None:
+async def test_client_closing_after_a_request_cancels_it_on_the_worker(gw: AppGateway, stream: bool) -> None:
     gw.conn.hang_after = 1
     reader, writer = await asyncio.open_connection("127.0.0.1", gw.server.port)
     writer.write(chat(stream=stream))
@@ -151,7 +127,7 @@ async def test_client_closing_after_a_request_cancels_it_on_the_worker(gw: Gw, s
     await still_serves(gw)
 
 
-async def test_client_closing_with_pipelined_requests_cancels_only_the_running_one(gw: Gw) -> None:
+async def test_client_closing_with_pipelined_requests_cancels_only_the_running_one(gw: AppGateway) -> None:
     gw.conn.hang_after = 1
     reader, writer = await asyncio.open_connection("127.0.0.1", gw.server.port)
     writer.write(chat() + chat() + chat(stream=True))
@@ -162,7 +138,7 @@ async def test_client_closing_with_pipelined_requests_cancels_only_the_running_o
     assert len(gw.conn.submits) == 1  # the queued ones never reached a worker
 
 
-async def test_client_leaving_a_full_pipeline_cancels_the_running_request(gw: Gw) -> None:
+async def test_client_leaving_a_full_pipeline_cancels_the_running_request(gw: AppGateway) -> None:
     """More pipelined requests than ``max_pipelined`` at once: the server still notices the close."""
     gw.conn.hang_after = 1
     reader, writer = await asyncio.open_connection("127.0.0.1", gw.server.port)
@@ -174,7 +150,7 @@ async def test_client_leaving_a_full_pipeline_cancels_the_running_request(gw: Gw
     assert len(gw.conn.submits) == 1
 
 
-async def test_client_leaving_past_the_held_input_limit_cancels_the_running_request(gw: Gw) -> None:
+async def test_client_leaving_past_the_held_input_limit_cancels_the_running_request(gw: AppGateway) -> None:
     """Pipelined input past ``max_pipelined`` waiting requests and then past 64 KiB held: reading
     pauses, yet the close is still seen and the running request cancelled; nothing queued runs."""
     gw.conn.hang_after = 1
@@ -193,7 +169,7 @@ async def test_client_leaving_past_the_held_input_limit_cancels_the_running_requ
     await still_serves(gw)
 
 
-async def test_pipelining_past_the_held_input_limit_loses_nothing(gw: Gw) -> None:
+async def test_pipelining_past_the_held_input_limit_loses_nothing(gw: AppGateway) -> None:
     """The client that stays: every request held behind the paused read is answered, in order."""
     gw.conn.hang_after = 1
     n = (80 << 10) // len(GET_MODELS) + LIMITS.max_pipelined
@@ -218,7 +194,7 @@ async def test_pipelining_past_the_held_input_limit_loses_nothing(gw: Gw) -> Non
     assert all(orjson.loads(r[2])["object"] == "list" for r in res[1:])
 
 
-async def test_half_close_after_a_request_counts_as_gone(gw: Gw) -> None:
+async def test_half_close_after_a_request_counts_as_gone(gw: AppGateway) -> None:
     """A client that shuts its write side is treated as gone (as Go's net/http and nginx do):
     its request is cancelled on the worker."""
     gw.conn.hang_after = 1
@@ -231,7 +207,7 @@ async def test_half_close_after_a_request_counts_as_gone(gw: Gw) -> None:
     writer.close()
 
 
-async def test_http10_requests(gw: Gw) -> None:
+async def test_http10_requests(gw: AppGateway) -> None:
     """HTTP/1.0: a whole response has its length; a stream's body ends at close (no chunked)."""
     raw = chat().replace(b"HTTP/1.1", b"HTTP/1.0")
     res = await exchange(gw, [raw], 1, ["POST"])
@@ -245,7 +221,7 @@ async def test_http10_requests(gw: Gw) -> None:
     assert body.endswith(b"data: [DONE]\n\n") and body.count(b"chat.completion.chunk") == 5
 
 
-async def test_connection_close_ends_the_pipeline(gw: Gw) -> None:
+async def test_connection_close_ends_the_pipeline(gw: AppGateway) -> None:
     raw = chat().replace(b"Host: x\r\n", b"Host: x\r\nconnection: close\r\n") + chat()
     reader, writer = await asyncio.open_connection("127.0.0.1", gw.server.port)
     writer.write(raw)
@@ -257,7 +233,7 @@ async def test_connection_close_ends_the_pipeline(gw: Gw) -> None:
 
 
 @pytest.mark.parametrize("extra, status", [(0, 200), (1, 413)])
-async def test_body_at_the_limit(gw: Gw, extra: int, status: int) -> None:
+async def test_body_at_the_limit(gw: AppGateway, extra: int, status: int) -> None:
     body = orjson.dumps(CHAT)
     body = body[:-1] + b" " * (LIMITS.max_body_bytes - len(body) + extra) + b"}"
     res = await exchange(gw, [post("/v1/chat/completions", body)], 1, ["POST"])
@@ -272,7 +248,7 @@ async def test_body_at_the_limit(gw: Gw, extra: int, status: int) -> None:
 BODY = orjson.dumps(CHAT)
 
 
-async def test_chunked_body_with_extensions_and_trailers(gw: Gw) -> None:
+async def test_chunked_body_with_extensions_and_trailers(gw: AppGateway) -> None:
     a, b = BODY[:10], BODY[10:]
     raw = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
            b"transfer-encoding: chunked\r\n\r\n"
@@ -282,7 +258,7 @@ async def test_chunked_body_with_extensions_and_trailers(gw: Gw) -> None:
     assert orjson.loads(res[0][2])["choices"][0]["message"]["content"] == "abcdef"
 
 
-async def test_expect_100_continue_on_chat(gw: Gw) -> None:
+async def test_expect_100_continue_on_chat(gw: AppGateway) -> None:
     reader, writer = await asyncio.open_connection("127.0.0.1", gw.server.port)
     try:
         writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nexpect: 100-continue\r\n"
@@ -315,7 +291,7 @@ async def test_expect_100_continue_on_chat(gw: Gw) -> None:
     ids=["two-cl", "dup-cl", "te-and-cl", "te-not-chunked", "negative-cl", "plus-cl", "huge-cl", "space-before-colon",
          "obs-fold", "bare-lf", "http2-version", "http09"],
 )
-async def test_smuggling_shapes_get_an_error_and_the_server_lives(gw: Gw, raw: bytes) -> None:
+async def test_smuggling_shapes_get_an_error_and_the_server_lives(gw: AppGateway, raw: bytes) -> None:
     res = await exchange(gw, [raw + chat()], 1, ["POST", "POST"])
     assert res, "no response"
     status, headers, body = res[0]
@@ -336,7 +312,7 @@ async def test_smuggling_shapes_get_an_error_and_the_server_lives(gw: Gw, raw: b
     ],
     ids=["no-host", "two-hosts", "bad-host", "gzip-chunked"],
 )
-async def test_host_and_transfer_coding_errors_over_a_socket(gw: Gw, raw: bytes, status: int,
+async def test_host_and_transfer_coding_errors_over_a_socket(gw: AppGateway, raw: bytes, status: int,
                                                               code: str | None) -> None:
     """RFC 9112 3.2 and 6.1: the error JSON, the connection closed (nothing after it runs), the
     server serving the next client."""
@@ -351,13 +327,13 @@ async def test_host_and_transfer_coding_errors_over_a_socket(gw: Gw, raw: bytes,
     await still_serves(gw)
 
 
-async def test_http10_without_host_is_served(gw: Gw) -> None:
+async def test_http10_without_host_is_served(gw: AppGateway) -> None:
     raw = chat().replace(b"HTTP/1.1", b"HTTP/1.0").replace(b"Host: x\r\n", b"")
     res = await exchange(gw, [raw], 1, ["POST"])
     assert res[0][0] == 200 and orjson.loads(res[0][2])["choices"][0]["message"]["content"] == "abcdef"
 
 
-async def test_many_small_headers(gw: Gw) -> None:
+async def test_many_small_headers(gw: AppGateway) -> None:
     few = b"".join(b"x-%d: v\r\n" % i for i in range(100))
     many = b"".join(b"x-%d: v\r\n" % i for i in range(2000))
     res = await exchange(gw, [chat().replace(b"Host: x\r\n", b"Host: x\r\n" + few)], 1, ["POST"])
@@ -380,7 +356,7 @@ async def test_many_small_headers(gw: Gw) -> None:
         (b"*", 404),
     ],
 )
-async def test_request_targets(gw: Gw, target: bytes, status: int) -> None:
+async def test_request_targets(gw: AppGateway, target: bytes, status: int) -> None:
     raw = chat().replace(b"/v1/chat/completions", target, 1)
     res = await exchange(gw, [raw, GET_MODELS], 2, ["POST", "GET"])
     assert [r[0] for r in res] == [status, 200], res
@@ -389,7 +365,7 @@ async def test_request_targets(gw: Gw, target: bytes, status: int) -> None:
 
 
 @pytest.mark.parametrize("method, status", [(b"HEAD", 405), (b"OPTIONS", 405), (b"GET", 405), (b"PATCH", 405)])
-async def test_other_methods_on_the_chat_route(gw: Gw, method: bytes, status: int) -> None:
+async def test_other_methods_on_the_chat_route(gw: AppGateway, method: bytes, status: int) -> None:
     raw = chat().replace(b"POST", method, 1)
     res = await exchange(gw, [raw, GET_MODELS], 2, [method.decode(), "GET"])
     assert [r[0] for r in res] == [status, 200], res
@@ -402,7 +378,7 @@ async def test_other_methods_on_the_chat_route(gw: Gw, method: bytes, status: in
 
 @pytest.mark.parametrize("path", ["/healthz", "/readyz", "/v1/models", "/v1/models/tiny", "/metrics"])
 @pytest.mark.parametrize("h2", [False, True])
-async def test_head_on_get_routes(gw: Gw, path: str, h2: bool) -> None:
+async def test_head_on_get_routes(gw: AppGateway, path: str, h2: bool) -> None:
     """RFC 9110 9.1: a server supports HEAD wherever it supports GET (load balancers probe with it)."""
     async with httpx.AsyncClient(base_url=gw.url, http1=not h2, http2=h2) as c:
         get = await c.get(path)
@@ -449,7 +425,7 @@ BAD_BODIES = [
 
 
 @pytest.mark.parametrize("body, code", BAD_BODIES, ids=[f"b{i}" for i in range(len(BAD_BODIES))])
-async def test_bad_json_bodies_get_a_400_and_the_connection_lives(gw: Gw, body: bytes, code: str) -> None:
+async def test_bad_json_bodies_get_a_400_and_the_connection_lives(gw: AppGateway, body: bytes, code: str) -> None:
     res = await exchange(gw, [post("/v1/chat/completions", body), GET_MODELS], 2, ["POST", "GET"])
     assert [r[0] for r in res] == [404 if code == "model_not_found" else 400, 200], res
     err = error_of(res[0][2])
@@ -471,14 +447,14 @@ GOOD_BODIES = [
 
 
 @pytest.mark.parametrize("body, text", GOOD_BODIES, ids=[f"g{i}" for i in range(len(GOOD_BODIES))])
-async def test_unusual_but_valid_bodies_are_served(gw: Gw, body: dict[str, Any], text: str) -> None:
+async def test_unusual_but_valid_bodies_are_served(gw: AppGateway, body: dict[str, Any], text: str) -> None:
     async with httpx.AsyncClient(base_url=gw.url) as c:
         r = await c.post("/v1/chat/completions", json=body)
     assert r.status_code == 200, r.text
     assert "|".join(m["content"] for m in gw.conn.submits[0].messages) == text
 
 
-async def test_duplicate_keys_last_wins_and_escaped_surrogate_pairs_decode(gw: Gw) -> None:
+async def test_duplicate_keys_last_wins_and_escaped_surrogate_pairs_decode(gw: AppGateway) -> None:
     raw = (b'{"model": "tiny", "messages": [{"role": "user", "content": "\\ud83d\\ude00"}], "max_tokens": 100, '
            b'"max_tokens": 2}')
     res = await exchange(gw, [post("/v1/chat/completions", raw)], 1, ["POST"])
@@ -502,7 +478,7 @@ class H2Client:
         self.flush()
 
     @classmethod
-    async def open(cls, gw: Gw, window: int | None = None) -> H2Client:
+    async def open(cls, gw: AppGateway, window: int | None = None) -> H2Client:
         reader, writer = await asyncio.open_connection("127.0.0.1", gw.server.port)
         return cls(reader, writer, window)
 
@@ -556,7 +532,7 @@ class H2Client:
 
 
 @pytest.mark.parametrize("stream", [False, True])
-async def test_h2_rst_stream_mid_request_cancels_on_the_worker(gw: Gw, stream: bool) -> None:
+async def test_h2_rst_stream_mid_request_cancels_on_the_worker(gw: AppGateway, stream: bool) -> None:
     gw.conn.hang_after = 2
     c = await H2Client.open(gw)
     try:
@@ -581,7 +557,7 @@ async def test_h2_rst_stream_mid_request_cancels_on_the_worker(gw: Gw, stream: b
         await c.close()
 
 
-async def test_httpx_h2_leaving_cancels_every_stream_on_the_worker(gw: Gw) -> None:
+async def test_httpx_h2_leaving_cancels_every_stream_on_the_worker(gw: AppGateway) -> None:
     """httpx over h2 sends no RST_STREAM when a response is abandoned; when the client goes, its
     connection's close is what ends the streams: each one's worker request is cancelled."""
     gw.conn.hang_after = 1
@@ -603,7 +579,7 @@ async def test_httpx_h2_leaving_cancels_every_stream_on_the_worker(gw: Gw) -> No
     await wait_for(lambda: gw.server.in_flight == 0 and gw.conn.in_flight == 0)
 
 
-async def test_h2_many_streams_one_bad(gw: Gw) -> None:
+async def test_h2_many_streams_one_bad(gw: AppGateway) -> None:
     c = await H2Client.open(gw)
     try:
         sids = []
@@ -621,13 +597,13 @@ async def test_h2_many_streams_one_bad(gw: Gw) -> None:
         await c.close()
 
 
-async def test_h2_request_body_larger_than_the_window(gw: Gw) -> None:
+async def test_h2_request_body_larger_than_the_window(gw: AppGateway) -> None:
     """A 300 KB body over a stream (and connection) whose 64 KiB receive window the server must
     reopen as it reads; a second stream's whole request comes in the middle of it."""
     limits = HttpLimits(max_body_bytes=1 << 20, h2_initial_window_size=65535)
     server = await start_server(gw.app.handle, host="127.0.0.1", port=0, limits=limits)
     big = orjson.dumps({**CHAT, "messages": [{"role": "user", "content": "x" * 300_000}]})
-    c = await H2Client.open(Gw(gw.app, gw.conn, server))
+    c = await H2Client.open(AppGateway(gw.app, gw.conn, server, None))
     try:
         a, b = c.request(b""), c.request(b"")
         await c.send_body(a, big[:70_000], end=False)  # past the 64 KiB windows: waits for WINDOW_UPDATE
@@ -642,7 +618,7 @@ async def test_h2_request_body_larger_than_the_window(gw: Gw) -> None:
         await server.close()
 
 
-async def test_h2_streams_past_the_concurrency_limit_are_refused_not_the_connection(gw: Gw) -> None:
+async def test_h2_streams_past_the_concurrency_limit_are_refused_not_the_connection(gw: AppGateway) -> None:
     """A client that opens more streams than MAX_CONCURRENT_STREAMS before it has read our SETTINGS
     gets REFUSED_STREAM on the extra ones (RFC 9113 5.1.2: a stream error, safe to retry); the
     streams within the limit run and the connection lives."""
@@ -701,7 +677,7 @@ async def test_h2_streams_past_the_concurrency_limit_are_refused_not_the_connect
          "authority-space", "host-userinfo"],
 )
 async def test_h2_malformed_request_is_a_400_on_its_stream_not_the_connection(
-        gw: Gw, headers: list[tuple[str, str | None]], body: bytes | None) -> None:
+        gw: AppGateway, headers: list[tuple[str, str | None]], body: bytes | None) -> None:
     """RFC 9113 8.1.1: a malformed request is a stream error. Its neighbours on the connection
     keep running (h2 itself would tear the connection down, cancelling them)."""
     gw.conn.hang_after = 1
@@ -742,7 +718,7 @@ async def test_h2_malformed_request_is_a_400_on_its_stream_not_the_connection(
 
 @pytest.mark.parametrize("window", [0, 16])
 @pytest.mark.parametrize("kind", ["app-400", "adapter-413"])
-async def test_h2_error_response_larger_than_the_peer_window(gw: Gw, window: int, kind: str) -> None:
+async def test_h2_error_response_larger_than_the_peer_window(gw: AppGateway, window: int, kind: str) -> None:
     """An error body that does not fit the client's stream window still arrives whole once the
     client opens the window (not cut to headers that promise a body that never comes)."""
     c = await H2Client.open(gw, window=window)
@@ -774,7 +750,7 @@ async def test_h2_error_response_larger_than_the_peer_window(gw: Gw, window: int
 
 
 @pytest.fixture
-async def real() -> AsyncIterator[Gw]:
+async def real() -> AsyncIterator[AppGateway]:
     """The app over a real transport connection to an EchoWorker: Submits are encoded on the wire."""
     worker = EchoWorker(step_delay=0.001)
     srv = await serve("tcp://127.0.0.1:0", worker)
@@ -783,7 +759,7 @@ async def real() -> AsyncIterator[Gw]:
     pool.add(conn)
     app = App(pool)
     server = await start_server(app.handle, host="127.0.0.1", port=0, limits=LIMITS, on_event=app.on_http_event)
-    yield Gw(app, conn, server)  # type: ignore[arg-type]
+    yield AppGateway(app, conn, server, None)  # type: ignore[arg-type]
     await server.close()
     await conn.close()
     await srv.close()
@@ -791,7 +767,7 @@ async def real() -> AsyncIterator[Gw]:
 
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("prompt", [[2**32], [1, 2**40], [[2**32]]])
-async def test_token_ids_past_32_bits_are_a_400_not_a_503(real: Gw, prompt: list[Any], stream: bool) -> None:
+async def test_token_ids_past_32_bits_are_a_400_not_a_503(real: AppGateway, prompt: list[Any], stream: bool) -> None:
     async with httpx.AsyncClient(base_url=real.url) as c:
         r = await c.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 2,
                                                   "stream": stream})
@@ -805,7 +781,7 @@ async def test_token_ids_past_32_bits_are_a_400_not_a_503(real: Gw, prompt: list
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("field, value", [("seed", 2**64 - 1), ("seed", 2**63), ("top_k", 2**63)])
 async def test_64_bit_values_the_wire_cannot_carry_are_a_400_and_the_worker_stays(
-        real: Gw, field: str, value: int, stream: bool) -> None:
+        real: AppGateway, field: str, value: int, stream: bool) -> None:
     """The gateway may accept only what the worker's decoder accepts: a Submit it rejects is a
     protocol error that closes the worker connection, failing every request on it."""
     async with httpx.AsyncClient(base_url=real.url) as c:

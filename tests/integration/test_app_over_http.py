@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import ssl
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -17,41 +16,20 @@ import openai
 import orjson
 import pytest
 
-from gateway.app import App
-from gateway.http.server import HttpLimits, start_server
-from gateway.http.tls import load_or_create_tls
-from gateway.routing.pool import ModelPool
-from tests.gateway.doubles import ScriptedWorkerConnection
-
-
-@dataclass
-class Gw:
-    app: App
-    conn: ScriptedWorkerConnection
-    http: str
-    https: str
+from gateway.http.server import HttpLimits
+from tests.integration.app_gateway import AppGateway, app_gateway
 
 
 @pytest.fixture
-async def gw(tmp_path: Path) -> AsyncIterator[Gw]:
-    conn = ScriptedWorkerConnection(tokens_per_batch=1)
-    pool = ModelPool()
-    pool.add(conn)
-    app = App(pool)
-    limits = HttpLimits(max_body_bytes=4096, max_header_bytes=2048)
-    plain = await start_server(app.handle, host="127.0.0.1", port=0, limits=limits, on_event=app.on_http_event)
-    ctx, _ = load_or_create_tls(None, None, tmp_path)
-    tls = await start_server(app.handle, host="127.0.0.1", port=0, ssl_context=ctx, limits=limits,
-                             on_event=app.on_http_event)
-    yield Gw(app, conn, f"http://127.0.0.1:{plain.port}", f"https://127.0.0.1:{tls.port}")
-    await plain.close()
-    await tls.close()
+async def gw(tmp_path: Path) -> AsyncIterator[AppGateway]:
+    async with app_gateway(limits=HttpLimits(max_body_bytes=4096, max_header_bytes=2048), tls_dir=tmp_path) as g:
+        yield g
 
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6}
 
 
-async def test_openai_async_sdk(gw: Gw) -> None:
+async def test_openai_async_sdk(gw: AppGateway) -> None:
     client = openai.AsyncOpenAI(base_url=gw.http + "/v1", api_key="x", max_retries=0)
     r = await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
                                              max_tokens=6, seed=1, temperature=0.5)
@@ -74,7 +52,7 @@ async def test_openai_async_sdk(gw: Gw) -> None:
     await client.close()
 
 
-async def test_openai_sync_sdk(gw: Gw) -> None:
+async def test_openai_sync_sdk(gw: AppGateway) -> None:
     def run() -> tuple[str, str]:
         with openai.OpenAI(base_url=gw.http + "/v1", api_key="x", max_retries=0) as client:
             r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
@@ -86,7 +64,7 @@ async def test_openai_sync_sdk(gw: Gw) -> None:
 
 
 @pytest.mark.parametrize("proto", ["h1", "h2c", "tls-h1", "tls-h2"])
-async def test_httpx_protocols(gw: Gw, proto: str) -> None:
+async def test_httpx_protocols(gw: AppGateway, proto: str) -> None:
     base = gw.https if proto.startswith("tls") else gw.http
     h2 = proto.endswith("h2") or proto == "h2c"
     async with httpx.AsyncClient(base_url=base, http1=not h2, http2=h2, verify=False) as c:
@@ -102,7 +80,7 @@ async def test_httpx_protocols(gw: Gw, proto: str) -> None:
 
 
 @pytest.mark.parametrize("h2", [False, True])
-async def test_client_disconnect_mid_stream_sends_cancel(gw: Gw, h2: bool) -> None:
+async def test_client_disconnect_mid_stream_sends_cancel(gw: AppGateway, h2: bool) -> None:
     gw.conn.hang_after = 2
     async with httpx.AsyncClient(base_url=gw.http, http1=not h2, http2=h2) as c:
         async with c.stream("POST", "/v1/chat/completions", json={**CHAT, "stream": True}) as s:
@@ -132,7 +110,7 @@ async def test_client_disconnect_mid_stream_sends_cancel(gw: Gw, h2: bool) -> No
         ("GET", "/healthz", b"", {"x-big": "y" * 3000}, 431, None),
     ],
 )
-async def test_bad_input_then_next_request(gw: Gw, method: str, path: str, body: bytes,
+async def test_bad_input_then_next_request(gw: AppGateway, method: str, path: str, body: bytes,
                                            headers: dict[str, str], status: int, code: str | None) -> None:
     async with httpx.AsyncClient(base_url=gw.http) as c:
         r = await c.request(method, path, content=body, headers=headers)
@@ -146,7 +124,7 @@ async def test_bad_input_then_next_request(gw: Gw, method: str, path: str, body:
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "abcdef"
 
 
-async def test_tls_alpn_offers_h2(gw: Gw) -> None:
+async def test_tls_alpn_offers_h2(gw: AppGateway) -> None:
     ctx = ssl.create_default_context()
     ctx.check_hostname = False
     ctx.verify_mode = ssl.CERT_NONE

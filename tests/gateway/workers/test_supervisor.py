@@ -16,6 +16,7 @@ from gateway.routing.pool import ModelPool
 from gateway.workers.config import WorkersSettings
 from gateway.workers.supervisor import Backoff, WorkerSupervisor, worker_command
 from tests.gateway.doubles import ScriptedWorkerConnection
+from tests.waiting import wait_for
 
 FAKE = str(Path(__file__).parents[1] / "fake_worker.py")
 WS = WorkersSettings(local=1, engine="synthetic", restart_backoff_initial=0.05, restart_backoff_max=0.2,
@@ -42,14 +43,6 @@ def alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
-
-
-async def wait_for(pred, timeout: float = 10.0) -> None:  # type: ignore[no-untyped-def]
-    for _ in range(int(timeout / 0.02)):
-        if pred():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError("condition not reached")
 
 
 def test_backoff_doubles_caps_and_resets() -> None:
@@ -90,7 +83,7 @@ async def test_crash_before_ready_restarts_with_backoff() -> None:
     sup = WorkerSupervisor(WS, ModelPool(), metrics, ProgressDisplay("lines", out), connect=ConnectDouble(),
                            commands=[[sys.executable, FAKE, "--crash-before-ready"]])
     sup.start()
-    await wait_for(lambda: sup.workers[0].starts >= 3)
+    await wait_for(lambda: sup.workers[0].starts >= 3, 10.0)
     await sup.stop()
     assert metrics.worker_restarts._value.get() >= 2
     assert "exited with status 3 before it was ready; restarting in 0.1 s" in out.getvalue()
@@ -101,7 +94,7 @@ async def test_crash_after_ready_leaves_pool_then_comes_back() -> None:
     sup = WorkerSupervisor(WS, pool, GatewayMetrics(), connect=connect,
                            commands=[[sys.executable, FAKE, "--exit-after", "0.3"]])
     sup.start()
-    await wait_for(lambda: len(connect.conns) >= 2)  # ready, died, restarted, ready again
+    await wait_for(lambda: len(connect.conns) >= 2, 10.0)  # ready, died, restarted, ready again
     assert connect.conns[0].closed and connect.urls[0] != connect.urls[1]
     assert pool.ready_workers() <= 1
     await sup.stop()
@@ -114,7 +107,7 @@ async def test_lost_connection_kills_and_restarts_the_process() -> None:
     assert await sup.wait_ready(10)
     pid = sup.workers[0].proc.pid  # type: ignore[attr-defined]
     await connect.conns[0].close()  # the worker's transport died
-    await wait_for(lambda: len(connect.conns) >= 2 and pool.ready_workers() == 1)
+    await wait_for(lambda: len(connect.conns) >= 2 and pool.ready_workers() == 1, 10.0)
     assert not alive(pid)
     await sup.stop()
 
@@ -137,7 +130,7 @@ async def test_remote_worker_reconnects() -> None:
     sup.start()
     assert await sup.wait_ready(5)
     await connect.conns[0].close()
-    await wait_for(lambda: len(connect.conns) == 2 and pool.ready_workers() == 1)
+    await wait_for(lambda: len(connect.conns) == 2 and pool.ready_workers() == 1, 10.0)
     assert connect.urls == ["tcp://10.9.9.9:7000"] * 2
     await sup.stop()
 
