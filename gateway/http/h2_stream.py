@@ -3,8 +3,12 @@ stream errors), one stream's record with its held-back output, and its response 
 
 How output works: a stream frames what the smaller of its and the connection's windows
 allows; the rest waits in :attr:`H2Stream.out` (with END_STREAM, and maybe a RST_STREAM, to
-follow it) and :meth:`H2Output.pump` sends more as WINDOW_UPDATEs arrive. Only ``send``
+follow it) and the connection's ``_pump`` sends more as WINDOW_UPDATEs arrive. Only ``send``
 waits: until its data has left the queue, and while the transport is paused.
+
+The sink reaches its connection through :class:`H2Output`, the members of
+:class:`~gateway.http.h2.H2Protocol` it calls: that module imports this one, so this one does
+not import it back.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import h2.config
 import h2.connection
@@ -24,12 +28,15 @@ from hyperframe.frame import DataFrame, Frame, GoAwayFrame, HeadersFrame
 
 from gateway.http.adapter import SinkState
 from gateway.http.body_stream import PIECE, H2BodyStream
-from gateway.http.common import HOST_CHARS, ClientDisconnected, HttpLimits, decode_target, http_date
+from gateway.http.common import (
+    HOST_CHARS,
+    ClientDisconnected,
+    HttpLimits,
+    ServerState,
+    decode_target,
+    http_date,
+)
 from gateway.http.types import Call, Headers
-
-if TYPE_CHECKING:
-    from gateway.http.h2 import H2Protocol
-
 
 # hpack logs every header it decodes at DEBUG, Authorization values included: API keys must never
 # reach a log, whatever the gateway's level.
@@ -39,6 +46,7 @@ __all__ = [
     "H2ServerConnection",
     "H2Stream",
     "H2Sink",
+    "H2Output",
     "local_settings",
     "response_headers",
     "read_head",
@@ -238,12 +246,38 @@ def read_head(st: H2Stream, fields: Iterable[tuple[bytes, bytes]], limits: HttpL
     return None
 
 
+class H2Output(Protocol):
+    """What an :class:`H2Sink` calls on its connection, :class:`~gateway.http.h2.H2Protocol`.
+
+    The sink is the connection's per-stream face, kept in this module for size, so these are the
+    connection's own members (its :class:`~gateway.http.adapter.StreamAdapter` base's among them)."""
+
+    @property
+    def _srv(self) -> ServerState: ...
+    @property
+    def _loop(self) -> asyncio.AbstractEventLoop: ...
+    @property
+    def _transport(self) -> asyncio.Transport | None: ...
+    @property
+    def _write_paused(self) -> bool: ...
+    @property
+    def _h2(self) -> H2ServerConnection: ...
+
+    def _schedule_flush(self) -> None: ...
+    async def _drain(self) -> None: ...
+    def _answer(self, st: H2Stream, headers: Headers, body: bytes) -> None: ...
+    def _send_headers(self, st: H2Stream, headers: Headers, end: bool) -> bool: ...
+    def _pump(self, st: H2Stream) -> None: ...
+    def _end_stream(self, st: H2Stream) -> None: ...
+    def _reset(self, st: H2Stream, code: ErrorCodes) -> None: ...
+
+
 class H2Sink(SinkState):
     """:class:`~gateway.http.types.ResponseSink` for one HTTP/2 stream."""
 
     __slots__ = ("_conn", "_st")
 
-    def __init__(self, conn: H2Protocol, st: H2Stream, head: bool) -> None:
+    def __init__(self, conn: H2Output, st: H2Stream, head: bool) -> None:
         super().__init__(head)
         self._conn = conn
         self._st = st

@@ -241,16 +241,20 @@ class H3Protocol(QuicConnectionProtocol):
                 return
             state.early_served += 1
         st.body = bytearray()
-        sink = st.sink = H3Sink(self, st, m == "HEAD")
+        sink = st.sink = self._sink(st, m == "HEAD")
         state.request_started()
         st.call = state.entrance(req, sink, lambda: self._done(st))
 
     def _answer_error(self, st: H3Stream, err: APIError) -> None:
         self.state.report(err.status, err.message)
         st.dispatched = True
-        sink = H3Sink(self, st, False)
+        sink = self._sink(st, False)
         sink.respond(*render_http(err))
         self._streams.pop(st.sid, None)
+
+    def _sink(self, st: H3Stream, head: bool) -> H3Sink:
+        assert self._h3 is not None  # a request stream arrives only once H3 is negotiated
+        return H3Sink(self, self._h3, self._quic, self.state.settings.max_stream_buffer, st, head)
 
     def expire_requests(self, now: float) -> None:
         """Requests whose body has not ended ``body_timeout`` after their headers: 408."""

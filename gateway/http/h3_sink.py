@@ -1,19 +1,22 @@
-"""The HTTP/3 response sink and request-stream record (:mod:`gateway.http.h3` is the adapter)."""
+"""The HTTP/3 response sink and request-stream record (:mod:`gateway.http.h3` is the adapter).
+
+The sink reaches its connection through :class:`H3Output`, the two methods of
+:class:`~gateway.http.h3.H3Protocol` it calls: that module imports this one, so this one does
+not import it back.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable
+from typing import Protocol
 
-from aioquic.h3.connection import ErrorCode
+from aioquic.h3.connection import ErrorCode, H3Connection
 from aioquic.quic.connection import QuicConnection
 
 from gateway.http.body_stream import BodyStream
 from gateway.http.types import Call, Headers
 
-if TYPE_CHECKING:
-    from gateway.http.h3 import H3Protocol
-
-__all__ = ["H3Sink", "H3Stream", "StreamGone", "unsent"]
+__all__ = ["H3Sink", "H3Output", "H3Stream", "StreamGone", "unsent"]
 
 
 class StreamGone(ConnectionError):
@@ -49,19 +52,30 @@ def unsent(quic: QuicConnection, sid: int) -> int:
     return 0 if stream is None else len(stream.sender._buffer)
 
 
+class H3Output(Protocol):
+    """What an :class:`H3Sink` calls on its connection (:class:`~gateway.http.h3.H3Protocol`)."""
+
+    def schedule_transmit(self) -> None:
+        """Transmit once this loop iteration ends."""
+
+    def wait_writable(self, sid: int) -> Awaitable[None]:
+        """Done once stream ``sid``'s unacknowledged bytes are within the bound again."""
+
+
 class H3Sink:
-    """:class:`~gateway.http.types.ResponseSink` for one HTTP/3 request stream."""
+    """:class:`~gateway.http.types.ResponseSink` for one HTTP/3 request stream: it writes to
+    ``h3`` over ``quic`` and holds a writer while more than ``bound`` bytes are unacknowledged."""
 
     __slots__ = ("_conn", "_st", "_head", "_h3", "_quic", "_bound")
 
-    def __init__(self, conn: H3Protocol, st: H3Stream, head: bool) -> None:
+    def __init__(self, conn: H3Output, h3: H3Connection, quic: QuicConnection, bound: int, st: H3Stream,
+                 head: bool) -> None:
         self._conn = conn
         self._st = st
         self._head = head
-        assert conn._h3 is not None
-        self._h3 = conn._h3
-        self._quic = conn._quic
-        self._bound = conn.state.settings.max_stream_buffer
+        self._h3 = h3
+        self._quic = quic
+        self._bound = bound
 
     def _headers(self, status: int, headers: Headers, end: bool) -> None:
         self._h3.send_headers(self._st.sid, [(b":status", b"%d" % status), *headers], end_stream=end)
