@@ -2,7 +2,7 @@
 
 The service is written against :class:`Backend` rather than the request
 pipeline itself, so native gRPC and gRPC-Web reach the one pipeline through a
-single binding (the pipeline's generation call) and the service can be tested
+single binding (:mod:`.pipeline_backend`) and the service can be tested
 with a double. The interface is callbacks, not an async iterator, so a binding
 can forward worker token batches without a task or a queue per request.
 

@@ -7,11 +7,11 @@ from typing import TYPE_CHECKING
 
 from ..http.common import task_entrance
 from ..settings import GrpcSettings
-from .binding import PipelineBackend
 from .compression import Codecs
-from .server import NativeServer, start_native
+from .grpc_web_route import GrpcWebRoute
+from .native_server import NativeServer, start_native
+from .pipeline_backend import PipelineBackend
 from .service import InferenceService
-from .web_route import GrpcWebRoute
 
 if TYPE_CHECKING:
     from ..app import App

@@ -3,7 +3,7 @@
 How it works: native gRPC shares gRPC-Web's pieces -- length-prefixed frames
 (:mod:`.framing`), ``grpc-encoding`` negotiation (:mod:`.compression`: zstd,
 gzip, identity; a message that would not shrink goes uncompressed, flag 0) and
-the request reader of :mod:`.web` in its binary mode, which turns body bytes
+the request reader of :mod:`.grpc_web` in its binary mode, which turns body bytes
 split anywhere into messages. What differs is the response: ``content-type:
 application/grpc``, and the status in HTTP/2 trailing HEADERS (``grpc-status``,
 ``grpc-message`` percent-encoded, trailing metadata) instead of a trailer frame
@@ -20,8 +20,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from .compression import Codec, Codecs, UnsupportedEncoding, encode_message
+from .grpc_web import WebRequestReader
 from .status import Status, encode_grpc_message
-from .web import WebRequestReader
 
 __all__ = ["CONTENT_TYPE", "NOT_METADATA", "NativeCall", "NativeRejection", "NativeResponseWriter", "is_grpc", "open_call"]
 

@@ -3,13 +3,13 @@
 How it works: the gRPC port's entrance is :class:`NativeEntrance`. A ``Generate`` call (server
 streaming: its request is one message) is read -- by a short task that only waits for that one
 message, bounded by the body stall timeout and ``grpc-timeout`` as the service's calls are -- and
-then handed to the pipeline (:meth:`~gateway.grpc.binding.PipelineBackend.start`: admission,
-routing, the generation call) with a :class:`~gateway.grpc.frame_writer.GrpcFrameWriter` on the
+then handed to the pipeline (:meth:`~gateway.grpc.pipeline_backend.PipelineBackend.start`: admission,
+routing, the generation call) with a :class:`~gateway.grpc.native_frame_writer.GrpcFrameWriter` on the
 call's own HTTP/2 sink. From there on it is written the way SSE is: each engine step's message
 goes out from the transport's token callback (``send_nowait``), the status in the trailers the
 call ends the sink with. The reading task has ended by then. Every other call (Chat, Complete,
 ListModels, health, reflection), and anything that is not a gRPC call over HTTP/2, takes the
-service path (:class:`~gateway.grpc.native_call.NativeRoute` in a task).
+service path (:class:`~gateway.grpc.native_route.NativeRoute` in a task).
 
 What stays as it was: ``grpc-encoding`` negotiation (UNIMPLEMENTED for an unknown one), the
 message bounds (RESOURCE_EXHAUSTED), a malformed ``grpc-timeout`` (INTERNAL), the deadline (the
@@ -28,15 +28,15 @@ from .. import clock
 from ..errors import APIError, internal_error
 from ..http.common import spawn
 from ..http.types import Call, Entrance, Request, RequestBodyStream, ResponseSink
-from .binding import PipelineBackend
+from .call_core import CallAborted, call_metadata, request_message
 from .compression import Codecs
 from .convert import spec_from, text_metadata
-from .frame_writer import GrpcFrameWriter
+from .grpc_web import WebEvent
 from .native import NOT_METADATA, NativeCall, NativeRejection, NativeResponseWriter, is_grpc, open_call
+from .native_frame_writer import GrpcFrameWriter
+from .pipeline_backend import PipelineBackend
 from .quicserve.v1 import quicserve_pb2 as pb
 from .status import Status, grpc_status, parse_grpc_timeout
-from .web import WebEvent
-from .web_call import CallAborted, call_metadata, request_message
 
 __all__ = ["GENERATE", "NativeEntrance"]
 

@@ -1,10 +1,10 @@
 """The ``quicserve.v1.Inference`` service, plus gRPC health and server reflection.
 
 Handlers take any :class:`CallStream` -- grpclib's server stream is one, and
-:mod:`.web_call` supplies ours -- so native gRPC and gRPC-Web run the same code. Each RPC turns its request into a :class:`GenerateSpec`, runs one
+:mod:`.call_core` supplies ours -- so native gRPC and gRPC-Web run the same code. Each RPC turns its request into a :class:`GenerateSpec`, runs one
 :class:`Generation` per reply and ends with a gRPC status from the one error
 model (:func:`~gateway.grpc.status.grpc_status`). Client cancellation and an
-expired ``grpc-timeout`` cancel the handler task (:func:`.web_call.run_call`); the
+expired ``grpc-timeout`` cancel the handler task (:func:`.call_core.run_call`); the
 ``finally`` around every generation then cancels it on the backend.
 """
 
@@ -126,7 +126,7 @@ class InferenceService(InferenceBase):
 
 def build_services(backend: Backend) -> tuple[list[IServable], ServiceStatus]:
     """The services: Inference, ``grpc.health.v1`` and reflection (grpclib's; their ``__mapping__()``
-    is what :mod:`.server` serves).
+    is what :mod:`.native_server` serves).
 
     The returned status is the Inference service's health (and the server's
     overall health): set it to ``False`` while draining so balancers stop

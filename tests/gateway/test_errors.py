@@ -21,13 +21,13 @@ import pytest
 
 from gateway.errors import APIError, from_routing, from_wire_code, internal_error, render_http, render_sse
 from gateway.grpc.compression import Codecs
-from gateway.grpc.frame_writer import GrpcFrameWriter
+from gateway.grpc.grpc_web_route import serve_web_call
 from gateway.grpc.native import NativeResponseWriter
-from gateway.grpc.native_call import NativeRoute
+from gateway.grpc.native_frame_writer import GrpcFrameWriter
+from gateway.grpc.native_route import NativeRoute
 from gateway.grpc.quicserve.v1 import quicserve_pb2 as pb
 from gateway.grpc.service import InferenceService
 from gateway.grpc.status import Status, decode_grpc_message
-from gateway.grpc.web_call import serve_web_call
 from gateway.http.common import protocol_error, task_entrance
 from gateway.http.h1_core import error_response
 from gateway.http.types import Headers, Request, ResponseSink

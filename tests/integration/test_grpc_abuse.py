@@ -25,13 +25,13 @@ from aioquic.h3.connection import FrameUnexpected
 from hyperframe.frame import DataFrame
 
 from gateway.app import App
-from gateway.grpc.binding import PipelineBackend
 from gateway.grpc.compression import Codecs
+from gateway.grpc.grpc_web_route import GrpcWebRoute
 from gateway.grpc.mount import mount_grpc
+from gateway.grpc.native_server import NativeServer, start_native
+from gateway.grpc.pipeline_backend import PipelineBackend
 from gateway.grpc.quicserve.v1 import quicserve_pb2 as pb
-from gateway.grpc.server import NativeServer, start_native
 from gateway.grpc.service import InferenceService
-from gateway.grpc.web_route import GrpcWebRoute
 from gateway.http.common import HttpLimits, task_entrance
 from gateway.http.listeners import ListenerSpec, StreamListener, start_listener
 from gateway.http.quic_listener import QuicListener, start_quic_listener

@@ -21,8 +21,8 @@ import pytest
 from gateway import clock
 from gateway.errors import APIError
 from gateway.grpc.compression import GzipCodec
+from gateway.grpc.native_server import start_native
 from gateway.grpc.quicserve.v1 import quicserve_pb2 as pb
-from gateway.grpc.server import start_native
 from tests.gateway.grpc.backend_double import EchoBackendDouble
 from tests.gateway.grpc.h2_client import RawH2
 from tests.gateway.grpc.web_client import CODECS, frame

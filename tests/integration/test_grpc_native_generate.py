@@ -15,9 +15,9 @@ import gateway.grpc.native_generate as native_generate
 import gateway.http.common as http_common
 from gateway.app import App
 from gateway.errors import APIError
-from gateway.grpc.binding import GRPC_ROUTE, PipelineBackend
+from gateway.grpc.native_server import NativeServer, start_native
+from gateway.grpc.pipeline_backend import GRPC_ROUTE, PipelineBackend
 from gateway.grpc.quicserve.v1 import quicserve_pb2 as pb
-from gateway.grpc.server import NativeServer, start_native
 from gateway.grpc.service import InferenceService
 from gateway.http.types import Request
 from gateway.routing.pool import ModelPool

@@ -11,9 +11,9 @@ import grpc
 import pytest
 
 from gateway.app import App
-from gateway.grpc.binding import PipelineBackend
+from gateway.grpc.native_server import start_native
+from gateway.grpc.pipeline_backend import PipelineBackend
 from gateway.grpc.quicserve.v1 import quicserve_pb2 as pb
-from gateway.grpc.server import start_native
 from gateway.routing.pool import ModelPool
 from tests.gateway.doubles import ScriptedWorkerConnection
 from transport.messages import ErrorCode

@@ -21,9 +21,9 @@ import pytest
 from gateway.app import App
 from gateway.errors import APIError
 from gateway.grpc.compression import Codecs
+from gateway.grpc.grpc_web_route import GrpcWebRoute
 from gateway.grpc.quicserve.v1 import quicserve_pb2 as pb
 from gateway.grpc.service import InferenceService
-from gateway.grpc.web_route import GrpcWebRoute
 from gateway.http.common import HttpLimits, task_entrance
 from gateway.http.listeners import ListenerSpec, start_listener
 from gateway.routing.pool import ModelPool

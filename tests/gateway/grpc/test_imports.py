@@ -14,7 +14,7 @@ def test_grpc_package_imports_without_grpcio_or_jax() -> None:
         "import sys\n"
         "for name in ('grpc', 'grpc_tools', 'jax'):\n"
         "    sys.modules[name] = None  # any import of them now fails\n"
-        "import gateway.grpc.server, gateway.grpc.web_route, gateway.grpc.quicserve.v1.quicserve_grpc\n"
+        "import gateway.grpc.native_server, gateway.grpc.grpc_web_route, gateway.grpc.quicserve.v1.quicserve_grpc\n"
         "print('ok')\n"
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60,

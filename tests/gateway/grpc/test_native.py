@@ -8,9 +8,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gateway.grpc.compression import Codecs
+from gateway.grpc.grpc_web import CallFailed, MessageReceived, RequestEnded, WebEvent
 from gateway.grpc.native import NativeCall, NativeRejection, is_grpc, open_call
 from gateway.grpc.status import Status
-from gateway.grpc.web import CallFailed, MessageReceived, RequestEnded, WebEvent
 from tests.gateway.grpc.web_client import CODECS, frame
 
 MESSAGES = [b"", b"hello", b"x" * 300, bytes(range(256)) * 3]

@@ -1,4 +1,4 @@
-"""The client side of gRPC-Web for tests, written independently of gateway.grpc.web."""
+"""The client side of gRPC-Web for tests, written independently of gateway.grpc.grpc_web."""
 
 from __future__ import annotations
 

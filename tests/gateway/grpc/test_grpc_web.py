@@ -10,8 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gateway.grpc.compression import Codecs, GzipCodec, ZstdCodec
-from gateway.grpc.status import Status
-from gateway.grpc.web import (
+from gateway.grpc.grpc_web import (
     CallFailed,
     MessageReceived,
     Rejection,
@@ -23,6 +22,7 @@ from gateway.grpc.web import (
     is_grpc_web,
     open_call,
 )
+from gateway.grpc.status import Status
 
 ACCEPT = "zstd,gzip,identity"
 MESSAGES = [b"\x0a\x02hi", b"", b"x" * 300]

@@ -15,9 +15,9 @@ import pytest
 
 from gateway.errors import APIError
 from gateway.grpc.compression import Codecs
+from gateway.grpc.grpc_web_route import serve_web_call
 from gateway.grpc.quicserve.v1 import quicserve_pb2 as pb
 from gateway.grpc.service import InferenceService
-from gateway.grpc.web_call import serve_web_call
 from tests.gateway.grpc.backend_double import EchoBackendDouble
 from tests.gateway.grpc.web_client import CODECS, Parsed, frame, parse_body
 

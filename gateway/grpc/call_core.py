@@ -1,18 +1,19 @@
-"""gRPC calls over HTTP: the thin asyncio layer over the sans-I/O cores (:mod:`.web`, :mod:`.native`).
+"""The gRPC call core native gRPC and gRPC-Web both run on: the thin asyncio layer over the
+sans-I/O cores (:mod:`.grpc_web`, :mod:`.native`).
 
-How it works: the HTTP adapter hands :func:`serve_web_call` the request path
-and headers, the request body as an async iterator of chunks, and a
-:class:`WebSink`. It opens the call (codec negotiation), finds the handler in
-a grpclib ``__mapping__()`` table -- the same handlers native gRPC runs -- and
-runs it (:func:`run_call`) on a :class:`GrpcStream`, which feeds body chunks to
-the sans-I/O reader only when the handler asks for a message (so a bidi ``Chat``
-over HTTP/2 or HTTP/3 reads turns while it streams replies) and writes replies
-through the sink. Whatever happens -- a malformed body, an unknown method, an
-expired ``grpc-timeout``, a handler bug, a body the adapter refused (413), a body
-that stalls -- the response ends with exactly one status and nothing propagates
-into the adapter; only a client that went away ends it without one. gRPC-Web's
-status is the trailer frame (:class:`WebStream`); native gRPC's is HTTP trailers
-(:class:`~gateway.grpc.native_call.NativeStream`).
+How it works: a route (:mod:`.native_route` on the gRPC port, :mod:`.grpc_web_route` on the
+HTTP listeners) opens the call (codec negotiation) and hands :func:`run_call` the request path
+and headers and a factory of its :class:`GrpcStream`. :func:`run_call` finds the handler in a
+grpclib ``__mapping__()`` table -- the same handlers for both -- and runs it on the stream,
+which feeds body chunks (an async iterator) to the sans-I/O reader only when the handler asks
+for a message (so a bidi ``Chat`` over HTTP/2 or HTTP/3 reads turns while it streams replies)
+and writes replies through a :class:`CallSink`. Whatever happens -- a malformed body, an unknown
+method, an expired ``grpc-timeout``, a handler bug, a body the adapter refused (413), a body
+that stalls -- the response ends with exactly one status and nothing propagates into the
+adapter; only a client that went away ends it without one. Each route's stream subclass says
+where the status goes: gRPC-Web's is the trailer frame
+(:class:`~gateway.grpc.grpc_web_route.WebStream`), native gRPC's HTTP trailers
+(:class:`~gateway.grpc.native_route.NativeStream`).
 
 A body that stalls: while a message is incomplete (part of a frame held, or the
 one message of a unary-request method not yet come) each wait for more of the
@@ -43,18 +44,18 @@ from grpclib.metadata import Deadline, decode_bin_value
 from ..errors import APIError, internal_error
 from ..http.common import ClientDisconnected
 from ..http.types import Request, ResponseSink
-from .compression import Codecs
+from .grpc_web import CallFailed, MessageReceived, WebEvent, WebRequestReader
 from .status import Status, grpc_status, parse_grpc_timeout
-from .web import CallFailed, MessageReceived, Rejection, WebCall, WebEvent, WebRequestReader, open_call
 
-__all__ = ["WebSink", "MessageWriter", "GrpcStream", "WebStream", "run_call", "serve_web_call", "write_or_cut",
-           "request_body", "call_metadata", "CallAborted", "request_message"]
+__all__ = ["CallSink", "MessageWriter", "GrpcStream", "run_call", "write_or_cut", "request_body", "call_metadata",
+           "CallAborted", "request_message"]
 
 log = logging.getLogger(__name__)
 
 
-class WebSink(Protocol):
-    """Where a gRPC-Web response goes: HTTP 200 with ``headers``, then body bytes."""
+class CallSink(Protocol):
+    """Where a call's response goes: HTTP 200 with ``headers``, then body bytes (each route wraps
+    its adapter's ``ResponseSink`` in one)."""
 
     async def start(self, headers: list[tuple[bytes, bytes]]) -> None: ...
 
@@ -142,7 +143,7 @@ class GrpcStream:
     client_streaming = True
 
     def __init__(self, reader: WebRequestReader, writer: MessageWriter, request_type: Any,
-                 body: AsyncIterator[bytes], sink: WebSink, deadline: Deadline | None,
+                 body: AsyncIterator[bytes], sink: CallSink, deadline: Deadline | None,
                  headers: Mapping[bytes, bytes]) -> None:
         self.deadline = deadline
         self.metadata: Mapping[str, str | bytes] = call_metadata(headers, self.not_metadata)
@@ -217,36 +218,6 @@ class GrpcStream:
         if not self._started:
             self._started = True
             await self._sink.start(self._writer.headers())
-
-
-class WebStream(GrpcStream):
-    """One gRPC-Web call: the status is the trailer frame, in the body."""
-
-    def __init__(self, call: WebCall, request_type: Any, body: AsyncIterator[bytes], sink: WebSink,
-                 deadline: Deadline | None, headers: Mapping[bytes, bytes]) -> None:
-        super().__init__(call.reader, call.writer, request_type, body, sink, deadline, headers)
-        self._web = call.writer
-
-    async def _end(self, status: Status, message: str, metadata: Sequence[tuple[str, str]]) -> None:
-        await self._sink.write(self._web.trailers(status, message, metadata))
-
-
-async def serve_web_call(handlers: Mapping[str, Handler], path: str, headers: Mapping[bytes, bytes],
-                         body: AsyncIterator[bytes], sink: WebSink, codecs: Codecs, max_message: int,
-                         stall_timeout: float | None = None) -> None:
-    """Run one gRPC-Web call to its trailer frame (headers: lower-case names)."""
-    opened = open_call(headers, codecs, max_message)
-    if isinstance(opened, Rejection):
-        await sink.start(opened.writer.headers())
-        await sink.write(opened.writer.trailers(opened.status, opened.message))
-        return
-
-    def stream(request_type: Any, deadline: Deadline | None) -> GrpcStream:
-        s = WebStream(opened, request_type, body, sink, deadline, headers)
-        s.stall_timeout = stall_timeout
-        return s
-
-    await run_call(handlers, path, headers, stream)
 
 
 async def run_call(handlers: Mapping[str, Handler], path: str, headers: Mapping[bytes, bytes],

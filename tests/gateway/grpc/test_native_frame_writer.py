@@ -6,9 +6,9 @@ import pytest
 
 from gateway.errors import APIError
 from gateway.grpc.compression import Codecs, GzipCodec
-from gateway.grpc.frame_writer import GrpcFrameWriter, text_message
 from gateway.grpc.framing import FrameDecoder
 from gateway.grpc.native import NativeResponseWriter
+from gateway.grpc.native_frame_writer import GrpcFrameWriter, text_message
 from gateway.grpc.quicserve.v1 import quicserve_pb2 as pb
 from transport.messages import Finish, FinishReason
 

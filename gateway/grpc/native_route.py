@@ -7,7 +7,7 @@ body as ``Request.stream`` (acknowledged to the client as the handler reads it).
 The route checks what makes a request a gRPC call (POST, HTTP/2, an
 ``application/grpc`` content type: else 405, 505, 415), opens the call
 (:func:`~gateway.grpc.native.open_call`) and runs the same grpclib handlers as
-gRPC-Web through :func:`~gateway.grpc.web_call.run_call` on a
+gRPC-Web through :func:`~gateway.grpc.call_core.run_call` on a
 :class:`NativeStream`, whose status goes in HTTP/2 trailers
 (``ResponseSink.end(trailers)``). A client's RST_STREAM or lost connection
 cancels the call's task (the adapter's ``call.cancel()``), and with it the
@@ -24,16 +24,16 @@ from grpclib.const import Handler
 from grpclib.metadata import Deadline
 
 from ..http.types import Headers, Request, ResponseSink
+from .call_core import GrpcStream, request_body, run_call, write_or_cut
 from .compression import Codecs
 from .native import NOT_METADATA, NativeCall, NativeRejection, NativeResponseWriter, is_grpc, open_call
 from .status import Status
-from .web_call import GrpcStream, request_body, run_call, write_or_cut
 
 __all__ = ["NativeRoute", "NativeStream"]
 
 
 class _Sink:
-    """``WebSink`` over an HTTP/2 ``ResponseSink``: HTTP 200 with the call's headers, then frames
+    """``CallSink`` over an HTTP/2 ``ResponseSink``: HTTP 200 with the call's headers, then frames
     (a client that reads nothing for ``write_timeout`` is cut off: :func:`write_or_cut`)."""
 
     def __init__(self, sink: ResponseSink, write_timeout: float | None) -> None:
@@ -73,7 +73,7 @@ class NativeRoute:
                  stall_timeout: float | None = None, write_timeout: float | None = None) -> None:
         self._handlers = handlers
         self._write_timeout = write_timeout
-        self._stall = stall_timeout  # a body stalled inside a message (see gateway.grpc.web_call)
+        self._stall = stall_timeout  # a body stalled inside a message (see gateway.grpc.call_core)
         self._codecs = codecs
         self._max_message = max_message
 

@@ -1,7 +1,7 @@
 """The native gRPC listener: Inference, health and reflection on our own HTTP/2 adapter.
 
 The gRPC port is an HTTP listener (h2c with prior knowledge, like every gRPC
-client speaks it) whose entrance is :class:`~gateway.grpc.native_call.NativeRoute`:
+client speaks it) whose entrance is :class:`~gateway.grpc.native_route.NativeRoute`:
 the grpclib service handlers (``__mapping__()`` of Inference, ``grpc.health.v1``
 and server reflection) run through the same call core as gRPC-Web, so native
 gRPC negotiates ``grpc-encoding`` (zstd, gzip, identity) like gRPC-Web does.
@@ -29,11 +29,11 @@ from ..http.common import HttpLimits, task_entrance
 from ..http.listeners import ListenerSpec, StreamListener, start_listener
 from ..http.types import Entrance
 from .backend import Backend
-from .binding import PipelineBackend
 from .compression import Codecs
 from .framing import HEADER_SIZE
-from .native_call import NativeRoute
 from .native_generate import NativeEntrance
+from .native_route import NativeRoute
+from .pipeline_backend import PipelineBackend
 from .service import build_services
 
 __all__ = ["NativeServer", "start_native"]

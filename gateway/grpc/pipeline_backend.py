@@ -7,10 +7,10 @@ and refuse the same things), then goes through
 generation call with its deadline (``grpc-timeout`` capped by the request
 timeout), retries, metrics and its one end. :class:`DeltaWriter` is the gRPC
 writer: instead of bytes for an HTTP sink it hands each engine step's text to
-the service, which frames protobuf messages itself (through the call core
-of :mod:`.web_call`, native and gRPC-Web alike), and ends with :class:`Finished` or the
+the service, which frames protobuf messages itself (through the call core,
+:mod:`.call_core`, native and gRPC-Web alike), and ends with :class:`Finished` or the
 :class:`APIError` the service maps to a gRPC status. Native ``Generate`` passes the service by:
-:meth:`PipelineBackend.start` with a :class:`~gateway.grpc.frame_writer.GrpcFrameWriter` on its
+:meth:`PipelineBackend.start` with a :class:`~gateway.grpc.native_frame_writer.GrpcFrameWriter` on its
 HTTP/2 sink (:mod:`.native_generate`).
 """
 
