@@ -7,7 +7,7 @@ Subcommands::
     quicserve config check FILE       # unknown keys, wrong types, bad values -> exit 1
     quicserve config show [--config FILE]
     quicserve transport probe         # which transports (RDMA, TCP, unix) work here
-    quicserve bench --url URL ...     # load generator against a running gateway
+    quicserve bench --url URL ...     # serving benchmark (TTFT/TPOT/ITL, plots); bench compare A B
 
 ``worker`` imports :mod:`inference.worker` lazily, inside that subcommand only,
 so the gateway process never imports JAX.
@@ -66,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     tsub = t.add_subparsers(dest="transport_command", required=True)
     tsub.add_parser("probe", help="report which transports work on this machine")
 
-    sub.add_parser("bench", help="load generator against a running gateway", add_help=False)
+    sub.add_parser("bench", help="serving benchmark against a running server (`quicserve bench --help`)",
+                   add_help=False)
     return p
 
 
@@ -103,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return int(worker_main(argv[1:]) or 0)
     if argv[:1] == ["bench"]:
-        from .loadgen import main as bench_main
+        from .bench.cli import main as bench_main
 
         return bench_main(argv[1:])
     a = build_parser().parse_args(argv)

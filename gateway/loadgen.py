@@ -1,4 +1,7 @@
-"""``quicserve bench``: a small, fast HTTP/1.1 load generator (closed loop, keep-alive).
+"""The developers' HTTP/1.1 load generator (closed loop, keep-alive) of the benchmarks in tests/bench/.
+
+Users' serving benchmark is ``quicserve bench`` (:mod:`gateway.bench`); this one stays as small as it
+is so that the gateway benchmarks' client costs the same from run to run.
 
 Each of ``concurrency`` connections sends one pre-rendered request, waits for
 the whole response (content-length or chunked; an SSE stream must end with
@@ -6,7 +9,7 @@ the whole response (content-length or chunked; an SSE stream must end with
 spread over several processes (``--processes``) so the client is not the
 bottleneck; each child prints its raw latencies as JSON and the parent merges.
 
-    quicserve bench --url http://127.0.0.1:8080 --concurrency 32 --duration 10 [--stream]
+    python -m gateway.loadgen --url http://127.0.0.1:8080 --concurrency 32 --duration 10 [--stream]
 """
 
 from __future__ import annotations
@@ -172,7 +175,7 @@ def run_processes(a: argparse.Namespace) -> LoadResult:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="quicserve bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m gateway.loadgen", description=__doc__.split("\n\n")[0])
     p.add_argument("--url", default="http://127.0.0.1:8080")
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--duration", type=float, default=10.0)
