@@ -125,7 +125,7 @@ class App:
                 route = "/v1/models/{id}"
                 if req.method not in ("GET", "HEAD"):
                     raise self._method_error(req, "GET, HEAD")
-                answer = 200, JSON_HEADERS, self.openai.model_body(path[11:], self.pool.models())
+                answer = 200, JSON_HEADERS, self.openai.model_body(path[11:], self.pool.models(), self.pool.aliases)
             else:
                 route = "other"
                 raise APIError(404, f"Unknown request URL: {req.method} {path}. Please check the URL for "
@@ -176,7 +176,7 @@ class App:
 
     # -- small routes ------------------------------------------------------------------------
     def _models(self, req: Request) -> Answer:
-        return 200, JSON_HEADERS, self.openai.models_body(self.pool.models())
+        return 200, JSON_HEADERS, self.openai.models_body(self.pool.models(), self.pool.aliases)
 
     def _healthz(self, req: Request) -> Answer:
         return 200, JSON_HEADERS, _OK

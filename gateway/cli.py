@@ -147,12 +147,18 @@ def main(argv: list[str] | None = None) -> int:
 def _to_toml(d: dict[str, Any]) -> str:
     import orjson
 
+    def value(v: Any) -> str:
+        if isinstance(v, dict):
+            return "{ " + ", ".join(f"{k} = {value(x)}" for k, x in v.items()) + " }"
+        return str(v).lower() if isinstance(v, bool) else orjson.dumps(v).decode()
+
     lines = []
     for section, values in d.items():
-        lines.append(f"[{section}]")
-        for k, v in values.items():
-            lines.append(f"{k} = {orjson.dumps(v).decode() if not isinstance(v, bool) else str(v).lower()}")
-        lines.append("")
+        tables = values if isinstance(values, list) else [values]  # [[models]]: a list of tables
+        for table in tables:
+            lines.append(f"[[{section}]]" if isinstance(values, list) else f"[{section}]")
+            lines += [f"{k} = {value(v)}" for k, v in table.items()]
+            lines.append("")
     return "\n".join(lines)
 
 

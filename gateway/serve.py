@@ -86,6 +86,9 @@ async def run_gateway(settings: Settings, *, out: TextIO | None = None,
     loop = asyncio.get_running_loop()
     metrics = GatewayMetrics()
     pool = ModelPool(retries=settings.api.retries, policy=settings.routing.build())
+    served = settings.served()
+    if settings.models:  # configured names answer 404/503 before their workers are up
+        pool.configure((m.name, m.aliases) for m in served)
     adm = build_admission(settings.admission, settings.server.host)
     if adm.stage is not None:
         metrics.registry.register(AdmissionCollector(adm.stage.admission, adm.leases))
@@ -125,10 +128,11 @@ async def run_gateway(settings: Settings, *, out: TextIO | None = None,
         _say(out, f"listening on grpc://{_hostport(settings.grpc.host or srv.host, native.port)} (gRPC, h2c)")
 
     notifier = SystemdNotifier.from_environ()  # systemd hook: READY/STATUS/STOPPING + watchdog pings
-    supervisor = WorkerSupervisor(settings.workers, pool, metrics, notifier.progress_display(settings.log.progress))
+    model_workers = [m.worker_settings() for m in served] if settings.models else [settings.workers]
+    supervisor = WorkerSupervisor(model_workers, pool, metrics, notifier.progress_display(settings.log.progress))
     app.worker_failure = lambda: supervisor.failure
     supervisor.start()
-    notifier.start(required_models(settings.workers), pool.models)
+    notifier.start(required_models(*model_workers), pool.models)
     tune_gc()
     sweeper = asyncio.create_task(CycleSweeper().run())  # a burst's garbage cycles do not outlive it
     watches = [asyncio.create_task(watch_workers(spec, supervisor.add_remote, supervisor.remove_remote,

@@ -35,7 +35,7 @@ from .observability.config import LogSettings
 from .observability.tracing import TraceSettings
 from .routing.config import RoutingSettings
 from .server_config import ServerSettings, ShutdownSettings
-from .workers.config import WorkersSettings
+from .workers.config import MODEL_KEYS, PER_MODEL, ModelSettings, WorkersSettings, served_name_of
 from .workers.discovery import DiscoverySettings
 
 __all__ = [
@@ -84,9 +84,21 @@ class Settings:
     tracing: TraceSettings = field(default_factory=TraceSettings)
     discovery: DiscoverySettings = field(default_factory=DiscoverySettings)
     log: LogSettings = field(default_factory=LogSettings)
+    models: list[ModelSettings] = field(default_factory=list)  # [[models]]; empty: [workers] serves one model
+
+    def served(self) -> list[ModelSettings]:
+        """Every model this gateway serves with its own workers: the [[models]] entries, or the one
+        model of [workers] (``--model``, the one-model shortcut) when there are none."""
+        if self.models:
+            return self.models
+        w = self.workers
+        return [ModelSettings(served_name_of(w), [], w.engine, w.model, w.local, list(w.remote), w)]
 
 
-_SECTIONS: dict[str, type] = {f.name: typing.get_type_hints(Settings)[f.name] for f in dataclasses.fields(Settings)}
+_SECTIONS: dict[str, type] = {f.name: typing.get_type_hints(Settings)[f.name] for f in dataclasses.fields(Settings)
+                              if f.name != "models"}
+_WORKER_KEYS = typing.get_type_hints(WorkersSettings)
+_MODEL_HINTS = typing.get_type_hints(ModelSettings)
 
 
 def _type_name(t: Any) -> str:
@@ -195,6 +207,8 @@ def check_mapping(data: Mapping[str, Any]) -> tuple[Settings | None, list[str]]:
     problems: list[str] = []
     sections: dict[str, Any] = {}
     for section, values in data.items():
+        if section == "models":
+            continue
         cls = _SECTIONS.get(section)
         if cls is None:
             problems.append(f"unknown section [{section}] (known: {', '.join(_SECTIONS)})")
@@ -216,13 +230,74 @@ def check_mapping(data: Mapping[str, Any]) -> tuple[Settings | None, list[str]]:
     if problems:
         return None, problems
     settings = Settings(**sections)
+    models = _models(data.get("models", []), data.get("workers", {}), settings.workers, problems)
+    if problems:
+        return None, problems
+    settings = dataclasses.replace(settings, models=models)
     for section in _SECTIONS:
         getattr(settings, section)._validate(problems)
-    w = settings.workers
-    if w.local == 0 and not w.remote and not settings.discovery.worker_dns:
+    for i, m in enumerate(models):
+        problems += [f"models[{i}] ({m.name}): {p.removeprefix('workers.')}" for p in _validated(m.worker_settings())]
+    if not any(m.local or m.remote for m in settings.served()) and not settings.discovery.worker_dns:
         problems.append("workers: no local workers, no remote workers and no discovery.worker_dns: nothing would "
                         "serve requests")
     return (None, problems) if problems else (settings, [])
+
+
+def _validated(ws: WorkersSettings) -> list[str]:
+    p: list[str] = []
+    ws._validate(p)
+    return p
+
+
+def _models(raw: Any, workers_raw: Any, workers: WorkersSettings, p: list[str]) -> list[ModelSettings]:
+    """``[[models]]`` entries, each over ``[workers]`` (``workers``); problems by ``models[i].key``."""
+    if not isinstance(raw, list) or not all(isinstance(e, Mapping) for e in raw):
+        p.append(f"models: expected [[models]] tables, got {raw!r}")
+        return []
+    if raw and isinstance(workers_raw, Mapping):
+        for key in PER_MODEL:
+            if key in workers_raw:
+                p.append(f"workers.{key}: set per model in [[models]] (name, model, local, remote) when there are any")
+    out: list[ModelSettings] = []
+    names: dict[str, str] = {}
+    for i, entry in enumerate(raw):
+        where = f"models[{i}]"
+        kwargs: dict[str, Any] = {}
+        for key, value in entry.items():
+            if key not in MODEL_KEYS:
+                p.append(f"{where}.{key}: unknown key (known: {', '.join(MODEL_KEYS)})")
+            elif key == "workers":
+                kwargs[key] = _model_workers(value, workers, f"{where}.workers", p)
+            elif (v := _coerce(value, _MODEL_HINTS[key], f"{where}.{key}", p)) is not None:
+                kwargs[key] = v
+        name = kwargs.get("name")
+        if not isinstance(name, str) or not name.strip() or any(c.isspace() or c == "/" for c in name):
+            p.append(f"{where}.name: a model needs a name without spaces or '/', got {name!r}")
+            continue
+        if kwargs.get("local", 1) < 0:
+            p.append(f"{where}.local: must be >= 0")
+        for n in (name, *kwargs.get("aliases", [])):
+            if n in names:
+                p.append(f"{where}: {n!r} already names {names[n]!r}")
+            names[n] = name
+        kwargs.setdefault("workers", workers)
+        out.append(ModelSettings(**kwargs))
+    return out
+
+
+def _model_workers(value: Any, workers: WorkersSettings, where: str, p: list[str]) -> WorkersSettings:
+    if not isinstance(value, Mapping):
+        p.append(f"{where}: expected a table of [workers] options, got {value!r}")
+        return workers
+    kwargs: dict[str, Any] = {}
+    for key, v in value.items():
+        if key in PER_MODEL or key not in _WORKER_KEYS:
+            why = "set it on the model itself" if key in PER_MODEL else "unknown [workers] option"
+            p.append(f"{where}.{key}: {why}")
+        elif (c := _coerce(v, _WORKER_KEYS[key], f"{where}.{key}", p)) is not None:
+            kwargs[key] = c
+    return dataclasses.replace(workers, **kwargs)
 
 
 def read_toml(path: str | os.PathLike[str]) -> dict[str, Any]:

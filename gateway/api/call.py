@@ -60,11 +60,12 @@ class CallContext:
     __slots__ = ("deadlines", "timeout", "write_timeout", "observe")
 
     def __init__(self, deadlines: DeadlineSweeper, timeout: float,
-                 observe: Callable[[str, float | None, float | None, int], None], write_timeout: float = 60.0) -> None:
+                 observe: Callable[[str, str, float | None, float | None, int], None],
+                 write_timeout: float = 60.0) -> None:
         self.deadlines = deadlines
         self.timeout = timeout
         self.write_timeout = write_timeout  # a client that reads nothing this long is cut off
-        self.observe = observe  # (route, ttft, tpot, completion tokens)
+        self.observe = observe  # (route, model, ttft, tpot, completion tokens)
 
     def timeout_error(self, timeout: float) -> APIError:
         return APIError(504, f"The request did not finish within {timeout:g} s.", "server_error", None,
@@ -156,7 +157,7 @@ class GenerationCall:
                 self._fail(from_wire_code(fin.code, fin.message))
                 return
             n = fin.completion_tokens
-            self._ctx.observe(self.route, None, None, n)
+            self._ctx.observe(self.route, self._routed.model, None, None, n)
             w = self._w
             assert isinstance(w, JsonWriter)
             self._sink.respond(200, self._headers, w.whole(res.text, fin))
@@ -279,7 +280,7 @@ class GenerationCall:
             n = ev.completion_tokens
             if self.t_first:
                 tpot = (_perf() - self.t_first) / (n - 1) if n > 1 else None
-                self._ctx.observe(self.route, self.t_first - self.t0, tpot, n)
+                self._ctx.observe(self.route, self._routed.model, self.t_first - self.t0, tpot, n)
             w = self._w
             body = w.finish(ev)
             if w.streaming:

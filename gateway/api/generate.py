@@ -100,8 +100,11 @@ class Generations:
         admission = self.admission
         grant: object = _NO_GRANT
         span: RequestSpan | None = None
+        g: GenerationRequest | None = None
         try:
             g = parse(req)
+            if self.pool.aliases:  # an alias names its model from here on (limits, routing, the answer)
+                g.model = self.pool.canonical(g.model)
             if admission is not None:
                 grant = admission.admit(req, g, t0, timeout)
             if self.tracer is not None:
@@ -113,10 +116,10 @@ class Generations:
             err = e if isinstance(e, APIError) else from_routing(e)
             if span is not None:
                 span.end(err.status, model=req.path, error=err.message)
-            return self._refuse(req, fail, sink, done, route, err, t0, grant)
+            return self._refuse(req, fail, sink, done, route, err, t0, grant, self._label(g))
         except Exception:
             log.exception("unhandled error in %s %s", req.method, req.path)
-            return self._refuse(req, fail, sink, done, route, internal_error(), t0, grant)
+            return self._refuse(req, fail, sink, done, route, internal_error(), t0, grant, self._label(g))
         headers = admission.headers(grant) if admission is not None else None
         if span is not None:
             headers = (*(headers or ()), (b"traceparent", span.traceparent.encode()))
@@ -132,7 +135,7 @@ class Generations:
         metrics.in_flight -= 1
         now = _perf()
         req, g, grant, span = call.ticket
-        metrics.request_done(call.route, status, req.protocol, now - call.t0)
+        metrics.request_done(call.route, status, req.protocol, now - call.t0, g.model)
         admission = self.admission
         if grant is not _NO_GRANT and admission is not None:
             admission.release(grant, tokens, now)
@@ -145,14 +148,18 @@ class Generations:
         self.metrics.in_flight += 1
         return self._refuse(req, fail, sink, done, route, err, t0, _NO_GRANT)
 
+    def _label(self, g: GenerationRequest | None) -> str:
+        """A refused request's ``model`` label: a name the pool knows, else "" (bounded cardinality)."""
+        return g.model if g is not None and self.pool.knows(g.model) else ""
+
     def _refuse(self, req: Request, fail: Fail, sink: ResponseSink, done: Callable[[], None], route: str,
-                err: APIError, t0: float, grant: object) -> Call:
+                err: APIError, t0: float, grant: object, model: str = "") -> Call:
         if grant is not _NO_GRANT and self.admission is not None:
             self.admission.release(grant, 0, _perf())
         self.metrics.in_flight -= 1
         fail(sink, err)
         now = _perf()
-        self.metrics.request_done(route, err.status, req.protocol, now - t0)
+        self.metrics.request_done(route, err.status, req.protocol, now - t0, model)
         if self.access_log:
             _observed(req, "", None, True, err.status, 0, t0, 0.0, now, err.code or "")
         self.later(done)

@@ -9,7 +9,7 @@ the generation call and the writers (:mod:`gateway.api.writers`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import orjson
@@ -69,14 +69,18 @@ class OpenAIApi:
                                "unsupported_content_encoding") from None
             raise
 
-    def model_obj(self, name: str) -> dict[str, Any]:
-        return {"id": name, "object": "model", "created": self.created, "owned_by": "quicserve"}
+    def model_obj(self, name: str, aliases: Mapping[str, str]) -> dict[str, Any]:
+        """OpenAI's model object; an alias names the model it stands for as its ``root`` (vLLM's field)."""
+        obj: dict[str, Any] = {"id": name, "object": "model", "created": self.created, "owned_by": "quicserve"}
+        if name in aliases:
+            obj["root"] = aliases[name]
+        return obj
 
-    def models_body(self, models: list[str]) -> bytes:
-        return orjson.dumps({"object": "list", "data": [self.model_obj(m) for m in models]})
+    def models_body(self, models: list[str], aliases: Mapping[str, str]) -> bytes:
+        return orjson.dumps({"object": "list", "data": [self.model_obj(m, aliases) for m in models]})
 
-    def model_body(self, name: str, models: list[str]) -> bytes:
+    def model_body(self, name: str, models: list[str], aliases: Mapping[str, str]) -> bytes:
         if name not in models:
             raise APIError(404, f"The model `{name}` does not exist.", "invalid_request_error", "model",
                            "model_not_found")
-        return orjson.dumps(self.model_obj(name))
+        return orjson.dumps(self.model_obj(name, aliases))

@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..http.common import task_entrance
-from ..settings import GrpcSettings
 from .compression import Codecs
+from .config import GrpcSettings
 from .grpc_web_route import GrpcWebRoute
 from .native_server import NativeServer, start_native
 from .pipeline_backend import PipelineBackend

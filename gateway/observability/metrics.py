@@ -55,11 +55,13 @@ class GatewayMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.requests: dict[tuple[str, str, str], int] = {}  # (route, status, protocol)
-        self.ttft: dict[str, FastHistogram] = {}
-        self.tpot: dict[str, FastHistogram] = {}
-        self.e2e: dict[str, FastHistogram] = {}
-        self.output_tokens: dict[str, int] = {}
+        # every request series is labelled by model: a configured or announced name, "" for routes
+        # that name none (bounded: the pool canonicalises names and refuses unknown ones)
+        self.requests: dict[tuple[str, str, str, str], int] = {}  # (route, status, protocol, model)
+        self.ttft: dict[tuple[str, str], FastHistogram] = {}  # (route, model)
+        self.tpot: dict[tuple[str, str], FastHistogram] = {}
+        self.e2e: dict[tuple[str, str], FastHistogram] = {}
+        self.output_tokens: dict[tuple[str, str], int] = {}
         self.in_flight = 0
         self.protocol_errors = Counter("quicserve_protocol_errors",
                                        "Requests rejected by a protocol adapter before routing",
@@ -76,33 +78,35 @@ class GatewayMetrics:
                                   registry=r)
         r.register(_RequestCollector(self))
 
-    def request_done(self, route: str, status: int, protocol: str, seconds: float) -> None:
-        key = (route, str(status), protocol)
+    def request_done(self, route: str, status: int, protocol: str, seconds: float, model: str = "") -> None:
+        key = (route, str(status), protocol, model)
         req = self.requests
         req[key] = req.get(key, 0) + 1
-        h = self.e2e.get(route)
+        hk = (route, model)
+        h = self.e2e.get(hk)
         if h is None:
-            h = self.e2e[route] = FastHistogram(LATENCY_BUCKETS)
+            h = self.e2e[hk] = FastHistogram(LATENCY_BUCKETS)
         h.observe(seconds)
 
-    def tokens(self, route: str, ttft: float | None, tpot: float | None, n: int) -> None:
+    def tokens(self, route: str, model: str, ttft: float | None, tpot: float | None, n: int) -> None:
         """One generation finished: first-token latency, mean inter-token time, count.
 
         ``ttft``/``tpot`` are None when the gateway did not see tokens arrive one step
         at a time: a non-streaming response is delivered by the worker in one piece
         (``Submit.buffered``), so only its token count is recorded.
         """
+        key = (route, model)
         if ttft is not None:
-            h = self.ttft.get(route)
+            h = self.ttft.get(key)
             if h is None:
-                h = self.ttft[route] = FastHistogram(LATENCY_BUCKETS)
+                h = self.ttft[key] = FastHistogram(LATENCY_BUCKETS)
             h.observe(ttft)
         if tpot is not None:
-            h = self.tpot.get(route)
+            h = self.tpot.get(key)
             if h is None:
-                h = self.tpot[route] = FastHistogram(TPOT_BUCKETS)
+                h = self.tpot[key] = FastHistogram(TPOT_BUCKETS)
             h.observe(tpot)
-        self.output_tokens[route] = self.output_tokens.get(route, 0) + n
+        self.output_tokens[key] = self.output_tokens.get(key, 0) + n
 
     def protocol_error(self, status: int, protocol: str) -> None:
         self.protocol_errors.labels(str(status), protocol).inc()
@@ -124,13 +128,14 @@ class _RequestCollector:
 
     def collect(self) -> Iterator[Metric]:
         m = self.m
-        req = CounterMetricFamily("quicserve_requests", "HTTP requests handled", labels=["route", "status", "protocol"])
-        for (route, status, proto), n in sorted(m.requests.items()):
-            req.add_metric([route, status, proto], n)
+        req = CounterMetricFamily("quicserve_requests", "HTTP requests handled",
+                                  labels=["route", "status", "protocol", "model"])
+        for (route, status, proto, model), n in sorted(m.requests.items()):
+            req.add_metric([route, status, proto, model], n)
         yield req
-        tok = CounterMetricFamily("quicserve_output_tokens", "Completion tokens sent", labels=["route"])
-        for route, n in sorted(m.output_tokens.items()):
-            tok.add_metric([route], n)
+        tok = CounterMetricFamily("quicserve_output_tokens", "Completion tokens sent", labels=["route", "model"])
+        for (route, model), n in sorted(m.output_tokens.items()):
+            tok.add_metric([route, model], n)
         yield tok
         yield GaugeMetricFamily("quicserve_requests_in_flight", "Requests being handled", value=m.in_flight)
         for name, doc, hists in (
@@ -139,9 +144,9 @@ class _RequestCollector:
              m.tpot),
             ("quicserve_request_duration_seconds", "Request arrival to last byte", m.e2e),
         ):
-            fam = HistogramMetricFamily(name, doc, labels=["route"])
-            for route, h in sorted(hists.items()):
-                fam.add_metric([route], h.cumulative(), h.sum)
+            fam = HistogramMetricFamily(name, doc, labels=["route", "model"])
+            for (route, model), h in sorted(hists.items()):
+                fam.add_metric([route, model], h.cumulative(), h.sum)
             yield fam
 
 

@@ -25,9 +25,8 @@ import logging
 import os
 import socket
 from collections.abc import Callable, Iterable, MutableMapping
-from pathlib import Path
 
-from ..workers.config import WorkersSettings
+from ..workers.config import WorkersSettings, served_name_of
 from .progress import ProgressDisplay
 
 __all__ = ["ReadinessGate", "SystemdNotifier", "encode", "required_models", "socket_address",
@@ -63,16 +62,15 @@ def watchdog_interval(environ: MutableMapping[str, str], pid: int) -> float | No
     return int(usec) / 2e6
 
 
-def required_models(ws: WorkersSettings) -> frozenset[str]:
-    """Models that must have a ready worker before the service is READY.
+def required_models(*models: WorkersSettings) -> frozenset[str]:
+    """Models that must have a ready worker before the service is READY (one ``[workers]`` settings
+    per model served).
 
-    The local workers' model, under the name the worker announces (the served name,
+    Each model with local workers, under the name its workers announce (the served name,
     else the checkpoint directory's name); remote workers announce theirs only once
     connected, so with remote workers only, the first ready worker of any model counts.
     """
-    if ws.local <= 0:
-        return frozenset()
-    return frozenset({ws.served_name or (ws.model if ws.model == "tiny" else Path(ws.model).name)})
+    return frozenset(served_name_of(ws) for ws in models if ws.local > 0)
 
 
 class ReadinessGate:

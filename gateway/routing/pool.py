@@ -45,6 +45,25 @@ class ModelPool:
         self.on_move: Callable[[int], None] | None = None  # metrics: requests moved by a rebalance
         # what a policy sees of a request (prompt estimate, max_tokens), built only when it is asked
         self.describe: Describe = model_only
+        self.aliases: dict[str, str] = {}  # alias -> the model's name ([[models]] aliases)
+
+    def configure(self, models: Iterable[tuple[str, Iterable[str]]]) -> None:
+        """The models the configuration names, each with its aliases: a request may name any of
+        them, and names nothing else once they are known (404 ``model_not_found`` before any worker
+        of theirs is ready; 503 while none is)."""
+        for name, aliases in models:
+            self._known.add(name)
+            for alias in aliases:
+                self.aliases[alias] = name
+                self._known.add(alias)
+
+    def knows(self, model: str) -> bool:
+        """Configured, or announced by a worker since start (what a metric label may name)."""
+        return model in self._known
+
+    def canonical(self, model: str) -> str:
+        """The model an alias stands for (the name itself otherwise)."""
+        return self.aliases.get(model, model)
 
     # -- membership (supervisor) ------------------------------------------------
     def add(self, conn: WorkerConnection, models: Iterable[str] | None = None) -> None:
@@ -75,8 +94,9 @@ class ModelPool:
 
     # -- queries (handlers) --------------------------------------------------------
     def models(self) -> list[str]:
-        """Models with at least one ready (open) worker, sorted."""
-        return sorted(m for m, conns in self._by_model.items() if any(not c.closed for c in conns))
+        """Models with at least one ready (open) worker, and their aliases, sorted."""
+        ready = {m for m, conns in self._by_model.items() if any(not c.closed for c in conns)}
+        return sorted(ready | {a for a, m in self.aliases.items() if m in ready})
 
     def ready_workers(self) -> int:
         return sum(1 for c in self.connections() if not c.closed)

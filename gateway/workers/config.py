@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import PurePath
 
 from transport.worker_options import URL_SCHEMES, WorkerOptions, option_problems
 
-__all__ = ["WorkersSettings"]
+__all__ = ["WorkersSettings", "ModelSettings", "MODEL_KEYS", "PER_MODEL", "served_name_of"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,3 +38,35 @@ class WorkersSettings(WorkerOptions):
                 p.append(f"workers.{name}: must be > 0")
         if self.restart_backoff_max < self.restart_backoff_initial:
             p.append("workers.restart_backoff_max: must be >= restart_backoff_initial")
+
+
+# Keys of a [[models]] entry's own (the rest of [workers] comes in its `workers` sub-table).
+MODEL_KEYS = ("name", "aliases", "engine", "model", "local", "remote", "workers")
+# [workers] keys that a [[models]] entry sets for itself: with [[models]], [workers] must not.
+PER_MODEL = ("model", "served_name", "local", "remote")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSettings:
+    """One ``[[models]]`` entry: a model served under ``name`` (and its ``aliases``) by ``local``
+    worker processes of ``engine`` running ``model``, plus the workers at ``remote`` URLs; its
+    ``workers`` table overrides ``[workers]`` options for it alone."""
+
+    name: str
+    aliases: list[str] = field(default_factory=list)
+    engine: str = ""  # "" = [workers] engine
+    model: str = ""  # checkpoint dir or "tiny"; "" = [workers] model
+    local: int = 1
+    remote: list[str] = field(default_factory=list)
+    workers: WorkersSettings = field(default_factory=WorkersSettings)  # [workers] with this entry's overrides
+
+    def worker_settings(self) -> WorkersSettings:
+        """The ``[workers]`` settings its own workers run with (served under its name)."""
+        return replace(self.workers, engine=self.engine or self.workers.engine, model=self.model or self.workers.model,
+                       served_name=self.name, local=self.local, remote=list(self.remote))
+
+
+def served_name_of(ws: WorkersSettings) -> str:
+    """The name a worker with these settings announces: the served name, else the model's ("tiny",
+    or the checkpoint directory's name)."""
+    return ws.served_name or (ws.model if ws.model == "tiny" else PurePath(ws.model.rstrip("/")).name)

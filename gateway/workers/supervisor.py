@@ -95,8 +95,9 @@ class _Worker:
 
     name: str
 
-    def __init__(self, sup: WorkerSupervisor) -> None:
+    def __init__(self, sup: WorkerSupervisor, ws: WorkersSettings) -> None:
         self.sup = sup
+        self.ws = ws  # its model's [workers] settings (timeouts, backoff, options)
         self.conn: WorkerConnection | None = None
         self.ready_once = asyncio.Event()
         self.failure: str | None = None  # why it stopped for good (never restarted), if it did
@@ -108,7 +109,7 @@ class _Worker:
         raise NotImplementedError
 
     async def loop(self) -> None:
-        backoff = Backoff(self.sup.ws.restart_backoff_initial, self.sup.ws.restart_backoff_max)
+        backoff = Backoff(self.ws.restart_backoff_initial, self.ws.restart_backoff_max)
         while not self.stopping:
             t0 = clock.now()
             self.starts += 1
@@ -138,7 +139,7 @@ class _Worker:
             await asyncio.sleep(delay)
 
     async def attach(self, url: str, models: Sequence[str] | None) -> WorkerConnection:
-        ws = self.sup.ws
+        ws = self.ws
         conn = await self.sup.connect(url, identity=self.sup.identity, timeout=ws.connect_timeout,
                                       heartbeat_interval=ws.heartbeat_interval, dead_after=ws.dead_after)
         self.conn = conn
@@ -161,8 +162,8 @@ class _Worker:
 
 
 class LocalWorker(_Worker):
-    def __init__(self, sup: WorkerSupervisor, index: int, argv: list[str]) -> None:
-        super().__init__(sup)
+    def __init__(self, sup: WorkerSupervisor, ws: WorkersSettings, index: int, argv: list[str]) -> None:
+        super().__init__(sup, ws)
         self.name = f"worker-{index}"
         self.argv = argv
         self.proc: asyncio.subprocess.Process | None = None
@@ -170,7 +171,7 @@ class LocalWorker(_Worker):
         self.fatal = ""  # the message of the worker's last ``fatal`` event
 
     async def run_once(self) -> None:
-        ws = self.sup.ws
+        ws = self.ws
         self.proc = proc = await asyncio.create_subprocess_exec(
             *self.argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, limit=1 << 20,
             start_new_session=True, preexec_fn=_child_setup)
@@ -237,12 +238,12 @@ class LocalWorker(_Worker):
         await super()._release()
         proc, self.proc = self.proc, None
         if proc is not None and proc.returncode is None:
-            await _terminate(proc, self.sup.ws.stop_timeout)
+            await _terminate(proc, self.ws.stop_timeout)
 
 
 class RemoteWorker(_Worker):
-    def __init__(self, sup: WorkerSupervisor, url: str) -> None:
-        super().__init__(sup)
+    def __init__(self, sup: WorkerSupervisor, ws: WorkersSettings, url: str) -> None:
+        super().__init__(sup, ws)
         self.name = url
         self.url = url
 
@@ -264,21 +265,31 @@ async def _terminate(proc: asyncio.subprocess.Process, timeout: float) -> None:
 
 
 class WorkerSupervisor:
-    """Every configured worker, local and remote."""
+    """Every configured worker, local and remote, of every model (``models``: each model's
+    ``[workers]`` settings, as :meth:`~gateway.workers.config.ModelSettings.worker_settings` gives
+    them; one ``WorkersSettings`` for the one-model case). ``commands`` replaces the local workers'
+    argv (tests), with the first model's settings."""
 
-    def __init__(self, ws: WorkersSettings, pool: ModelPool, metrics: GatewayMetrics,
+    def __init__(self, models: WorkersSettings | Sequence[WorkersSettings], pool: ModelPool, metrics: GatewayMetrics,
                  progress: ProgressDisplay | None = None, *, connect: Connector | None = None,
                  commands: Sequence[list[str]] | None = None) -> None:
-        self.ws = ws
+        specs = [models] if isinstance(models, WorkersSettings) else list(models)
+        self.ws = ws = specs[0]  # the first model's (discovered workers are supervised with these)
         self.pool = pool
         self.metrics = metrics
         self.progress = progress if progress is not None else ProgressDisplay("off")
         self.connect = connect if connect is not None else _default_connector()
         self.identity = f"gateway@{os.uname().nodename}:{os.getpid()}"
         self.changed = asyncio.Event()  # a worker became ready or stopped for good
-        cmds = list(commands) if commands is not None else [worker_command(ws, i) for i in range(ws.local)]
-        self.workers: list[_Worker] = [LocalWorker(self, i, c) for i, c in enumerate(cmds)]
-        self.workers += [RemoteWorker(self, u) for u in ws.remote]
+        self.workers: list[_Worker] = []
+        if commands is not None:
+            self.workers += [LocalWorker(self, ws, i, c) for i, c in enumerate(commands)]
+        else:
+            for spec in specs:  # local workers numbered across models (unix:// listen paths stay apart)
+                for _ in range(spec.local):
+                    i = len(self.workers)
+                    self.workers.append(LocalWorker(self, spec, i, worker_command(spec, i)))
+        self.workers += [RemoteWorker(self, spec, u) for spec in specs for u in spec.remote]
 
     def start(self) -> None:
         for w in self.workers:
@@ -288,7 +299,7 @@ class WorkerSupervisor:
         """A worker that appeared (DNS discovery): supervised like the configured remote ones."""
         if any(isinstance(w, RemoteWorker) and w.url == url for w in self.workers):
             return
-        w = RemoteWorker(self, url)
+        w = RemoteWorker(self, self.ws, url)
         self.workers.append(w)
         w.task = asyncio.create_task(w.loop(), name=f"supervise {w.name}")
 

@@ -80,7 +80,7 @@ async def test_unary_collects_over_the_real_transport(echo: tuple[App, EchoWorke
     assert body["usage"]["completion_tokens"] == 40  # type: ignore[index]
     # delivered whole (Submit.buffered): tokens are counted, no TTFT is claimed
     assert "/v1/chat/completions" not in app.metrics.ttft
-    assert app.metrics.output_tokens["/v1/chat/completions"] == 40
+    assert app.metrics.output_tokens["/v1/chat/completions", "tiny"] == 40
 
 
 @pytest.mark.parametrize("refuse_every", [0, 3])

@@ -200,8 +200,9 @@ async def test_404_405_health_ready_metrics() -> None:
     text = s.body.decode()
     assert s.status == 200 and s.header(b"content-type").startswith(b"text/plain")
     proto = "http/1.1" if _via.protocol == "entrance" else _via.protocol  # req() says http/1.1
-    assert f'quicserve_requests_total{{protocol="{proto}",route="/v1/chat/completions",status="200"}} 2.0' in text
-    assert f'quicserve_requests_total{{protocol="{proto}",route="other",status="404"}} 1.0' in text
+    assert (f'quicserve_requests_total{{model="tiny",protocol="{proto}",route="/v1/chat/completions",status="200"}} 2.0'
+            in text)
+    assert f'quicserve_requests_total{{model="",protocol="{proto}",route="other",status="404"}} 1.0' in text
     assert "quicserve_time_to_first_token_seconds_count" in text
     assert "quicserve_requests_in_flight 0.0" in text  # small routes are answered at once
     assert 'quicserve_worker_in_flight{worker="scripted"} 0.0' in text
@@ -321,7 +322,7 @@ async def test_client_disconnect_cancels_worker_request_once(stream: bool, logpr
         await asyncio.sleep(0)
     assert conn.cancels == [1] and done == [1]
     assert app.metrics.in_flight == 0
-    assert app.metrics.requests[("/v1/chat/completions", "499", "http/1.1")] == 1
+    assert app.metrics.requests[("/v1/chat/completions", "499", "http/1.1", "tiny")] == 1
     assert not sink.ended  # nothing more is written for a client that left
 
 
@@ -366,7 +367,7 @@ async def test_timeout_of_a_client_that_stopped_reading_aborts() -> None:
     sink = RecordingSink(block_after_chunks=2)
     s = await call(app, req("/v1/chat/completions", {**CHAT, "stream": True, "max_tokens": 50}), sink)
     assert s.aborted and not s.ended and conn.cancels == [1]
-    assert app.metrics.requests[("/v1/chat/completions", "504", "http/1.1")] == 1
+    assert app.metrics.requests[("/v1/chat/completions", "504", "http/1.1", "tiny")] == 1
 
 
 async def test_whole_responses_are_buffered_by_the_worker() -> None:
@@ -423,4 +424,4 @@ async def test_a_client_that_reads_nothing_is_cut_off_after_the_write_timeout() 
     sink = RecordingSink(block_after_chunks=2)
     s = await call(app, req("/v1/chat/completions", {**CHAT, "stream": True, "max_tokens": 50}), sink)
     assert s.aborted and conn.cancels == [1]
-    assert app.metrics.requests[("/v1/chat/completions", "408", "http/1.1")] == 1
+    assert app.metrics.requests[("/v1/chat/completions", "408", "http/1.1", "tiny")] == 1

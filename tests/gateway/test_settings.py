@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from gateway import cli
-from gateway.settings import Settings, SettingsError, assignments, check_file, load_settings
+from gateway.settings import Settings, SettingsError, assignments, check_file, check_mapping, load_settings
 from transport.worker_options import WorkerOptions
 
 REPO = Path(__file__).resolve().parents[2]
@@ -27,6 +27,8 @@ def test_default_toml_documents_every_setting_with_the_default_values() -> None:
     data = tomllib.loads((REPO / "config" / "default.toml").read_text())
     defaults = Settings()
     for f in dataclasses.fields(Settings):
+        if f.name == "models":  # [[models]]: none by default; the commented example is checked below
+            continue
         section = getattr(defaults, f.name)
         assert f.name in data, f"[{f.name}] missing from config/default.toml"
         for sf in dataclasses.fields(section):
@@ -34,6 +36,21 @@ def test_default_toml_documents_every_setting_with_the_default_values() -> None:
             assert data[f.name][sf.name] == getattr(section, sf.name), f"{f.name}.{sf.name} differs"
         assert set(data[f.name]) == {sf.name for sf in dataclasses.fields(section)}
     assert check_file(REPO / "config" / "default.toml") == []
+
+
+def test_default_toml_models_example_is_valid() -> None:
+    """The commented [[models]] example of config/default.toml, uncommented, is a valid config."""
+    lines = (REPO / "config" / "default.toml").read_text().splitlines()
+    start = lines.index("# [[models]]")
+    example = []
+    for line in lines[start:]:
+        if not line.startswith("# ") or line.startswith("# --"):
+            break
+        example.append(line[2:])
+    settings, problems = check_mapping(tomllib.loads("\n".join(example)))
+    assert problems == [] and settings is not None
+    assert [m.name for m in settings.models] == ["llama-8b", "tiny-chat", "echo"]
+    assert settings.models[0].worker_settings().max_batch == 64
 
 
 def test_file_env_cli_precedence(tmp_path: Path) -> None:

@@ -76,7 +76,8 @@ async def test_httpx_protocols(gw: AppGateway, proto: str) -> None:
         assert body.endswith(b"data: [DONE]\n\n") and body.count(b"chat.completion.chunk") == 8
     text = gw.app.metrics.render().decode()
     label = "h2" if h2 else "http/1.1"
-    assert f'quicserve_requests_total{{protocol="{label}",route="/v1/chat/completions",status="200"}} 2.0' in text
+    assert (f'quicserve_requests_total{{model="tiny",protocol="{label}",route="/v1/chat/completions",status="200"}} 2.0'
+            in text)
 
 
 @pytest.mark.parametrize("h2", [False, True])
