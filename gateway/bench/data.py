@@ -27,7 +27,7 @@ import numpy as np
 import orjson
 
 __all__ = ["BenchRequest", "TokenCounter", "ByteCounter", "HFCounter", "load_counter", "random_requests",
-           "shared_prefix_requests", "sharegpt_requests", "Message"]
+           "shared_prefix_requests", "sharegpt_requests", "Message", "zipf_weights"]
 
 Message = dict[str, str]
 _ALPHABET = np.frombuffer((string.ascii_lowercase * 3 + " " * 14).encode(), dtype=np.uint8)
@@ -117,6 +117,7 @@ def random_requests(n: int, *, input_len: int, output_len: int, range_ratio: flo
 
 
 def zipf_weights(n: int, s: float) -> np.ndarray:
+    """Popularity of ``n`` items, the k-th in proportion to ``1 / k**s``."""
     w = 1.0 / np.arange(1, n + 1, dtype=np.float64) ** s
     out: np.ndarray = w / w.sum()
     return out
