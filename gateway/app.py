@@ -33,6 +33,7 @@ from .api.deadlines import DeadlineSweeper
 from .api.generate import ANSWERED, AdmissionStage, Generations
 from .api.openai import MODELS_ROUTE, OpenAIApi, Parser, Validate
 from .api.render import JSON_HEADERS
+from .api.route_facts import Identify
 from .api.writers import writer_for
 from .errors import APIError, Headers, internal_error, render_http
 from .http.common import ProtocolEvent
@@ -41,6 +42,7 @@ from .observability.logs import access_log as write_access_log
 from .observability.metrics import CONTENT_TYPE_LATEST, GatewayMetrics
 from .observability.tracing import RequestTracer
 from .routing.pool import ModelPool
+from .routing.rules import RuleTree
 
 __all__ = ["App", "AdmissionStage"]
 
@@ -68,7 +70,8 @@ class App:
 
     def __init__(self, pool: ModelPool, metrics: GatewayMetrics | None = None, api: ApiSettings | None = None,
                  admission: AdmissionStage | None = None, validate: Validate | None = None,
-                 tracer: RequestTracer | None = None, access_log: bool = False) -> None:
+                 tracer: RequestTracer | None = None, access_log: bool = False, rules: RuleTree | None = None,
+                 identify: Identify | None = None) -> None:
         self.pool = pool
         self.metrics = metrics if metrics is not None else GatewayMetrics()
         self.api_settings = api or ApiSettings()
@@ -76,7 +79,7 @@ class App:
         self.deadlines = DeadlineSweeper()
         self.calls = CallContext(self.deadlines, self.api_settings.request_timeout, self.metrics.tokens,
                                  self.api_settings.write_timeout)
-        self.generations = Generations(pool, self.metrics, self.calls, admission, tracer, access_log)
+        self.generations = Generations(pool, self.metrics, self.calls, admission, tracer, access_log, rules, identify)
         self.metrics.watch_workers(pool.connections)
         self.draining = False
         self.worker_failure: Callable[[], str | None] = lambda: None  # serve.py: the supervisor's failure

@@ -98,7 +98,8 @@ async def run_gateway(settings: Settings, *, out: TextIO | None = None,
     tracer = RequestTracer(settings.tracing)
     app = App(pool, metrics, settings.api, admission=adm.stage,
               validate=adm.schemas.validate if adm.schemas is not None else None, tracer=tracer,
-              access_log=settings.log.access_log)
+              access_log=settings.log.access_log, rules=settings.rule_tree(),
+              identify=keys.identify if adm.stage is not None and (keys := adm.stage.admission.keys) else None)
     lim = settings.limits
     limits = HttpLimits(max_body_bytes=lim.max_body_bytes, max_header_bytes=lim.max_header_bytes,
                         header_timeout=lim.header_timeout, body_timeout=lim.body_timeout,

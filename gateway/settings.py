@@ -34,6 +34,7 @@ from .http.quic_settings import QuicSettings
 from .observability.config import LogSettings
 from .observability.tracing import TraceSettings
 from .routing.config import RoutingSettings
+from .routing.rules import RuleTree, compile_rules
 from .server_config import ServerSettings, ShutdownSettings
 from .workers.config import MODEL_KEYS, PER_MODEL, ModelSettings, WorkersSettings, served_name_of
 from .workers.discovery import DiscoverySettings
@@ -85,6 +86,19 @@ class Settings:
     discovery: DiscoverySettings = field(default_factory=DiscoverySettings)
     log: LogSettings = field(default_factory=LogSettings)
     models: list[ModelSettings] = field(default_factory=list)  # [[models]]; empty: [workers] serves one model
+    routes: list[dict[str, Any]] = field(default_factory=list)  # [[routes]]: the rule tree, as written
+
+    def model_names(self) -> dict[str, str]:
+        """Every name a request may give a served model (names and aliases) -> the model's name."""
+        return {n: m.name for m in self.served() for n in (m.name, *m.aliases)}
+
+    def rule_tree(self) -> RuleTree | None:
+        """[[routes]] compiled (None: none); only for settings that passed :func:`check_mapping`."""
+        problems: list[str] = []
+        tree = compile_rules(self.routes, self.model_names(), problems)
+        if problems:
+            raise SettingsError(problems)
+        return tree
 
     def served(self) -> list[ModelSettings]:
         """Every model this gateway serves with its own workers: the [[models]] entries, or the one
@@ -95,8 +109,9 @@ class Settings:
         return [ModelSettings(served_name_of(w), [], w.engine, w.model, w.local, list(w.remote), w)]
 
 
+_LISTS = ("models", "routes")  # arrays of tables, not sections
 _SECTIONS: dict[str, type] = {f.name: typing.get_type_hints(Settings)[f.name] for f in dataclasses.fields(Settings)
-                              if f.name != "models"}
+                              if f.name not in _LISTS}
 _WORKER_KEYS = typing.get_type_hints(WorkersSettings)
 _MODEL_HINTS = typing.get_type_hints(ModelSettings)
 
@@ -207,7 +222,7 @@ def check_mapping(data: Mapping[str, Any]) -> tuple[Settings | None, list[str]]:
     problems: list[str] = []
     sections: dict[str, Any] = {}
     for section, values in data.items():
-        if section == "models":
+        if section in _LISTS:
             continue
         cls = _SECTIONS.get(section)
         if cls is None:
@@ -233,7 +248,9 @@ def check_mapping(data: Mapping[str, Any]) -> tuple[Settings | None, list[str]]:
     models = _models(data.get("models", []), data.get("workers", {}), settings.workers, problems)
     if problems:
         return None, problems
-    settings = dataclasses.replace(settings, models=models)
+    routes = data.get("routes", [])
+    settings = dataclasses.replace(settings, models=models, routes=routes if isinstance(routes, list) else [])
+    compile_rules(routes, settings.model_names(), problems)
     for section in _SECTIONS:
         getattr(settings, section)._validate(problems)
     for i, m in enumerate(models):

@@ -277,6 +277,16 @@ class KeyStore:
         return rec
 
 
+    def identify(self, authorization: bytes | None) -> tuple[str | None, str | None]:
+        """(key id, its tier: the priority class) of a valid key, else (None, None): what routing
+        rules read (admission itself still authenticates, and refuses a bad key)."""
+        try:
+            rec = self.authenticate(authorization)
+        except APIError:
+            return None, None
+        return rec.id, str(rec.priority)
+
+
 def auth_warning(host: str, keys_configured: bool) -> str | None:
     """A loud startup warning when the gateway listens beyond loopback with no API keys."""
     if keys_configured:

@@ -21,11 +21,14 @@ from ..http.types import Call, Request, ResponseSink
 from ..observability.logs import access_log
 from ..observability.metrics import GatewayMetrics
 from ..observability.tracing import RequestSpan, RequestTracer
-from ..routing.errors import RoutingError
+from ..routing.errors import NoReplica, RoutingError
 from ..routing.policy import RouteRequest
 from ..routing.pool import ModelPool
+from ..routing.routed import RoutedStream
+from ..routing.rules import RuleTree
 from .call import CallContext, GenerationCall
 from .params import GenerationRequest
+from .route_facts import Identify, RouteFacts
 from .writers import Writer
 
 __all__ = ["Generations", "AdmissionStage", "Fail", "ANSWERED"]
@@ -72,8 +75,10 @@ class Generations:
 
     def __init__(self, pool: ModelPool, metrics: GatewayMetrics, calls: CallContext,
                  admission: AdmissionStage | None, tracer: RequestTracer | None = None,
-                 access_log: bool = False) -> None:
+                 access_log: bool = False, rules: RuleTree | None = None, identify: Identify | None = None) -> None:
         self.pool = pool
+        self.rules = rules  # [[routes]]: which model a request goes to (None: the one it names)
+        self.identify = identify  # the API key's id and tier, for rules that read them
         self.metrics = metrics
         self.calls = calls
         self.admission = admission  # None: every request admitted, at no cost
@@ -105,13 +110,20 @@ class Generations:
             g = parse(req)
             if self.pool.aliases:  # an alias names its model from here on (limits, routing, the answer)
                 g.model = self.pool.canonical(g.model)
+            fallbacks: tuple[str, ...] = ()
+            if self.rules is not None:
+                decision = self.rules.decide(RouteFacts(req, g, self.identify))
+                if decision is not None:
+                    g.route = decision.leaf
+                    g.model, *more = decision.models
+                    fallbacks = tuple(more)
             if admission is not None:
                 grant = admission.admit(req, g, t0, timeout)
             if self.tracer is not None:
                 span = self.tracer.start(route, _text(req.header(b"traceparent")), protocol=req.protocol)
                 if span is not None:
                     g.trace = {"traceparent": span.traceparent}  # the worker's spans join this trace
-            routed = self.pool.open(g.model, g.make_submit, g)
+            routed = self._open(g, fallbacks)
         except (APIError, RoutingError) as e:
             err = e if isinstance(e, APIError) else from_routing(e)
             if span is not None:
@@ -123,10 +135,26 @@ class Generations:
         headers = admission.headers(grant) if admission is not None else None
         if span is not None:
             headers = (*(headers or ()), (b"traceparent", span.traceparent.encode()))
+        if g.route:
+            headers = (*(headers or ()), (b"x-quicserve-route", g.route.encode()))
+            self.metrics.routed(g.route, g.model)
         call = GenerationCall(self.calls, routed, writer_for(g), sink, route, t0, g.logprobs, self._on_call_end, done,
                               timeout, headers, (req, g, grant, span))
         call.start()
         return call
+
+    def _open(self, g: GenerationRequest, fallbacks: tuple[str, ...]) -> RoutedStream:
+        """The routed stream on ``g.model``, else on each fallback in turn that has a ready replica."""
+        try:
+            return self.pool.open(g.model, g.make_submit, g)
+        except NoReplica:
+            for model in fallbacks:
+                g.model = model
+                try:
+                    return self.pool.open(model, g.make_submit, g)
+                except NoReplica:
+                    continue
+            raise
 
     def _call_ended(self, call: GenerationCall, status: int, tokens: int) -> None:
         """A call's end hook: metrics, the admission release, span and access log (its ticket is
@@ -140,7 +168,7 @@ class Generations:
         if grant is not _NO_GRANT and admission is not None:
             admission.release(grant, tokens, now)
         if span is not None or self.access_log:
-            _observed(req, g.model, span, self.access_log, status, tokens, call.t0, call.t_first, now)
+            _observed(req, g.model, span, self.access_log, status, tokens, call.t0, call.t_first, now, route=g.route)
 
     def refuse(self, req: Request, fail: Fail, sink: ResponseSink, done: Callable[[], None], route: str,
                err: APIError, t0: float) -> Call:
@@ -180,16 +208,16 @@ def _text(value: bytes | None) -> str | None:
 
 
 def _observed(req: Request, model: str, span: RequestSpan | None, access: bool, status: int, tokens: int,
-              t0: float, t_first: float, now: float, error: str = "") -> None:
+              t0: float, t_first: float, now: float, error: str = "", route: str = "") -> None:
     """The end of a request for its span and the access log (only when either is on)."""
     ttft = t_first - t0 if t_first else None
     if span is not None:
         end_ns = clock.wall_ns()
         if t_first:
             span.first_token(end_ns - int((now - t_first) * 1e9))
-        span.end(status, model=model, completion_tokens=tokens, now_ns=end_ns)
+        span.end(status, model=model, completion_tokens=tokens, now_ns=end_ns, route=route)
     if access:
         access_log(method=req.method, path=req.path, protocol=req.protocol, status=status, duration_s=now - t0,
                    trace_id=span.trace_id if span is not None else "", model=model,
                    peer=req.client[0] if req.client is not None else "", ttft_s=ttft,
-                   completion_tokens=tokens if tokens else None, error=error)
+                   completion_tokens=tokens if tokens else None, error=error, route=route)

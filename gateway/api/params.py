@@ -54,6 +54,7 @@ class GenerationRequest:
     service_tier: str | None = None  # OpenAI's; admission reads it as a priority hint
     trace: dict[str, str] | None = None  # W3C trace context for the worker's spans (tracing on)
     prompt_tokens: int = -1  # the prompt-size estimate, once worked out (prompt_estimate); -1: not yet
+    route: str = ""  # the routing rule (leaf) that chose the model; "" = none did
 
     def prompt_estimate(self) -> int:
         """Prompt tokens, estimated without a tokenizer (about 4 bytes of text a token); worked out

@@ -43,14 +43,15 @@ def configure_logging(level: str, fmt: str = "text", *, stream: TextIO | None = 
 def access_record(*, method: str, path: str, protocol: str, status: int, duration_s: float,
                   request_id: str = "", trace_id: str = "", model: str = "", peer: str = "",
                   ttft_s: float | None = None, prompt_tokens: int | None = None,
-                  completion_tokens: int | None = None, error: str = "") -> dict[str, Any]:
+                  completion_tokens: int | None = None, error: str = "", route: str = "") -> dict[str, Any]:
     """The access log's fields for one request (empty strings and Nones left out). Pure."""
     rec: dict[str, Any] = {"method": method, "path": path, "protocol": protocol, "status": status,
                            "duration_ms": round(duration_s * 1e3, 3)}
     if ttft_s is not None:
         rec["ttft_ms"] = round(ttft_s * 1e3, 3)
     for k, v in (("request_id", request_id), ("trace_id", trace_id), ("model", model), ("peer", peer),
-                 ("prompt_tokens", prompt_tokens), ("completion_tokens", completion_tokens), ("error", error)):
+                 ("prompt_tokens", prompt_tokens), ("completion_tokens", completion_tokens), ("error", error),
+                 ("route", route)):
         if v is not None and v != "":
             rec[k] = v
     return rec
@@ -62,11 +63,11 @@ _access = logging.getLogger(ACCESS_LOGGER)
 def access_log(*, method: str, path: str, protocol: str, status: int, duration_s: float,
                request_id: str = "", trace_id: str = "", model: str = "", peer: str = "",
                ttft_s: float | None = None, prompt_tokens: int | None = None,
-               completion_tokens: int | None = None, error: str = "") -> None:
+               completion_tokens: int | None = None, error: str = "", route: str = "") -> None:
     """One line per finished request: ``METHOD path protocol status`` plus the fields of :func:`access_record`."""
     if not _access.isEnabledFor(logging.INFO):  # access log off: not even the dict is built
         return
     fields = access_record(method=method, path=path, protocol=protocol, status=status, duration_s=duration_s,
                            request_id=request_id, trace_id=trace_id, model=model, peer=peer, ttft_s=ttft_s,
-                           prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, error=error)
+                           prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, error=error, route=route)
     _access.info("%s %s %s %d", method, path, protocol, status, extra={"fields": fields})

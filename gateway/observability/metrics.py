@@ -62,6 +62,7 @@ class GatewayMetrics:
         self.tpot: dict[tuple[str, str], FastHistogram] = {}
         self.e2e: dict[tuple[str, str], FastHistogram] = {}
         self.output_tokens: dict[tuple[str, str], int] = {}
+        self.route_leaves: dict[tuple[str, str], int] = {}  # (routing rule leaf, model) -> requests
         self.in_flight = 0
         self.protocol_errors = Counter("quicserve_protocol_errors",
                                        "Requests rejected by a protocol adapter before routing",
@@ -108,6 +109,11 @@ class GatewayMetrics:
             h.observe(tpot)
         self.output_tokens[key] = self.output_tokens.get(key, 0) + n
 
+    def routed(self, leaf: str, model: str) -> None:
+        """A routing rule's leaf sent a request to ``model`` (bounded: the configured leaves and models)."""
+        key = (leaf, model)
+        self.route_leaves[key] = self.route_leaves.get(key, 0) + 1
+
     def protocol_error(self, status: int, protocol: str) -> None:
         self.protocol_errors.labels(str(status), protocol).inc()
 
@@ -137,6 +143,11 @@ class _RequestCollector:
         for (route, model), n in sorted(m.output_tokens.items()):
             tok.add_metric([route, model], n)
         yield tok
+        leaves = CounterMetricFamily("quicserve_route_decisions", "Requests sent by a routing rule's leaf to a model",
+                                     labels=["leaf", "model"])
+        for (leaf, model), n in sorted(m.route_leaves.items()):
+            leaves.add_metric([leaf, model], n)
+        yield leaves
         yield GaugeMetricFamily("quicserve_requests_in_flight", "Requests being handled", value=m.in_flight)
         for name, doc, hists in (
             ("quicserve_time_to_first_token_seconds", "Request arrival to first token", m.ttft),

@@ -62,11 +62,13 @@ class RequestSpan:
         self._span.add_event("first_token", timestamp=now_ns)
 
     def end(self, status: int, *, model: str = "", error: str = "", completion_tokens: int | None = None,
-            now_ns: int | None = None) -> None:
+            now_ns: int | None = None, route: str = "") -> None:
         from opentelemetry.trace import Status, StatusCode
 
         span = self._span
         span.set_attribute("http.response.status_code", status)
+        if route:
+            span.set_attribute("quicserve.route", route)  # the routing rule that chose the model
         if model:
             span.set_attribute("gen_ai.request.model", model)
         if completion_tokens is not None:

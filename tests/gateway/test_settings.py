@@ -27,7 +27,7 @@ def test_default_toml_documents_every_setting_with_the_default_values() -> None:
     data = tomllib.loads((REPO / "config" / "default.toml").read_text())
     defaults = Settings()
     for f in dataclasses.fields(Settings):
-        if f.name == "models":  # [[models]]: none by default; the commented example is checked below
+        if f.name in ("models", "routes"):  # arrays of tables, none by default: the commented examples are checked below
             continue
         section = getattr(defaults, f.name)
         assert f.name in data, f"[{f.name}] missing from config/default.toml"
@@ -38,19 +38,21 @@ def test_default_toml_documents_every_setting_with_the_default_values() -> None:
     assert check_file(REPO / "config" / "default.toml") == []
 
 
-def test_default_toml_models_example_is_valid() -> None:
-    """The commented [[models]] example of config/default.toml, uncommented, is a valid config."""
+def test_default_toml_models_and_routes_examples_are_valid() -> None:
+    """The commented [[models]] and [[routes]] examples of config/default.toml, uncommented, is a valid config."""
     lines = (REPO / "config" / "default.toml").read_text().splitlines()
-    start = lines.index("# [[models]]")
     example = []
-    for line in lines[start:]:
-        if not line.startswith("# ") or line.startswith("# --"):
-            break
-        example.append(line[2:])
+    for start in (lines.index("# [[models]]"), lines.index("# [[routes]]")):
+        for line in lines[start:]:
+            if not line.startswith("# ") or line.startswith("# --"):
+                break
+            example.append(line[2:])
     settings, problems = check_mapping(tomllib.loads("\n".join(example)))
     assert problems == [] and settings is not None
     assert [m.name for m in settings.models] == ["llama-8b", "tiny-chat", "echo"]
     assert settings.models[0].worker_settings().max_batch == 64
+    tree = settings.rule_tree()
+    assert tree is not None and tree.leaves == ("long-context", "gold", "gold-code", "gold-rest", "ab")
 
 
 def test_file_env_cli_precedence(tmp_path: Path) -> None:

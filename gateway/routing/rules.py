@@ -1,0 +1,331 @@
+"""Rule-tree routing across models: which model pool a request goes to; sans-I/O.
+
+An operator writes ``[[routes]]`` (tests/gateway/test_rules.py shows every feature): a tree of
+rules, each with a ``when`` table of conditions that must all hold, and either children
+(``routes``, tried in order) or a leaf -- one model (``to``), a weighted ``split`` between models,
+or a ``fallback`` chain (the next model when one has no ready replica). The first leaf whose path
+matches takes the request; none matching leaves the model the request asked for. Every leaf has
+a name, which each response carries (``x-quicserve-route``), with a metric label, the access log
+and the trace.
+
+Conditions (``when``): ``model`` (a name or list, as asked, aliases resolved), ``min_prompt_tokens``
+/ ``max_prompt_tokens`` (the gateway's estimate), ``min_max_tokens`` / ``max_max_tokens``,
+``stream`` (bool), ``headers`` (a table: name -> exact value, or a list of values), ``key_id`` /
+``key_tier`` (the API key's id and tier; a name or list), ``user_regex`` (a regular expression
+searched in the last user message, or the prompt) and ``user_keywords`` (any of these words, case
+folded). Compiled once at load: ``config check`` rejects an unknown model, a bad pattern, an
+unknown condition, a rule with neither children nor a leaf, and a rule no request can reach (after
+a sibling without conditions), each by its path (``routes[1].routes[0].when.user_regex``).
+
+Splits: without ``sticky`` the arms take their exact shares in every window of sum(weights)
+requests (smooth weighted round robin, as nginx's upstreams); with ``sticky = "key"``, ``"user"``
+(OpenAI's ``user`` field) or ``"header:NAME"``, the same subject stays on the same arm while the
+weights stay, and when they change only the subjects whose arm lost share move (weighted
+rendezvous hashing). A subject-less request under ``sticky`` is split like a non-sticky one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+__all__ = ["RequestFacts", "Decision", "RuleTree", "compile_rules", "RULE_KEYS", "CONDITIONS"]
+
+RULE_KEYS = ("name", "when", "to", "split", "fallback", "routes", "sticky")
+CONDITIONS = ("model", "min_prompt_tokens", "max_prompt_tokens", "min_max_tokens", "max_max_tokens", "stream",
+              "headers", "key_id", "key_tier", "user_regex", "user_keywords")
+
+
+class RequestFacts(Protocol):
+    """What a rule may read of a request (the pipeline builds it; every method is cheap or cached)."""
+
+    def model(self) -> str: ...
+    def prompt_tokens(self) -> int: ...
+    def max_tokens(self) -> int: ...
+    def stream(self) -> bool: ...
+    def header(self, name: bytes) -> bytes | None: ...
+    def key(self) -> tuple[str | None, str | None]: ...  # (API key id, its tier)
+    def user_text(self) -> str: ...  # the last user message (chat) or the prompt
+    def user(self) -> str | None: ...  # OpenAI's ``user`` field
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    leaf: str  # the leaf's name ("" when no rule matched)
+    models: tuple[str, ...]  # the model, then its fallbacks in order
+
+
+Test = Callable[[RequestFacts], bool]
+
+
+class _Split:
+    """Weighted arms; smooth weighted round robin, or rendezvous hashing by a sticky subject."""
+
+    __slots__ = ("arms", "weights", "sticky", "_current")
+
+    def __init__(self, arms: tuple[str, ...], weights: tuple[float, ...], sticky: str) -> None:
+        self.arms, self.weights, self.sticky = arms, weights, sticky
+        self._current = [0.0] * len(arms)
+
+    def pick(self, facts: RequestFacts) -> str:
+        subject = self._subject(facts) if self.sticky else None
+        if subject is not None:
+            return self.arms[rendezvous(subject, self.arms, self.weights)]
+        cur, total, best = self._current, sum(self.weights), 0
+        for i, w in enumerate(self.weights):
+            cur[i] += w
+            if cur[i] > cur[best]:
+                best = i
+        cur[best] -= total
+        return self.arms[best]
+
+    def _subject(self, facts: RequestFacts) -> str | None:
+        if self.sticky == "key":
+            return facts.key()[0]
+        if self.sticky == "user":
+            return facts.user()
+        value = facts.header(self.sticky[len("header:"):].encode("latin-1"))
+        return None if value is None else value.decode("latin-1")
+
+
+def rendezvous(subject: str, arms: Sequence[str], weights: Sequence[float]) -> int:
+    """Weighted rendezvous (highest random weight) hashing: the arm with the largest
+    ``-w / ln(u)``, ``u`` uniform in (0, 1) from a hash of (subject, arm). Each arm wins a share of
+    subjects proportional to its weight, and changing one weight moves only subjects to or from
+    that arm."""
+    best, best_score = 0, -math.inf
+    for i, (arm, w) in enumerate(zip(arms, weights, strict=True)):
+        if w <= 0:
+            continue
+        h = int.from_bytes(hashlib.blake2b(f"{arm}\x00{subject}".encode(), digest_size=8).digest(), "big")
+        u = (h + 0.5) / 2**64
+        score = -w / math.log(u)
+        if score > best_score:
+            best, best_score = i, score
+    return best
+
+
+@dataclass(frozen=True, slots=True)
+class _Node:
+    name: str
+    tests: tuple[Test, ...]
+    children: tuple[_Node, ...] = ()
+    to: tuple[str, ...] = ()  # a leaf: the model and its fallbacks
+    split: _Split | None = None
+
+
+class RuleTree:
+    """The compiled ``[[routes]]``: :meth:`decide` walks it once per request."""
+
+    __slots__ = ("_roots", "leaves")
+
+    def __init__(self, roots: tuple[_Node, ...], leaves: tuple[str, ...]) -> None:
+        self._roots, self.leaves = roots, leaves
+
+    def decide(self, facts: RequestFacts) -> Decision | None:
+        """The first leaf whose path matches, or None (the request keeps the model it asked for)."""
+        return _walk(self._roots, facts)
+
+
+def _walk(nodes: tuple[_Node, ...], facts: RequestFacts) -> Decision | None:
+    for node in nodes:
+        if all(test(facts) for test in node.tests):
+            if node.children:
+                found = _walk(node.children, facts)
+                if found is not None:
+                    return found
+                continue
+            if node.split is not None:
+                return Decision(node.name, (node.split.pick(facts),))
+            return Decision(node.name, node.to)
+    return None
+
+
+def compile_rules(raw: Any, models: Mapping[str, str], p: list[str]) -> RuleTree | None:
+    """``[[routes]]`` (``raw``, as TOML read it) against the served ``models`` (name or alias ->
+    model); problems appended to ``p`` by path. None when there are none or any problem."""
+    if raw in (None, []):
+        return None
+    names: list[str] = []
+    before = len(p)
+    roots = _nodes(raw, "routes", models, names, p)
+    return RuleTree(roots, tuple(names)) if len(p) == before else None
+
+
+def _nodes(raw: Any, where: str, models: Mapping[str, str], names: list[str], p: list[str]) -> tuple[_Node, ...]:
+    if not isinstance(raw, list) or not raw or not all(isinstance(r, Mapping) for r in raw):
+        p.append(f"{where}: expected a non-empty list of rule tables, got {raw!r}")
+        return ()
+    out = []
+    catch_all = ""
+    for i, rule in enumerate(raw):
+        at = f"{where}[{i}]"
+        if catch_all:
+            p.append(f"{at}: unreachable: {catch_all} before it matches every request")
+        node = _node(rule, at, models, names, p)
+        if node is not None:
+            out.append(node)
+            if not node.tests and not node.children:
+                catch_all = f"{at} ({node.name})"
+    return tuple(out)
+
+
+def _node(rule: Mapping[str, Any], at: str, models: Mapping[str, str], names: list[str], p: list[str]
+          ) -> _Node | None:
+    for key in rule:
+        if key not in RULE_KEYS:
+            p.append(f"{at}.{key}: unknown key (known: {', '.join(RULE_KEYS)})")
+    name = rule.get("name")
+    if not isinstance(name, str) or not name or not name.isascii() or any(c.isspace() for c in name):
+        p.append(f"{at}.name: every rule needs a name (ASCII, no spaces), got {name!r}")
+        name = ""
+    elif name in names:
+        p.append(f"{at}.name: {name!r} names another rule too")
+    names.append(name)
+    tests = _conditions(rule.get("when", {}), f"{at}.when", models, p)
+    leaves = [k for k in ("to", "split", "fallback", "routes") if k in rule]
+    if len(leaves) != 1:
+        p.append(f"{at}: needs exactly one of to, split, fallback or routes, got {leaves or 'none'}")
+        return None
+    kind = leaves[0]
+    if kind == "routes":
+        return _Node(name, tests, children=_nodes(rule["routes"], f"{at}.routes", models, names, p))
+    if kind == "to":
+        return _Node(name, tests, to=(_model(rule["to"], f"{at}.to", models, p),))
+    if kind == "fallback":
+        chain = rule["fallback"]
+        if not isinstance(chain, list) or len(chain) < 2:
+            p.append(f"{at}.fallback: expected two or more models in order, got {chain!r}")
+            return None
+        return _Node(name, tests, to=tuple(_model(m, f"{at}.fallback[{j}]", models, p) for j, m in enumerate(chain)))
+    return _Node(name, tests, split=_split(rule["split"], rule.get("sticky", ""), at, models, p))
+
+
+def _model(value: Any, at: str, models: Mapping[str, str], p: list[str]) -> str:
+    if not isinstance(value, str) or value not in models:
+        p.append(f"{at}: {value!r} is not a served model (known: {', '.join(sorted(models))})")
+        return ""
+    return models[value]
+
+
+def _split(raw: Any, sticky: Any, at: str, models: Mapping[str, str], p: list[str]) -> _Split | None:
+    if not isinstance(raw, list) or len(raw) < 2 or not all(isinstance(a, Mapping) for a in raw):
+        p.append(f"{at}.split: expected two or more arms {{ to = MODEL, weight = N }}, got {raw!r}")
+        return None
+    arms, weights = [], []
+    for j, arm in enumerate(raw):
+        arms.append(_model(arm.get("to"), f"{at}.split[{j}].to", models, p))
+        w = arm.get("weight")
+        if isinstance(w, bool) or not isinstance(w, int | float) or not (w >= 0 and math.isfinite(w)):
+            p.append(f"{at}.split[{j}].weight: expected a number >= 0, got {w!r}")
+            w = 0
+        weights.append(float(w))
+    if sum(weights) <= 0:
+        p.append(f"{at}.split: the weights add up to 0")
+    if not (sticky in ("", "key", "user") or (isinstance(sticky, str) and sticky.startswith("header:")
+                                              and len(sticky) > 7)):
+        p.append(f"{at}.sticky: {sticky!r} is not key, user or header:NAME")
+        sticky = ""
+    return _Split(tuple(arms), tuple(weights), str(sticky))
+
+
+def _conditions(when: Any, at: str, models: Mapping[str, str], p: list[str]) -> tuple[Test, ...]:
+    if not isinstance(when, Mapping):
+        p.append(f"{at}: expected a table of conditions, got {when!r}")
+        return ()
+    tests: list[Test] = []
+    for key, v in when.items():
+        where = f"{at}.{key}"
+        if key == "model":
+            tests.append(_member(_model_of, frozenset(_model(m, where, models, p) for m in _names(v, where, p))))
+        elif key in ("min_prompt_tokens", "max_prompt_tokens", "min_max_tokens", "max_max_tokens"):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                p.append(f"{where}: expected a whole number >= 0, got {v!r}")
+                continue
+            tests.append(_bound(_prompt_tokens if "prompt" in key else _max_tokens, v, key.startswith("min")))
+        elif key == "stream":
+            if not isinstance(v, bool):
+                p.append(f"{where}: expected true or false, got {v!r}")
+                continue
+            tests.append(_member(_stream, frozenset((v,))))
+        elif key == "headers":
+            tests += _headers(v, where, p)
+        elif key in ("key_id", "key_tier"):
+            tests.append(_member(_key_id if key == "key_id" else _key_tier, frozenset(_names(v, where, p))))
+        elif key == "user_regex":
+            try:
+                tests.append(_search(re.compile(v), fold=False))
+            except (re.error, TypeError) as e:
+                p.append(f"{where}: not a regular expression: {e}")
+        elif key == "user_keywords":
+            words = [w.casefold() for w in _names(v, where, p)]
+            if words:
+                tests.append(_search(re.compile(r"\b(?:" + "|".join(re.escape(w) for w in words) + r")\b"), fold=True))
+        else:
+            p.append(f"{where}: unknown condition (known: {', '.join(CONDITIONS)})")
+    return tuple(tests)
+
+
+def _model_of(f: RequestFacts) -> object:
+    return f.model()
+
+
+def _stream(f: RequestFacts) -> object:
+    return f.stream()
+
+
+def _key_id(f: RequestFacts) -> object:
+    return f.key()[0]
+
+
+def _key_tier(f: RequestFacts) -> object:
+    return f.key()[1]
+
+
+def _prompt_tokens(f: RequestFacts) -> int:
+    return f.prompt_tokens()
+
+
+def _max_tokens(f: RequestFacts) -> int:
+    return f.max_tokens()
+
+
+def _member(get: Callable[[RequestFacts], object], wanted: frozenset[Any]) -> Test:
+    return lambda f: get(f) in wanted
+
+
+def _bound(get: Callable[[RequestFacts], int], n: int, at_least: bool) -> Test:
+    return (lambda f: get(f) >= n) if at_least else (lambda f: get(f) <= n)
+
+
+def _search(rx: re.Pattern[str], fold: bool) -> Test:
+    if fold:
+        return lambda f: rx.search(f.user_text().casefold()) is not None
+    return lambda f: rx.search(f.user_text()) is not None
+
+
+def _header(name: bytes, wanted: frozenset[bytes]) -> Test:
+    return lambda f: f.header(name) in wanted
+
+
+def _names(v: Any, where: str, p: list[str]) -> list[str]:
+    items = [v] if isinstance(v, str) else v
+    if not isinstance(items, list) or not items or not all(isinstance(x, str) and x for x in items):
+        p.append(f"{where}: expected a name or a list of names, got {v!r}")
+        return []
+    return list(items)
+
+
+def _headers(v: Any, where: str, p: list[str]) -> list[Test]:
+    if not isinstance(v, Mapping) or not v:
+        p.append(f"{where}: expected a table of header name -> value(s), got {v!r}")
+        return []
+    tests: list[Test] = []
+    for name, values in v.items():
+        wanted = frozenset(x.encode("latin-1") for x in _names(values, f"{where}.{name}", p))
+        tests.append(_header(name.lower().encode("latin-1"), wanted))
+    return tests
