@@ -1,7 +1,8 @@
 """``quicserve bench compare A.json B.json``: two results side by side.
 
 Runs are paired by position when both files hold as many (a sweep against a sweep),
-else each file's runs are pooled. For each metric the medians of A and B, each with a
+else each file's runs are pooled (latencies only: pooled runs of different loads have no
+throughput to compare). For each metric the medians of A and B, each with a
 bootstrap confidence interval, and B - A with its own (percentile bootstrap: the requests
 of each side resampled with replacement, the medians' difference taken each time). An
 interval of the difference that leaves out 0 is marked ``*``: the medians differ beyond
@@ -50,8 +51,10 @@ def bootstrap_median_ci(a: Sequence[float], b: Sequence[float], *, confidence: f
             "ratio": med_b / med_a if med_a else float("nan")}
 
 
-def _pairs(a: dict[str, Any], b: dict[str, Any]) -> list[tuple[str, list[Record], list[Record], dict[str, Any],
-                                                                 dict[str, Any]]]:
+_Pair = tuple[str, list[Record], list[Record], dict[str, Any] | None, dict[str, Any] | None]
+
+
+def _pairs(a: dict[str, Any], b: dict[str, Any]) -> list[_Pair]:
     def ok(run: dict[str, Any]) -> list[Record]:
         return [r for r in run_records(run) if not r.warmup]
 
@@ -61,7 +64,7 @@ def _pairs(a: dict[str, Any], b: dict[str, Any]) -> list[tuple[str, list[Record]
                  x["summary"], y["summary"]) for x, y in zip(ra, rb, strict=True)]
     pool_a = [r for run in ra for r in ok(run)]
     pool_b = [r for run in rb for r in ok(run)]
-    return [("all runs", pool_a, pool_b, ra[0]["summary"], rb[0]["summary"])]
+    return [("all runs", pool_a, pool_b, None, None)]  # runs of different loads: no throughput to set side by side
 
 
 def compare_rows(a: dict[str, Any], b: dict[str, Any], *, confidence: float = 0.95, resamples: int = 2000,
@@ -77,6 +80,8 @@ def compare_rows(a: dict[str, Any], b: dict[str, Any], *, confidence: float = 0.
             rows.append({"run": label, "metric": f"median {m.upper()} (ms)", **ci,
                          "significant": ci["diff_lo"] > 0 or ci["diff_hi"] < 0})
         for key, name in (("request_throughput", "requests/s"), ("output_throughput", "output tokens/s")):
+            if sa is None or sb is None:
+                break
             x, y = float(sa[key]), float(sb[key])
             rows.append({"run": label, "metric": name, "a": x, "b": y, "diff": y - x,
                          "ratio": y / x if x else float("nan")})
