@@ -122,6 +122,8 @@ class HTTP1Sender:
         conn: _Conn | None = None
         try:
             async with asyncio.timeout(self.timeout):
+                while self._idle and self._idle[-1].closed:  # the server closed it while idle
+                    self._all.discard(self._idle.pop())
                 conn = self._idle.pop() if self._idle else await self._connect()
                 await conn.request(payload, rec, self.stream)
         except TimeoutError:
