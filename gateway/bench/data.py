@@ -84,11 +84,18 @@ class HFCounter:
         return len(self._tok.encode(text, add_special_tokens=False).ids)
 
     def random_text(self, n: int, rng: np.random.Generator) -> str:
-        # random ids decoded; decoding merges some, so the text is cut or padded to n by count
-        text: str = self._tok.decode(rng.integers(100, max(self._vocab, 101), size=max(n, 0)).tolist())
-        ids = self._tok.encode(text, add_special_tokens=False).ids[:n]
-        out: str = self._tok.decode(ids)
-        return out
+        """Random ids decoded (vLLM's way). Encoding that text again merges or splits ids where they
+        meet (a byte-level vocabulary's random ids are not all whole characters), so the ids of the
+        text are cut or topped up to ``n`` and decoded again, a few times: near ``n``, counted after."""
+        ids = rng.integers(100, max(self._vocab, 101), size=max(n, 0)).tolist()
+        text: str = self._tok.decode(ids)
+        for _ in range(8):
+            ids = self._tok.encode(text, add_special_tokens=False).ids
+            if len(ids) == n:
+                break
+            ids = ids[:n] + rng.integers(100, max(self._vocab, 101), size=max(n - len(ids), 0)).tolist()
+            text = self._tok.decode(ids)
+        return text
 
 
 def load_counter(spec: str) -> TokenCounter:
@@ -111,8 +118,8 @@ def random_requests(n: int, *, input_len: int, output_len: int, range_ratio: flo
     ins, outs = _lengths(input_len, range_ratio, n, rng), _lengths(output_len, range_ratio, n, rng)
     out = []
     for i, o in zip(ins, outs, strict=True):
-        text = counter.random_text(i, rng)
-        out.append(BenchRequest(({"role": "user", "content": text},), i, o))
+        text = counter.random_text(i, rng)  # a tokenizer's decode-encode may not give i back: count it
+        out.append(BenchRequest(({"role": "user", "content": text},), counter.count(text), o))
     return out
 
 

@@ -15,6 +15,7 @@ from gateway.bench.arrivals import arrival_times, load_trace, parse_rates
 from gateway.bench.compare import bootstrap_median_ci
 from gateway.bench.data import (
     ByteCounter,
+    load_counter,
     random_requests,
     shared_prefix_requests,
     sharegpt_requests,
@@ -150,3 +151,19 @@ def test_bootstrap_interval_holds_the_true_median_difference() -> None:
     assert ci["diff_lo"] > 0  # a 3 ms shift of 400 samples each is beyond resampling noise
     same = bootstrap_median_ci(a.tolist(), a.tolist(), resamples=1000)
     assert same["diff_lo"] <= 0 <= same["diff_hi"]
+
+
+def test_a_hugging_face_tokenizer_counts_the_prompts(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 50, trainer)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    counter = load_counter(str(tmp_path))
+    reqs = random_requests(50, input_len=64, output_len=8, seed=4, counter=counter)
+    assert all(r.prompt_len == len(tok.encode(r.prompt).ids) for r in reqs)
+    lens = [r.prompt_len for r in reqs]
+    assert abs(sum(lens) / len(lens) - 64) < 64 * 0.1, lens  # 64 ids decoded, encoded again: near 64
