@@ -42,6 +42,7 @@ from .observability.logs import access_log as write_access_log
 from .observability.metrics import CONTENT_TYPE_LATEST, GatewayMetrics
 from .observability.tracing import RequestTracer
 from .routing.pool import ModelPool
+from .routing.rollout import Rollouts
 from .routing.rules import RuleTree
 
 __all__ = ["App", "AdmissionStage"]
@@ -71,7 +72,7 @@ class App:
     def __init__(self, pool: ModelPool, metrics: GatewayMetrics | None = None, api: ApiSettings | None = None,
                  admission: AdmissionStage | None = None, validate: Validate | None = None,
                  tracer: RequestTracer | None = None, access_log: bool = False, rules: RuleTree | None = None,
-                 identify: Identify | None = None) -> None:
+                 identify: Identify | None = None, rollouts: Rollouts | None = None) -> None:
         self.pool = pool
         self.metrics = metrics if metrics is not None else GatewayMetrics()
         self.api_settings = api or ApiSettings()
@@ -79,7 +80,9 @@ class App:
         self.deadlines = DeadlineSweeper()
         self.calls = CallContext(self.deadlines, self.api_settings.request_timeout, self.metrics.tokens,
                                  self.api_settings.write_timeout)
-        self.generations = Generations(pool, self.metrics, self.calls, admission, tracer, access_log, rules, identify)
+        self.generations = Generations(pool, self.metrics, self.calls, admission, tracer, access_log, rules, identify,
+                                       rollouts)
+        self.rollouts = rollouts
         self.metrics.watch_workers(pool.connections)
         self.draining = False
         self.worker_failure: Callable[[], str | None] = lambda: None  # serve.py: the supervisor's failure
@@ -88,6 +91,7 @@ class App:
             "/healthz": {"GET": self._healthz},
             "/readyz": {"GET": self._readyz},
             "/metrics": {"GET": self._metrics_page},
+            "/admin/rollouts": {"GET": self._rollouts_page},
         }
         self.generation: dict[str, Parser] = dict(OpenAIApi.GENERATION)
         self._parse = {path: functools.partial(self.openai.parse, parse) for path, parse in self.generation.items()}
@@ -180,6 +184,10 @@ class App:
     # -- small routes ------------------------------------------------------------------------
     def _models(self, req: Request) -> Answer:
         return 200, JSON_HEADERS, self.openai.models_body(self.pool.models(), self.pool.aliases)
+
+    def _rollouts_page(self, req: Request) -> Answer:
+        """Every gray release: its step, share, status and the current step's figures per arm (read-only)."""
+        return 200, JSON_HEADERS, orjson.dumps({"rollouts": self.rollouts.states() if self.rollouts else {}})
 
     def _healthz(self, req: Request) -> Answer:
         return 200, JSON_HEADERS, _OK

@@ -26,6 +26,7 @@ import signal
 import sys
 from typing import TextIO
 
+from . import clock
 from .admission.metrics import AdmissionCollector
 from .admission.setup import build_admission
 from .app import App
@@ -41,6 +42,8 @@ from .observability.metrics import GatewayMetrics
 from .observability.systemd import SystemdNotifier, required_models
 from .observability.tracing import RequestTracer
 from .routing.pool import ModelPool
+from .routing.rollout import Rollouts
+from .routing.rollout_runner import STATE_FILE, RolloutCollector, load_rollouts, run_rollouts
 from .settings import Settings, state_dir
 from .workers.discovery import watch_workers
 from .workers.supervisor import WorkerSupervisor
@@ -96,9 +99,14 @@ async def run_gateway(settings: Settings, *, out: TextIO | None = None,
         log.warning("%s", adm.warning)
         _say(out, adm.warning)
     tracer = RequestTracer(settings.tracing)
+    rollouts = Rollouts(settings.rollouts, clock.now())
+    rollout_state = state_dir(settings) / STATE_FILE
+    if rollouts:
+        load_rollouts(rollouts, rollout_state)
+        metrics.registry.register(RolloutCollector(rollouts))
     app = App(pool, metrics, settings.api, admission=adm.stage,
               validate=adm.schemas.validate if adm.schemas is not None else None, tracer=tracer,
-              access_log=settings.log.access_log, rules=settings.rule_tree(),
+              access_log=settings.log.access_log, rules=settings.rule_tree(), rollouts=rollouts,
               identify=keys.identify if adm.stage is not None and (keys := adm.stage.admission.keys) else None)
     lim = settings.limits
     limits = HttpLimits(max_body_bytes=lim.max_body_bytes, max_header_bytes=lim.max_header_bytes,
@@ -169,6 +177,7 @@ async def run_gateway(settings: Settings, *, out: TextIO | None = None,
 
         loop.add_signal_handler(signal.SIGHUP, on_hup)
     leases_task = asyncio.create_task(adm.leases.run()) if adm.leases is not None else None
+    rollout_task = asyncio.create_task(run_rollouts(rollouts, rollout_state)) if rollouts else None
 
     async def announce_ready() -> None:
         if await supervisor.wait_ready():
@@ -180,6 +189,8 @@ async def run_gateway(settings: Settings, *, out: TextIO | None = None,
     finally:
         ready_task.cancel()
         sweeper.cancel()
+        if rollout_task is not None:
+            rollout_task.cancel()
         for w in watches:
             w.cancel()
         notifier.stopping()

@@ -34,6 +34,7 @@ from .http.quic_settings import QuicSettings
 from .observability.config import LogSettings
 from .observability.tracing import TraceSettings
 from .routing.config import RoutingSettings
+from .routing.rollout import ROLLOUT_KEYS, RolloutSettings
 from .routing.rules import RuleTree, compile_rules
 from .server_config import ServerSettings, ShutdownSettings
 from .workers.config import MODEL_KEYS, PER_MODEL, ModelSettings, WorkersSettings, served_name_of
@@ -87,6 +88,10 @@ class Settings:
     log: LogSettings = field(default_factory=LogSettings)
     models: list[ModelSettings] = field(default_factory=list)  # [[models]]; empty: [workers] serves one model
     routes: list[dict[str, Any]] = field(default_factory=list)  # [[routes]]: the rule tree, as written
+    rollouts: list[RolloutSettings] = field(default_factory=list)  # [[rollouts]]: gray releases
+
+    def served_names(self) -> list[str]:
+        return [m.name for m in self.served()]
 
     def model_names(self) -> dict[str, str]:
         """Every name a request may give a served model (names and aliases) -> the model's name."""
@@ -109,7 +114,7 @@ class Settings:
         return [ModelSettings(served_name_of(w), [], w.engine, w.model, w.local, list(w.remote), w)]
 
 
-_LISTS = ("models", "routes")  # arrays of tables, not sections
+_LISTS = ("models", "routes", "rollouts")  # arrays of tables, not sections
 _SECTIONS: dict[str, type] = {f.name: typing.get_type_hints(Settings)[f.name] for f in dataclasses.fields(Settings)
                               if f.name not in _LISTS}
 _WORKER_KEYS = typing.get_type_hints(WorkersSettings)
@@ -251,6 +256,7 @@ def check_mapping(data: Mapping[str, Any]) -> tuple[Settings | None, list[str]]:
     routes = data.get("routes", [])
     settings = dataclasses.replace(settings, models=models, routes=routes if isinstance(routes, list) else [])
     compile_rules(routes, settings.model_names(), problems)
+    settings = dataclasses.replace(settings, rollouts=_rollouts(data.get("rollouts", []), settings, problems))
     for section in _SECTIONS:
         getattr(settings, section)._validate(problems)
     for i, m in enumerate(models):
@@ -259,6 +265,35 @@ def check_mapping(data: Mapping[str, Any]) -> tuple[Settings | None, list[str]]:
         problems.append("workers: no local workers, no remote workers and no discovery.worker_dns: nothing would "
                         "serve requests")
     return (None, problems) if problems else (settings, [])
+
+
+def _rollouts(raw: Any, settings: Settings, p: list[str]) -> list[RolloutSettings]:
+    """``[[rollouts]]``: typed, each checked against the served models; problems by ``rollouts[i].key``."""
+    if not isinstance(raw, list) or not all(isinstance(e, Mapping) for e in raw):
+        p.append(f"rollouts: expected [[rollouts]] tables, got {raw!r}")
+        return []
+    hints, models, out, stables = typing.get_type_hints(RolloutSettings), set(settings.served_names()), [], set()
+    for i, entry in enumerate(raw):
+        where = f"rollouts[{i}]"
+        kwargs: dict[str, Any] = {}
+        for key, value in entry.items():
+            if key == "steps" and isinstance(value, list):  # whole percentages are floats too
+                value = [float(v) if isinstance(v, int) and not isinstance(v, bool) else v for v in value]
+            if key not in ROLLOUT_KEYS:
+                p.append(f"{where}.{key}: unknown key (known: {', '.join(ROLLOUT_KEYS)})")
+            elif (v := _coerce(value, hints[key], f"{where}.{key}", p)) is not None:
+                kwargs[key] = v
+        missing = [k for k in ("name", "stable", "candidate") if k not in kwargs]
+        if missing:
+            p.append(f"{where}: needs {', '.join(missing)}")
+            continue
+        ro = RolloutSettings(**kwargs)
+        p += [f"{where}.{q}" for q in ro.problems(models)]
+        if ro.stable in stables:
+            p.append(f"{where}.stable: {ro.stable!r} has another rollout already")
+        stables.add(ro.stable)
+        out.append(ro)
+    return out
 
 
 def _validated(ws: WorkersSettings) -> list[str]:

@@ -24,6 +24,7 @@ from ..observability.tracing import RequestSpan, RequestTracer
 from ..routing.errors import NoReplica, RoutingError
 from ..routing.policy import RouteRequest
 from ..routing.pool import ModelPool
+from ..routing.rollout import Rollouts
 from ..routing.routed import RoutedStream
 from ..routing.rules import RuleTree
 from .call import CallContext, GenerationCall
@@ -75,8 +76,10 @@ class Generations:
 
     def __init__(self, pool: ModelPool, metrics: GatewayMetrics, calls: CallContext,
                  admission: AdmissionStage | None, tracer: RequestTracer | None = None,
-                 access_log: bool = False, rules: RuleTree | None = None, identify: Identify | None = None) -> None:
+                 access_log: bool = False, rules: RuleTree | None = None, identify: Identify | None = None,
+                 rollouts: Rollouts | None = None) -> None:
         self.pool = pool
+        self.rollouts = rollouts if rollouts else None  # gray releases, by stable model
         self.rules = rules  # [[routes]]: which model a request goes to (None: the one it names)
         self.identify = identify  # the API key's id and tier, for rules that read them
         self.metrics = metrics
@@ -117,6 +120,8 @@ class Generations:
                     g.route = decision.leaf
                     g.model, *more = decision.models
                     fallbacks = tuple(more)
+            if self.rollouts is not None and (ro := self.rollouts.by_stable.get(g.model)) is not None:
+                g.model, g.rollout = ro.pick(), ro
             if admission is not None:
                 grant = admission.admit(req, g, t0, timeout)
             if self.tracer is not None:
@@ -126,6 +131,8 @@ class Generations:
             routed = self._open(g, fallbacks)
         except (APIError, RoutingError) as e:
             err = e if isinstance(e, APIError) else from_routing(e)
+            if g is not None and g.rollout is not None:  # e.g. the candidate has no ready replica
+                g.rollout.observe(g.model, err.status, None, None)
             if span is not None:
                 span.end(err.status, model=req.path, error=err.message)
             return self._refuse(req, fail, sink, done, route, err, t0, grant, self._label(g))
@@ -167,6 +174,10 @@ class Generations:
         admission = self.admission
         if grant is not _NO_GRANT and admission is not None:
             admission.release(grant, tokens, now)
+        if g.rollout is not None:
+            t_first = call.t_first
+            g.rollout.observe(g.model, status, t_first - call.t0 if t_first else None,
+                              (now - t_first) / (tokens - 1) if t_first and tokens > 1 else None)
         if span is not None or self.access_log:
             _observed(req, g.model, span, self.access_log, status, tokens, call.t0, call.t_first, now, route=g.route)
 

@@ -30,6 +30,7 @@ from transport.messages import SamplingParams, Submit
 
 from ..admission.schema import builtin_validator
 from ..errors import APIError
+from ..routing.rollout import Rollout
 
 __all__ = ["GenerationRequest", "parse_json_body", "parse_chat", "parse_completion", "ROLES"]
 
@@ -55,6 +56,7 @@ class GenerationRequest:
     trace: dict[str, str] | None = None  # W3C trace context for the worker's spans (tracing on)
     prompt_tokens: int = -1  # the prompt-size estimate, once worked out (prompt_estimate); -1: not yet
     route: str = ""  # the routing rule (leaf) that chose the model; "" = none did
+    rollout: Rollout | None = None  # the gray release that placed it (it reports its end there)
 
     def prompt_estimate(self) -> int:
         """Prompt tokens, estimated without a tokenizer (about 4 bytes of text a token); worked out

@@ -27,7 +27,7 @@ def test_default_toml_documents_every_setting_with_the_default_values() -> None:
     data = tomllib.loads((REPO / "config" / "default.toml").read_text())
     defaults = Settings()
     for f in dataclasses.fields(Settings):
-        if f.name in ("models", "routes"):  # arrays of tables, none by default: the commented examples are checked below
+        if f.name in ("models", "routes", "rollouts"):  # arrays of tables, none by default: the commented examples are checked below
             continue
         section = getattr(defaults, f.name)
         assert f.name in data, f"[{f.name}] missing from config/default.toml"
@@ -42,7 +42,7 @@ def test_default_toml_models_and_routes_examples_are_valid() -> None:
     """The commented [[models]] and [[routes]] examples of config/default.toml, uncommented, is a valid config."""
     lines = (REPO / "config" / "default.toml").read_text().splitlines()
     example = []
-    for start in (lines.index("# [[models]]"), lines.index("# [[routes]]")):
+    for start in (lines.index("# [[models]]"), lines.index("# [[routes]]"), lines.index("# [[rollouts]]")):
         for line in lines[start:]:
             if not line.startswith("# ") or line.startswith("# --"):
                 break
@@ -53,6 +53,7 @@ def test_default_toml_models_and_routes_examples_are_valid() -> None:
     assert settings.models[0].worker_settings().max_batch == 64
     tree = settings.rule_tree()
     assert tree is not None and tree.leaves == ("long-context", "gold", "gold-code", "gold-rest", "ab")
+    assert [(r.name, r.steps) for r in settings.rollouts] == [("llama-v2", [5.0, 20.0, 50.0, 100.0])]
 
 
 def test_file_env_cli_precedence(tmp_path: Path) -> None:

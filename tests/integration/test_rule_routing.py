@@ -5,10 +5,8 @@ the prompt's size, a fallback chain past a model with no ready replica, an exact
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
-import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.integration.test_gateway_e2e import Gateway, stop_gateway, wait_ready
+from tests.integration.serve_process import serve_config
+from tests.integration.test_gateway_e2e import Gateway, stop_gateway
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = """
@@ -66,17 +65,7 @@ pytestmark = pytest.mark.timeout(120)
 
 @pytest.fixture(scope="module")
 def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    tmp = tmp_path_factory.mktemp("rules")
-    (tmp / "config.toml").write_text(CONFIG)
-    cmd = [sys.executable, "-m", "gateway.cli", "serve", "--config", str(tmp / "config.toml"), "--port", "0",
-           "--no-tls", "--grpc-port", "-1", "--quic-port", "-1", "--state-dir", str(tmp), "--progress", "lines",
-           "--log-level", "error"]
-    g = wait_ready(subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, text=True,
-                                    env={**os.environ, "QUICSERVE_SHUTDOWN__GRACE_PERIOD": "0"}))
-    for _ in range(200):
-        if {"big", "small"} <= {m["id"] for m in httpx.get(g.http + "/v1/models").json()["data"]}:
-            break
-        time.sleep(0.1)
+    g = serve_config(tmp_path_factory.mktemp("rules"), CONFIG, models=("big", "small"))
     yield g
     assert stop_gateway(g) == 0
 
