@@ -13,7 +13,11 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Protocol
+
+from transport.api import Collected
+from transport.messages import Finish
 
 from .. import clock
 from ..errors import APIError, from_routing, internal_error
@@ -26,7 +30,7 @@ from ..routing.policy import RouteRequest
 from ..routing.pool import ModelPool
 from ..routing.rollout import Rollouts
 from ..routing.routed import RoutedStream
-from ..routing.rules import RuleTree
+from ..routing.rules import RuleTree, Shadow
 from .call import CallContext, GenerationCall
 from .params import GenerationRequest
 from .route_facts import Identify, RouteFacts
@@ -114,12 +118,13 @@ class Generations:
             if self.pool.aliases:  # an alias names its model from here on (limits, routing, the answer)
                 g.model = self.pool.canonical(g.model)
             fallbacks: tuple[str, ...] = ()
+            shadow: Shadow | None = None
             if self.rules is not None:
                 decision = self.rules.decide(RouteFacts(req, g, self.identify))
                 if decision is not None:
                     g.route = decision.leaf
                     g.model, *more = decision.models
-                    fallbacks = tuple(more)
+                    fallbacks, shadow = tuple(more), decision.shadow
             if self.rollouts is not None and (ro := self.rollouts.by_stable.get(g.model)) is not None:
                 g.model, g.rollout = ro.pick(), ro
             if admission is not None:
@@ -148,7 +153,35 @@ class Generations:
         call = GenerationCall(self.calls, routed, writer_for(g), sink, route, t0, g.logprobs, self._on_call_end, done,
                               timeout, headers, (req, g, grant, span))
         call.start()
+        if shadow is not None:
+            self._shadow(g, shadow)
         return call
+
+    def _shadow(self, g: GenerationRequest, shadow: Shadow) -> None:
+        """A copy of ``g`` to the shadow arm's model, if it is this request's turn: its answer is
+        read whole and dropped; nothing of it reaches the client or its limits."""
+        taken = shadow.take()
+        if not taken:
+            if taken is None:
+                self.metrics.shadowed(g.route, shadow.to, "skipped")
+            return
+        copy = replace(g, model=shadow.to, stream=False, logprobs=False, top_logprobs=0, rollout=None, trace=None)
+        try:
+            routed = self.pool.open(shadow.to, copy.make_submit, copy)
+        except RoutingError:
+            shadow.done()
+            self.metrics.shadowed(g.route, shadow.to, "failed")
+            return
+        stream = routed.stream
+        assert stream is not None
+
+        def ended(fut: asyncio.Future[Collected]) -> None:
+            routed.close()
+            shadow.done()
+            ok = not fut.cancelled() and fut.exception() is None and type(fut.result().final) is Finish
+            self.metrics.shadowed(g.route, shadow.to, "ok" if ok else "failed")
+
+        stream.collect().add_done_callback(ended)
 
     def _open(self, g: GenerationRequest, fallbacks: tuple[str, ...]) -> RoutedStream:
         """The routed stream on ``g.model``, else on each fallback in turn that has a ready replica."""

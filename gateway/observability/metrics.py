@@ -63,6 +63,7 @@ class GatewayMetrics:
         self.e2e: dict[tuple[str, str], FastHistogram] = {}
         self.output_tokens: dict[tuple[str, str], int] = {}
         self.route_leaves: dict[tuple[str, str], int] = {}  # (routing rule leaf, model) -> requests
+        self.shadows: dict[tuple[str, str, str], int] = {}  # (leaf, shadow model, ok|failed|skipped) -> copies
         self.in_flight = 0
         self.protocol_errors = Counter("quicserve_protocol_errors",
                                        "Requests rejected by a protocol adapter before routing",
@@ -114,6 +115,11 @@ class GatewayMetrics:
         key = (leaf, model)
         self.route_leaves[key] = self.route_leaves.get(key, 0) + 1
 
+    def shadowed(self, leaf: str, model: str, outcome: str) -> None:
+        """A shadow copy ended (``ok``, ``failed``) or was skipped at its bound (``skipped``)."""
+        key = (leaf, model, outcome)
+        self.shadows[key] = self.shadows.get(key, 0) + 1
+
     def protocol_error(self, status: int, protocol: str) -> None:
         self.protocol_errors.labels(str(status), protocol).inc()
 
@@ -148,6 +154,11 @@ class _RequestCollector:
         for (leaf, model), n in sorted(m.route_leaves.items()):
             leaves.add_metric([leaf, model], n)
         yield leaves
+        shadows = CounterMetricFamily("quicserve_shadow_requests", "Shadow copies of requests, by outcome (answers "
+                                      "dropped)", labels=["leaf", "model", "outcome"])
+        for key, n in sorted(m.shadows.items()):
+            shadows.add_metric(list(key), n)
+        yield shadows
         yield GaugeMetricFamily("quicserve_requests_in_flight", "Requests being handled", value=m.in_flight)
         for name, doc, hists in (
             ("quicserve_time_to_first_token_seconds", "Request arrival to first token", m.ttft),

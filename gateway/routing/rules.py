@@ -17,6 +17,10 @@ folded). Compiled once at load: ``config check`` rejects an unknown model, a bad
 unknown condition, a rule with neither children nor a leaf, and a rule no request can reach (after
 a sibling without conditions), each by its path (``routes[1].routes[0].when.user_regex``).
 
+Shadow: a leaf's ``shadow = { to, share, max_in_flight }`` copies that share of its requests to
+another model, whose answers are read whole and dropped (:class:`Shadow`; the pipeline sends
+them after the client's own call has started, outside its limits and its response).
+
 Splits: without ``sticky`` the arms take their exact shares in every window of sum(weights)
 requests (smooth weighted round robin, as nginx's upstreams); with ``sticky = "key"``, ``"user"``
 (OpenAI's ``user`` field) or ``"header:NAME"``, the same subject stays on the same arm while the
@@ -33,9 +37,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-__all__ = ["RequestFacts", "Decision", "RuleTree", "compile_rules", "RULE_KEYS", "CONDITIONS"]
+__all__ = ["RequestFacts", "Decision", "Shadow", "RuleTree", "compile_rules", "RULE_KEYS", "CONDITIONS"]
 
-RULE_KEYS = ("name", "when", "to", "split", "fallback", "routes", "sticky")
+RULE_KEYS = ("name", "when", "to", "split", "fallback", "routes", "sticky", "shadow")
 CONDITIONS = ("model", "min_prompt_tokens", "max_prompt_tokens", "min_max_tokens", "max_max_tokens", "stream",
               "headers", "key_id", "key_tier", "user_regex", "user_keywords")
 
@@ -53,10 +57,40 @@ class RequestFacts(Protocol):
     def user(self) -> str | None: ...  # OpenAI's ``user`` field
 
 
+class Shadow:
+    """A leaf's shadow arm: a copy of ``share`` percent of its requests (exact, a running
+    remainder) goes to ``to``, answered to no one; at most ``max_in_flight`` at once (beyond it a
+    copy is skipped, counted), so a slow or failing shadow pool can neither be overloaded by it
+    nor hold anything of the client's."""
+
+    __slots__ = ("to", "share", "max_in_flight", "in_flight", "_acc")
+
+    def __init__(self, to: str, share: float, max_in_flight: int) -> None:
+        self.to, self.share, self.max_in_flight = to, share, max_in_flight
+        self.in_flight = 0
+        self._acc = 0.0
+
+    def take(self) -> bool | None:
+        """True: copy this request (then :meth:`done` once it ends); False: not its turn;
+        None: its turn, but the bound is reached (skipped)."""
+        self._acc += self.share
+        if self._acc < 100.0:
+            return False
+        self._acc -= 100.0
+        if self.in_flight >= self.max_in_flight:
+            return None
+        self.in_flight += 1
+        return True
+
+    def done(self) -> None:
+        self.in_flight -= 1
+
+
 @dataclass(frozen=True, slots=True)
 class Decision:
     leaf: str  # the leaf's name ("" when no rule matched)
     models: tuple[str, ...]  # the model, then its fallbacks in order
+    shadow: Shadow | None = None  # the leaf's shadow arm, if it has one
 
 
 Test = Callable[[RequestFacts], bool]
@@ -116,6 +150,7 @@ class _Node:
     children: tuple[_Node, ...] = ()
     to: tuple[str, ...] = ()  # a leaf: the model and its fallbacks
     split: _Split | None = None
+    shadow: Shadow | None = None
 
 
 class RuleTree:
@@ -140,8 +175,8 @@ def _walk(nodes: tuple[_Node, ...], facts: RequestFacts) -> Decision | None:
                     return found
                 continue
             if node.split is not None:
-                return Decision(node.name, (node.split.pick(facts),))
-            return Decision(node.name, node.to)
+                return Decision(node.name, (node.split.pick(facts),), node.shadow)
+            return Decision(node.name, node.to, node.shadow)
     return None
 
 
@@ -193,16 +228,33 @@ def _node(rule: Mapping[str, Any], at: str, models: Mapping[str, str], names: li
         return None
     kind = leaves[0]
     if kind == "routes":
+        if "shadow" in rule:
+            p.append(f"{at}.shadow: only a leaf (to, split, fallback) may have a shadow")
         return _Node(name, tests, children=_nodes(rule["routes"], f"{at}.routes", models, names, p))
+    shadow = _shadow(rule["shadow"], f"{at}.shadow", models, p) if "shadow" in rule else None
     if kind == "to":
-        return _Node(name, tests, to=(_model(rule["to"], f"{at}.to", models, p),))
+        return _Node(name, tests, to=(_model(rule["to"], f"{at}.to", models, p),), shadow=shadow)
     if kind == "fallback":
         chain = rule["fallback"]
         if not isinstance(chain, list) or len(chain) < 2:
             p.append(f"{at}.fallback: expected two or more models in order, got {chain!r}")
             return None
-        return _Node(name, tests, to=tuple(_model(m, f"{at}.fallback[{j}]", models, p) for j, m in enumerate(chain)))
-    return _Node(name, tests, split=_split(rule["split"], rule.get("sticky", ""), at, models, p))
+        return _Node(name, tests, to=tuple(_model(m, f"{at}.fallback[{j}]", models, p) for j, m in enumerate(chain)),
+                     shadow=shadow)
+    return _Node(name, tests, split=_split(rule["split"], rule.get("sticky", ""), at, models, p), shadow=shadow)
+
+
+def _shadow(raw: Any, at: str, models: Mapping[str, str], p: list[str]) -> Shadow | None:
+    if not isinstance(raw, Mapping) or set(raw) - {"to", "share", "max_in_flight"}:
+        p.append(f"{at}: expected {{ to = MODEL, share = PERCENT, max_in_flight = N }}, got {raw!r}")
+        return None
+    share, bound = raw.get("share", 100), raw.get("max_in_flight", 16)
+    if isinstance(share, bool) or not isinstance(share, int | float) or not 0 < share <= 100:
+        p.append(f"{at}.share: expected a percentage in (0, 100], got {share!r}")
+    if isinstance(bound, bool) or not isinstance(bound, int) or bound < 1:
+        p.append(f"{at}.max_in_flight: expected a whole number >= 1, got {bound!r}")
+    return Shadow(_model(raw.get("to"), f"{at}.to", models, p), float(share) if isinstance(share, int | float) else 0.0,
+                  bound if isinstance(bound, int) else 1)
 
 
 def _model(value: Any, at: str, models: Mapping[str, str], p: list[str]) -> str:

@@ -157,3 +157,20 @@ def test_problems_by_path() -> None:
                    "routes[4].split[1].weight", "routes[4].sticky: 'ip'", "routes[5].fallback: expected two",
                    "routes[6]: needs exactly one of"):
         assert needle in text, (needle, problems)
+
+
+def test_shadow_share_bound_and_problems() -> None:
+    t = tree({"name": "m", "to": "small", "shadow": {"to": "big", "share": 25, "max_in_flight": 3}})
+    d = t.decide(Facts())
+    assert d is not None and d.shadow is not None and d.shadow.to == "big"
+    turns = [d.shadow.take() for _ in range(40)]  # nothing ends: 3 copies, then skipped turns
+    assert turns.count(True) == 3 and turns.count(None) == 7 and turns.count(False) == 30
+    d.shadow.done()
+    assert [d.shadow.take() for _ in range(4)] == [False, False, False, True]  # room again: copied
+    problems: list[str] = []
+    compile_rules([{"name": "a", "to": "small", "shadow": {"to": "nope", "share": 0, "max_in_flight": 0}},
+                   {"name": "b", "routes": [{"name": "c", "to": "big"}], "shadow": {"to": "big"}}], MODELS, problems)
+    text = "\n".join(problems)
+    for needle in ("routes[0].shadow.share", "routes[0].shadow.max_in_flight", "routes[0].shadow.to: 'nope'",
+                   "routes[1].shadow: only a leaf"):
+        assert needle in text, (needle, problems)

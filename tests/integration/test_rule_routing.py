@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,6 +34,26 @@ aliases = ["default"]
 name = "down"            # its only worker never answers: no ready replica
 local = 0
 remote = ["tcp://127.0.0.1:9"]
+
+[[models]]
+name = "slow"            # a shadow pool that takes 0.3 s a step
+workers = { synthetic_step_ms = 300 }
+
+[[models]]
+name = "broken"          # a shadow pool that fails every request
+workers = { synthetic_error_rate = 1.0 }
+
+[[routes]]
+name = "mirror-slow"
+when = { headers = { "x-shadow" = "slow" } }
+to = "small"
+shadow = { to = "slow", share = 50, max_in_flight = 2 }
+
+[[routes]]
+name = "mirror-broken"
+when = { headers = { "x-shadow" = "broken" } }
+to = "small"
+shadow = { to = "broken", share = 100 }
 
 [[routes]]
 name = "gold"
@@ -65,7 +86,7 @@ pytestmark = pytest.mark.timeout(120)
 
 @pytest.fixture(scope="module")
 def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    g = serve_config(tmp_path_factory.mktemp("rules"), CONFIG, models=("big", "small"))
+    g = serve_config(tmp_path_factory.mktemp("rules"), CONFIG, models=("big", "small", "slow", "broken"))
     yield g
     assert stop_gateway(g) == 0
 
@@ -103,5 +124,37 @@ def test_config_check_names_a_bad_rule_by_path(tmp_path: Path) -> None:
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 1
     out = r.stdout + r.stderr
-    assert "routes[1].when.user_regex: not a regular expression" in out
-    assert "routes[1].to: 'huge' is not a served model" in out
+    assert "routes[3].when.user_regex: not a regular expression" in out
+    assert "routes[3].to: 'huge' is not a served model" in out
+
+
+def test_shadow_copies_never_touch_the_clients_answer(gw: Gateway) -> None:
+    """Half of the requests copied to a pool that takes 0.6 s each, at most 2 at once: every client
+    answer still comes at once, from its own model; the copies beyond the bound are skipped. Every
+    copy to a failing pool fails, and no client sees it."""
+    metrics = httpx.get(gw.http + "/metrics").text
+    with httpx.Client(base_url=gw.http) as c:
+        t0 = time.monotonic()
+        answers = [_chat(c, "small", **{"x-shadow": "slow"}) for _ in range(20)]
+        took = time.monotonic() - t0
+        broken = [_chat(c, "small", **{"x-shadow": "broken"}) for _ in range(10)]
+    assert set(answers) == {("mirror-slow", "small")} and set(broken) == {("mirror-broken", "small")}
+    assert took < 3.0, took  # 20 copies of 0.6 s in series would be 12 s; at 2 in flight 6 s
+    deadline = time.monotonic() + 10
+    while True:
+        metrics = httpx.get(gw.http + "/metrics").text
+        ok = _count(metrics, 'quicserve_shadow_requests_total{leaf="mirror-slow",model="slow",outcome="ok"}')
+        skipped = _count(metrics, 'quicserve_shadow_requests_total{leaf="mirror-slow",model="slow",outcome="skipped"}')
+        failed = _count(metrics, 'quicserve_shadow_requests_total{leaf="mirror-broken",model="broken",outcome="failed"}')
+        if ok + skipped == 10 and failed == 10 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert ok + skipped == 10 and 2 <= ok <= 8 and skipped >= 2, (ok, skipped)  # half copied, the bound held
+    assert failed == 10
+
+
+def _count(metrics: str, series: str) -> float:
+    for line in metrics.splitlines():
+        if line.startswith(series):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
