@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import h2.config
 import h2.connection
-from hyperframe.frame import ContinuationFrame, GoAwayFrame, HeadersFrame, PingFrame, RstStreamFrame
+from hyperframe.frame import (
+    ContinuationFrame,
+    GoAwayFrame,
+    HeadersFrame,
+    PingFrame,
+    RstStreamFrame,
+    WindowUpdateFrame,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -100,6 +107,21 @@ def test_cheap_frames_draw_on_a_bucket() -> None:
     g2.feed(PREFACE, 0.0)
     for i in range(500):  # at the sustained rate: never
         assert g2.feed(ping, i / 100.0) is None
+
+
+def test_a_busy_client_acknowledging_each_response_is_not_a_flood() -> None:
+    """Three WINDOW_UPDATEs per completed stream, at 10x the flat rate in streams a second: each
+    stream's credit covers its acknowledgements, so it runs for ever; the same frames with no
+    completed streams are closed within the burst."""
+    update = WindowUpdateFrame(0, window_increment=65535).serialize()
+    busy = H2FrameGuard(LIMITS, 0.0)
+    busy.feed(PREFACE, 0.0)
+    for i in range(3000):  # 1000 streams a second (LIMITS.frame_rate is 100 frames a second)
+        busy.stream_completed()
+        assert busy.feed(update * 3, i / 1000.0) is None
+    idle = H2FrameGuard(LIMITS, 0.0)
+    idle.feed(PREFACE, 0.0)
+    assert any(idle.feed(update * 3, i / 1000.0) is not None for i in range(3000))
 
 
 def test_a_goaway_flood_draws_on_the_same_bucket() -> None:
