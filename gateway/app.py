@@ -83,6 +83,7 @@ class App:
         self.generations = Generations(pool, self.metrics, self.calls, admission, tracer, access_log, rules, identify,
                                        rollouts)
         self.rollouts = rollouts
+        self.config_problem: str | None = None  # why the last config reload was refused (/readyz says)
         self.metrics.watch_workers(pool.connections)
         self.draining = False
         self.worker_failure: Callable[[], str | None] = lambda: None  # serve.py: the supervisor's failure
@@ -195,7 +196,10 @@ class App:
     def _readyz(self, req: Request) -> Answer:
         ready = self.pool.ready_workers()
         if ready and not self.draining:
-            return 200, JSON_HEADERS, orjson.dumps({"status": "ready", "workers": ready, "models": self.pool.models()})
+            body = {"status": "ready", "workers": ready, "models": self.pool.models()}
+            if self.config_problem:
+                body["config"] = self.config_problem
+            return 200, JSON_HEADERS, orjson.dumps(body)
         why = "draining" if self.draining else (self.worker_failure() or "no worker is ready")
         return 503, JSON_HEADERS, orjson.dumps({"status": "not ready", "reason": why, "workers": ready})
 

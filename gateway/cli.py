@@ -141,7 +141,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from .serve import serve_forever
 
-    return serve_forever(settings)
+    def again() -> Any:  # the same file, environment and flags (SIGHUP, or the file changed)
+        return load_settings(a.config, overrides=overrides)
+
+    return serve_forever(settings, (again, a.config))
 
 
 def _to_toml(d: dict[str, Any]) -> str:

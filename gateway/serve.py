@@ -24,6 +24,7 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Callable
 from typing import TextIO
 
 from . import clock
@@ -41,6 +42,7 @@ from .observability.logs import ACCESS_LOGGER, configure_logging
 from .observability.metrics import GatewayMetrics
 from .observability.systemd import SystemdNotifier, required_models
 from .observability.tracing import RequestTracer
+from .reload import Reloader
 from .routing.pool import ModelPool
 from .routing.rollout import Rollouts
 from .routing.rollout_runner import STATE_FILE, RolloutCollector, load_rollouts, run_rollouts
@@ -79,7 +81,7 @@ def _say(out: TextIO, text: str) -> None:
 
 
 async def run_gateway(settings: Settings, *, out: TextIO | None = None,
-                      stop: asyncio.Event | None = None) -> int:
+                      stop: asyncio.Event | None = None, reload: Reload | None = None) -> int:
     """Serve until SIGTERM/SIGINT (or ``stop`` is set); return the exit status."""
     from .http.common import HttpLimits
     from .http.listeners import ListenerSpec, start_listener
@@ -103,7 +105,7 @@ async def run_gateway(settings: Settings, *, out: TextIO | None = None,
     rollout_state = state_dir(settings) / STATE_FILE
     if rollouts:
         load_rollouts(rollouts, rollout_state)
-        metrics.registry.register(RolloutCollector(rollouts))
+    metrics.registry.register(RolloutCollector(rollouts))
     app = App(pool, metrics, settings.api, admission=adm.stage,
               validate=adm.schemas.validate if adm.schemas is not None else None, tracer=tracer,
               access_log=settings.log.access_log, rules=settings.rule_tree(), rollouts=rollouts,
@@ -168,16 +170,22 @@ async def run_gateway(settings: Settings, *, out: TextIO | None = None,
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
-    if adm.stage is not None:
-        admission = adm.stage.admission
+    reloader = Reloader(reload[0], reload[1], settings, app, pool, supervisor) if reload is not None else None
+    hup_tasks: set[asyncio.Task[bool]] = set()
 
-        def on_hup() -> None:
-            problems = admission.reload_keys()
+    def on_hup() -> None:
+        if adm.stage is not None:
+            problems = adm.stage.admission.reload_keys()
             log.info("SIGHUP: API keys reloaded%s", f" ({'; '.join(problems)})" if problems else "")
+        if reloader is not None:
+            task = asyncio.create_task(reloader.reload("SIGHUP"))
+            hup_tasks.add(task)
+            task.add_done_callback(hup_tasks.discard)
 
-        loop.add_signal_handler(signal.SIGHUP, on_hup)
+    loop.add_signal_handler(signal.SIGHUP, on_hup)
     leases_task = asyncio.create_task(adm.leases.run()) if adm.leases is not None else None
-    rollout_task = asyncio.create_task(run_rollouts(rollouts, rollout_state)) if rollouts else None
+    rollout_task = asyncio.create_task(run_rollouts(rollouts, rollout_state))
+    watch_task = asyncio.create_task(reloader.watch()) if reloader is not None and reloader.path else None
 
     async def announce_ready() -> None:
         if await supervisor.wait_ready():
@@ -189,8 +197,9 @@ async def run_gateway(settings: Settings, *, out: TextIO | None = None,
     finally:
         ready_task.cancel()
         sweeper.cancel()
-        if rollout_task is not None:
-            rollout_task.cancel()
+        rollout_task.cancel()
+        if watch_task is not None:
+            watch_task.cancel()
         for w in watches:
             w.cancel()
         notifier.stopping()
@@ -256,7 +265,12 @@ def _hostport(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def serve_forever(settings: Settings) -> int:
+Reload = tuple[Callable[[], Settings], str | None]
+"""How to read the configuration again (the file, the environment and the same flags) and the
+file to watch for changes (None: SIGHUP only)."""
+
+
+def serve_forever(settings: Settings, reload: Reload | None = None) -> int:
     """Run :func:`run_gateway` on uvloop (unless ``server.uvloop = false``)."""
     configure_logging(settings.log.level, settings.log.format)  # text/JSON; level and format reach the workers
     logging.getLogger(ACCESS_LOGGER).setLevel(logging.INFO if settings.log.access_log else logging.WARNING)
@@ -264,8 +278,8 @@ def serve_forever(settings: Settings) -> int:
         if settings.server.uvloop:
             import uvloop
 
-            return uvloop.run(run_gateway(settings))
-        return asyncio.run(run_gateway(settings))
+            return uvloop.run(run_gateway(settings, reload=reload))
+        return asyncio.run(run_gateway(settings, reload=reload))
     except OSError as e:  # the usual one: a port already in use
         print(f"quicserve: cannot start: {e}", file=sys.stderr)
         return 1

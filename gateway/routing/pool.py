@@ -57,6 +57,13 @@ class ModelPool:
                 self.aliases[alias] = name
                 self._known.add(alias)
 
+    def unconfigure(self, name: str) -> None:
+        """A reload removed model ``name``: it and its aliases are names no more (404)."""
+        self._known.discard(name)
+        for alias in [a for a, m in self.aliases.items() if m == name]:
+            del self.aliases[alias]
+            self._known.discard(alias)
+
     def knows(self, model: str) -> bool:
         """Configured, or announced by a worker since start (what a metric label may name)."""
         return model in self._known

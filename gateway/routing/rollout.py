@@ -214,6 +214,14 @@ class Rollouts:
     def __bool__(self) -> bool:
         return bool(self.by_stable)
 
+    def reconfigure(self, settings: list[RolloutSettings], now: float) -> None:
+        """A reload's rollouts: one still releasing the same candidate over the same stable model
+        goes on from its state; others start afresh; removed ones end."""
+        saved = self.states()
+        self.by_stable = {s.stable: Rollout(s, now) for s in settings}
+        self.interval = min((s.interval for s in settings), default=10.0)
+        self.restore(saved)
+
     def evaluate(self, now: float) -> list[tuple[str, str]]:
         """(rollout, transition) for every rollout that moved."""
         out = []

@@ -51,9 +51,8 @@ def save_rollouts(rollouts: Rollouts, path: Path) -> None:
 
 async def run_rollouts(rollouts: Rollouts, path: Path) -> None:
     """Evaluate every rollout when due, for the gateway's life; cancel it to stop."""
-    tick = max(0.05, rollouts.interval / 4)
     while True:
-        await asyncio.sleep(tick)
+        await asyncio.sleep(max(0.05, rollouts.interval / 4))  # a reload may change the interval
         if rollouts.evaluate(clock.now()):
             try:
                 save_rollouts(rollouts, path)

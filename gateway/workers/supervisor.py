@@ -161,6 +161,9 @@ class _Worker:
         self.stopping = True
 
 
+Worker = _Worker  # what other modules name one supervised worker by (reload retires them)
+
+
 class LocalWorker(_Worker):
     def __init__(self, sup: WorkerSupervisor, ws: WorkersSettings, index: int, argv: list[str]) -> None:
         super().__init__(sup, ws)
@@ -294,6 +297,46 @@ class WorkerSupervisor:
     def start(self) -> None:
         for w in self.workers:
             w.task = asyncio.create_task(w.loop(), name=f"supervise {w.name}")
+
+    def add_model(self, ws: WorkersSettings) -> list[_Worker]:
+        """Start the workers of a model added by a reload (``ws``: its [workers] settings)."""
+        new: list[_Worker] = []
+        for _ in range(ws.local):
+            i = len(self.workers) + len(new)
+            new.append(LocalWorker(self, ws, i, worker_command(ws, i)))
+        new += [RemoteWorker(self, ws, u) for u in ws.remote]
+        for w in new:
+            self.workers.append(w)
+            w.task = asyncio.create_task(w.loop(), name=f"supervise {w.name}")
+        return new
+
+    def of_model(self, name: str) -> list[_Worker]:
+        """The configured workers serving ``name`` (its [workers] served name)."""
+        return [w for w in self.workers if w.ws.served_name == name]
+
+    async def retire(self, workers: list[_Worker], timeout: float) -> None:
+        """Drain ``workers`` and stop them (a reload removed or replaced their model): out of the
+        pool at once, so no new request goes there; their requests in flight finish (up to
+        ``timeout``); then they stop like at shutdown and are forgotten."""
+        for w in workers:
+            w.stopping = True
+            if w.conn is not None:
+                self.pool.remove(w.conn)
+        deadline = asyncio.get_running_loop().time() + timeout
+        while any(w.conn is not None and w.conn.in_flight for w in workers):
+            if asyncio.get_running_loop().time() >= deadline:
+                log.warning("reload: %d request(s) still open on retired workers after %g s; stopping them anyway",
+                            sum(w.conn.in_flight for w in workers if w.conn is not None), timeout)
+                break
+            await asyncio.sleep(0.05)
+        tasks = [w.task for w in workers if w.task is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*(w._release() for w in workers), return_exceptions=True)
+        for w in workers:
+            if w in self.workers:
+                self.workers.remove(w)
 
     def add_remote(self, url: str) -> None:
         """A worker that appeared (DNS discovery): supervised like the configured remote ones."""

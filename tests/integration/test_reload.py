@@ -1,0 +1,107 @@
+"""Reloading a running ``quicserve serve`` without losing a request (issue #28, item 5): SIGHUP
+applies new models, rules and aliases -- a stream running on a removed model's worker finishes
+whole, an added model starts its workers; a config that fails ``config check`` changes nothing and
+says why (log, metric, /readyz); a changed config file is picked up without a signal."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.integration.serve_process import serve_config
+from tests.integration.test_gateway_e2e import stop_gateway
+
+BEFORE = """
+[workers]
+engine = "synthetic"
+synthetic_step_ms = 50
+
+[[models]]
+name = "old"
+
+[[routes]]
+name = "pinned"
+when = { headers = { "x-pin" = "yes" } }
+to = "old"
+"""
+
+AFTER = """
+[workers]
+engine = "synthetic"
+synthetic_step_ms = 50
+
+[[models]]
+name = "new"
+
+[[routes]]
+name = "pinned"
+when = { headers = { "x-pin" = "yes" } }
+to = "new"
+"""
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _models(url: str) -> set[str]:
+    return {m["id"] for m in httpx.get(url + "/v1/models").json()["data"]}
+
+
+def _wait(cond: object, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():  # type: ignore[operator]
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
+
+
+def test_sighup_swaps_models_and_rules_without_losing_a_stream(tmp_path: Path) -> None:
+    g = serve_config(tmp_path, BEFORE, models=("old",))
+    try:
+        streamed: list[str] = []
+
+        def stream() -> None:  # 40 tokens x 50 ms: still running when the reload lands
+            with httpx.stream("POST", g.http + "/v1/completions", timeout=30,
+                              json={"model": "old", "prompt": "x", "max_tokens": 40, "stream": True}) as r:
+                streamed.extend(line for line in r.iter_lines() if line.startswith("data: "))
+
+        t = threading.Thread(target=stream)
+        t.start()
+        time.sleep(0.5)
+        (tmp_path / "config.toml").write_text(AFTER)
+        g.proc.send_signal(signal.SIGHUP)
+        _wait(lambda: "new" in _models(g.http), "the added model never became ready")
+        t.join(30)
+        events = [json.loads(line[6:]) for line in streamed if line != "data: [DONE]"]
+        text = "".join(e["choices"][0]["text"] for e in events if e.get("choices"))
+        assert streamed[-1] == "data: [DONE]" and events[-1]["choices"][0]["finish_reason"] == "length"
+        assert len(text) >= 40 and all(e.get("model") == "old" for e in events)  # whole, on the old worker
+        r = httpx.post(g.http + "/v1/completions", json={"model": "anything", "prompt": "x", "max_tokens": 2},
+                       headers={"x-pin": "yes"})
+        assert r.status_code == 200 and r.headers["x-quicserve-route"] == "pinned" and r.json()["model"] == "new"
+        _wait(lambda: httpx.post(g.http + "/v1/completions",
+                                 json={"model": "old", "prompt": "x", "max_tokens": 2}).status_code == 404,
+              "the removed model is still served")
+
+        bad = AFTER.replace('to = "new"', 'to = "missing"')
+        (tmp_path / "config.toml").write_text(bad)
+        g.proc.send_signal(signal.SIGHUP)
+        _wait(lambda: "refused" in httpx.get(g.http + "/readyz").json().get("config", ""), "no word of the refusal")
+        ready = httpx.get(g.http + "/readyz")
+        assert ready.status_code == 200 and "routes[0].to: 'missing'" in ready.json()["config"]
+        time.sleep(1.5)  # the file watcher ticks (1 s): it must not read the same file again
+        assert 'quicserve_config_reloads_total{result="failed"} 1.0' in httpx.get(g.http + "/metrics").text
+        r = httpx.post(g.http + "/v1/completions", json={"model": "new", "prompt": "x", "max_tokens": 2},
+                       headers={"x-pin": "yes"})
+        assert r.status_code == 200 and r.json()["model"] == "new"  # still the last good configuration
+
+        # the file changed, no signal: picked up by its modification time
+        (tmp_path / "config.toml").write_text(AFTER.replace('name = "new"', 'name = "new"\naliases = ["fresh"]'))
+        _wait(lambda: "fresh" in _models(g.http), "the changed file was never read")
+        assert "config" not in httpx.get(g.http + "/readyz").json()
+    finally:
+        assert stop_gateway(g) == 0
