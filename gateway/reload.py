@@ -3,7 +3,8 @@ losing a request.
 
 What a reload applies: the rule tree (``[[routes]]``: the next request is decided by the new one),
 the rollouts (``[[rollouts]]``: one still releasing the same candidate goes on from its step), and
-the models (``[[models]]``): an added model starts its workers; a removed one stops taking new
+the models (``[[models]]``): an added model starts its workers, and the new rules and rollouts
+apply once it has a ready one (they may send it traffic); a removed one stops taking new
 requests at once, its requests in flight finish on the workers they started on (up to
 ``shutdown.drain_timeout``), then its workers stop; a model whose aliases changed is renamed in
 place; a model whose workers' settings changed gets new workers first, and its old ones drain
@@ -83,31 +84,33 @@ class Reloader:
 
     async def _apply(self, new: Settings, why: str) -> None:
         old, gens = self.settings, self.app.generations
-        gens.rules = new.rule_tree()
-        if gens.rollouts is not None or new.rollouts:
-            rollouts = self.app.rollouts
-            if rollouts is not None:
-                rollouts.reconfigure(new.rollouts, clock.now())
-                gens.rollouts = rollouts if rollouts else None
         before = {m.name: m for m in old.served()}
         after = {m.name: m for m in new.served()}
+        added = [after[n] for n in after.keys() - before.keys()]
+        fresh = [w for m in added for w in self.supervisor.add_model(m.worker_settings())]
+        for m in added:
+            log.info("reload: model %s added (%d local worker(s))", m.name, m.local)
+        await self._ready(fresh)  # the new rules may send traffic there: only once it can take it
+        for m in added:
+            self.pool.configure([(m.name, m.aliases)])
+        gens.rules = new.rule_tree()
+        rollouts = self.app.rollouts
+        if rollouts is not None:
+            rollouts.reconfigure(new.rollouts, clock.now())
+            gens.rollouts = rollouts if rollouts else None
         for name in before.keys() - after.keys():
             self._drain(self.supervisor.of_model(name), f"model {name} removed")
             self.pool.unconfigure(name)
         for name, m in after.items():
             was = before.get(name)
             if was is None:
-                self.pool.configure([(name, m.aliases)])
-                self.supervisor.add_model(m.worker_settings())
-                log.info("reload: model %s added (%d local worker(s))", name, m.local)
                 continue
             if was.aliases != m.aliases:
                 self.pool.unconfigure(name)
                 self.pool.configure([(name, m.aliases)])
             if _workers_changed(was, m):
                 olds = self.supervisor.of_model(name)
-                fresh = self.supervisor.add_model(m.worker_settings())
-                self._spawn(self._replace(name, olds, fresh))
+                self._spawn(self._replace(name, olds, self.supervisor.add_model(m.worker_settings())))
         restart = [f.name for f in dataclasses.fields(Settings)
                    if f.name not in _APPLIED and getattr(old, f.name) != getattr(new, f.name)]
         if restart:
@@ -116,11 +119,21 @@ class Reloader:
                  len(gens.rules.leaves) if gens.rules is not None else 0, len(new.rollouts))
         self.settings = new
 
+    async def _ready(self, workers: list[Worker]) -> None:
+        """Until every model of ``workers`` has one ready (or its ready_timeout passed)."""
+        if not workers:
+            return
+        deadline = clock.now() + max(w.ws.ready_timeout for w in workers)
+        models = {w.ws.served_name for w in workers}
+        while clock.now() < deadline:
+            if all(any(w.ready_once.is_set() for w in workers if w.ws.served_name == m) for m in models):
+                return
+            await asyncio.sleep(0.05)
+        log.warning("reload: added model(s) %s not ready after their ready_timeout; applying anyway", sorted(models))
+
     async def _replace(self, name: str, olds: list[Worker], fresh: list[Worker]) -> None:
         """New workers first; the old ones drain once one new one is ready (no gap in service)."""
-        deadline = clock.now() + max(w.ws.ready_timeout for w in fresh)
-        while not any(w.ready_once.is_set() for w in fresh) and clock.now() < deadline:
-            await asyncio.sleep(0.05)
+        await self._ready(fresh)
         await self.supervisor.retire(olds, self.settings.shutdown.drain_timeout)
         log.info("reload: model %s now runs on its new workers", name)
 

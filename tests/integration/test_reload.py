@@ -105,3 +105,77 @@ def test_sighup_swaps_models_and_rules_without_losing_a_stream(tmp_path: Path) -
         assert "config" not in httpx.get(g.http + "/readyz").json()
     finally:
         assert stop_gateway(g) == 0
+
+
+def _with_extra(weight: int) -> str:
+    return f"""
+[workers]
+engine = "synthetic"
+synthetic_step_ms = 5
+
+[[models]]
+name = "base"
+
+[[models]]
+name = "extra"
+
+[[routes]]
+name = "ab"
+when = {{ model = "base" }}
+split = [{{ to = "base", weight = {100 - weight} }}, {{ to = "extra", weight = {weight} }}]
+"""
+
+
+BASE_ONLY = """
+[workers]
+engine = "synthetic"
+synthetic_step_ms = 5
+
+[[models]]
+name = "base"
+"""
+
+
+def test_reload_under_load_loses_nothing(tmp_path: Path) -> None:
+    """32 clients for the whole run while the config changes six times: a model added and removed
+    three times, the split's weights changed each time it comes back: every request gets a 200."""
+    import asyncio
+
+    g = serve_config(tmp_path, BASE_ONLY, models=("base",))
+    try:
+        statuses: list[int] = []
+        served: set[str] = set()
+        stop = asyncio.Event()
+
+        async def client(c: httpx.AsyncClient, k: int) -> None:
+            n = 0
+            while not stop.is_set():
+                n += 1
+                r = await c.post("/v1/completions", json={"model": "base", "prompt": f"{k} {n}", "max_tokens": 8,
+                                                          "stream": n % 2 == 0})
+                statuses.append(r.status_code)
+                if r.status_code == 200 and n % 2:
+                    served.add(r.json()["model"])
+
+        async def run() -> None:
+            async with httpx.AsyncClient(base_url=g.http, timeout=30,
+                                         limits=httpx.Limits(max_connections=32)) as c:
+                tasks = [asyncio.create_task(client(c, k)) for k in range(32)]
+                for weight in (10, 30, 50):
+                    await asyncio.sleep(1.0)
+                    (tmp_path / "config.toml").write_text(_with_extra(weight))
+                    g.proc.send_signal(signal.SIGHUP)
+                    await asyncio.sleep(1.5)
+                    (tmp_path / "config.toml").write_text(BASE_ONLY)
+                    g.proc.send_signal(signal.SIGHUP)
+                await asyncio.sleep(1.0)
+                stop.set()
+                await asyncio.gather(*tasks)
+
+        asyncio.run(run())
+        failed = [s for s in statuses if s != 200]
+        print(f"reload under load: {len(statuses)} requests, {len(failed)} failed, models {sorted(served)}")
+        assert len(statuses) > 300 and not failed, sorted(set(failed))
+        assert served == {"base", "extra"}  # the split did send some to the added model
+    finally:
+        assert stop_gateway(g) == 0
