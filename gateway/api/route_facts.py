@@ -15,11 +15,12 @@ Identify = Callable[[bytes | None], tuple[str | None, str | None]]
 
 
 class RouteFacts:
-    __slots__ = ("_req", "_g", "_identify", "_key")
+    __slots__ = ("_req", "_g", "_identify", "_key", "_text")
 
     def __init__(self, req: Request, g: GenerationRequest, identify: Identify | None) -> None:
         self._req, self._g, self._identify = req, g, identify
         self._key: tuple[str | None, str | None] | None = None
+        self._text: str | None = None
 
     def model(self) -> str:
         return self._g.model
@@ -42,13 +43,18 @@ class RouteFacts:
         return self._key
 
     def user_text(self) -> str:
-        g = self._g
-        if g.messages is not None:
-            for m in reversed(g.messages):
-                if m["role"] == "user":
-                    return str(m["content"])
-            return ""
-        return g.prompt or ""
+        text = self._text
+        if text is None:
+            g, text = self._g, ""
+            if g.messages is None:
+                text = g.prompt or ""
+            else:
+                for m in reversed(g.messages):
+                    if m["role"] == "user":
+                        text = str(m["content"])
+                        break
+            self._text = text
+        return text
 
     def user(self) -> str | None:
         return self._g.user

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gateway.routing.rules import RuleTree, compile_rules, rendezvous
 
@@ -174,3 +176,27 @@ def test_shadow_share_bound_and_problems() -> None:
     for needle in ("routes[0].shadow.share", "routes[0].shadow.max_in_flight", "routes[0].shadow.to: 'nope'",
                    "routes[1].shadow: only a leaf"):
         assert needle in text, (needle, problems)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.builds(
+    Facts,
+    model_=st.sampled_from(["small", "big", "fast", "echo"]),
+    prompt=st.integers(0, 6000),
+    max_tok=st.integers(1, 3000),
+    stream_=st.booleans(),
+    headers=st.dictionaries(st.sampled_from([b"x-tier", b"x-exp", b"x-session"]), st.sampled_from([b"gold", b"on", b"s1"])),
+    key_=st.tuples(st.sampled_from([None, "tenant1", "t9"]), st.sampled_from([None, "0", "2"])),
+    text=st.sampled_from(["hello", "please translate", "python and SQL", "Translation?", ""]),
+    user_=st.sampled_from([None, "u1", "u2"]),
+), min_size=1, max_size=30))
+def test_generated_tree_decides_as_the_walk(facts: list[Facts]) -> None:
+    """The generated function against the node walk (each condition its own function), over the
+    benchmark's 10-leaf tree: the same leaf, models and split arm for every request in order."""
+    from tests.bench.bench_rules import MODELS as BENCH_MODELS
+    from tests.bench.bench_rules import TREE as BENCH_TREE
+
+    a, b = compile_rules(BENCH_TREE, BENCH_MODELS, []), compile_rules(BENCH_TREE, BENCH_MODELS, [])
+    assert a is not None and b is not None
+    for f in facts:
+        assert a.decide(f) == b.walk(f), f
