@@ -20,24 +20,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import os
-import signal
-import sys
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import orjson
 
 from transport.api import WorkerConnection
-from transport.worker_options import PERMANENT_EXITS, to_flags
+from transport.worker_options import PERMANENT_EXITS
 
 from .. import clock
 from ..observability.metrics import GatewayMetrics
 from ..observability.progress import ProgressDisplay
 from ..routing.pool import ModelPool
 from .config import WorkersSettings
+from .process import Backoff, WorkerUnusable, child_setup, terminate, worker_command
 
 __all__ = ["Backoff", "WorkerSupervisor", "LocalWorker", "RemoteWorker", "WorkerUnusable", "worker_command",
            "Connector"]
@@ -46,48 +44,10 @@ log = logging.getLogger("quicserve.workers")
 
 Connector = Callable[..., Awaitable[WorkerConnection]]
 
-STABLE_AFTER = 30.0  # seconds up before a worker's backoff resets
-
-
-class Backoff:
-    """Restart delays: initial, 2x, 4x ... capped; reset after a stable run. Sans-I/O."""
-
-    def __init__(self, initial: float, maximum: float) -> None:
-        self.initial, self.maximum = initial, maximum
-        self.failures = 0
-
-    def next_delay(self, ran_for: float) -> float:
-        if ran_for >= STABLE_AFTER:
-            self.failures = 0
-        delay = min(self.maximum, self.initial * float(2**self.failures))
-        self.failures += 1
-        return delay
-
-
-class WorkerUnusable(RuntimeError):
-    """A worker exited before ready with a status that a restart cannot fix (bad options)."""
-
-
-def worker_command(ws: WorkersSettings, index: int) -> list[str]:
-    """argv of local worker ``index`` (runs this interpreter, so venvs just work): the typed
-    ``[workers]`` options as ``quicserve worker`` flags."""
-    listen = ws.listen
-    if listen.startswith("unix://") and index:
-        listen = f"{listen}-{index}"
-    return [sys.executable, "-m", "gateway.cli", "worker", *to_flags(dataclasses.replace(ws, listen=listen))]
-
-
 def _default_connector() -> Connector:
     from transport.client import connect  # imported late so tests can run without it
 
     return connect
-
-
-def _child_setup() -> None:  # runs in the child between fork and exec
-    with contextlib.suppress(Exception):
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: die with the gateway
 
 
 class _Worker:
@@ -177,7 +137,7 @@ class LocalWorker(_Worker):
         ws = self.ws
         self.proc = proc = await asyncio.create_subprocess_exec(
             *self.argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, limit=1 << 20,
-            start_new_session=True, preexec_fn=_child_setup)
+            start_new_session=True, preexec_fn=child_setup)
         assert proc.stdout is not None
         self.sup.progress.note(self.name, f"starting (pid {proc.pid}): {' '.join(self.argv[3:])}")
         try:
@@ -241,7 +201,7 @@ class LocalWorker(_Worker):
         await super()._release()
         proc, self.proc = self.proc, None
         if proc is not None and proc.returncode is None:
-            await _terminate(proc, self.ws.stop_timeout)
+            await terminate(proc, self.ws.stop_timeout)
 
 
 class RemoteWorker(_Worker):
@@ -254,17 +214,6 @@ class RemoteWorker(_Worker):
         conn = await self.attach(self.url, None)
         await conn.wait_closed()
         raise RuntimeError("transport connection lost")
-
-
-async def _terminate(proc: asyncio.subprocess.Process, timeout: float) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        proc.send_signal(signal.SIGTERM)
-    try:
-        await asyncio.wait_for(proc.wait(), timeout)
-    except TimeoutError:
-        with contextlib.suppress(ProcessLookupError):
-            proc.kill()
-        await proc.wait()
 
 
 class WorkerSupervisor:
