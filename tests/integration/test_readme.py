@@ -90,3 +90,19 @@ def test_readme_curl_examples_return_what_they_say(served: Gateway) -> None:
             assert 1 <= doc["usage"]["completion_tokens"] <= 8
         else:  # pragma: no cover - a new README example this test does not know
             raise AssertionError(f"unchecked README example: {cmd}")
+
+
+def test_readme_models_example_passes_config_check() -> None:
+    """The worked example of "Several models, routing rules, ..." is a valid configuration."""
+    from gateway.settings import check_mapping
+
+    text = (REPO / "README.md").read_text().split("### Several models, routing rules", 1)[1]
+    block = re.findall(r"```toml\n(.*?)```", text, re.S)[0]
+    import tomllib
+
+    settings, problems = check_mapping(tomllib.loads(block))
+    assert problems == [] and settings is not None
+    tree = settings.rule_tree()
+    assert tree is not None and "ab" in tree.leaves
+    assert [m.name for m in settings.models] == ["llama-8b", "tiny-chat", "llama-8b-v2"]
+    assert settings.rollouts[0].candidate == "llama-8b-v2"
