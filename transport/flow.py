@@ -10,6 +10,13 @@ calls :meth:`handle_timer`. No sockets, no asyncio.
 
 * Handshake: each side sends HELLO first; anything else first, a wire
   version other than ours, or a peer with our own role is a protocol error.
+  An ERROR for the whole connection in its place is the peer refusing us (a
+  worker that requires TLS tells a plain-TCP gateway so): the connection ends
+  with its message. With a pre-shared key (``psk``) the first HELLO is a
+  challenge, AUTH answers it, and the full HELLO follows only once the peer's
+  AUTH proved the key (:mod:`transport.psk`); :class:`PeerHello` then means an
+  authenticated peer. Until the peer's HELLO is accepted its frames are capped
+  at ``HANDSHAKE_MAX_FRAME`` and the whole exchange at ``handshake_timeout``.
 * Credits: the gateway's HELLO ``initial_credit`` is each request's token
   window. The worker spends it with every token it sends
   (:meth:`credit` says what is left; sending more raises ``CreditExceeded``)
@@ -43,6 +50,7 @@ from dataclasses import dataclass, replace
 from .errors import ConnectionClosed, CreditExceeded, WireError
 from .messages import (
     PROTOCOL_VERSION,
+    Auth,
     Cancel,
     Credit,
     Error,
@@ -57,7 +65,15 @@ from .messages import (
     Submit,
     TokenBatch,
 )
-from .wire import DEFAULT_MAX_FRAME, FrameDecoder, FrameEncoder, StreamTable, SubmitRejected
+from .psk import PskHandshake
+from .wire import (
+    DEFAULT_MAX_FRAME,
+    HANDSHAKE_MAX_FRAME,
+    FrameDecoder,
+    FrameEncoder,
+    StreamTable,
+    SubmitRejected,
+)
 
 __all__ = [
     "FlowConnection",
@@ -183,11 +199,14 @@ class FlowConnection:
         heartbeat_interval: float = 1.0,
         dead_after: float = 5.0,
         max_streams: int = 1 << 16,
+        psk: bytes | None = None,
+        nonce: bytes | None = None,
+        handshake_timeout: float = 10.0,
     ) -> None:
         if role not in ("gateway", "worker"):
             raise ValueError("role must be 'gateway' or 'worker'")
-        if heartbeat_interval <= 0 or dead_after <= 0:
-            raise ValueError("heartbeat_interval and dead_after must be positive")
+        if heartbeat_interval <= 0 or dead_after <= 0 or handshake_timeout <= 0:
+            raise ValueError("heartbeat_interval, dead_after and handshake_timeout must be positive")
         self.role = role
         # Every field of the caller's Hello (a worker's capacity included), with our role and frame limit.
         self.local_hello = replace(hello, role=role, max_frame=hello.max_frame or DEFAULT_MAX_FRAME)
@@ -200,14 +219,21 @@ class FlowConnection:
         self.dead_after = dead_after
         streams = StreamTable(max_streams)
         self._enc = FrameEncoder(streams)
-        self._dec = FrameDecoder(streams, self.local_hello.max_frame)
+        self._dec = FrameDecoder(streams, min(HANDSHAKE_MAX_FRAME, self.local_hello.max_frame))
         self._out: list[bytes] = []
         self._last_rx = now
         self._next_ping = now + heartbeat_interval
+        self.handshake_timeout = handshake_timeout
+        self._handshake_deadline = now + handshake_timeout
         self._nonce = 0
         self._gw: dict[int, _GatewayRequest] = {}  # gateway: open requests
         self._credit: dict[int, int] = {}  # worker: open requests -> remaining credit
-        self._send(self.local_hello)
+        self._psk = PskHandshake(psk, role, nonce) if psk is not None else None
+        self._peer_role = ""
+        if self._psk is None:
+            self._send(self.local_hello)
+        else:  # the challenge: nothing about us until the peer proved the key
+            self._send(Hello(role=role, max_frame=self.local_hello.max_frame, challenge=self._psk.nonce))
 
     # --- bytes in / out --------------------------------------------------------------------
 
@@ -245,14 +271,22 @@ class FlowConnection:
 
     # --- timers ------------------------------------------------------------------------------
 
+    @property
+    def psk_verified(self) -> bool:
+        """The peer proved the pre-shared key (False when none is configured)."""
+        return self._psk is not None and self._psk.verified
+
     def get_timer(self) -> float | None:
         if self.closed:
             return None
-        return min(self._next_ping, self._last_rx + self.dead_after)
+        when = min(self._next_ping, self._last_rx + self.dead_after)
+        return when if self.peer_hello is not None else min(when, self._handshake_deadline)
 
     def handle_timer(self, now: float) -> list[Event]:
         if self.closed:
             return []
+        if self.peer_hello is None and now >= self._handshake_deadline:
+            return self._fail(f"no complete handshake within {self.handshake_timeout:g}s")
         if now >= self._last_rx + self.dead_after:
             return self._terminate(
                 Error(0, ErrorCode.CONNECTION_LOST, f"peer silent for {now - self._last_rx:.1f}s (dead)")
@@ -421,18 +455,7 @@ class FlowConnection:
             self._handle_gateway(msg, events)  # the common case, without the checks below
             return
         if self.peer_hello is None:
-            if not isinstance(msg, Hello):
-                events.extend(self._fail(f"expected HELLO first, got {type(msg).__name__}"))
-                return
-            if msg.version != PROTOCOL_VERSION:
-                events.extend(self._fail(f"peer speaks version {msg.version}, we speak {PROTOCOL_VERSION}"))
-                return
-            if msg.role == self.role:
-                events.extend(self._fail(f"peer has our own role {msg.role!r}"))
-                return
-            self.peer_hello = msg
-            self._enc.max_frame = msg.max_frame
-            events.append(PeerHello(msg))
+            self._handshake(msg, events)
             return
         if isinstance(msg, Ping):
             self._send(Pong(msg.nonce))
@@ -447,6 +470,51 @@ class FlowConnection:
             self._handle_gateway(msg, events)
         else:
             self._handle_worker(msg, events)
+
+    def _handshake(self, msg: Message | SubmitRejected, events: list[Event]) -> None:
+        """Before the peer's full HELLO: its HELLOs and AUTH, or the ERROR that refuses us."""
+        if type(msg) is Error and msg.request_id == 0:
+            events.extend(self._terminate(Error(0, msg.code, f"the peer refused the connection: {msg.message}")))
+            return
+        psk = self._psk
+        if type(msg) is Auth:
+            if psk is None or psk.peer_nonce is None or psk.verified:
+                events.extend(self._fail("unexpected AUTH"))
+            elif not psk.check(self._peer_role, msg.proof):
+                events.extend(self._fail(f"pre-shared key authentication failed: the {self._peer_role}'s proof does "
+                                         "not match this side's key (do both sides read the same transport_psk_file?)"))
+            else:
+                self._send(self.local_hello)  # the full one, now that the peer is known
+            return
+        if not isinstance(msg, Hello):
+            events.extend(self._fail(f"expected HELLO first, got {type(msg).__name__}"))
+            return
+        if msg.version != PROTOCOL_VERSION:
+            events.extend(self._fail(f"peer speaks version {msg.version}, we speak {PROTOCOL_VERSION}"))
+            return
+        if msg.role == self.role:
+            events.extend(self._fail(f"peer has our own role {msg.role!r}"))
+            return
+        if psk is None:
+            if msg.challenge:
+                events.extend(self._fail(f"the {msg.role} requires a pre-shared key and this {self.role} has none: "
+                                         "configure the same transport_psk_file on both sides"))
+                return
+        elif psk.peer_nonce is None:  # its challenge
+            if not msg.challenge:
+                events.extend(self._fail(f"this {self.role} requires a pre-shared key and the {msg.role} offered "
+                                         "none: configure the same transport_psk_file on both sides"))
+                return
+            self._peer_role = msg.role
+            self._send(Auth(psk.answer(msg.challenge)))
+            return
+        elif not psk.verified or msg.challenge or msg.role != self._peer_role:
+            events.extend(self._fail("HELLO out of order in the pre-shared key exchange"))
+            return
+        self.peer_hello = msg
+        self._enc.max_frame = msg.max_frame
+        self._dec.max_frame = self.local_hello.max_frame
+        events.append(PeerHello(msg))
 
     def _handle_gateway(self, msg: Message | SubmitRejected, events: list[Event]) -> None:
         if isinstance(msg, (Finish, Error)):

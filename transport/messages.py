@@ -13,6 +13,7 @@ costs about four times as much. Treat them as immutable all the same.
 Direction:
   gateway -> worker: Hello, Submit, Cancel, Credit, Ping, Pong, Goodbye
   worker -> gateway: Hello, TokenBatch, Finish, Error, Stats, Ping, Pong, Goodbye
+  both, with a pre-shared key: Hello (challenge), Auth, then Hello (full)
 
 Every request (identified by a ``request_id`` the gateway assigns, unique per
 connection, u32) ends exactly once on the worker side: a ``Finish`` or an
@@ -44,6 +45,7 @@ __all__ = [
     "Ping",
     "Pong",
     "Goodbye",
+    "Auth",
     "Message",
 ]
 
@@ -107,6 +109,9 @@ class Hello:
     max_model_len: int = 0  # longest context (prompt + completion) in tokens
     model_id: str = ""  # the model the worker loaded ("tiny" or its checkpoint), beside the served names
     prefix_hash: str = ""  # the prefix cache's block-hash scheme (inference.kv_cache); "" = no prefix cache
+    # Pre-shared-key authentication (transport.psk): the sender's fresh nonce in its *challenge* Hello,
+    # which says nothing else about it; b"" in a full Hello and when no key is configured.
+    challenge: bytes = b""
 
 
 @dataclass(slots=True)  # not frozen: built per request/step (module docstring)
@@ -274,10 +279,18 @@ class Pong:
 
 
 @dataclass(frozen=True, slots=True)
+class Auth:
+    """The sender's proof that it holds the pre-shared key: an HMAC over both challenges
+    (:mod:`transport.psk`); never the key itself."""
+
+    proof: bytes
+
+
+@dataclass(frozen=True, slots=True)
 class Goodbye:
     """Sender is draining: no new Submits please; in-flight ones still finish."""
 
     reason: str = ""
 
 
-Message = Hello | Submit | Cancel | Credit | TokenBatch | Finish | Error | Stats | Ping | Pong | Goodbye
+Message = Hello | Submit | Cancel | Credit | TokenBatch | Finish | Error | Stats | Ping | Pong | Goodbye | Auth

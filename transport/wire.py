@@ -25,7 +25,9 @@ type   name       request_id  body
                               [capabilities], initial_credit, max_frame,
                               then optionally all of: max_batch, kv_blocks,
                               block_size, max_model_len, model_id,
-                              prefix_hash (absent: 0, 0, 0, 0, "", "")]
+                              prefix_hash (absent: 0, 0, 0, 0, "", ""),
+                              then optionally challenge (bin, 0 or 32
+                              bytes; absent: empty)]
 2      SUBMIT     rid (>0)    msgpack [model, params, prompt|nil,
                               prompt_token_ids (bin, u32 LE)|nil, messages|nil,
                               deadline_ms, priority, trace|nil, return_text,
@@ -47,7 +49,15 @@ type   name       request_id  body
 9      PING       0           u64 nonce
 10     PONG       0           u64 nonce
 11     GOODBYE    0           UTF-8 reason
+12     AUTH       0           32 bytes: HMAC-SHA256 proof of the pre-shared key
 =====  =========  ==========  ==================================================
+
+Pre-shared key (:mod:`transport.psk`): a side configured with one opens with a
+*challenge* HELLO (its role, a 32-byte nonce in ``challenge``, and nothing that
+identifies it: no identity, models or capacity), answers the peer's challenge
+with AUTH, and sends its full HELLO (``challenge`` empty) only once the peer's
+AUTH has proved the same key. A side without a key sends its full HELLO first;
+either side refuses a peer whose first HELLO does not match its own setting.
 
 msgpack lists may carry extra trailing elements (ignored: additive evolution);
 fewer than listed is an error. Enum values outside the known set are errors.
@@ -112,7 +122,9 @@ The body must be consumed exactly. A 64-request single-token step with a
 
 Limits and errors
 -----------------
-The decoder never buffers more than one header plus ``max_frame`` bytes; a
+The decoder never buffers more than one header plus ``max_frame`` bytes (the
+flow core holds it at ``HANDSHAKE_MAX_FRAME``, 64 KiB, until the peer's HELLO
+is accepted, so an unauthenticated peer cannot make a side hold more); a
 length above ``max_frame``, an unknown version, type or flag, a body that does
 not parse exactly, or a stream-state violation raises :class:`WireError`
 (a ``ProtocolError``), after which the decoder stays failed. A truncated frame
@@ -140,6 +152,7 @@ import msgpack
 from .errors import WireError
 from .messages import (
     PROTOCOL_VERSION,
+    Auth,
     Cancel,
     Credit,
     Error,
@@ -181,6 +194,8 @@ __all__ = [
     "WIRE_VERSION",
     "HEADER_SIZE",
     "DEFAULT_MAX_FRAME",
+    "HANDSHAKE_MAX_FRAME",
+    "CHALLENGE_SIZE",
     "FrameType",
     "TokenFlags",
     "StreamOptions",
@@ -195,6 +210,9 @@ WIRE_VERSION = PROTOCOL_VERSION
 HEADER = struct.Struct("<BBHII")
 HEADER_SIZE = HEADER.size
 DEFAULT_MAX_FRAME = 1 << 24
+HANDSHAKE_MAX_FRAME = 1 << 16  # frames from a peer whose HELLO is not yet accepted (see the spec)
+CHALLENGE_SIZE = 32  # bytes of a HELLO challenge and of an AUTH proof (HMAC-SHA256)
+_TLS_RECORD = 0x16  # a TLS handshake record's first byte, where our version byte would be
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
 _FINISH_REASONS = {int(r): r for r in FinishReason}
@@ -214,6 +232,7 @@ class FrameType(enum.IntEnum):
     PING = 9
     PONG = 10
     GOODBYE = 11
+    AUTH = 12
 
 
 @dataclass(frozen=True, slots=True)
@@ -308,9 +327,14 @@ class FrameEncoder:
                     msg.max_model_len,
                     msg.model_id,
                     msg.prefix_hash,
+                    msg.challenge,
                 ]
             )
             return self._frame(FrameType.HELLO, 0, body)
+        if isinstance(msg, Auth):
+            if len(msg.proof) != CHALLENGE_SIZE:
+                raise ValueError(f"an AUTH proof is {CHALLENGE_SIZE} bytes")
+            return self._frame(FrameType.AUTH, 0, msg.proof)
         if isinstance(msg, Goodbye):
             return self._frame(FrameType.GOODBYE, 0, msg.reason.encode())
         raise TypeError(f"not a wire message: {type(msg).__name__}")
@@ -354,9 +378,7 @@ class FrameDecoder:
                 while end - pos >= HEADER_SIZE:
                     version, ftype, flags, rid, length = unpack(mv, pos)
                     if version != WIRE_VERSION:
-                        raise WireError(
-                            f"unsupported wire version {version} (this side speaks {WIRE_VERSION})"
-                        )
+                        raise WireError(_version_problem(version))
                     if length > max_frame:
                         raise WireError(f"frame length {length} exceeds max_frame {max_frame}")
                     start = pos + HEADER_SIZE
@@ -473,8 +495,18 @@ class FrameDecoder:
                 return hello  # a peer that predates the capacity fields
             if len(f.items) < 13:
                 raise WireError("HELLO: the capacity fields (7..12) come all together or not at all")
-            return replace(hello, max_batch=f.integer(7), kv_blocks=f.integer(8), block_size=f.integer(9),
-                           max_model_len=f.integer(10), model_id=f.text(11), prefix_hash=f.text(12))
+            hello = replace(hello, max_batch=f.integer(7), kv_blocks=f.integer(8), block_size=f.integer(9),
+                            max_model_len=f.integer(10), model_id=f.text(11), prefix_hash=f.text(12))
+            if len(f.items) > 13:
+                challenge = f.items[13]
+                if type(challenge) is not bytes or len(challenge) not in (0, CHALLENGE_SIZE):
+                    raise WireError(f"HELLO: field 13 must be empty or {CHALLENGE_SIZE} bytes")
+                hello = replace(hello, challenge=challenge)
+            return hello
+        if ftype == FrameType.AUTH:
+            if len(body) != CHALLENGE_SIZE:
+                raise WireError(f"AUTH: body must be {CHALLENGE_SIZE} bytes")
+            return Auth(bytes(body))
         if ftype == FrameType.GOODBYE:
             try:
                 return Goodbye(bytes(body).decode())
@@ -494,6 +526,13 @@ class FrameDecoder:
     def _open(self, rid: int, opts: StreamOptions) -> None:
         if not self.streams.open(rid, opts):
             raise WireError(f"SUBMIT for request {rid} that is already open (or too many streams)")
+
+
+def _version_problem(version: int) -> str:
+    if version == _TLS_RECORD:  # a TLS ClientHello (or alert) where a frame should be
+        return ("the peer speaks TLS and this side does not: configure transport_tls_cert, transport_tls_key "
+                "and transport_tls_ca here too")
+    return f"unsupported wire version {version} (this side speaks {WIRE_VERSION})"
 
 
 def _submit_body(rid: int, body: memoryview) -> Submit:
