@@ -139,9 +139,14 @@ def build_service(args: argparse.Namespace) -> WorkerService:
 
 
 async def _serve(args: argparse.Namespace, service: WorkerService) -> int:
+    from transport.errors import SecurityConfigError
+    from transport.security import security_of
     from transport.server import serve
 
-    server = await serve(args.listen, service, identity=service.identity)
+    try:  # TLS files or a key that do not load: a restart would not help (transport/security.py)
+        server = await serve(args.listen, service, identity=service.identity, security=security_of(args))
+    except SecurityConfigError as exc:
+        return _fatal(str(exc))
     service.server = server  # Stats also reach connections that have not submitted yet
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()

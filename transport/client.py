@@ -1,14 +1,22 @@
-"""Gateway side: :func:`connect` returns a :class:`~transport.api.WorkerConnection`."""
+"""Gateway side: :func:`connect` returns a :class:`~transport.api.WorkerConnection`.
+
+``security`` (:mod:`transport.security`) decides how: over TLS when certificates are
+configured, with the pre-shared key in the HELLO exchange when one is; an unauthenticated
+URL beyond loopback is refused (default deny). Every refusal ends ``connect`` with an error
+that says which side refused what; a worker that breaks the protocol later is one warning
+(``transport.client``) before the connection ends.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 
 from .api import RequestStream, WorkerConnection
 from .client_stream import ClientStream, Collected, deliver_tokens
 from .endpoint import Endpoint
-from .errors import ConnectError, ConnectionClosed, ProtocolError
+from .errors import ConnectError, ConnectionClosed, ProtocolError, SecurityConfigError
 from .flow import (
     ConnectionEnded,
     Event,
@@ -21,10 +29,15 @@ from .flow import (
 )
 from .hold import window
 from .messages import Error, ErrorCode, Hello, Stats, Submit
+from .psk import read_key_file
+from .security import NO_SECURITY, TlsContexts, TransportSecurity
 from .select import choose
-from .tcp import open_stream
+from .tcp import SessionFactory, open_stream
+from .tls import TlsSession
 
 __all__ = ["connect", "ClientConnection", "ClientStream", "Collected"]
+
+log = logging.getLogger("transport.client")
 
 
 class ClientConnection:
@@ -119,6 +132,9 @@ class ClientConnection:
             elif isinstance(ev, GoodbyeReceived):
                 self.draining = True
             elif isinstance(ev, ConnectionEnded):
+                if ev.error.code == ErrorCode.PROTOCOL and self._hello.done():
+                    log.warning("worker %s (%s): %s; disconnected", self.endpoint.peer or "?",
+                                self.peer_hello.identity or "?", ev.error.message)
                 self.closed = True
                 for st in list(streams.values()):  # the core ended them; belt and braces
                     st._end(Error(st.request_id, ErrorCode.CONNECTION_LOST, ev.error.message))
@@ -138,13 +154,34 @@ async def connect(
     dead_after: float = 5.0,
     rdma_required: bool = False,
     initial_credit: int = 256,
+    security: TransportSecurity | None = None,
 ) -> WorkerConnection:
-    """Connect to a worker at ``url`` and complete the HELLO exchange."""
+    """Connect to a worker at ``url`` and complete the HELLO exchange (authenticated as ``security``
+    says; :class:`~transport.errors.SecurityConfigError` when it refuses to, or cannot load its files)."""
+    sec = security or NO_SECURITY
+    problems = sec.problems(url)
+    if problems:
+        raise SecurityConfigError("; ".join(f"{key}: {why}" for key, why in problems))
     choice = choose(url, rdma_required=rdma_required)
+    refusal = sec.refusal(choice.target, "gateway")
+    if refusal:
+        raise SecurityConfigError(refusal)
+    try:
+        psk = read_key_file(sec.psk_file) if sec.psk else None
+    except ValueError as exc:
+        raise SecurityConfigError(str(exc)) from None
+    tls: SessionFactory | None = None
+    if sec.tls:
+        ctx = TlsContexts(sec, server_side=False).get()
+
+        def tls() -> TlsSession:
+            return TlsSession(ctx, server_side=False)
+
     loop = asyncio.get_running_loop()
     hello = Hello(role="gateway", identity=identity, initial_credit=initial_credit)
     core = FlowConnection(
-        "gateway", hello, loop.time(), heartbeat_interval=heartbeat_interval, dead_after=dead_after
+        "gateway", hello, loop.time(), heartbeat_interval=heartbeat_interval, dead_after=dead_after, psk=psk,
+        handshake_timeout=timeout,
     )
     conn = ClientConnection(core, loop)
     t = choice.target
@@ -155,7 +192,7 @@ async def connect(
 
                 await rdma_connect(t.host, t.port, lambda: conn.endpoint)
             else:
-                await open_stream(t.scheme, t.host, t.port, t.path, lambda: conn.endpoint)
+                await open_stream(t.scheme, t.host, t.port, t.path, lambda: conn.endpoint, tls)
             await conn._hello
     except TimeoutError:
         conn.endpoint.close("connect timeout")

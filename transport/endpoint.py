@@ -48,6 +48,7 @@ class Endpoint:
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
         self.closed_event = asyncio.Event()
+        self.peer = ""  # the peer's address, for logs (its channel sets it)
 
     def attach(self, sink: ByteSink) -> None:
         self._sink = sink

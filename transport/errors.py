@@ -12,6 +12,8 @@ __all__ = [
     "WireError",
     "CreditExceeded",
     "RdmaUnavailable",
+    "SecurityConfigError",
+    "TlsFailure",
 ]
 
 
@@ -51,3 +53,13 @@ class CreditExceeded(TransportError):
 
 class RdmaUnavailable(ConnectError):
     """RDMA was required but no usable RDMA device / pyverbs is available."""
+
+
+class SecurityConfigError(ConnectError, ValueError):
+    """Transport security refuses to run as configured: no authentication beyond loopback (default
+    deny), or certificates or a key that do not load. Restarting does not help; the message says
+    what to configure."""
+
+
+class TlsFailure(ConnectError):
+    """The TLS handshake or a TLS record failed; the message says why in the transport's terms."""

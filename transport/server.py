@@ -1,4 +1,11 @@
-"""Worker side: :func:`serve` returns a :class:`~transport.api.Server`."""
+"""Worker side: :func:`serve` returns a :class:`~transport.api.Server`.
+
+Who may connect is :mod:`transport.security`'s: ``serve`` refuses to listen beyond loopback
+without authentication (default deny), wraps each connection in TLS when certificates are
+configured and hands each new core the pre-shared key. A gateway refused or disconnected
+for breaking the protocol is one warning here (``transport.server``; TLS refusals:
+``transport.tls``), with its address and the reason.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +19,7 @@ from typing import Any
 
 from .api import WorkerHandler
 from .endpoint import Endpoint
+from .errors import SecurityConfigError
 from .flow import (
     CancelReceived,
     ConnectionEnded,
@@ -24,8 +32,10 @@ from .flow import (
 )
 from .hold import ResultHold
 from .messages import Error, ErrorCode, Finish, Hello, Stats, TokenBatch
+from .security import NO_SECURITY, PskKeys, TlsContexts, TransportSecurity
 from .select import choose
-from .tcp import listen_stream
+from .tcp import SessionFactory, listen_stream
+from .tls import TlsSession
 
 __all__ = ["serve", "WorkerServer", "ServerConnectionImpl"]
 
@@ -99,18 +109,32 @@ class ServerConnectionImpl:
             elif isinstance(ev, PeerHello):
                 self.peer_hello = ev.hello
             elif isinstance(ev, ConnectionEnded):
+                self._log_end(ev.error)
                 self.closed = True
                 self._server._forget(self)
                 h.on_disconnect(self, ev.open_requests)
+
+
+    def _log_end(self, error: Error) -> None:
+        peer = self.endpoint.peer or "?"
+        if self.core.peer_hello is None:
+            if error.code == ErrorCode.PROTOCOL:
+                log.warning("refused the gateway at %s: %s", peer, error.message)
+            else:
+                log.debug("gateway at %s left before the handshake: %s", peer, error.message)
+        elif error.code == ErrorCode.PROTOCOL:
+            log.warning("gateway %s (%s): %s; disconnected", peer, self.peer_hello.identity or "?", error.message)
 
 
 class WorkerServer:
     """Listens on one URL; one :class:`ServerConnectionImpl` per gateway connection."""
 
     def __init__(
-        self, handler: WorkerHandler, identity: str, heartbeat_interval: float, dead_after: float
+        self, handler: WorkerHandler, identity: str, heartbeat_interval: float, dead_after: float,
+        psk: PskKeys | None = None,
     ) -> None:
         self.handler = handler
+        self.psk = psk
         self.identity = identity
         self.heartbeat_interval = heartbeat_interval
         self.dead_after = dead_after
@@ -134,6 +158,7 @@ class WorkerServer:
             self._loop.time(),
             heartbeat_interval=self.heartbeat_interval,
             dead_after=self.dead_after,
+            psk=self.psk.get() if self.psk is not None else None,
         )
         conn = ServerConnectionImpl(self, core, self._loop)
         self.connections.add(conn)
@@ -175,16 +200,38 @@ async def serve(
     heartbeat_interval: float = 1.0,
     dead_after: float = 5.0,
     rdma_required: bool = False,
+    security: TransportSecurity | None = None,
 ) -> WorkerServer:
-    """Listen on ``url`` (port 0 allowed; see ``server.address``)."""
+    """Listen on ``url`` (port 0 allowed; see ``server.address``). ``security``: who may connect
+    (:mod:`transport.security`); :class:`~transport.errors.SecurityConfigError` when it refuses to
+    run as configured (the message says what to set)."""
+    sec = security or NO_SECURITY
+    problems = sec.problems(url)
+    if problems:
+        raise SecurityConfigError("; ".join(f"{key}: {why}" for key, why in problems))
     choice = choose(url, rdma_required=rdma_required)
-    server = WorkerServer(handler, identity, heartbeat_interval, dead_after)
+    refusal = sec.refusal(choice.target, "worker")
+    if refusal:
+        raise SecurityConfigError(refusal)
+    psk = PskKeys(sec.psk_file) if sec.psk else None
+    if psk is not None:
+        psk.get()  # a key that does not load stops us here, not at the first gateway
+    tls: SessionFactory | None = None
+    if sec.tls:
+        contexts = TlsContexts(sec, server_side=True)
+        contexts.get()
+
+        def tls() -> TlsSession:
+            return TlsSession(contexts.get(), server_side=True)
+
+    server = WorkerServer(handler, identity, heartbeat_interval, dead_after, psk)
     t = choice.target
     if choice.kind == "rdma":
         from .rdma import rdma_listen
 
         server._listener = await rdma_listen(t.host, t.port, server._new_endpoint)
         server._address = f"rdma://{t.host}:{t.port}"
+        log.info("listening on %s (transport authentication: %s)", server._address, sec.mode)
         return server
     if t.scheme == "unix":
         with contextlib.suppress(FileNotFoundError):
@@ -192,6 +239,7 @@ async def serve(
                 os.unlink(t.path)  # a stale socket from a previous run
         server._unix_path = t.path
     server._listener, server._address = await listen_stream(
-        t.scheme, t.host, t.port, t.path, server._new_endpoint
+        t.scheme, t.host, t.port, t.path, server._new_endpoint, tls
     )
+    log.info("listening on %s (transport authentication: %s)", server._address, sec.mode)
     return server

@@ -22,6 +22,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from .security import security_of
+from .select import BadURL, parse_url
+
 __all__ = [
     "WorkerOptions",
     "ENGINES",
@@ -137,6 +140,17 @@ class WorkerOptions:
                                    "no local gateway scrapes ('' = off; port 0 = any)")
     otlp_endpoint: str = _opt("", "OTLP/HTTP URL for the spans (queue, prefill, decode) of requests that arrive "
                                   "with a traceparent, e.g. http://collector:4318/v1/traces ('' = off)")
+    # Transport security (transport/security.py): the gateway reads the same keys for its connections.
+    transport_tls_cert: str = _opt("", "PEM certificate this side presents on the transport: mutual TLS, with "
+                                       "transport_tls_key and transport_tls_ca (files re-read when they change)")
+    transport_tls_key: str = _opt("", "PEM private key of transport_tls_cert")
+    transport_tls_ca: str = _opt("", "PEM CA certificate(s) the peer's transport certificate must chain to (the "
+                                     "transport's own CA: any certificate it signed is trusted)")
+    transport_psk_file: str = _opt("", "file holding a pre-shared key (>= 16 bytes, e.g. `openssl rand -hex 32`) "
+                                       "proved by an HMAC challenge in the HELLO exchange: authentication without "
+                                       "certificates, no encryption")
+    insecure: bool = _opt(False, "allow tcp:// or rdma:// beyond loopback with no transport authentication (anyone "
+                                 "who reaches the port can submit); without it such a worker refuses to start")
 
 
 _FIELDS = dataclasses.fields(WorkerOptions)
@@ -221,6 +235,18 @@ def option_problems(o: WorkerOptions) -> list[tuple[str, str]]:
             parse_host_port(o.metrics_listen)
         except ValueError as exc:
             p.append(("metrics_listen", str(exc)))
+    return p + _security_problems(o)
+
+
+def _security_problems(o: WorkerOptions) -> list[tuple[str, str]]:
+    sec = security_of(o)
+    p = sec.problems(o.listen)
+    try:
+        refusal = sec.refusal(parse_url(o.listen), "worker")
+    except BadURL:
+        refusal = None  # the listen check above names it
+    if refusal:
+        p.append(("listen", refusal))
     return p
 
 

@@ -29,9 +29,12 @@ class WorkersSettings(WorkerOptions):
         p += [f"workers.{key}: {why}" for key, why in option_problems(self)]
         if self.local < 0:
             p.append("workers.local: must be >= 0")
+        tls = bool(self.transport_tls_cert)
         for u in self.remote:
             if not u.startswith(URL_SCHEMES):
                 p.append(f"workers.remote: {u!r} is not a tcp://, unix:// or rdma:// URL")
+            elif tls and u.startswith("rdma://"):
+                p.append(f"workers.remote: {u}: TLS does not run over rdma://; authenticate it with transport_psk_file")
         for name in ("ready_timeout", "connect_timeout", "restart_backoff_initial", "stop_timeout",
                      "heartbeat_interval", "dead_after"):
             if getattr(self, name) <= 0:

@@ -1,0 +1,161 @@
+"""TLS over memory buffers (sans-I/O): ciphertext in, plaintext out, and back.
+
+How it works: an :class:`ssl.SSLObject` between two :class:`ssl.MemoryBIO`\\ s.
+:meth:`TlsSession.receive` takes bytes from the socket and returns the
+plaintext they complete (driving the handshake first); :meth:`TlsSession.send`
+encrypts (plaintext sent before the handshake ends waits for it);
+:meth:`TlsSession.data_to_send` is what goes to the socket. Failures raise
+:class:`~transport.errors.TlsFailure` in the transport's terms
+(:func:`explain`: which side refused what, and what to configure), not
+OpenSSL's. No sockets, no event loop: :mod:`transport.tls_channel` is the
+adapter.
+
+A peer that speaks plain quicserve frames where TLS is expected (the first
+byte is our wire version, not a TLS record type) is named as such.
+"""
+
+from __future__ import annotations
+
+import re
+import ssl
+
+from .errors import TlsFailure
+
+__all__ = ["TlsSession", "explain", "looks_like_frames"]
+
+_READ = 1 << 18
+_SSL_SUFFIX = re.compile(r"\s*\(_ssl\.c:\d+\)$")
+_NOT_TLS = {"WRONG_VERSION_NUMBER", "HTTP_REQUEST", "RECORD_LAYER_FAILURE", "PACKET_LENGTH_TOO_LONG",
+            "UNKNOWN_PROTOCOL", "RECORD_TOO_LARGE"}
+_REFUSED_OURS = {"TLSV1_ALERT_UNKNOWN_CA", "SSLV3_ALERT_BAD_CERTIFICATE", "SSLV3_ALERT_UNSUPPORTED_CERTIFICATE",
+                 "SSLV3_ALERT_CERTIFICATE_UNKNOWN", "TLSV1_ALERT_DECRYPT_ERROR", "SSLV3_ALERT_CERTIFICATE_EXPIRED",
+                 "SSLV3_ALERT_CERTIFICATE_REVOKED", "TLSV1_ALERT_ACCESS_DENIED"}
+
+
+def looks_like_frames(first: bytes | bytearray | memoryview) -> bool:
+    """The first bytes a peer sent are quicserve frames (wire version 1), not a TLS record (0x14-0x17)."""
+    return len(first) > 0 and first[0] == 1
+
+
+def explain(exc: ssl.SSLError, side: str) -> str:
+    """``exc`` as ``side`` ("worker" or "gateway") should log it: who refused what, what to configure."""
+    peer = "gateway" if side == "worker" else "worker"
+    reason = exc.reason or ""
+    text = _SSL_SUFFIX.sub("", str(exc))
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        why = exc.verify_message or "unverifiable"
+        if "purpose" in why:
+            usage = "clientAuth" if peer == "gateway" else "serverAuth"
+            return (f"the {peer}'s certificate is not a {peer}'s: its extendedKeyUsage does not allow {usage} "
+                    f"({why})")
+        return f"the {peer}'s certificate does not verify against this {side}'s transport_tls_ca ({why})"
+    if reason == "PEER_DID_NOT_RETURN_A_CERTIFICATE":
+        return (f"the {peer} presented no certificate: configure transport_tls_cert and transport_tls_key on the "
+                f"{peer}, signed by this {side}'s transport_tls_ca")
+    if reason == "TLSV13_ALERT_CERTIFICATE_REQUIRED":
+        return (f"the {peer} requires a client certificate and this {side} presented none: configure "
+                f"transport_tls_cert and transport_tls_key, signed by the {peer}'s transport_tls_ca")
+    if reason in _REFUSED_OURS:
+        return (f"the {peer} refused this {side}'s certificate ({text}): is it signed by the {peer}'s "
+                f"transport_tls_ca, current, and for a {side} (extendedKeyUsage)?")
+    if reason in _NOT_TLS:
+        return f"the {peer} does not speak TLS ({text}): configure transport_tls_* on the {peer} too"
+    if reason in ("TLSV1_ALERT_PROTOCOL_VERSION", "UNSUPPORTED_PROTOCOL", "NO_PROTOCOLS_AVAILABLE"):
+        return f"no TLS version in common with the {peer} ({text}); the transport needs TLS 1.3"
+    return f"TLS with the {peer} failed: {text}"
+
+
+class TlsSession:
+    """One TLS connection end over memory BIOs (see the module docstring)."""
+
+    __slots__ = ("_in", "_out", "_obj", "side", "handshake_done", "_pending", "closed")
+
+    def __init__(self, ctx: ssl.SSLContext, server_side: bool) -> None:
+        self._in = ssl.MemoryBIO()
+        self._out = ssl.MemoryBIO()
+        self._obj = ctx.wrap_bio(self._in, self._out, server_side=server_side)
+        self.side = "worker" if server_side else "gateway"
+        self.handshake_done = False
+        self._pending: list[bytes] = []  # plaintext sent before the handshake ended
+        self.closed = False
+
+    def start(self) -> None:
+        """Begin the handshake (the client's hello goes to :meth:`data_to_send`)."""
+        self._handshake()
+
+    def peer_subject(self) -> str:
+        """The peer certificate's subject, for logs ("CN=gateway-1")."""
+        cert = self._obj.getpeercert()
+        if not cert:
+            return ""
+        parts: list[str] = []
+        for rdn in cert.get("subject", ()):
+            for pair in rdn:
+                if isinstance(pair, tuple) and len(pair) == 2:
+                    parts.append(f"{'CN' if pair[0] == 'commonName' else pair[0]}={pair[1]}")
+        return ",".join(parts)
+
+    def receive(self, data: bytes | bytearray | memoryview) -> tuple[bytes, bool]:
+        """Ciphertext from the peer -> (the plaintext it completes, whether the handshake just ended).
+        ``b""`` with ``closed`` set: the peer closed TLS (close_notify)."""
+        self._in.write(data)
+        just = False
+        if not self.handshake_done:
+            if not self._handshake():
+                return b"", False
+            just = True
+        return self._read(), just
+
+    def send(self, data: bytes) -> None:
+        """Plaintext for the peer (held until the handshake ends)."""
+        if not self.handshake_done:
+            self._pending.append(data)
+            return
+        try:
+            self._obj.write(data)
+        except ssl.SSLError as exc:
+            raise TlsFailure(explain(exc, self.side)) from None
+
+    def data_to_send(self) -> bytes:
+        return self._out.read()
+
+    def close(self) -> None:
+        """Say close_notify (best effort)."""
+        if self.handshake_done and not self.closed:
+            self.closed = True
+            try:
+                self._obj.unwrap()
+            except ssl.SSLError:
+                pass
+
+    def _handshake(self) -> bool:
+        try:
+            self._obj.do_handshake()
+        except ssl.SSLWantReadError:
+            return False
+        except ssl.SSLError as exc:
+            raise TlsFailure(explain(exc, self.side)) from None
+        self.handshake_done = True
+        pending, self._pending = self._pending, []
+        for data in pending:
+            self.send(data)
+        return True
+
+    def _read(self) -> bytes:
+        obj, chunks = self._obj, []
+        while True:
+            try:
+                chunk = obj.read(_READ)
+            except ssl.SSLWantReadError:
+                break
+            except ssl.SSLZeroReturnError:
+                self.closed = True
+                break
+            except ssl.SSLError as exc:
+                raise TlsFailure(explain(exc, self.side)) from None
+            if not chunk:
+                break
+            chunks.append(chunk)
+            if not self._in.pending and not obj.pending():
+                break  # everything received is read: no second call to raise SSLWantReadError
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
