@@ -103,6 +103,7 @@ class App:
         allowed = {path: sorted(m) for path, m in self.small.items()}
         allowed.update({path: ["POST"] for path in self.generation})
         self._allow = {path: ", ".join(m) for path, m in allowed.items()}
+        pool.active = self._in_flight  # the retry budget is a share of the requests in flight
         if pool.on_retry is None:
             pool.on_retry = self.metrics.retries.inc
         if pool.on_move is None:
@@ -185,6 +186,9 @@ class App:
     # -- small routes ------------------------------------------------------------------------
     def _models(self, req: Request) -> Answer:
         return 200, JSON_HEADERS, self.openai.models_body(self.pool.models(), self.pool.aliases)
+
+    def _in_flight(self) -> int:
+        return self.metrics.in_flight
 
     def _rollouts_page(self, req: Request) -> Answer:
         """Every gray release: its step, share, status and the current step's figures per arm (read-only)."""

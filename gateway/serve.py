@@ -43,6 +43,7 @@ from .observability.metrics import GatewayMetrics
 from .observability.systemd import SystemdNotifier, required_models
 from .observability.tracing import RequestTracer
 from .reload import Reloader
+from .routing.health_collector import HealthCollector
 from .routing.pool import ModelPool
 from .routing.rollout import Rollouts
 from .routing.rollout_runner import STATE_FILE, RolloutCollector, load_rollouts, run_rollouts
@@ -90,7 +91,8 @@ async def run_gateway(settings: Settings, *, out: TextIO | None = None,
     out = out if out is not None else sys.stdout
     loop = asyncio.get_running_loop()
     metrics = GatewayMetrics()
-    pool = ModelPool(retries=settings.api.retries, policy=settings.routing.build())
+    pool = ModelPool(retries=settings.api.retries, policy=settings.routing.build(), health=settings.routing.health())
+    metrics.registry.register(HealthCollector(pool))
     served = settings.served()
     if settings.models:  # configured names answer 404/503 before their workers are up
         pool.configure((m.name, m.aliases) for m in served)

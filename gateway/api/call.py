@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from transport.api import WorkerConnection
 from transport.messages import Finish, TokenEntry
 
 from .. import clock
@@ -149,8 +150,7 @@ class GenerationCall:
                 self._read()
                 return
             # the end, at once: nothing can move or retry it before _end closes the routed stream
-            # delivered whole: when the transport saw it, on the transport's clock (perf_counter), brought
-            # onto the request clock as an age
+            # delivered whole: when the transport saw it (its perf_counter), onto the request clock as an age
             t = res.first_token_at
             self.t_first = _perf() - (_transport_clock() - t) if t else 0.0
             if type(fin) is not Finish:
@@ -345,6 +345,10 @@ class GenerationCall:
             self._end(500, 0)
 
     # -- the Call contract, and the deadline sweeper's -------------------------------------------
+    @property
+    def conn(self) -> WorkerConnection | None:  # the replica the request ended on (for its health)
+        return self._routed.conn
+
     def cancel(self) -> bool:
         """The client went away: stop the worker request; nothing more is written."""
         if self._ended:

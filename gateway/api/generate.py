@@ -204,6 +204,7 @@ class Generations:
         now = _perf()
         req, g, grant, span = call.ticket
         metrics.request_done(call.route, status, req.protocol, now - call.t0, g.model)
+        self.pool.outcome(call.conn, g.model, status, call.t_first - call.t0 if call.t_first else None)
         admission = self.admission
         if grant is not _NO_GRANT and admission is not None:
             admission.release(grant, tokens, now)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .health import HealthSettings
 from .policy import POLICIES, PrefixAffinity, RoutingPolicy
 
 __all__ = ["RoutingSettings"]
@@ -13,12 +14,33 @@ __all__ = ["RoutingSettings"]
 class RoutingSettings:
     policy: str = "least_loaded"  # a name in gateway.routing.policy.POLICIES
     prefix_slack: int = 4  # prefix_affinity: how much busier (requests) a cache hit may be than the idlest
+    eject_consecutive: int = 5  # failures in a row that eject a replica
+    eject_error_rate: float = 0.5  # ... or this share failed of its last 20 (with 10 at least)
+    eject_seconds: float = 5.0  # first ejection; times the times ejected, up to 60
+    outlier_factor: float = 3.0  # time to first token this many times the pool's median ejects too
+    max_ejected_share: float = 0.1  # of a pool at once (at least one replica, never the last)
+    retry_budget_share: float = 0.2  # retries in flight per request in flight
+    retry_budget_floor: int = 3  # retries in flight always allowed
 
     def _validate(self, p: list[str]) -> None:
         if self.policy not in POLICIES:
             p.append(f"routing.policy: {self.policy!r} is not one of {', '.join(sorted(POLICIES))}")
         if self.prefix_slack < 0:
             p.append("routing.prefix_slack: must be >= 0")
+        for name in ("eject_consecutive", "retry_budget_floor"):
+            if getattr(self, name) < 1:
+                p.append(f"routing.{name}: must be >= 1")
+        for name in ("eject_error_rate", "max_ejected_share", "retry_budget_share"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                p.append(f"routing.{name}: must be in [0, 1]")
+        if not self.eject_seconds > 0 or not self.outlier_factor > 1:
+            p.append("routing.eject_seconds must be > 0 and routing.outlier_factor > 1")
+
+    def health(self) -> HealthSettings:
+        return HealthSettings(consecutive=self.eject_consecutive, error_rate=self.eject_error_rate,
+                              base_ejection=self.eject_seconds, outlier_factor=self.outlier_factor,
+                              max_ejected_share=self.max_ejected_share, retry_budget_share=self.retry_budget_share,
+                              retry_budget_floor=self.retry_budget_floor)
 
     def build(self) -> RoutingPolicy:
         cls = POLICIES[self.policy]

@@ -18,7 +18,9 @@ from collections.abc import Callable, Iterable
 
 from transport.api import WorkerConnection
 
+from .. import clock
 from .errors import UnknownModel
+from .health import Health, HealthSettings, RetryBudget
 from .policy import Describe, LeastLoaded, RouteRequest, RoutingPolicy, model_only
 from .prefix import PrefixHasher
 from .routed import RoutedStream, SubmitFactory
@@ -32,8 +34,11 @@ class ModelPool:
     """Ready worker connections by served model name."""
 
     def __init__(self, retries: int = 1, on_retry: Callable[[], None] | None = None,
-                 policy: RoutingPolicy | None = None) -> None:
+                 policy: RoutingPolicy | None = None, health: HealthSettings | None = None) -> None:
         self.policy: RoutingPolicy = policy if policy is not None else LeastLoaded()
+        self.health = Health(health)  # breakers and outlier ejection per replica
+        self.budget = RetryBudget(self.health.s.retry_budget_share, self.health.s.retry_budget_floor)
+        self.active: Callable[[], int] = lambda: 0  # requests in flight (the app's count): the budget's base
         # prompt -> block hashes, only for a policy that reads them (tokenizing is not free)
         self.prefix: PrefixHasher | None = PrefixHasher() if self.policy.uses_prefix_hashes else None
         self.retries = retries
@@ -75,6 +80,7 @@ class ModelPool:
     # -- membership (supervisor) ------------------------------------------------
     def add(self, conn: WorkerConnection, models: Iterable[str] | None = None) -> None:
         names = tuple(models) if models is not None else tuple(conn.peer_hello.models)
+        self.health.breaker(conn, conn.peer_hello.identity or f"{'/'.join(names)}#{id(conn):x}")
         for name in names:
             self._known.add(name)
             conns = self._by_model.setdefault(name, [])
@@ -85,6 +91,7 @@ class ModelPool:
 
     def remove(self, conn: WorkerConnection) -> None:
         self._waiting.pop(conn, None)
+        self.health.forget(conn)
         for name in list(self._by_model):
             conns = self._by_model[name]
             if conn in conns:
@@ -120,7 +127,28 @@ class ModelPool:
             c = conns[0]
             return None if c.closed or c.draining else c
         live = [c for c in conns if not c.closed and not c.draining and c not in exclude]
-        return self.policy.choose(self.route_request(model, subject, make_submit, live), live) if live else None
+        if not live:
+            return None
+        live = self.health.usable(live, clock.now())  # open breakers skipped (all of them: panic)
+        pick = self.policy.choose(self.route_request(model, subject, make_submit, live), live)
+        if pick is not None:
+            b = self.health.breakers.get(pick)
+            if b is not None:
+                b.picked()
+        return pick
+
+    # -- health (the pipeline reports every end) ----------------------------------------------
+    def outcome(self, conn: WorkerConnection | None, model: str, status: int, ttft: float | None) -> None:
+        """A request ended on ``conn``: a worker failure (500, 502; a deadline passed with not one
+        token: a replica that hangs) or a success, for its breaker."""
+        if conn is None or status < 200 or 400 <= status < 500 or status == 503 or (status == 504 and ttft):
+            return  # the client's doing, load (shedding, overloaded), or a slow answer (latency judges it)
+        self.health.outcome(conn, self._by_model.get(model, []), status >= 500, ttft, clock.now())
+
+    def failed(self, conn: WorkerConnection | None, model: str) -> None:
+        """A request left ``conn`` before its first token because the worker failed it."""
+        if conn is not None:
+            self.health.outcome(conn, self._by_model.get(model, []), True, None, clock.now())
 
     def route_request(self, model: str, subject: object, make_submit: SubmitFactory | None,
                       replicas: list[WorkerConnection]) -> RouteRequest:
@@ -185,6 +213,9 @@ class ModelPool:
         """
         if model not in self._known and self._known:
             raise UnknownModel(model)
+        budget = self.budget
+        budget.requests += 1
+        budget.attempts += 1
         routed = RoutedStream(self, model, subject, make_submit)
         routed.submit()
         return routed

@@ -24,13 +24,20 @@ from transport.errors import ConnectionClosed
 from transport.messages import Error, ErrorCode, Submit
 
 from .errors import NoReplica, Unroutable
+from .health import RetryBudget
 
 __all__ = ["RoutedStream", "Replicas", "RETRYABLE", "SubmitFactory"]
 
 log = logging.getLogger("quicserve.routing")
 
-# Worker-side errors that mean "this worker could not take it", not "bad request".
-RETRYABLE = frozenset({ErrorCode.CONNECTION_LOST, ErrorCode.SHUTTING_DOWN, ErrorCode.OVERLOADED})
+# Worker-side errors that mean "this worker could not take it", not "bad request"; INTERNAL too
+# (a failed engine step): before the first token nothing was sent, so another replica may answer.
+RETRYABLE = frozenset({ErrorCode.CONNECTION_LOST, ErrorCode.SHUTTING_DOWN, ErrorCode.OVERLOADED, ErrorCode.INTERNAL})
+# ... of those, the ones that count against the replica's health (not load, not a drain)
+_FAILURES = frozenset({ErrorCode.CONNECTION_LOST, ErrorCode.INTERNAL})
+# ... and the ones the retry budget bounds: a replica that did the work and failed, or refused it
+# (a dead or draining one does no work: moving its requests adds no load, and is always done)
+_BUDGETED = frozenset({ErrorCode.INTERNAL, ErrorCode.OVERLOADED})
 
 SubmitFactory = Callable[[int], Submit]
 
@@ -40,6 +47,8 @@ class Replicas(Protocol):
 
     retries: int
     on_retry: Callable[[], None] | None
+    budget: RetryBudget
+    active: Callable[[], int]
 
     def choose(self, model: str, subject: object, exclude: tuple[WorkerConnection, ...],
                make_submit: SubmitFactory | None) -> WorkerConnection | None: ...
@@ -48,12 +57,16 @@ class Replicas(Protocol):
         """``conn``'s requests that have no token yet (created empty if none), oldest first."""
         ...
 
+    def failed(self, conn: WorkerConnection | None, model: str) -> None:
+        """``conn`` failed a request before its first token (its breaker counts it)."""
+        ...
+
 
 class RoutedStream:
     """One request's current stream and the replicas it has tried."""
 
     __slots__ = ("_pool", "model", "subject", "_make", "stream", "_tried", "_retries_left", "started", "_cancelled",
-                 "conn", "on_moved", "_waiting")
+                 "conn", "on_moved", "_waiting", "_retry_token")
 
     def __init__(self, pool: Replicas, model: str, subject: object, make_submit: SubmitFactory) -> None:
         self._pool = pool
@@ -68,6 +81,7 @@ class RoutedStream:
         self.conn: WorkerConnection | None = None
         self.on_moved: Callable[[], None] | None = None  # the consumer reads :attr:`stream` again
         self._waiting: dict[RoutedStream, None] | None = None  # the pool's not-started set it is in
+        self._retry_token = False  # holds one of the retry budget's tokens (until close)
 
     def submit(self) -> None:
         """Open the stream on the replica the policy picks; raises a RoutingError if none takes it."""
@@ -128,9 +142,18 @@ class RoutedStream:
         """``final`` ended the stream before any token: True if it was a retryable error and the
         request moved to another replica (read :attr:`stream` again), False if ``final`` is the
         answer."""
-        if (self.started or self._cancelled or type(final) is not Error or final.code not in RETRYABLE
-                or self._retries_left <= 0):
+        if self.started or self._cancelled or type(final) is not Error or final.code not in RETRYABLE:
             return False
+        pool = self._pool
+        if final.code in _FAILURES:
+            pool.failed(self.conn, self.model)
+        if self._retries_left <= 0:
+            return False
+        if final.code in _BUDGETED and not self._retry_token:
+            if not pool.budget.acquire(pool.active()):
+                return False  # the gateway's retry budget is spent: this error is the answer
+            self._retry_token = True
+        pool.budget.attempts += 1
         self._retries_left -= 1
         if self._pool.on_retry is not None:
             self._pool.on_retry()
@@ -151,6 +174,9 @@ class RoutedStream:
         """The request ended (its consumer is done with it): it leaves the waiting set, nothing
         moves it any more, and a worker request still open is cancelled."""
         self.on_moved = None
+        if self._retry_token:
+            self._retry_token = False
+            self._pool.budget.release()
         w = self._waiting
         if w is not None:
             self._waiting = None

@@ -1,0 +1,200 @@
+"""Per-replica health: circuit breakers, latency outlier ejection, and a retry budget; sans-I/O,
+``now`` passed in.
+
+**Breaker** (per replica; Envoy's outlier detection and SGLang's breaker as the anchors): every
+request's end is an outcome for the replica that served it (a worker's failure: 500, 502, a
+retryable error before the first token; not the client's 4xx nor the gateway's own deadline).
+``consecutive`` failures in a row, or an error rate over ``error_rate`` among the last
+``window`` outcomes (at least ``min_requests``), open it: routing skips it for ``base_ejection``
+seconds times the number of times it has been opened (capped at ``max_ejection``). Then it is
+half open: one probe request at a time goes there; a success closes it, a failure opens it again.
+
+**Latency outliers**: a replica whose time to first token (an exponential average) is more than
+``outlier_factor`` times the median of its pool's other replicas, over ``outlier_min_ms``, with
+``min_requests`` samples, is ejected the same way. At most ``max_ejected_share`` of a pool (at
+least one replica, never the last one) is ejected at once; past that, a pool whose every replica
+is open is used whole (Envoy's panic routing: better a degraded answer than none).
+
+**Retry budget**: a request resubmitted because a replica failed it or refused it (an internal
+error, overloaded) holds a retry token until it ends; at most ``max(floor, share x active
+requests)`` tokens are out at once (Envoy: 20%, minimum 3), so a failing pool cannot multiply its
+own load. Requests moved off a replica that died or drains take no token: that replica does no
+work, so moving them adds none, and they are always moved (within ``api.retries``). The
+attempts per request are a metric.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+__all__ = ["HealthSettings", "Breaker", "Health", "RetryBudget"]
+
+log = logging.getLogger("quicserve.health")
+R = TypeVar("R")  # a replica handle (a worker connection)
+
+
+@dataclass(frozen=True, slots=True)
+class HealthSettings:
+    consecutive: int = 5
+    error_rate: float = 0.5
+    window: int = 20
+    min_requests: int = 10
+    base_ejection: float = 5.0  # seconds, times the times ejected
+    max_ejection: float = 60.0
+    outlier_factor: float = 3.0
+    outlier_min_ms: float = 50.0
+    max_ejected_share: float = 0.1
+    retry_budget_share: float = 0.2
+    retry_budget_floor: int = 3
+
+
+class Breaker:
+    """One replica's state: ``closed`` | ``open`` | ``half_open``."""
+
+    __slots__ = ("name", "state", "_recent", "_failures_in_row", "_open_until", "times_opened", "_probing",
+                 "ttft", "_ttft_n", "reason")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.state = "closed"
+        self._recent: deque[bool] = deque()  # the latest outcomes, True = failure
+        self._failures_in_row = 0
+        self._open_until = -math.inf
+        self.times_opened = 0
+        self._probing = False  # half open: a probe is out
+        self.ttft = 0.0  # seconds, exponential average
+        self._ttft_n = 0
+        self.reason = ""
+
+    def usable(self, now: float) -> bool:
+        if self.state == "closed":
+            return True
+        if self.state == "open" and now >= self._open_until:
+            self.state, self._probing = "half_open", False
+            log.info("replica %s half open: one probe request", self.name)
+        return self.state == "half_open" and not self._probing
+
+    def picked(self) -> None:
+        if self.state == "half_open":
+            self._probing = True
+
+    def outcome(self, failed: bool, ttft: float | None, s: HealthSettings, now: float, may_eject: bool = True
+                ) -> str | None:
+        """Record one request's end; returns a transition ("open: why", "closed") if one happened
+        (``may_eject`` False: its pool has its share out already, so it stays closed)."""
+        if ttft is not None and not failed:
+            self._ttft_n += 1
+            self.ttft = ttft if self._ttft_n == 1 else self.ttft + 0.2 * (ttft - self.ttft)
+        if self.state == "half_open":
+            self._probing = False
+            if failed:
+                return self.trip(f"probe failed ({self.reason})", s, now)
+            self.state, self._failures_in_row, self.reason = "closed", 0, ""
+            self._recent.clear()
+            return "closed"
+        self._recent.append(failed)
+        if len(self._recent) > s.window:
+            self._recent.popleft()
+        self._failures_in_row = self._failures_in_row + 1 if failed else 0
+        if self.state != "closed" or not may_eject:
+            return None
+        if self._failures_in_row >= s.consecutive:
+            return self.trip(f"{self._failures_in_row} failures in a row", s, now)
+        errors = sum(self._recent)
+        if len(self._recent) >= s.min_requests and errors / len(self._recent) > s.error_rate:
+            return self.trip(f"{errors} of its last {len(self._recent)} requests failed", s, now)
+        return None
+
+    def trip(self, why: str, s: HealthSettings, now: float) -> str:
+        self.times_opened += 1
+        self.state, self.reason = "open", why
+        self._open_until = now + min(s.max_ejection, s.base_ejection * self.times_opened)
+        self._failures_in_row = 0
+        self._recent.clear()
+        log.warning("replica %s ejected for %.0f s: %s", self.name, self._open_until - now, why)
+        return f"open: {why}"
+
+
+class Health:
+    """Breakers by replica (any hashable handle) and the pool-level rules: outliers, the ejection cap."""
+
+    def __init__(self, settings: HealthSettings | None = None) -> None:
+        self.s = settings or HealthSettings()
+        self.breakers: dict[object, Breaker] = {}
+        self.transitions = 0
+        self.panics = 0  # picks that had to use open replicas: every one of a pool was open
+
+    def breaker(self, replica: object, name: str) -> Breaker:
+        b = self.breakers.get(replica)
+        if b is None:
+            b = self.breakers[replica] = Breaker(name)
+        return b
+
+    def forget(self, replica: object) -> None:
+        self.breakers.pop(replica, None)
+
+    def usable(self, replicas: list[R], now: float) -> list[R]:
+        """The replicas routing may pick now; all of them when none is usable (panic)."""
+        ok = [r for r in replicas if (b := self.breakers.get(r)) is None or b.usable(now)]
+        if ok or not replicas:
+            return ok
+        self.panics += 1
+        return replicas
+
+    def outcome(self, replica: object, pool: Sequence[object], failed: bool, ttft: float | None, now: float) -> None:
+        b = self.breakers.get(replica)
+        if b is None:
+            return
+        may = self._may_eject(b, pool)
+        moved = b.outcome(failed, ttft, self.s, now, may)
+        if moved is None and may and not failed and ttft is not None:
+            moved = self._outlier(b, pool, now)
+        if moved is not None:
+            self.transitions += 1
+
+    def _outlier(self, b: Breaker, pool: Sequence[object], now: float) -> str | None:
+        s = self.s
+        if b.state != "closed" or b._ttft_n < s.min_requests or b.ttft * 1e3 < s.outlier_min_ms:
+            return None
+        others = sorted(o.ttft for r in pool if (o := self.breakers.get(r)) is not None and o is not b
+                        and o._ttft_n >= s.min_requests)
+        if not others:
+            return None
+        median = others[len(others) // 2]
+        if median > 0 and b.ttft > s.outlier_factor * median:
+            return b.trip(f"time to first token {b.ttft * 1e3:.0f} ms, {b.ttft / median:.1f}x its pool's median", s,
+                          now)
+        return None
+
+    def _may_eject(self, b: Breaker, pool: Sequence[object]) -> bool:
+        """Whether ``b`` may be ejected too: never the last replica, at most the pool's share out."""
+        out = sum(1 for r in pool if (o := self.breakers.get(r)) is not None and o is not b and o.state != "closed")
+        return len(pool) > 1 and out + 1 <= max(1, math.floor(self.s.max_ejected_share * len(pool)))
+
+
+class RetryBudget:
+    """Retries in flight bounded by a share of the requests in flight (with a floor)."""
+
+    __slots__ = ("share", "floor", "in_flight", "refused", "attempts", "requests")
+
+    def __init__(self, share: float = 0.2, floor: int = 3) -> None:
+        self.share, self.floor = share, floor
+        self.in_flight = 0
+        self.refused = 0  # retries the budget did not allow
+        self.attempts = 0  # submissions to a replica, retries included
+        self.requests = 0  # requests routed
+
+    def acquire(self, active: int) -> bool:
+        if self.in_flight >= max(self.floor, self.share * active):
+            self.refused += 1
+            return False
+        self.in_flight += 1
+        return True
+
+    def release(self) -> None:
+        self.in_flight -= 1

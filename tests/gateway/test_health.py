@@ -1,0 +1,90 @@
+"""Replica health (gateway/routing/health.py) on a fake clock: breakers, probes, outliers, the
+ejection cap, panic routing and the retry budget."""
+
+from __future__ import annotations
+
+from gateway.routing.health import Health, HealthSettings, RetryBudget
+
+S = HealthSettings(consecutive=3, error_rate=0.5, window=10, min_requests=6, base_ejection=5.0, max_ejection=12.0,
+                   outlier_factor=3.0, outlier_min_ms=50.0, max_ejected_share=0.5)
+
+
+def _pool(n: int) -> tuple[Health, list[str]]:
+    h = Health(S)
+    pool = [f"r{i}" for i in range(n)]
+    for r in pool:
+        h.breaker(r, r)
+    return h, pool
+
+
+def test_consecutive_failures_eject_then_one_probe_closes() -> None:
+    h, pool = _pool(4)
+    for _ in range(2):
+        h.outcome("r0", pool, True, None, 0.0)
+    assert h.usable(pool, 0.0) == pool
+    h.outcome("r0", pool, True, None, 0.0)  # the third in a row
+    assert h.usable(pool, 1.0) == ["r1", "r2", "r3"] and h.breakers["r0"].state == "open"
+    assert "r0" in h.usable(pool, 5.0)  # half open after 5 s: one probe may go
+    h.breakers["r0"].picked()
+    assert "r0" not in h.usable(pool, 5.1)  # ... and only one at a time
+    h.outcome("r0", pool, False, 0.01, 5.2)
+    assert h.breakers["r0"].state == "closed" and h.usable(pool, 5.3) == pool
+
+
+def test_a_failed_probe_ejects_longer_each_time_up_to_the_cap() -> None:
+    h, pool = _pool(4)
+    b = h.breakers["r1"]
+    t = 0.0
+    for expected in (5.0, 10.0, 12.0, 12.0):
+        if b.state == "closed":
+            for _ in range(3):
+                h.outcome("r1", pool, True, None, t)
+        assert b.state == "open"
+        assert "r1" not in h.usable(pool, t + expected - 0.01) and "r1" in h.usable(pool, t + expected)
+        b.picked()
+        t += expected
+        h.outcome("r1", pool, True, None, t)  # the probe fails: open again, for longer
+
+
+def test_error_rate_over_the_window_ejects() -> None:
+    h, pool = _pool(4)
+    for i in range(10):  # every other request fails: never 3 in a row, but 60% of the last 10
+        h.outcome("r2", pool, i % 5 in (0, 2, 4), None, float(i))
+    assert h.breakers["r2"].state == "open" and "of its last" in h.breakers["r2"].reason
+
+
+def test_a_latency_outlier_is_ejected() -> None:
+    h, pool = _pool(4)
+    for _ in range(10):
+        for r, ttft in (("r0", 0.05), ("r1", 0.06), ("r2", 0.055), ("r3", 0.3)):
+            h.outcome(r, pool, False, ttft, 0.0)
+    assert h.breakers["r3"].state == "open" and "median" in h.breakers["r3"].reason
+    assert all(h.breakers[r].state == "closed" for r in ("r0", "r1", "r2"))
+
+
+def test_never_more_than_the_share_and_never_the_last() -> None:
+    h, pool = _pool(4)  # a share of 0.5: two of four at most
+    for r in pool:
+        for _ in range(3):
+            h.outcome(r, pool, True, None, 0.0)
+    assert sum(b.state == "open" for b in h.breakers.values()) == 2
+    h1, one = _pool(1)
+    for _ in range(10):
+        h1.outcome("r0", one, True, None, 0.0)
+    assert h1.breakers["r0"].state == "closed"  # the last replica is never ejected
+
+
+def test_panic_uses_the_whole_pool_when_every_replica_is_out() -> None:
+    h, pool = _pool(2)
+    for b in h.breakers.values():
+        b.trip("test", S, 0.0)
+    assert h.usable(pool, 1.0) == pool and h.panics == 1
+
+
+def test_retry_budget_is_a_share_of_requests_in_flight_with_a_floor() -> None:
+    b = RetryBudget(0.2, 3)
+    assert [b.acquire(5) for _ in range(4)] == [True, True, True, False]  # the floor: 3
+    b.release()
+    assert b.acquire(5) and not b.acquire(5)
+    assert all(b.acquire(100) for _ in range(17)) and not b.acquire(100)  # 20 of 100
+    assert b.refused == 3

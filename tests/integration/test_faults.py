@@ -1,0 +1,122 @@
+"""Faulty replicas under load, through real processes (issue #30): a gateway with two healthy
+local replicas of a model and a third, faulty one started on its own (the synthetic engine's fault
+injection) -- one that fails 20% of its engine steps, one five times slower, one that hangs. Under
+32 concurrent clients (streams and not) every request completes or ends with an explicit error,
+none past its deadline; the bad replica is ejected (quicserve_replica_state) and retries stay
+within the budget (amplification <= 1.2)."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import orjson
+import pytest
+
+from tests.integration.serve_process import serve_config
+from tests.integration.test_gateway_e2e import stop_gateway
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.timeout(180)
+
+
+@contextmanager
+def remote_worker(*options: str) -> Iterator[str]:
+    """A `quicserve worker --engine synthetic` of model "m" with ``options``; yields its URL."""
+    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "worker", "--engine", "synthetic", "--served-name",
+                             "m", "--synthetic-step-ms", "5", *options], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            ev = orjson.loads(line) if line.startswith("{") else {}
+            if ev.get("event") == "ready":
+                yield str(ev["url"])
+                break
+        else:
+            raise AssertionError("the faulty worker never became ready")
+    finally:
+        proc.terminate()
+        proc.wait(20)
+
+
+def _config(url: str) -> str:
+    return f"""
+[workers]
+engine = "synthetic"
+synthetic_step_ms = 5
+
+[api]
+request_timeout = 5.0
+
+[[models]]
+name = "m"
+local = 2
+remote = ["{url}"]
+"""
+
+
+async def _load(url: str, seconds: float) -> list[tuple[int, bool]]:
+    """32 clients for ``seconds``: (status, ended properly) per request; a stream ends properly with
+    [DONE] after its tokens, or with an error event."""
+    out: list[tuple[int, bool]] = []
+    end = time.monotonic() + seconds
+
+    async def client(c: httpx.AsyncClient, k: int) -> None:
+        n = 0
+        while time.monotonic() < end:
+            n += 1
+            body = {"model": "m", "prompt": f"{k} {n}", "max_tokens": 8, "stream": n % 2 == 0}
+            if n % 2:
+                r = await c.post("/v1/completions", json=body)
+                out.append((r.status_code, r.status_code == 200 or "error" in r.json()))
+                continue
+            async with c.stream("POST", "/v1/completions", json=body) as r:
+                text = [line async for line in r.aiter_lines()]
+            lines = [line for line in text if line.startswith("data: ")]
+            if r.status_code == 200:
+                ok = bool(lines) and (lines[-1] == "data: [DONE]" or '"error"' in lines[-1])
+            else:  # refused or failed before the stream began: one JSON error
+                ok = '"error"' in "".join(text)
+            out.append((r.status_code, ok))
+
+    async with httpx.AsyncClient(base_url=url, timeout=30, limits=httpx.Limits(max_connections=32)) as c:
+        await asyncio.gather(*(client(c, k) for k in range(32)))
+    return out
+
+
+def _metric(text: str, prefix: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix))
+
+
+@pytest.mark.parametrize("fault", [["--synthetic-step-fail-rate", "0.2"], ["--synthetic-slowdown", "5"],
+                                   ["--synthetic-hang-rate", "0.5"]], ids=["fails-20pc-steps", "5x-slower", "hangs"])
+def test_a_faulty_replica_is_ejected_and_nothing_is_lost(tmp_path: Path, fault: list[str]) -> None:
+    with remote_worker(*fault, "--synthetic-fault-seed", "5") as url:
+        g = serve_config(tmp_path, _config(url), models=("m",))
+        try:
+            deadline = time.monotonic() + 30
+            while _metric(httpx.get(g.http + "/metrics").text, "quicserve_replica_state{") < 3:
+                assert time.monotonic() < deadline, "not all three replicas came up"
+                time.sleep(0.1)
+            t0 = time.monotonic()
+            results = asyncio.run(_load(g.http, 6.0))
+            took = time.monotonic() - t0
+            text = httpx.get(g.http + "/metrics").text
+        finally:
+            assert stop_gateway(g) == 0
+    bad = [r for r in results if not r[1]]
+    statuses = sorted({s for s, _ in results})
+    ejections = _metric(text, "quicserve_replica_ejections_total{")
+    amplification = _metric(text, "quicserve_retry_amplification ")
+    print(f"{fault}: {len(results)} requests, statuses {statuses}, ejections {ejections:g}, "
+          f"amplification {amplification:.3f}")
+    assert not bad, f"{len(bad)} requests ended without an answer or an explicit error"
+    assert took < 6.0 + 5.0 + 2.0  # none outlived its deadline (request_timeout 5 s) by much
+    assert ejections >= 1
+    assert amplification <= 1.2
