@@ -1,7 +1,7 @@
 """The contract between the scheduler (``inference.engine``, pure Python, no JAX)
-and whatever executes a step (``inference.model.runner.JaxRunner`` for the real
-Llama model, ``inference.synthetic.SyntheticRunner`` for the test/benchmark
-engine).
+and whatever executes a step (``inference.model.jax_runner.JaxRunner`` for a
+real model, ``inference.synthetic.SyntheticRunner`` for the test/benchmark
+engine). The one module named ``runner``: the protocol, its plan and outputs.
 
 The scheduler owns the paged KV cache *bookkeeping* (``inference.kv_cache``:
 which physical blocks a sequence uses); the runner owns the KV *arrays*,

@@ -1,12 +1,12 @@
-"""Model weights: local Hugging Face Llama checkpoints and the built-in ``tiny`` model.
+"""Model weights: local Hugging Face checkpoints and the built-in ``tiny`` model.
 
-A checkpoint directory holds ``config.json``, one ``model.safetensors`` or
+A checkpoint directory holds ``config.json`` (its ``model_type`` picks the
+architecture: :mod:`inference.model.registry`), one ``model.safetensors`` or
 shards listed in ``model.safetensors.index.json`` (any ``*.safetensors`` is
 accepted when there is no index), and optionally ``generation_config.json``
-whose ``eos_token_id`` wins over the config's. HF stores q/k projections in
-the ``rotate_half`` RoPE layout our model uses, so no permutation is applied.
-Nothing here touches the network: a name that is not ``tiny`` must be an
-existing local directory.
+whose ``eos_token_id`` wins over the config's. The architecture maps the
+tensors to its parameters. Nothing here touches the network: a name that is
+not ``tiny`` must be an existing local directory.
 """
 
 from __future__ import annotations
@@ -19,14 +19,15 @@ from typing import Any
 
 import numpy as np
 
-from inference.model.config import TINY_CONFIG, ConfigError, LlamaConfig
+from inference.model.config import TINY_CONFIG, ConfigError
+from inference.model.llama import Llama
+from inference.model.registry import Model, model_from_hf
 
 __all__ = [
     "WeightsError",
     "LoadedModel",
     "load_model",
     "load_hf_dir",
-    "random_hf_tensors",
     "write_hf_checkpoint",
     "TINY_SEED",
 ]
@@ -42,96 +43,33 @@ class WeightsError(ValueError):
 @dataclass(frozen=True, slots=True)
 class LoadedModel:
     name: str
-    config: LlamaConfig
-    params: dict[str, Any]  # jnp arrays, see inference.model.llama
+    model: Model  # the architecture, configured
+    params: dict[str, Any]  # jnp arrays, laid out as the architecture loads them
     eos_token_ids: tuple[int, ...]
 
-
-def random_hf_tensors(cfg: LlamaConfig, seed: int) -> dict[str, np.ndarray]:
-    """Random float32 weights under HF Llama parameter names (normal(0, 0.02), unit norms)."""
-    rng = np.random.default_rng(seed)
-    h, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-
-    def w(*shape: int) -> np.ndarray:
-        return (rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(np.float32)
-
-    out = {"model.embed_tokens.weight": w(cfg.vocab_size, h), "model.norm.weight": np.ones(h, np.float32)}
-    for n in range(cfg.num_hidden_layers):
-        p = f"model.layers.{n}."
-        out[p + "self_attn.q_proj.weight"] = w(cfg.num_attention_heads * d, h)
-        out[p + "self_attn.k_proj.weight"] = w(cfg.num_key_value_heads * d, h)
-        out[p + "self_attn.v_proj.weight"] = w(cfg.num_key_value_heads * d, h)
-        out[p + "self_attn.o_proj.weight"] = w(h, cfg.num_attention_heads * d)
-        out[p + "mlp.gate_proj.weight"] = w(i, h)
-        out[p + "mlp.up_proj.weight"] = w(i, h)
-        out[p + "mlp.down_proj.weight"] = w(h, i)
-        out[p + "input_layernorm.weight"] = np.ones(h, np.float32)
-        out[p + "post_attention_layernorm.weight"] = np.ones(h, np.float32)
-    if not cfg.tie_word_embeddings:
-        out["lm_head.weight"] = w(cfg.vocab_size, h)
-    return out
+    @property
+    def config(self) -> Any:
+        return self.model.config
 
 
 def write_hf_checkpoint(directory: str | Path, config_dict: dict[str, Any], seed: int) -> Path:
     """Write config.json + model.safetensors (random weights, HF names) into ``directory``."""
     from safetensors.numpy import save_file
 
-    cfg = LlamaConfig.from_hf(config_dict)
+    model = model_from_hf(config_dict)
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
-    full = {**cfg.to_hf(), **config_dict}
+    full = {**model.hf_config(), **config_dict}
     (path / "config.json").write_text(json.dumps(full, indent=2))
-    save_file(random_hf_tensors(cfg, seed), str(path / "model.safetensors"), metadata={"format": "pt"})
+    save_file(model.random_hf_weights(seed), str(path / "model.safetensors"), metadata={"format": "pt"})
     return path
 
 
-def _convert(cfg: LlamaConfig, get: Callable[[str], np.ndarray], dtype: Any,
-             progress: Progress | None) -> dict[str, Any]:
-    import jax.numpy as jnp
-
-    h, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-    hq, kv = cfg.num_attention_heads, cfg.num_key_value_heads
-
-    def take(name: str, shape: tuple[int, ...]) -> np.ndarray:
-        arr = get(name)
-        if tuple(arr.shape) != shape:
-            raise WeightsError(f"{name}: expected shape {shape}, got {tuple(arr.shape)}")
-        return arr
-
-    def dev(arr: np.ndarray) -> Any:
-        return jnp.asarray(np.asarray(arr, dtype=np.float32), dtype=dtype)
-
-    layers = []
-    total = cfg.num_hidden_layers + 1
-    for n in range(cfg.num_hidden_layers):
-        p = f"model.layers.{n}."
-        q = take(p + "self_attn.q_proj.weight", (hq * d, h))
-        k = take(p + "self_attn.k_proj.weight", (kv * d, h))
-        v = take(p + "self_attn.v_proj.weight", (kv * d, h))
-        gate = take(p + "mlp.gate_proj.weight", (i, h))
-        up = take(p + "mlp.up_proj.weight", (i, h))
-        layers.append({
-            "attn_norm": dev(take(p + "input_layernorm.weight", (h,))),
-            "wqkv": dev(np.concatenate([np.asarray(q, np.float32).T, np.asarray(k, np.float32).T,
-                                        np.asarray(v, np.float32).T], axis=1)),
-            "wo": dev(np.asarray(take(p + "self_attn.o_proj.weight", (h, hq * d)), np.float32).T),
-            "mlp_norm": dev(take(p + "post_attention_layernorm.weight", (h,))),
-            "w_gate_up": dev(np.concatenate([np.asarray(gate, np.float32).T,
-                                             np.asarray(up, np.float32).T], axis=1)),
-            "w_down": dev(np.asarray(take(p + "mlp.down_proj.weight", (h, i)), np.float32).T),
-        })
-        if progress:
-            progress("load", n + 1, total, f"layer {n + 1}/{cfg.num_hidden_layers}")
-    params: dict[str, Any] = {
-        "embed": dev(take("model.embed_tokens.weight", (cfg.vocab_size, h))),
-        "layers": layers,
-        "norm": dev(take("model.norm.weight", (h,))),
-    }
-    if not cfg.tie_word_embeddings:
-        params["lm_head"] = dev(np.asarray(take("lm_head.weight", (cfg.vocab_size, h)), np.float32).T)
-    if progress:
-        progress("load", total, total, "weights loaded")
-    return params
+def _params(model: Model, get: Callable[[str], np.ndarray], dtype: Any, progress: Progress | None) -> dict[str, Any]:
+    try:
+        return model.load_params(get, dtype, progress)
+    except ValueError as e:  # a tensor of the wrong shape
+        raise WeightsError(str(e)) from None
 
 
 def _shard_files(path: Path) -> dict[str, Path]:
@@ -159,7 +97,7 @@ def _shard_files(path: Path) -> dict[str, Path]:
 
 
 def load_hf_dir(path: str | Path, *, dtype: Any = "float32", progress: Progress | None = None) -> LoadedModel:
-    """Load a local HF Llama checkpoint directory."""
+    """Load a local HF checkpoint directory of an architecture the registry serves."""
     from safetensors import safe_open
 
     path = Path(path)
@@ -170,8 +108,8 @@ def load_hf_dir(path: str | Path, *, dtype: Any = "float32", progress: Progress 
         raw = json.loads(cfg_file.read_text())
     except json.JSONDecodeError as e:
         raise WeightsError(f"{cfg_file}: invalid JSON ({e})") from None
-    cfg = LlamaConfig.from_hf(raw)
-    eos = cfg.eos_token_ids
+    model = model_from_hf(raw)
+    eos = model.config.eos_token_ids
     gen_file = path / "generation_config.json"
     if gen_file.exists():
         gen_eos = json.loads(gen_file.read_text()).get("eos_token_id")
@@ -188,16 +126,16 @@ def load_hf_dir(path: str | Path, *, dtype: Any = "float32", progress: Progress 
             handles[f] = safe_open(str(f), framework="numpy")
         return handles[f].get_tensor(name)
 
-    params = _convert(cfg, get, dtype, progress)
-    return LoadedModel(path.name or str(path), cfg, params, eos)
+    params = _params(model, get, dtype, progress)
+    return LoadedModel(path.name or str(path), model, params, eos)
 
 
 def load_model(model: str = "tiny", *, dtype: Any = "float32", progress: Progress | None = None) -> LoadedModel:
     """``"tiny"`` (built-in, random weights from a fixed seed) or a local HF directory."""
     if model == "tiny":
-        tensors = random_hf_tensors(TINY_CONFIG, TINY_SEED)
-        params = _convert(TINY_CONFIG, tensors.__getitem__, dtype, progress)
-        return LoadedModel("tiny", TINY_CONFIG, params, TINY_CONFIG.eos_token_ids)
+        tiny = Llama(TINY_CONFIG)
+        params = _params(tiny, tiny.random_hf_weights(TINY_SEED).__getitem__, dtype, progress)
+        return LoadedModel("tiny", tiny, params, TINY_CONFIG.eos_token_ids)
     path = Path(model)
     if not path.is_dir():
         raise WeightsError(f"model {model!r} is neither 'tiny' nor a local checkpoint directory")

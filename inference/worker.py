@@ -107,7 +107,7 @@ def build_service(args: argparse.Namespace) -> WorkerService:
         served = args.served_name or args.model
         _progress("load", 1, 1, "synthetic engine (no model)")
     else:
-        from .model.runner import JaxRunner  # JAX only on this path
+        from .model.jax_runner import JaxRunner  # JAX only on this path
 
         tokenizer = load_tokenizer(args.model)
         runner = JaxRunner.load(args.model, dtype=args.dtype, block_size=args.block_size,

@@ -3,11 +3,12 @@
 How it works: a kernel asks :meth:`Autotuner.pick` for the block sizes of a
 shape key (e.g. ``prefill/gpu/B4-T4096-S4096-H32-KV8-D128-bfloat16``) with a
 list of candidates and a ``measure(candidate) -> seconds`` callable. A cached
-answer is returned at once; otherwise, when tuning is enabled (on an
-accelerator), every candidate is timed, failures (a tile that does not
-compile, out of shared memory) are skipped, the fastest is written to the
-cache file and logged. With tuning disabled (CPU) the first candidate, the
-default, is returned and nothing is written.
+answer is returned at once; otherwise, when tuning is enabled (the kernel
+set enables it for kernels compiled on their accelerator), every candidate is
+timed, failures (a tile that does not compile, out of shared memory) are
+skipped, the fastest is written to the cache file and logged. With tuning
+disabled (interpreted kernels, lowering for another platform) the first
+candidate, the default, is returned and nothing is written.
 
 The cache file is ``$QUICSERVE_AUTOTUNE_CACHE`` or
 ``~/.cache/quicserve/autotune.json``; entries map a shape key to the chosen
@@ -28,7 +29,7 @@ from typing import Any, TypeVar
 
 import jax
 
-__all__ = ["Autotuner", "default_cache_path", "time_call", "default_tuner"]
+__all__ = ["Autotuner", "default_cache_path", "time_call"]
 
 log = logging.getLogger(__name__)
 C = TypeVar("C")
@@ -56,9 +57,9 @@ def time_call(fn: Callable[[], Any], *, iters: int = 10, clock: Callable[[], flo
 class Autotuner:
     """Chooses block sizes per shape key; thread-safe; persists to JSON."""
 
-    def __init__(self, path: Path | None = None, *, enabled: bool | None = None) -> None:
+    def __init__(self, path: Path | None = None, *, enabled: bool) -> None:
         self.path = path if path is not None else default_cache_path()
-        self.enabled = enabled if enabled is not None else jax.default_backend() in ("gpu", "tpu")
+        self.enabled = enabled
         self._lock = threading.Lock()
         self._entries: dict[str, dict[str, Any]] = self._load()
 
@@ -143,15 +144,3 @@ def _isolated(measure: Callable[[C], float], cand: C) -> float:
         raise error[0]
     return result[0]
 
-
-_default: Autotuner | None = None
-_default_lock = threading.Lock()
-
-
-def default_tuner() -> Autotuner:
-    """The process-wide tuner (created on first use)."""
-    global _default
-    with _default_lock:
-        if _default is None:
-            _default = Autotuner()
-        return _default

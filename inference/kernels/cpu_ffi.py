@@ -15,7 +15,7 @@ layers' attention at 128 tokens 6.3 -> 1.4 ms, at 512 50 -> 18 ms). Both
 share ``cpu_simd.h``. Float32 only; other dtypes keep the ``jnp`` path.
 
 ``cpu_matmul.cc``: ``x @ W.T`` for float32 projections stored packed (16-column
-panels, ``inference.model.llama.pack_projections``), a 6 x 16 register-tiled
+panels, ``inference.kernels.projections.pack_weight``), a 6 x 16 register-tiled
 GEMM that prefetches the next panel while it multiplies this one, for every
 row count (decode and prefill). Bench model, 8-layer projection chain, two
 threads: 32 rows 13.1 -> 11.3 ms, 8 rows 7.2 -> 5.7, 64 rows 23.2 -> 20.2;
@@ -37,7 +37,9 @@ How: the sources are compiled with the system ``g++`` for one instruction-set le
 unless ``$QUICSERVE_CPU_ISA`` names one) into a cached library, loaded with ctypes, and each handler
 registered as an FFI target for the CPU platform under a name that carries the level, so one process
 can hold several levels (the tests compare them). Anything missing (no compiler, a failed build)
-logs once and :func:`available` returns False, so callers fall back.
+logs once and :func:`available` returns False, so the kernel set
+(:mod:`inference.kernels.kernel_set`) picks the XLA kernels instead. Which calls run here is the
+kernel set's choice: on CPU, for float32 models.
 ``QUICSERVE_CPU_KERNELS=0`` turns them off.
 """
 
@@ -54,7 +56,7 @@ import numpy as np
 
 from inference.kernels import cpu_isa
 
-__all__ = ["available", "serves", "paged_decode_cpu", "prefill_attention_cpu", "matmul_packed_cpu",
+__all__ = ["available", "paged_decode_cpu", "prefill_attention_cpu", "matmul_packed_cpu",
            "rope_write_kv_cpu", "gather_live_cpu", "THREADS"]
 
 log = logging.getLogger(__name__)
@@ -96,22 +98,16 @@ def available(level: str | None = None) -> bool:
     name = cpu_isa.level(level).name
     try:
         _load_and_register(name)
-    except Exception as exc:  # noqa: BLE001 -- any failure means "use the reference"
-        log.warning("native CPU kernels unavailable, using the jnp reference: %s", exc)
+    except Exception as exc:  # noqa: BLE001 -- any failure means "use the XLA kernels"
+        log.warning("native CPU kernels unavailable, the kernel set takes the XLA ones: %s", exc)
         return False
     return True
-
-
-def serves(*dtypes: object) -> bool:
-    """Whether the kernels can take arrays of these dtypes here: CPU backend, all float32, built."""
-    return (jax.default_backend() == "cpu" and all(jnp.dtype(dt) == jnp.float32 for dt in dtypes)
-            and available())
 
 
 def paged_decode_cpu(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, block_tables: jax.Array,
                      context_lens: jax.Array, *, scale: float, threads: int = THREADS,
                      level: str | None = None) -> jax.Array:
-    """``inference.model.attention.paged_decode_attention`` for float32 caches, as one native call.
+    """``inference.kernels.xla_attention.paged_decode_attention`` for float32 caches, as one native call.
 
     Call only when :func:`available` is True. Context lengths past the block table are clamped to it.
     """
@@ -122,7 +118,7 @@ def paged_decode_cpu(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, block
 
 def prefill_attention_cpu(q: jax.Array, k: jax.Array, v: jax.Array, q_offsets: jax.Array, kv_lens: jax.Array,
                           *, scale: float, threads: int = THREADS, level: str | None = None) -> jax.Array:
-    """``inference.model.attention.prefill_attention`` for float32, as one native call.
+    """``inference.kernels.xla_attention.prefill_attention`` for float32, as one native call.
 
     Call only when :func:`available` is True. Queries at or past ``kv_lens`` (padding) get zeros.
     """
@@ -147,7 +143,7 @@ def matmul_packed_cpu(x: jax.Array, panels: jax.Array, n: int, *, live: jax.Arra
                       norm: jax.Array | None = None, eps: float = 0.0, residual: jax.Array | None = None,
                       swiglu: bool = False, threads: int = THREADS, level: str | None = None) -> jax.Array:
     """``x [M, K] @ W.T -> [M, n]`` for float32 ``W [n, K]`` stored as ``panels [ceil(n/16), K, 16]``
-    (``inference.model.llama.pack_weight``), as one native call. Call only when :func:`available` is True.
+    (``inference.kernels.projections.pack_weight``), as one native call. Call only when :func:`available` is True.
 
     ``live [G]`` (int32): x's rows are G groups of M / G and only the first ``live[g]`` rows of group g
     are multiplied; the others (a shape bucket's padding) are skipped and come out zero. Fused on the

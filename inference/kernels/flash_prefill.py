@@ -10,7 +10,7 @@ block can see: ``min(kv_len, q_offset + (i+1)*block_q)``, so causal prefill
 does about half the work of full attention, and a short sequence in a padded
 batch costs only its own length.
 
-Shapes follow ``inference.model.attention.prefill_attention``. Sequence
+Shapes follow ``inference.kernels.reference.prefill_attention``. Sequence
 lengths are padded here to multiples of the block sizes and the head dim to a
 power of two (Triton needs power-of-two tiles); padding is sliced off.
 """
@@ -140,9 +140,9 @@ def _round_up(n: int, m: int) -> int:
 
 
 def compiler_params_for(platform: str | None, num_warps: int, num_stages: int):
-    """Triton launch parameters on GPU; None elsewhere (TPU/interpret defaults)."""
-    platform = platform or jax.default_backend()
-    if platform in ("gpu", "cuda", "rocm"):
+    """Triton launch parameters for GPU lowering (``platform`` None: the family's own, GPU); None for
+    any other platform."""
+    if platform in (None, "gpu", "cuda", "rocm"):
         from jax.experimental.pallas import triton as plgpu
 
         return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
@@ -165,9 +165,9 @@ def flash_prefill(
     """Pallas causal GQA prefill attention; same contract as the reference.
 
     q[B,T,H,D], k/v[B,S,KV,D], q_offsets[B] int32, kv_lens[B] int32 -> [B,T,H,D].
-    ``platform`` ("gpu"/"tpu") overrides the default backend when lowering for
-    another platform than the one running (e.g. exporting for CUDA on a CPU
-    host); ``interpret`` runs the kernel body as plain JAX (CPU tests).
+    ``platform`` is the one lowered for (None: GPU, this family's own; Triton's
+    launch parameters go with it); ``interpret`` runs the kernel body as plain
+    JAX (CPU tests).
     """
     b, t, h, d = q.shape
     s = k.shape[1]

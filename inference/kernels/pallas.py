@@ -1,23 +1,23 @@
-"""One setting picks the attention implementation: ``reference`` or ``pallas``.
+"""The Pallas kernels as the kernel set calls them: two families, block sizes tuned per shape.
 
-``get_backend(name)`` returns ``(prefill_fn, decode_fn)`` with the signatures
-of ``inference.model.attention``::
+``flash_prefill``/``paged_decode``/``quant_matmul`` are written for Triton (GPU) and
+``tpu_prefill``/``tpu_decode``/``tpu_quant_matmul`` for Mosaic (TPU).
+:func:`gpu_kernels` and :func:`tpu_kernels` wrap a family as :class:`PallasKernels`
+with the signatures of :mod:`inference.kernels.reference`::
 
-    prefill_fn(q, k, v, q_offsets, kv_lens, *, scale) -> [B,T,H,D]
-    decode_fn(q, k_cache, v_cache, block_tables, context_lens, *, scale,
-              k_scale=None, v_scale=None) -> [B,H,D]
+    prefill(q, k, v, q_offsets, kv_lens, *, scale) -> [B,T,H,D]
+    paged_prefill(q, k_cache, v_cache, block_tables, q_offsets, kv_lens, *, scale,
+                  k_scale=None, v_scale=None) -> [B,T,H,D]
+    decode(q, k_cache, v_cache, block_tables, context_lens, *, scale,
+           k_scale=None, v_scale=None) -> [B,H,D]
+    matmul(x, w) -> x @ w   (w: a QuantizedWeight [in, out], or a float array)
 
-(``k_scale``/``v_scale`` are an additive extension for quantized caches.)
-
-``pallas`` has two kernel families, each written for its compiler:
-``flash_prefill``/``paged_decode`` for Triton (GPU) and
-``tpu_prefill``/``tpu_decode`` for Mosaic (TPU). On GPU the first compiles,
-on TPU the second, with block sizes from the autotuner (tuned on first trace
-of each shape, then read from the cache file). On CPU ``pallas`` falls back
-to the reference for speed, or runs a family with ``interpret=True`` when
-asked (``interpret=True`` or ``QUICSERVE_PALLAS_INTERPRET=1``; the family is
-``target=`` or ``QUICSERVE_PALLAS_TARGET``, default ``gpu``), which is what
-the tests do.
+Compiled on their own accelerator, with block sizes from the autotuner (tuned
+on first trace of each shape, then read from the cache file; the key names
+``platform``); with ``interpret=True`` the kernel bodies run as plain JAX on
+any host, which is what the CPU tests do. Which family runs, and whether
+interpreted, is :mod:`inference.kernels.kernel_set`'s choice; nothing here
+asks which backend it is on.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import os
 from collections.abc import Callable
 
 import jax
@@ -33,10 +32,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from inference.kernels import reference
-from inference.kernels.autotune import Autotuner, default_tuner, time_call
+from inference.kernels.autotune import Autotuner, time_call
 from inference.kernels.flash_prefill import PrefillBlocks, flash_prefill, paged_flash_prefill
 from inference.kernels.paged_decode import DecodeBlocks, paged_decode, supports
-from inference.kernels.quant import gather_dequantized
+from inference.kernels.quant import QuantizedWeight, gather_dequantized, quantized_matmul
 from inference.kernels.quant_matmul import MatmulBlocks, pallas_quantized_matmul
 from inference.kernels.reference import Array
 from inference.kernels.tpu_decode import LANES, head_dim_fits, tpu_paged_decode
@@ -49,8 +48,10 @@ from inference.kernels.tpu_prefill import (
 from inference.kernels.tpu_quant_matmul import TpuMatmulBlocks, tpu_quantized_matmul
 
 __all__ = [
-    "BACKENDS",
-    "get_backend",
+    "FAMILIES",
+    "PallasKernels",
+    "gpu_kernels",
+    "tpu_kernels",
     "prefill_candidates",
     "decode_candidates",
     "tuned_prefill_blocks",
@@ -63,15 +64,23 @@ __all__ = [
     "tuned_tpu_prefill_blocks",
     "tuned_tpu_decode_blocks",
     "tuned_tpu_matmul_blocks",
-    "tpu_fns",
-    "gpu_fns",
 ]
 
 log = logging.getLogger(__name__)
-BACKENDS = ("reference", "pallas")
-TARGETS = ("gpu", "tpu")  # the Pallas kernel families
+FAMILIES = ("gpu", "tpu")  # the Pallas kernel families, by the accelerator each is written for
 PrefillFn = Callable[..., Array]
 DecodeFn = Callable[..., Array]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PallasKernels:
+    """One family's kernels (signatures in the module docstring). ``paged_prefill`` reads keys straight
+    from the paged cache, which the model prefers to gathering each row's table."""
+
+    prefill: PrefillFn
+    paged_prefill: PrefillFn
+    decode: DecodeFn
+    matmul: Callable[[Array, QuantizedWeight | Array], Array]
 
 
 def prefill_candidates() -> list[PrefillBlocks]:
@@ -105,12 +114,12 @@ def _random(shape: tuple[int, ...], dtype: jnp.dtype, seed: int) -> Array:
 
 
 def _tuned_prefill(tuner: Autotuner, q: Array, k: Array, kernel: Callable[..., Array], candidates: list,
-                   family: str, interpret: bool):  # fmt: skip
+                   family: str, interpret: bool, platform: str):  # fmt: skip
     """Block sizes for this prefill shape from ``candidates``, timed on ``kernel`` over full-length causal
-    inputs; ``family`` tags the cache key ("" for Triton, "-mosaic" for TPU)."""
+    inputs; ``family`` tags the cache key ("" for Triton, "-mosaic" for TPU), ``platform`` where it runs."""
     b, t, h, d = q.shape
     s, kv = k.shape[1], k.shape[2]
-    key = f"prefill/{jax.default_backend()}{family}/B{b}-T{t}-S{s}-H{h}-KV{kv}-D{d}-{jnp.dtype(q.dtype).name}"
+    key = f"prefill/{platform}{family}/B{b}-T{t}-S{s}-H{h}-KV{kv}-D{d}-{jnp.dtype(q.dtype).name}"
 
     def measure(blocks) -> float:
         args = (_random(q.shape, q.dtype, 0), _random(k.shape, k.dtype, 1), _random(k.shape, k.dtype, 2))
@@ -121,20 +130,22 @@ def _tuned_prefill(tuner: Autotuner, q: Array, k: Array, kernel: Callable[..., A
     return tuner.pick(key, candidates, measure)
 
 
-def tuned_prefill_blocks(tuner: Autotuner, q: Array, k: Array, *, interpret: bool = False) -> PrefillBlocks:
+def tuned_prefill_blocks(tuner: Autotuner, q: Array, k: Array, *, interpret: bool = False,
+                         platform: str = "gpu") -> PrefillBlocks:
     """Block sizes for this prefill shape (tuned on full-length causal inputs)."""
-    return _tuned_prefill(tuner, q, k, flash_prefill, prefill_candidates(), "", interpret)
+    return _tuned_prefill(tuner, q, k, flash_prefill, prefill_candidates(), "", interpret, platform)
 
 
 def _tuned_decode(tuner: Autotuner, q: Array, k_cache: Array, block_tables: Array, quantized: bool,
-                  kernel: Callable[..., Callable[..., Array]], candidates: list, family: str):  # fmt: skip
+                  kernel: Callable[..., Callable[..., Array]], candidates: list, family: str,
+                  platform: str):  # fmt: skip
     """Decode tiles for this shape from ``candidates``, timed with every page in use on ``kernel(blocks)``
     (the decode function those tiles configure); ``family`` tags the cache key as for prefill."""
     b, h, d = q.shape
     n, bs, kv, _ = k_cache.shape
     m = block_tables.shape[1]
     key = (
-        f"decode/{jax.default_backend()}{family}/B{b}-H{h}-KV{kv}-D{d}-N{n}-bs{bs}-M{m}-"
+        f"decode/{platform}{family}/B{b}-H{h}-KV{kv}-D{d}-N{n}-bs{bs}-M{m}-"
         f"{jnp.dtype(q.dtype).name}-{jnp.dtype(k_cache.dtype).name}"
     )
 
@@ -151,15 +162,14 @@ def _tuned_decode(tuner: Autotuner, q: Array, k_cache: Array, block_tables: Arra
     return tuner.pick(key, candidates, measure)
 
 
-def tuned_decode_blocks(
-    tuner: Autotuner, q: Array, k_cache: Array, block_tables: Array, *, quantized: bool, interpret: bool = False
-) -> DecodeBlocks:
+def tuned_decode_blocks(tuner: Autotuner, q: Array, k_cache: Array, block_tables: Array, *, quantized: bool,
+                        interpret: bool = False, platform: str = "gpu") -> DecodeBlocks:
     """Chunk/split sizes for this decode shape (tuned with every page in use)."""
     def kernel(blocks: DecodeBlocks) -> Callable[..., Array]:
         return functools.partial(paged_decode, blocks=blocks, interpret=interpret)
 
     return _tuned_decode(tuner, q, k_cache, block_tables, quantized, kernel,
-                         decode_candidates(q.shape[0], k_cache.shape[2]), "")  # fmt: skip
+                         decode_candidates(q.shape[0], k_cache.shape[2]), "", platform)  # fmt: skip
 
 
 def matmul_candidates(m: int) -> list[MatmulBlocks]:
@@ -170,11 +180,11 @@ def matmul_candidates(m: int) -> list[MatmulBlocks]:
             MatmulBlocks(128, 256, 64, 8, 3)]
 
 
-def tuned_matmul_blocks(tuner: Autotuner, x: Array, codes: Array) -> MatmulBlocks:
+def tuned_matmul_blocks(tuner: Autotuner, x: Array, codes: Array, *, platform: str = "gpu") -> MatmulBlocks:
     """Tiles for ``x[..., K] @ codes[K, N]`` (the weight-only quantized matmul)."""
     k, n = codes.shape
     m = int(np.prod(x.shape[:-1]))
-    key = f"wmatmul/{jax.default_backend()}/M{m}-K{k}-N{n}-{jnp.dtype(x.dtype).name}-{jnp.dtype(codes.dtype).name}"
+    key = f"wmatmul/{platform}/M{m}-K{k}-N{n}-{jnp.dtype(x.dtype).name}-{jnp.dtype(codes.dtype).name}"
 
     def measure(blocks: MatmulBlocks) -> float:
         xx = _random((m, k), x.dtype, 0)
@@ -197,62 +207,47 @@ def _gathered_prefill(prefill_fn: PrefillFn, q: Array, k_cache: Array, v_cache: 
     return prefill_fn(q, k, v, q_offsets, kv_lens, scale=scale)
 
 
-def gpu_fns(interpret: bool, tuner: Autotuner) -> tuple[PrefillFn, DecodeFn]:
-    """The Triton-model kernels. ``prefill_fn.paged`` reads keys straight from the paged cache, which the
-    model prefers to gathering each row's table (``inference.model.llama.prefill_forward``)."""
-    def prefill_fn(q: Array, k: Array, v: Array, q_offsets: Array, kv_lens: Array, *, scale: float) -> Array:
-        blocks = tuned_prefill_blocks(tuner, q, k, interpret=interpret)
+def gpu_kernels(*, platform: str = "gpu", interpret: bool = False, tuner: Autotuner) -> PallasKernels:
+    """The Triton-model kernels (compiled on ``platform`` "gpu"; any platform with ``interpret``)."""
+    def prefill(q: Array, k: Array, v: Array, q_offsets: Array, kv_lens: Array, *, scale: float) -> Array:
+        blocks = tuned_prefill_blocks(tuner, q, k, interpret=interpret, platform=platform)
         return flash_prefill(q, k, v, q_offsets, kv_lens, scale=scale, blocks=blocks, interpret=interpret)
 
-    def paged_prefill_fn(q: Array, k_cache: Array, v_cache: Array, block_tables: Array, q_offsets: Array,
-                         kv_lens: Array, *, scale: float, k_scale: Array | None = None,
-                         v_scale: Array | None = None) -> Array:  # fmt: skip
+    def paged_prefill(q: Array, k_cache: Array, v_cache: Array, block_tables: Array, q_offsets: Array,
+                      kv_lens: Array, *, scale: float, k_scale: Array | None = None,
+                      v_scale: Array | None = None) -> Array:  # fmt: skip
         n, bs, kv, d = k_cache.shape
         b, m = block_tables.shape
         if not interpret and not supports(bs, d):  # the dense kernel pads what Triton cannot tile
-            return _gathered_prefill(prefill_fn, q, k_cache, v_cache, block_tables, q_offsets, kv_lens, scale,
+            return _gathered_prefill(prefill, q, k_cache, v_cache, block_tables, q_offsets, kv_lens, scale,
                                      k_scale, v_scale)  # fmt: skip
         dense = jax.ShapeDtypeStruct((b, m * bs, kv, d), q.dtype)  # tuned as the dense kernel over that many keys
-        blocks = tuned_prefill_blocks(tuner, q, dense, interpret=interpret)
+        blocks = tuned_prefill_blocks(tuner, q, dense, interpret=interpret, platform=platform)
         return paged_flash_prefill(q, k_cache, v_cache, block_tables, q_offsets, kv_lens, scale=scale,
                                    k_scale=k_scale, v_scale=v_scale, blocks=blocks, interpret=interpret)  # fmt: skip
 
-    prefill_fn.paged = paged_prefill_fn  # type: ignore[attr-defined]
-
-    def decode_fn(
-        q: Array,
-        k_cache: Array,
-        v_cache: Array,
-        block_tables: Array,
-        context_lens: Array,
-        *,
-        scale: float,
-        k_scale: Array | None = None,
-        v_scale: Array | None = None,
-    ) -> Array:
+    def decode(q: Array, k_cache: Array, v_cache: Array, block_tables: Array, context_lens: Array, *,
+               scale: float, k_scale: Array | None = None, v_scale: Array | None = None) -> Array:  # fmt: skip
         if not interpret and not supports(k_cache.shape[1], q.shape[-1]):
             log.warning("paged decode: page size %d / head dim %d not powers of two; using the reference",
                         k_cache.shape[1], q.shape[-1])
             return reference.paged_decode_attention(
                 q, k_cache, v_cache, block_tables, context_lens, scale=scale, k_scale=k_scale, v_scale=v_scale
             )
-        blocks = tuned_decode_blocks(
-            tuner, q, k_cache, block_tables, quantized=k_scale is not None, interpret=interpret
-        )
-        return paged_decode(
-            q,
-            k_cache,
-            v_cache,
-            block_tables,
-            context_lens,
-            scale=scale,
-            k_scale=k_scale,
-            v_scale=v_scale,
-            blocks=blocks,
-            interpret=interpret,
-        )
+        blocks = tuned_decode_blocks(tuner, q, k_cache, block_tables, quantized=k_scale is not None,
+                                     interpret=interpret, platform=platform)  # fmt: skip
+        return paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale=scale, k_scale=k_scale,
+                            v_scale=v_scale, blocks=blocks, interpret=interpret)  # fmt: skip
 
-    return prefill_fn, decode_fn
+    def matmul(x: Array, w: QuantizedWeight | Array) -> Array:
+        if not isinstance(w, QuantizedWeight):
+            return x @ w
+        if interpret:  # the default tiles: tuning times nothing when interpreted
+            return pallas_quantized_matmul(x, w.codes, w.scale, interpret=True)
+        blocks = tuned_matmul_blocks(tuner, x, w.codes, platform=platform)
+        return pallas_quantized_matmul(x, w.codes, w.scale, blocks=blocks)
+
+    return PallasKernels(prefill, paged_prefill, decode, matmul)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -274,25 +269,25 @@ def tpu_decode_candidates(page_size: int) -> list[TpuDecodeBlocks]:
     return [TpuDecodeBlocks(p) for p in dict.fromkeys((base, 1, 2 * base, 4 * base))]
 
 
-def tuned_tpu_prefill_blocks(tuner: Autotuner, q: Array, k: Array, *, interpret: bool = False) -> TpuPrefillBlocks:
-    return _tuned_prefill(tuner, q, k, tpu_flash_prefill, tpu_prefill_candidates(), "-mosaic", interpret)
+def tuned_tpu_prefill_blocks(tuner: Autotuner, q: Array, k: Array, *, interpret: bool = False,
+                             platform: str = "tpu") -> TpuPrefillBlocks:
+    return _tuned_prefill(tuner, q, k, tpu_flash_prefill, tpu_prefill_candidates(), "-mosaic", interpret, platform)
 
 
-def tuned_tpu_decode_blocks(
-    tuner: Autotuner, q: Array, k_cache: Array, block_tables: Array, *, quantized: bool, interpret: bool = False
-) -> TpuDecodeBlocks:
+def tuned_tpu_decode_blocks(tuner: Autotuner, q: Array, k_cache: Array, block_tables: Array, *, quantized: bool,
+                            interpret: bool = False, platform: str = "tpu") -> TpuDecodeBlocks:
     def kernel(blocks: TpuDecodeBlocks) -> Callable[..., Array]:
         return functools.partial(tpu_paged_decode, pages_per_step=blocks.pages_per_step, interpret=interpret)
 
     return _tuned_decode(tuner, q, k_cache, block_tables, quantized, kernel, tpu_decode_candidates(k_cache.shape[1]),
-                         "-mosaic")  # fmt: skip
+                         "-mosaic", platform)  # fmt: skip
 
 
-def tuned_tpu_matmul_blocks(tuner: Autotuner, x: Array, codes: Array) -> TpuMatmulBlocks:
+def tuned_tpu_matmul_blocks(tuner: Autotuner, x: Array, codes: Array, *, platform: str = "tpu") -> TpuMatmulBlocks:
     """TPU tiles for ``x[..., K] @ codes[K, N]``: a thin row block for decode-sized M, square ones past it."""
     k, n = codes.shape
     m = int(np.prod(x.shape[:-1]))
-    key = f"wmatmul/{jax.default_backend()}-mosaic/M{m}-K{k}-N{n}-{jnp.dtype(x.dtype).name}-{jnp.dtype(codes.dtype).name}"
+    key = f"wmatmul/{platform}-mosaic/M{m}-K{k}-N{n}-{jnp.dtype(x.dtype).name}-{jnp.dtype(codes.dtype).name}"
     rows = [8, 32] if m <= 32 else [128, 256]
     cands = [TpuMatmulBlocks(r, bn, bk) for r in rows for bn, bk in ((256, 512), (512, 512), (256, 1024))]
 
@@ -304,31 +299,28 @@ def tuned_tpu_matmul_blocks(tuner: Autotuner, x: Array, codes: Array) -> TpuMatm
     return tuner.pick(key, cands, measure)
 
 
-def tpu_fns(interpret: bool, tuner: Autotuner) -> tuple[PrefillFn, DecodeFn]:
-    """The Mosaic-model kernels. ``prefill_fn.paged`` reads keys straight from the paged cache (as
-    :func:`gpu_fns`' does), which ``inference.model.llama.prefill_forward`` prefers to a gathered copy."""
-    def prefill_fn(q: Array, k: Array, v: Array, q_offsets: Array, kv_lens: Array, *, scale: float) -> Array:
-        blocks = tuned_tpu_prefill_blocks(tuner, q, k, interpret=interpret)
+def tpu_kernels(*, platform: str = "tpu", interpret: bool = False, tuner: Autotuner) -> PallasKernels:
+    """The Mosaic-model kernels (compiled on ``platform`` "tpu"; any platform with ``interpret``)."""
+    def prefill(q: Array, k: Array, v: Array, q_offsets: Array, kv_lens: Array, *, scale: float) -> Array:
+        blocks = tuned_tpu_prefill_blocks(tuner, q, k, interpret=interpret, platform=platform)
         return tpu_flash_prefill(q, k, v, q_offsets, kv_lens, scale=scale, blocks=blocks, interpret=interpret)
 
-    def paged_prefill_fn(q: Array, k_cache: Array, v_cache: Array, block_tables: Array, q_offsets: Array,
-                         kv_lens: Array, *, scale: float, k_scale: Array | None = None,
-                         v_scale: Array | None = None) -> Array:  # fmt: skip
+    def paged_prefill(q: Array, k_cache: Array, v_cache: Array, block_tables: Array, q_offsets: Array,
+                      kv_lens: Array, *, scale: float, k_scale: Array | None = None,
+                      v_scale: Array | None = None) -> Array:  # fmt: skip
         n, bs, kv, d = k_cache.shape
         b, m = block_tables.shape
         if not paged_prefill_supports(d):  # a head dim Mosaic cannot move in 128-lane chunks: gather, then dense
-            return _gathered_prefill(prefill_fn, q, k_cache, v_cache, block_tables, q_offsets, kv_lens, scale,
+            return _gathered_prefill(prefill, q, k_cache, v_cache, block_tables, q_offsets, kv_lens, scale,
                                      k_scale, v_scale)  # fmt: skip
         dense = jax.ShapeDtypeStruct((b, m * bs, kv, d), q.dtype)  # tuned as the dense kernel over that many keys
-        blocks = tuned_tpu_prefill_blocks(tuner, q, dense, interpret=interpret)
+        blocks = tuned_tpu_prefill_blocks(tuner, q, dense, interpret=interpret, platform=platform)
         return tpu_paged_flash_prefill(q, k_cache, v_cache, block_tables, q_offsets, kv_lens, scale=scale,
                                        k_scale=k_scale, v_scale=v_scale, blocks=blocks,
                                        interpret=interpret)  # fmt: skip
 
-    prefill_fn.paged = paged_prefill_fn  # type: ignore[attr-defined]
-
-    def decode_fn(q: Array, k_cache: Array, v_cache: Array, block_tables: Array, context_lens: Array, *,
-                  scale: float, k_scale: Array | None = None, v_scale: Array | None = None) -> Array:  # fmt: skip
+    def decode(q: Array, k_cache: Array, v_cache: Array, block_tables: Array, context_lens: Array, *,
+               scale: float, k_scale: Array | None = None, v_scale: Array | None = None) -> Array:  # fmt: skip
         d = q.shape[-1]
         if not head_dim_fits(d):
             log.warning("paged decode: head dim %d is over %d lanes and not a multiple of them; using the reference",
@@ -337,44 +329,15 @@ def tpu_fns(interpret: bool, tuner: Autotuner) -> tuple[PrefillFn, DecodeFn]:
                 q, k_cache, v_cache, block_tables, context_lens, scale=scale, k_scale=k_scale, v_scale=v_scale
             )
         blocks = tuned_tpu_decode_blocks(tuner, q, k_cache, block_tables, quantized=k_scale is not None,
-                                         interpret=interpret)  # fmt: skip
+                                         interpret=interpret, platform=platform)  # fmt: skip
         return tpu_paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale=scale, k_scale=k_scale,
                                 v_scale=v_scale, pages_per_step=blocks.pages_per_step, interpret=interpret)  # fmt: skip
 
-    return prefill_fn, decode_fn
+    def matmul(x: Array, w: QuantizedWeight | Array) -> Array:
+        """Per-channel scales, or groups of a multiple of 128 rows: the Mosaic kernel; smaller groups: XLA."""
+        if not isinstance(w, QuantizedWeight) or not (w.scale.ndim == 1 or w.group_size % 128 == 0):
+            return quantized_matmul(x, w)
+        tiles = tuned_tpu_matmul_blocks(tuner, x, w.codes, platform=platform)
+        return tpu_quantized_matmul(x, w.codes, w.scale, blocks=tiles, interpret=interpret)
 
-
-def get_backend(
-    name: str, *, interpret: bool | None = None, tuner: Autotuner | None = None, target: str | None = None
-) -> tuple[PrefillFn, DecodeFn]:
-    """``(prefill_fn, decode_fn)`` for ``"reference"`` or ``"pallas"``.
-
-    ``interpret`` forces (True) or forbids (False) Pallas interpretation; by
-    default it is used only off-accelerator when ``QUICSERVE_PALLAS_INTERPRET=1``.
-    ``target`` (``"gpu"`` or ``"tpu"``) picks the kernel family; on an
-    accelerator it is the accelerator's own, elsewhere ``QUICSERVE_PALLAS_TARGET``
-    or ``"gpu"``.
-    """
-    if name == "reference":
-        return reference.prefill_attention, reference.paged_decode_attention
-    if name != "pallas":
-        raise ValueError(f"unknown attention backend {name!r}; expected one of {BACKENDS}")
-    platform = jax.default_backend()
-    if target is None:
-        target = platform if platform in TARGETS else os.environ.get("QUICSERVE_PALLAS_TARGET", "gpu")
-    if target not in TARGETS:
-        raise ValueError(f"unknown Pallas target {target!r}; expected one of {TARGETS}")
-    fns = tpu_fns if target == "tpu" else gpu_fns
-    if interpret is None:
-        interpret = platform not in TARGETS and os.environ.get("QUICSERVE_PALLAS_INTERPRET") == "1"
-    if interpret:
-        log.info("attention backend pallas: %s kernels in interpret mode on %s", target, platform)
-        return fns(True, tuner or Autotuner(enabled=False))
-    if platform == target == "gpu":
-        log.info("attention backend pallas: compiled for GPU (Triton lowering)")
-        return fns(False, tuner or default_tuner())
-    if platform == target == "tpu":
-        log.info("attention backend pallas: compiled for TPU (Mosaic lowering)")
-        return fns(False, tuner or default_tuner())
-    log.info("attention backend pallas: no compiled %s kernels on %s; using the jnp reference", target, platform)
-    return reference.prefill_attention, reference.paged_decode_attention
+    return PallasKernels(prefill, paged_prefill, decode, matmul)

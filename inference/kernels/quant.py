@@ -39,7 +39,7 @@ on top of the 1-byte code (6% at g = 64).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import jax
@@ -137,11 +137,15 @@ def write_quantized_kv(
     block_ids: Array,
     slots: Array,
     valid: Array | None = None,
+    *,
+    as_bytes: bool = False,
 ) -> tuple[Array, Array]:
     """Quantize ``new[T,KV,D]`` into ``codes`` at ``(block_ids[t], slots[t])``.
 
     Returns the updated (codes, scales). ``valid[T]`` (bool) drops padding
-    tokens. Pure function: jit it and donate the cache for in-place updates.
+    tokens. ``as_bytes`` scatters float8 codes as their uint8 bit patterns
+    (XLA:CPU's way round its missing float8 scatter: the kernel set passes it
+    on CPU). Pure function: jit it and donate the cache for in-place updates.
     """
     kind = _kind_of(codes)
     n = codes.shape[0]
@@ -160,35 +164,38 @@ def write_quantized_kv(
     ratio = jnp.where(new_s > 0, old_s / jnp.maximum(new_s, _TINY), 0.0)
     rescaled = codes[blk_c].astype(jnp.float32) * ratio[:, None, :, None]  # [T,bs,KV,D]
     tok = _encode(x / jnp.maximum(new_s, _TINY)[:, :, None], kind)
-    # fp8 on CPU: scatter the bytes. XLA:CPU has no float8 scatter: it converts the
+    # fp8 on CPU (as_bytes): scatter the bytes. XLA:CPU has no float8 scatter: it converts the
     # whole cache to f16 and back around each one (a batch-32 write: 13.7 ms at 8192
     # blocks, int8 0.06 ms). Scattering a uint8 bitcast still copies the cache twice
     # (XLA:CPU materialises the bitcast) but converts nothing: 2.6 ms. int8 is
     # untouched (the bitcast would cost it 0.05 -> 0.21 ms at 512 blocks), and so is
     # the accelerator path, which was not measured here.
-    raw = _as_bytes(codes).at[blk].set(_as_bytes(_encode(rescaled, kind)), mode="drop")
-    raw = raw.at[blk, slots.astype(jnp.int32)].set(_as_bytes(tok), mode="drop")
+    raw_of = _bytes_of if as_bytes and codes.dtype != jnp.int8 else _same
+    raw = raw_of(codes).at[blk].set(raw_of(_encode(rescaled, kind)), mode="drop")
+    raw = raw.at[blk, slots.astype(jnp.int32)].set(raw_of(tok), mode="drop")
     return (raw if raw.dtype == codes.dtype else jax.lax.bitcast_convert_type(raw, codes.dtype)), new_scales
 
 
-def _as_bytes(codes: Array) -> Array:
-    """float8 codes as their uint8 bit patterns on CPU; int8 codes (or any off CPU) unchanged."""
-    if codes.dtype == jnp.int8 or jax.default_backend() != "cpu":
-        return codes
+def _bytes_of(codes: Array) -> Array:
     return jax.lax.bitcast_convert_type(codes, jnp.uint8)
 
 
-def write_quantized_kv_flat(codes: Array, scales: Array, new: Array, slots: Array) -> tuple[Array, Array]:
+def _same(codes: Array) -> Array:
+    return codes
+
+
+def write_quantized_kv_flat(codes: Array, scales: Array, new: Array, slots: Array, *,
+                            as_bytes: bool = False) -> tuple[Array, Array]:
     """:func:`write_quantized_kv` addressed like the model's float write.
 
     ``new`` is ``[..., KV, D]`` and ``slots`` the matching flat slot indices
     ``block * block_size + offset``; a slot ``>= num_blocks * block_size`` is
-    padding and is dropped (the convention of ``inference.model.llama``).
+    padding and is dropped (the convention of :mod:`inference.kernels.paged_cache`).
     """
     n, bs = codes.shape[:2]
     flat = slots.reshape(-1).astype(jnp.int32)
     tokens = new.reshape(-1, *codes.shape[2:])
-    return write_quantized_kv(codes, scales, tokens, flat // bs, flat % bs, valid=flat < n * bs)
+    return write_quantized_kv(codes, scales, tokens, flat // bs, flat % bs, valid=flat < n * bs, as_bytes=as_bytes)
 
 
 def gather_dequantized(codes: Array, scales: Array, block_tables: Array, dtype: Any = jnp.float32) -> Array:
@@ -216,25 +223,19 @@ def kv_read_bytes(
     return total
 
 
-_KERNELS = ("xla", "pallas", "interpret")
-
-
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class QuantizedWeight:
     """Weight-only quantized matrix: ``codes[in, out]`` and ``scale[out]`` or ``scale[in // g, out]``.
 
     A 2-D scale means group-wise: rows ``[i * g, (i + 1) * g)`` of ``codes``
-    share ``scale[i]``, with ``g = in // scale.shape[0]``.
-
-    ``kernel`` picks the matmul: ``"xla"`` (convert fused into the dot by
-    XLA), ``"pallas"`` (the Pallas kernel, dequantizing tiles in registers;
-    compiled on GPU) or ``"interpret"`` (that kernel interpreted, for tests).
+    share ``scale[i]``, with ``g = in // scale.shape[0]``. ``x @ w`` is the
+    XLA matmul (:func:`quantized_matmul`); the Pallas kernel for it is the
+    kernel set's ``matmul`` (:mod:`inference.kernels.kernel_set`).
     """
 
     codes: Array
     scale: Array
-    kernel: str = field(default="xla", metadata={"static": True})
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -250,14 +251,12 @@ class QuantizedWeight:
         return quantized_matmul(x, self)
 
 
-def quantize_weight(w: Array, kind: str, *, kernel: str = "xla", group_size: int | None = None) -> QuantizedWeight:
+def quantize_weight(w: Array, kind: str, *, group_size: int | None = None) -> QuantizedWeight:
     """Symmetric quantization of ``w[in, out]`` (as used in ``x @ w``).
 
     One scale per output channel, or with ``group_size`` one per output
     channel and group of that many input rows (a power of two dividing ``in``).
     """
-    if kernel not in _KERNELS:
-        raise ValueError(f"unknown matmul kernel {kernel!r}; expected one of {_KERNELS}")
     if w.ndim != 2:
         raise ValueError(f"expected a 2-D weight [in, out], got shape {w.shape}")
     k, n = w.shape
@@ -268,27 +267,13 @@ def quantize_weight(w: Array, kind: str, *, kernel: str = "xla", group_size: int
     scale = jnp.max(jnp.abs(x), axis=1) / QMAX[kind]  # [groups, out]
     safe = jnp.where(scale > 0, scale, 1.0)
     codes = _encode(x / safe[:, None, :], kind).reshape(k, n)
-    return QuantizedWeight(codes, scale[0] if group_size is None else scale, kernel)
+    return QuantizedWeight(codes, scale[0] if group_size is None else scale)
 
 
 def quantized_matmul(x: Array, w: QuantizedWeight | Array) -> Array:
-    """``x[..., in] @ w`` where ``w`` may be a :class:`QuantizedWeight`."""
+    """``x[..., in] @ w`` where ``w`` may be a :class:`QuantizedWeight` (XLA: the codes converted in the dot)."""
     if not isinstance(w, QuantizedWeight):
         return x @ w
-    if w.kernel == "interpret":
-        from inference.kernels.quant_matmul import pallas_quantized_matmul
-
-        return pallas_quantized_matmul(x, w.codes, w.scale, interpret=True)
-    if w.kernel == "pallas":  # compiled (Triton on GPU, Mosaic on TPU); tiles tuned per shape on first trace
-        from inference.kernels import dispatch
-        from inference.kernels.autotune import default_tuner
-
-        if jax.default_backend() == "tpu" and (w.scale.ndim == 1 or w.group_size % 128 == 0):
-            tiles = dispatch.tuned_tpu_matmul_blocks(default_tuner(), x, w.codes)
-            return dispatch.tpu_quantized_matmul(x, w.codes, w.scale, blocks=tiles)
-        if jax.default_backend() != "tpu":  # TPU groups under 128 rows: the XLA path below
-            blocks = dispatch.tuned_matmul_blocks(default_tuner(), x, w.codes)
-            return dispatch.pallas_quantized_matmul(x, w.codes, w.scale, blocks=blocks)
     if w.scale.ndim == 1:
         y = jnp.matmul(x, w.codes.astype(x.dtype), preferred_element_type=jnp.float32)
         return (y * w.scale).astype(x.dtype)
@@ -305,11 +290,11 @@ class QuantizedWeightT:
     """A projection quantized in the serving layout: ``codes[out, in]`` and one ``scale[out]`` per row.
 
     The model runner stores projections ``[out, in]`` (see
-    ``inference.model.llama.transpose_weights``) and multiplies them with
-    ``llama._matmul_t``, which converts the codes inside the multiply and
-    scales the float32 output rows: ``x @ (codes * s[:, None]).T == (x @
-    codes.T) * s``. ``codes`` is the 1-byte array (int8 or float8_e4m3fn) that
-    the compiled step reads.
+    ``inference.model.llama.Llama.serving_params``) and multiplies them with
+    the kernel set's ``linear`` (:mod:`inference.kernels.projections`), which
+    converts the codes inside the multiply and scales the float32 output
+    rows: ``x @ (codes * s[:, None]).T == (x @ codes.T) * s``. ``codes`` is
+    the 1-byte array (int8 or float8_e4m3fn) that the compiled step reads.
     """
 
     codes: Array

@@ -1,10 +1,12 @@
-"""Plain ``jnp`` references for the attention kernels.
+"""The reference: plain ``jnp`` attention, the ground truth every attention kernel is tested against.
 
-These are the ground truth the Pallas kernels are tested against and the
-fallback the ``pallas`` backend uses on CPU when interpretation would be too
-slow. They follow the contract of ``inference.model.attention`` exactly
-(shapes, masking, GQA head grouping: query head ``h`` reads KV head
-``h // (H // KV)``). Softmax runs in float32 whatever the input dtype.
+"Reference" means this module and nothing else: the dense, obviously-right
+versions (every key gathered, one masked softmax) that the Pallas, native and
+XLA kernels must reproduce, and the ``reference`` kernel set that serves them
+(:mod:`inference.kernels.kernel_set`; slow, for checking numerics). Contract
+(shared by every kernel): shapes as below, masking, GQA head grouping (query
+head ``h`` reads KV head ``h // (H // KV)``). Softmax runs in float32 whatever
+the input dtype.
 """
 
 from __future__ import annotations

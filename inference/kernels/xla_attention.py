@@ -1,44 +1,24 @@
-"""Attention entry points (plain ``jnp`` reference) and the backend switch.
+"""Attention as ``jnp`` code XLA compiles on any platform: the ``xla`` kernels of the kernel set.
 
 Both functions use grouped-query attention: query head ``h`` reads KV head
 ``h // (H // KV)``. Softmax runs in float32 whatever the input dtype.
 
-The reference versions loop over key chunks with an *online softmax* whose
-trip count is decided at run time by the longest sequence in the batch, so
-the cost follows the actual context length rather than the padded shape
-(which lets the runner keep one compiled shape per batch bucket instead of
-one per context-length bucket).
-
-Pallas kernels plug in behind the same signatures: ``get_attention_backend
-("pallas")`` imports ``inference.kernels.dispatch`` lazily, only then.
+They loop over key chunks with an *online softmax* whose trip count is
+decided at run time by the longest sequence in the batch, so the cost follows
+the actual context length rather than the padded shape (which lets the runner
+keep one compiled shape per batch bucket instead of one per context-length
+bucket). The ground truth they are tested against is :mod:`inference.kernels.reference`;
+which attention a worker runs is :mod:`inference.kernels.kernel_set`'s choice.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import jax
 import jax.numpy as jnp
 
-from transport.worker_options import ATTENTION_BACKENDS
-
-__all__ = [
-    "prefill_attention",
-    "paged_decode_attention",
-    "dense_prefill_attention",
-    "dense_paged_decode_attention",
-    "set_attention_backend",
-    "get_attention_backend",
-    "gather_block_rows",
-    "AttentionFns",
-    "BACKENDS",
-]
+__all__ = ["prefill_attention", "paged_decode_attention", "gather_block_rows"]
 
 Array = jax.Array
-PrefillFn = Callable[..., Array]
-DecodeFn = Callable[..., Array]
-AttentionFns = tuple[PrefillFn, DecodeFn]
-BACKENDS = ATTENTION_BACKENDS  # the worker option's choices (transport.worker_options)
 
 _NEG = -1e30
 _KEY_CHUNK = 256  # most keys per online-softmax step (prefill)
@@ -78,17 +58,7 @@ def prefill_attention(q: Array, k: Array, v: Array, q_offsets: Array, kv_lens: A
     q [B,T,H,D], k/v [B,S,KV,D]; query t of row b sits at absolute position
     ``q_offsets[b] + t`` and sees keys at positions ``<= `` that and ``< kv_lens[b]``.
     Returns [B,T,H,D]; rows past a sequence's length are don't-care.
-
-    On CPU, float32 runs a native kernel instead (:mod:`inference.kernels.cpu_ffi`:
-    only the key tiles each query tile sees, over XLA's threads; it writes zeros
-    past a sequence's length). Bench model, 8 layers' attention, two threads:
-    128 tokens 6.3 -> 1.4 ms, 512 tokens 50 -> 18 ms; whole prefill call 49.1
-    -> 44.6 and 202 -> 164 ms.
     """
-    if _native_cpu(native_cpu_prefill, q, k, v):
-        from inference.kernels.cpu_ffi import prefill_attention_cpu
-
-        return prefill_attention_cpu(q, k, v, q_offsets, kv_lens, scale=scale)
     b, t, h, d = q.shape
     s_len, kv = k.shape[1], k.shape[2]
     g = h // kv
@@ -168,28 +138,6 @@ def _block_diag_queries(qg: Array) -> Array:
     return (qg.transpose(0, 1, 3, 2)[:, :, :, None, :] * eye[None, :, None, :, None]).reshape(b, kv * d, kv * g)
 
 
-# Float32 attention on CPU goes to the native kernels (inference.kernels.cpu_ffi) when they build;
-# False forces the jnp loops in this module everywhere (tests run both).
-native_cpu_decode = True
-native_cpu_prefill = True
-
-
-def _native_cpu(enabled: bool, *arrays: Array) -> bool:
-    from inference.kernels import cpu_ffi  # lazy: builds (once) only when a CPU float32 call is traced
-
-    return enabled and cpu_ffi.serves(*(a.dtype for a in arrays))
-
-
-def native_prefill_serves(prefill_fn: Callable[..., Array], q: Array, k_cache: Array) -> bool:
-    """Whether ``prefill_fn`` is :func:`prefill_attention` and runs its native CPU kernel for these
-    arrays, which reads no key past ``kv_lens`` (so the keys past them need not be gathered)."""
-    return prefill_fn is prefill_attention and _native_cpu(native_cpu_prefill, q, k_cache)
-
-
-def _use_native(q: Array, k_cache: Array, k_scale: Array | None) -> bool:
-    return k_scale is None and _native_cpu(native_cpu_decode, q, k_cache)
-
-
 def paged_decode_attention(q: Array, k_cache: Array, v_cache: Array, block_tables: Array,
                            context_lens: Array, *, scale: float, k_scale: Array | None = None,
                            v_scale: Array | None = None) -> Array:
@@ -199,21 +147,9 @@ def paged_decode_attention(q: Array, k_cache: Array, v_cache: Array, block_table
     are positions ``0 .. context_lens[b]-1``. Returns [B,H,D]. With
     ``k_scale``/``v_scale`` [N,KV] the caches hold int8/fp8 codes, dequantized
     (``code * scale[block, head]``) per gathered chunk inside the loop.
-
-    On CPU a float32 cache is read by a native kernel instead
-    (:mod:`inference.kernels.cpu_ffi`: each sequence's K/V rows in place
-    through its block table, sequences split over threads). Bench model,
-    batch 32, contexts 100-200, two threads, whole decode step: 31.9 -> 24.7
-    ms; batch 8 12.8 -> 11.3; batch 1 7.1 -> 6.7 (one layer alone at batch
-    32: 1.67 -> 0.54 ms). Elsewhere, and when the kernel cannot be built,
-    the jnp loop below runs.
     """
     if (k_scale is None) != (v_scale is None):
         raise ValueError("pass both k_scale and v_scale, or neither")
-    if _use_native(q, k_cache, k_scale):
-        from inference.kernels.cpu_ffi import paged_decode_cpu
-
-        return paged_decode_cpu(q, k_cache, v_cache, block_tables, context_lens, scale=scale)
     b, h, d = q.shape
     bs, kv = k_cache.shape[1], k_cache.shape[2]
     g = h // kv
@@ -272,53 +208,3 @@ def paged_decode_attention(q: Array, k_cache: Array, v_cache: Array, block_table
             jnp.zeros((b, kv, g, d), jnp.float32))
     _, denom, acc = jax.lax.fori_loop(0, n_chunks, body, init)
     return _finish(denom, acc, q.dtype).reshape(b, h, d)
-
-
-def dense_prefill_attention(q: Array, k: Array, v: Array, q_offsets: Array, kv_lens: Array, *,
-                            scale: float) -> Array:
-    """Straightforward masked-softmax version of :func:`prefill_attention` (for tests)."""
-    b, t, h, d = q.shape
-    kv = k.shape[2]
-    k = jnp.repeat(k, h // kv, axis=2)
-    v = jnp.repeat(v, h // kv, axis=2)
-    s = jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=jnp.float32) * scale
-    q_pos = q_offsets[:, None] + jnp.arange(t)[None, :]
-    k_pos = jnp.arange(k.shape[1])
-    mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < kv_lens[:, None, None])
-    s = jnp.where(mask[:, None], s, _NEG)
-    p = jax.nn.softmax(s, axis=-1) * mask[:, None]
-    return jnp.einsum("bhts,bshd->bthd", p, v.astype(jnp.float32)).astype(q.dtype)
-
-
-def dense_paged_decode_attention(q: Array, k_cache: Array, v_cache: Array, block_tables: Array,
-                                 context_lens: Array, *, scale: float) -> Array:
-    """Gather-everything version of :func:`paged_decode_attention` (for tests)."""
-    b, h, d = q.shape
-    kv = k_cache.shape[2]
-    k = k_cache[block_tables].reshape(b, -1, kv, d)
-    v = v_cache[block_tables].reshape(b, -1, kv, d)
-    out = dense_prefill_attention(q[:, None], k, v, context_lens - 1, context_lens, scale=scale)
-    return out[:, 0]
-
-
-_default_backend = "reference"
-
-
-def set_attention_backend(name: str) -> None:
-    """Select the process-wide default backend ("reference" or "pallas")."""
-    global _default_backend
-    get_attention_backend(name)  # validate (and import) before switching
-    _default_backend = name
-
-
-def get_attention_backend(name: str | None = None) -> AttentionFns:
-    """(prefill_fn, decode_fn) for ``name`` (default: the selected backend)."""
-    name = name or _default_backend
-    if name == "reference":
-        return prefill_attention, paged_decode_attention
-    if name == "pallas":
-        from inference.kernels.dispatch import get_backend  # lazy: only when selected
-
-        prefill_fn, decode_fn = get_backend(name)
-        return prefill_fn, decode_fn
-    raise ValueError(f"unknown attention backend {name!r}; expected one of {BACKENDS}")

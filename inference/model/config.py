@@ -1,8 +1,10 @@
 """Llama-family model configuration, read from a Hugging Face ``config.json``.
 
 Only what the forward pass needs is kept; anything we cannot honour (biases,
-unknown RoPE scaling types, other architectures) is refused with a clear
-:class:`ConfigError` rather than silently producing wrong logits.
+unknown RoPE scaling types) is refused with a clear :class:`ConfigError`
+rather than silently producing wrong logits. Which architecture a
+``config.json`` names (``model_type``) is the registry's question
+(:mod:`inference.model.registry`); Llama and Mistral read their fields here.
 """
 
 from __future__ import annotations
@@ -11,9 +13,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["ConfigError", "LlamaConfig", "RopeScaling", "TINY_CONFIG"]
-
-_SUPPORTED_MODEL_TYPES = ("llama", "mistral")
-
 
 class ConfigError(ValueError):
     """The model configuration is invalid or uses a feature we do not implement."""
@@ -68,14 +67,9 @@ class LlamaConfig:
 
     @classmethod
     def from_hf(cls, d: dict[str, Any]) -> LlamaConfig:
-        """Build from a parsed HF ``config.json`` dict."""
-        model_type = d.get("model_type", "llama")
-        if model_type not in _SUPPORTED_MODEL_TYPES:
-            raise ConfigError(f"unsupported model_type {model_type!r}; expected one of {_SUPPORTED_MODEL_TYPES}")
+        """Build from a parsed HF ``config.json`` dict (its ``model_type`` is not checked here)."""
         if d.get("attention_bias") or d.get("mlp_bias"):
             raise ConfigError("attention_bias / mlp_bias are not supported")
-        if model_type == "mistral" and d.get("sliding_window"):
-            raise ConfigError("sliding-window attention is not supported")
         try:
             heads = int(d["num_attention_heads"])
             hidden = int(d["hidden_size"])

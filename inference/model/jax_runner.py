@@ -1,14 +1,20 @@
-"""``JaxRunner``: executes the scheduler's :class:`~inference.runner.StepPlan` on the JAX model.
+"""``JaxRunner``: executes the scheduler's :class:`~inference.runner.StepPlan` on a JAX model.
 
 How it works: each step, prefills are grouped into (batch, tokens) buckets
 and decodes into batch buckets (:mod:`inference.model.buckets`); every group
-is one jitted call that writes the new K/V into the paged cache (donated, so
-it is updated in place), computes last-position logits and samples on device
-(a decode group samples inside the same executable; a prefill group's
-logits go through a second, shared sampling executable).
-All calls of a step are dispatched before the results are fetched, so host
-work overlaps device work. Each new shape compiles once and is logged;
-:meth:`JaxRunner.warmup` compiles them all up front with progress.
+is one jitted call of the model's ``prefill`` or ``decode`` (any architecture
+of :mod:`inference.model.registry`, with the worker's one
+:class:`~inference.kernels.kernel_set.KernelSet`) that writes the new K/V into
+the paged cache (donated, so it is updated in place), computes last-position
+logits and samples on device (a decode group samples inside the same
+executable; a prefill group's logits go through a second, shared sampling
+executable). All calls of a step are dispatched before the results are
+fetched, so host work overlaps device work. Each new shape compiles once and
+is logged; :meth:`JaxRunner.warmup` compiles them all up front with progress.
+
+``attention`` picks the kernel set (:mod:`inference.kernels.kernel_set`:
+``auto`` is Pallas on GPU and TPU, the native kernels on CPU); a set built
+elsewhere can be passed instead (``kernels=``: the tests' interpreted Pallas).
 
 ``kv_cache_dtype="int8"|"fp8"`` keeps the KV cache quantized (codes plus
 per-block, per-head scales; :mod:`inference.kernels.quant`): a quarter of the
@@ -18,8 +24,8 @@ is the model dtype.
 ``weight_dtype="int8"|"fp8"`` stores every projection (attention, MLP and the
 head, a tied one included; not the embedding lookup table) as 1-byte codes
 ``[out, in]`` with a float32 scale per output channel, dequantized inside the
-matmul (:func:`inference.model.llama.quantize_projections`). ``"auto"`` keeps
-the model dtype and compiles the same program as before.
+matmul (``model.map_projections`` with ``quantize_weight_t``). ``"auto"`` keeps
+the model dtype, laid out as the kernel set reads it best (``pack``).
 ``weight_quant_method="gptq"`` picks the codes with GPTQ instead of rounding
 to nearest (same storage; :mod:`inference.model.calibrate`).
 """
@@ -39,32 +45,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from inference.kernels import cpu_ffi
-from inference.model.attention import AttentionFns, get_attention_backend
+from inference.kernels.kernel_set import KernelSet, build_kernels
+from inference.kernels.paged_cache import KVCache, init_kv_cache, kv_bytes_per_token
+from inference.kernels.quant import quantize_weight_t
 from inference.model.buckets import Buckets
-from inference.model.config import LlamaConfig
-from inference.model.llama import (
-    KVCache,
-    Params,
-    decode_forward,
-    init_kv_cache,
-    kv_bytes_per_token,
-    pack_projections,
-    prefill_forward,
-    quantize_projections,
-    transpose_weights,
-    weight_bytes,
-)
+from inference.model.registry import Model
 from inference.runner import SeqOutput, SeqWork, StepPlan
 from inference.sampling import MAX_TOP_LOGPROBS, SamplingBatch, sample
 from inference.weights import LoadedModel, load_model
 from transport import worker_options as options
 
-__all__ = ["JaxRunner", "DTYPES", "KV_CACHE_DTYPES", "WEIGHT_DTYPES", "WEIGHT_QUANT_METHODS"]
+__all__ = ["JaxRunner", "DTYPES", "KV_CACHE_DTYPES", "WEIGHT_DTYPES", "WEIGHT_QUANT_METHODS", "weight_bytes"]
 
 log = logging.getLogger("inference.model")
 Progress = Callable[[str, int, int, str], None]
 Key = tuple[str, int, int]  # (kind, batch, tokens)
+Params = dict[str, Any]
 # The choices and defaults are the worker options' (transport.worker_options: one source for the
 # `quicserve worker` flags, the gateway's [workers] settings, the engine and this runner).
 KV_CACHE_DTYPES = options.KV_CACHE_DTYPES  # "auto": the model dtype
@@ -74,16 +70,21 @@ DTYPES = {name: getattr(jnp, name) for name in options.DTYPES}  # "float32", "bf
 _D = options.WorkerOptions()
 
 
+def weight_bytes(params: Params) -> int:
+    """Bytes of every array in ``params`` (codes and scales of quantized projections included)."""
+    return sum(int(a.size) * a.dtype.itemsize for a in jax.tree_util.tree_leaves(params))
+
+
 def _prefill_step(params: Params, cache: KVCache, tokens: jax.Array, positions: jax.Array, slots: jax.Array,
                   block_tables: jax.Array, q_offsets: jax.Array, kv_lens: jax.Array, last_idx: jax.Array,
-                  *, cfg: LlamaConfig, attn: AttentionFns, rows: int) -> Any:
-    logits, cache = prefill_forward(params, cache, tokens, positions, slots, block_tables, q_offsets,
-                                    kv_lens, last_idx, cfg=cfg, attn=attn)
+                  *, model: Model, kernels: KernelSet, rows: int) -> Any:
+    logits, cache = model.prefill(params, cache, tokens, positions, slots, block_tables, q_offsets, kv_lens,
+                                  last_idx, kernels=kernels)
     return _pad_rows(logits, rows), cache
 
 
 def _decode_step(params: Params, cache: KVCache, tokens: jax.Array, positions: jax.Array,
-                 block_tables: jax.Array, valid: jax.Array, *, cfg: LlamaConfig, attn: AttentionFns,
+                 block_tables: jax.Array, valid: jax.Array, *, model: Model, kernels: KernelSet,
                  block_size: int) -> Any:
     """One decode step's logits [B, V] and cache.
 
@@ -93,26 +94,21 @@ def _decode_step(params: Params, cache: KVCache, tokens: jax.Array, positions: j
     oob = jax.tree.leaves(cache)[0].shape[0] * block_size
     blk = jnp.take_along_axis(block_tables, (positions // block_size)[:, None], axis=1, mode="clip")[:, 0]
     slots = jnp.where(valid, blk * block_size + positions % block_size, oob)
-    return decode_forward(params, cache, tokens, positions, slots, block_tables, jnp.where(valid, positions + 1, 0),
-                          cfg=cfg, attn=attn)
+    return model.decode(params, cache, tokens, positions, slots, block_tables, jnp.where(valid, positions + 1, 0),
+                        kernels=kernels)
 
 
 def _decode_sample_step(params: Params, cache: KVCache, tokens: jax.Array, positions: jax.Array,
-                        block_tables: jax.Array, valid: jax.Array, *sampling: jax.Array, cfg: LlamaConfig,
-                        attn: AttentionFns, block_size: int) -> Any:
+                        block_tables: jax.Array, valid: jax.Array, *sampling: jax.Array, model: Model,
+                        kernels: KernelSet, block_size: int) -> Any:
     """:func:`_decode_step` with sampling in the same executable: the sampler's outputs and the cache.
 
     Sampling inside the step instead of as a second call saves a dispatch and a pass over the
     logits in memory: on the decode bench's batch-32 run 3.45-3.48 -> 3.27-3.32 s (5%).
     """
-    logits, cache = _decode_step(params, cache, tokens, positions, block_tables, valid, cfg=cfg, attn=attn,
-                                 block_size=block_size)
+    logits, cache = _decode_step(params, cache, tokens, positions, block_tables, valid, model=model,
+                                 kernels=kernels, block_size=block_size)
     return tuple(sample(logits, *sampling)), cache
-
-
-# Float32 projections on CPU run the native packed matmul (inference/kernels/cpu_matmul.cc) when the
-# kernels build; False keeps XLA's dot / multiply-reduce (tests compare the two).
-native_cpu_matmul = True
 
 
 def _pad_rows(logits: jax.Array, rows: int) -> jax.Array:
@@ -121,14 +117,14 @@ def _pad_rows(logits: jax.Array, rows: int) -> jax.Array:
 
 
 class JaxRunner:
-    """The Llama model behind the :class:`inference.runner.ModelRunner` protocol."""
+    """A registry model behind the :class:`inference.runner.ModelRunner` protocol."""
 
     def __init__(self, loaded: LoadedModel, *, block_size: int = _D.block_size,
                  num_blocks: int = options.JAX_NUM_BLOCKS, max_batch: int = _D.max_batch,
                  max_model_len: int | None = None, attention: str = _D.attention,
                  max_prefill_batch: int = _D.max_prefill_batch, max_prefill_tokens: int = _D.max_prefill_tokens,
                  kv_cache_dtype: str = _D.kv_cache_dtype, weight_dtype: str = _D.weight_dtype,
-                 weight_quant_method: str = _D.weight_quant_method) -> None:
+                 weight_quant_method: str = _D.weight_quant_method, kernels: KernelSet | None = None) -> None:
         if block_size < 1 or num_blocks < 1 or max_batch < 1:
             raise ValueError("block_size, num_blocks and max_batch must be >= 1")
         if kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -137,8 +133,9 @@ class JaxRunner:
             raise ValueError(f"weight_dtype must be one of {WEIGHT_DTYPES}, got {weight_dtype!r}")
         if weight_quant_method not in WEIGHT_QUANT_METHODS:
             raise ValueError(f"weight_quant_method must be one of {WEIGHT_QUANT_METHODS}, got {weight_quant_method!r}")
-        cfg = loaded.config
-        self.config: LlamaConfig = cfg
+        self.model: Model = loaded.model
+        cfg = self.model.config
+        self.config = cfg
         self.served_name: str = loaded.name
         self.eos_token_ids: tuple[int, ...] = loaded.eos_token_ids
         self.block_size = block_size
@@ -151,25 +148,31 @@ class JaxRunner:
                                max_prefill_batch=max_prefill_batch,
                                max_prefill_tokens=max(max_prefill_tokens, self.max_model_len))
         self._max_blocks_per_seq = -(-self.max_model_len // block_size)
-        self._params = transpose_weights(loaded.params)  # [out, in]: faster decode matmuls on CPU
+        dtype = loaded.params["embed"].dtype
+        kv_quant = None if kv_cache_dtype == "auto" else kv_cache_dtype
+        if kernels is None:
+            kernels = build_kernels(attention, dtype=dtype, kv_quant=kv_quant)
+        elif (kernels.dtype, kernels.kv_quant) != (jnp.dtype(dtype).name, kv_quant):
+            raise ValueError(f"kernels built for {kernels.dtype} with a {kernels.kv_quant or 'float'} KV cache; "
+                             f"this runner is {jnp.dtype(dtype).name} with {kv_quant or 'float'}")
+        self.kernels: KernelSet = kernels
+        self._params = self.model.serving_params(loaded.params)
         self.weight_dtype = weight_dtype
         self.float_weight_bytes: int = weight_bytes(loaded.params)
         if weight_dtype != "auto" and weight_quant_method == "gptq":
             from inference.model.calibrate import quantize_projections_gptq
 
-            self._params = quantize_projections_gptq(self._params, cfg, weight_dtype)
+            self._params = quantize_projections_gptq(self.model, self._params, weight_dtype)
         elif weight_dtype != "auto":
-            self._params = quantize_projections(self._params, weight_dtype)
-        elif native_cpu_matmul and cpu_ffi.serves(loaded.params["embed"].dtype):
-            self._params = pack_projections(self._params)
+            self._params = self.model.map_projections(self._params, partial(quantize_weight_t, kind=weight_dtype))
+        elif kernels.pack is not None:
+            self._params = self.model.map_projections(self._params, kernels.pack)
         self.weight_bytes: int = weight_bytes(self._params)
-        dtype = loaded.params["embed"].dtype
         self.kv_cache_dtype = kv_cache_dtype
-        kv_quant = None if kv_cache_dtype == "auto" else kv_cache_dtype
-        self.kv_bytes_per_token: float = kv_bytes_per_token(cfg, block_size, dtype, kv_quant)
-        self.float_kv_bytes_per_token: float = kv_bytes_per_token(cfg, block_size, dtype)
-        self._cache: KVCache = init_kv_cache(cfg, num_blocks, block_size, dtype, kv_quant)
-        self._attn = get_attention_backend(attention)
+        shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
+        self.kv_bytes_per_token: float = kv_bytes_per_token(*shape, block_size, dtype, kv_quant)
+        self.float_kv_bytes_per_token: float = kv_bytes_per_token(*shape, block_size, dtype)
+        self._cache: KVCache = init_kv_cache(*shape, num_blocks, block_size, dtype, kv_quant)
         spec = partial(jax.tree.map, lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype))
         self._params_spec, self._cache_spec = spec(self._params), spec(self._cache)
         self._execs: dict[Key, Any] = {}  # shape key -> compiled executable
@@ -182,7 +185,7 @@ class JaxRunner:
              max_model_len: int | None = None, attention: str = _D.attention, progress: Progress | None = None,
              max_prefill_batch: int = _D.max_prefill_batch, max_prefill_tokens: int = _D.max_prefill_tokens,
              kv_cache_dtype: str = _D.kv_cache_dtype, weight_dtype: str = _D.weight_dtype,
-             weight_quant_method: str = _D.weight_quant_method) -> JaxRunner:
+             weight_quant_method: str = _D.weight_quant_method, kernels: KernelSet | None = None) -> JaxRunner:
         """Load ``"tiny"`` or a local HF checkpoint directory and allocate the KV cache."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
@@ -190,7 +193,7 @@ class JaxRunner:
         return cls(loaded, block_size=block_size, num_blocks=num_blocks, max_batch=max_batch,
                    max_model_len=max_model_len, attention=attention, max_prefill_batch=max_prefill_batch,
                    max_prefill_tokens=max_prefill_tokens, kv_cache_dtype=kv_cache_dtype, weight_dtype=weight_dtype,
-                   weight_quant_method=weight_quant_method)
+                   weight_quant_method=weight_quant_method, kernels=kernels)
 
     @property
     def compile_count(self) -> int:
@@ -311,13 +314,13 @@ class JaxRunner:
                                             *self._sampling_spec(b))
         elif kind in ("decode", "decode_logits"):  # with sampling in the executable, or logits out
             sampled = kind == "decode"
-            fn = partial(_decode_sample_step if sampled else _decode_step, cfg=self.config, attn=self._attn,
+            fn = partial(_decode_sample_step if sampled else _decode_step, model=self.model, kernels=self.kernels,
                          block_size=self.block_size)
             lowered = jax.jit(fn, donate_argnums=(1,)).lower(
                 self._params_spec, self._cache_spec, i32((b,)), i32((b,)), tables, jax.ShapeDtypeStruct((b,), jnp.bool_),
                 *(self._sampling_spec(b) if sampled else ()))
         else:
-            fn = partial(_prefill_step, cfg=self.config, attn=self._attn, rows=self.buckets.sample_rows(b))
+            fn = partial(_prefill_step, model=self.model, kernels=self.kernels, rows=self.buckets.sample_rows(b))
             lowered = jax.jit(fn, donate_argnums=(1,)).lower(
                 self._params_spec, self._cache_spec, i32((b, t)), i32((b, t)), i32((b, t)), tables,
                 i32((b,)), i32((b,)), i32((b,)))

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from inference.kernels import cpu_ffi, cpu_isa
-from inference.model.llama import pack_weight
+from inference.kernels.projections import pack_weight
 
 HEADS, KV, D, BS, HIDDEN, FFN = 8, 4, 64, 16, 512, 1376
 

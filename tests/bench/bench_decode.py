@@ -49,7 +49,8 @@ no step here does; a batch-32 decode step streams ~110 MB of weights and
 ~80 MB of K/V while it does ~1.75 GFLOP.
 
 Our side runs the runner as the worker configures it: prompts in prefill
-calls of up to ``WorkerOptions().max_prefill_batch`` (2, the worker's default).
+calls of up to ``WorkerOptions().max_prefill_batch`` (2, the worker's default),
+the kernel set of ``--attention auto`` (``--kernels``; on CPU the native kernels).
 
 Where our time goes (2026-11-30, session 6, quiet, two threads; the box has
 neighbours, so single figures move by up to ~10-30% between runs minutes
@@ -115,7 +116,7 @@ and 307.2, 50-53% of the roof), stream 2.86-3.01x. Session 4 (before the
 native kernels): 2.20x / 2.24x / 2.18x. Every request's greedy output
 matches transformers'.
 
-    .venv/bin/python -m tests.bench.bench_decode [--batches 1,8,32] [--layers 8] [--stream 4]
+    .venv/bin/python -m tests.bench.bench_decode [--batches 1,8,32] [--layers 8] [--stream 4] [--kernels auto]
 """
 
 from __future__ import annotations
@@ -128,7 +129,7 @@ from functools import partial
 
 import numpy as np
 
-from inference.model.runner import JaxRunner
+from inference.model.jax_runner import JaxRunner
 from inference.runner import SeqWork, StepPlan
 from inference.weights import write_hf_checkpoint
 from tests.bench.roofline import ModelShape, Recorder, floor_seconds, measure_machine
@@ -225,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--torch-threads", type=int, default=2)
     ap.add_argument("--stream", type=int, default=4, help="stream rows serve STREAM*batch requests (0: none)")
+    ap.add_argument("--kernels", default="auto", help="our kernel set (--attention): auto is the native kernels on CPU")
     args = ap.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
 
@@ -240,10 +242,12 @@ def main(argv: list[str] | None = None) -> int:
                                                            attn_implementation="sdpa").eval()
         hf.generation_config.eos_token_id = None
         runner = JaxRunner.load(tmp, block_size=BLOCK, num_blocks=2048, max_batch=max(batches),
-                                max_model_len=512, max_prefill_batch=WorkerOptions().max_prefill_batch)
+                                max_model_len=512, max_prefill_batch=WorkerOptions().max_prefill_batch,
+                                attention=args.kernels)
     params = sum(p.numel() for p in hf.parameters())
-    print(f"model: {params / 1e6:.1f}M params, {args.layers} layers, float32; torch threads "
-          f"{torch.get_num_threads()}, hf attention {hf.config._attn_implementation}")
+    print(f"model: {params / 1e6:.1f}M params, {args.layers} layers, float32; our kernels {runner.kernels.attention} "
+          f"on {runner.kernels.platform}; torch threads {torch.get_num_threads()}, hf attention "
+          f"{hf.config._attn_implementation}")
     print(f"load average at start: {_load()} (machine has {os.cpu_count()} cores)")
     runner.warmup()  # every shape bucket, so no row pays for a compile
     shape = ModelShape.from_config(cfg)

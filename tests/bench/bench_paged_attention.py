@@ -3,13 +3,14 @@
 Shapes of ``bench_decode.model_config``: 8 query heads, 4 KV heads of dim 64,
 float32, 16-token blocks, a 32-block table (``max_model_len`` 512), 2048
 blocks in the cache, contexts uniform in 100-200, block ids scattered. Each
-row times ``paged_decode_attention`` (the reference backend) and
-``dense_paged_decode_attention`` (every table block gathered, one masked
-softmax) under ``jax.jit``; the figure is process CPU time per call, best of
-``--repeats`` rounds of ``--inner`` calls, the two alternating. Pin to one core
+row times the decode of a kernel set (``--kernels``, default ``auto``: what a
+worker here runs, the native kernel on CPU; ``xla`` for the jnp loop) and the
+reference's (every table block gathered, one masked softmax) under
+``jax.jit``; the figure is process CPU time per call, best of ``--repeats``
+rounds of ``--inner`` calls, the two alternating. Pin to one core
 (``taskset -c 0``); the load average is printed per row.
 
-    taskset -c 0 .venv/bin/python -m tests.bench.bench_paged_attention [--batches 1,8,32]
+    taskset -c 0 .venv/bin/python -m tests.bench.bench_paged_attention [--batches 1,8,32] [--kernels xla]
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from inference.model.attention import dense_paged_decode_attention, paged_decode_attention
+from inference.kernels import reference
+from inference.kernels.kernel_set import build_kernels
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK, TABLE, BLOCKS = 8, 4, 64, 16, 32, 2048
 
@@ -52,10 +54,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--inner", type=int, default=5)
+    ap.add_argument("--kernels", default="auto", help="the kernel set timed: auto, native, xla, pallas")
     args = ap.parse_args(argv)
     scale = HEAD_DIM**-0.5
-    ours = jax.jit(functools.partial(paged_decode_attention, scale=scale))
-    dense = jax.jit(functools.partial(dense_paged_decode_attention, scale=scale))
+    ours = jax.jit(functools.partial(build_kernels(args.kernels).decode, scale=scale))
+    dense = jax.jit(functools.partial(reference.paged_decode_attention, scale=scale))
     print(f"{'batch':>5} {'paged ms':>9} {'dense ms':>9} {'ratio':>6} {'max err':>8}  load")
     for batch in (int(b) for b in args.batches.split(",")):
         x = inputs(batch)

@@ -52,10 +52,10 @@ def ttft(engine: Engine, key: object, prompt: list[int]) -> float:
 
 
 def run(model: str, prefix_cache: bool, prompts: list[list[int]], warm: list[list[int]]) -> list[float]:
-    from inference.model.runner import JaxRunner
+    from inference.model.jax_runner import JaxRunner
 
     plen = max(len(p) for p in prompts)
-    runner = JaxRunner.load(model, block_size=16, num_blocks=4 * (plen // 16 + 2), max_batch=4)
+    runner = JaxRunner.load(model, block_size=16, num_blocks=4 * (plen // 16 + 2), max_batch=4, attention="auto")
     engine = Engine(runner, ByteTokenizer(), EngineConfig(max_batch=4, enable_prefix_cache=prefix_cache))
     for i, p in enumerate(warm):
         ttft(engine, ("warm", i), p)

@@ -59,10 +59,10 @@ def run_model(name: str, model: Any, vocab: int, prompts_n: int, seed: int) -> N
     from inference.kernels.quant import kv_read_bytes
     from tests.inference.kernels.quant_harness import compare, greedy_decode, quantize_params
 
-    cfg, params = model.config, model.params
+    cfg, params, arch = model.config, model.params, model.model
     prompts = np.random.default_rng(seed).integers(0, vocab, (prompts_n, 8))
     t0 = time.perf_counter()
-    base = greedy_decode(cfg, params, prompts, STEPS, use_model_forward=True)
+    base = greedy_decode(arch, params, prompts, STEPS)
     gap = np.sort(base.logits, axis=-1)[..., -2:]
     gap = gap[..., 1] - gap[..., 0]
     pct = np.percentile(gap, [1, 5, 25, 50])
@@ -74,15 +74,15 @@ def run_model(name: str, model: Any, vocab: int, prompts_n: int, seed: int) -> N
         ("weights int8", quantize_params(params, "int8"), None),
         ("weights int8 g64", quantize_params(params, "int8", 64) if cfg.hidden_size % 64 == 0 else None, None),
         ("weights fp8", quantize_params(params, "fp8"), None),
-        ("weights int8 gptq", quantize_params(params, "int8", method="gptq", cfg=cfg), None),
+        ("weights int8 gptq", quantize_params(params, "int8", method="gptq", model=arch), None),
         ("bf16, no quantization", jax.tree_util.tree_map(lambda a: a.astype(jnp.bfloat16), params), None),
     ]
     for label, p, kv in variants:
         if p is None:
             continue
-        run = greedy_decode(cfg, p, prompts, STEPS, kv_kind=kv, forced=base.tokens)
+        run = greedy_decode(arch, p, prompts, STEPS, kv_kind=kv, forced=base.tokens)
         print(_summary(label, compare(base, run)), flush=True)
-    free = greedy_decode(cfg, params, prompts, STEPS, kv_kind="fp8")
+    free = greedy_decode(arch, params, prompts, STEPS, kv_kind="fp8")
     same = free.tokens == base.tokens
     first = [int(np.argmin(r)) if not r.all() else STEPS for r in same]
     print(f"  free-running KV fp8: positional match {same.mean():.1%}; first differing step per prompt "

@@ -44,7 +44,7 @@ import time
 
 import numpy as np
 
-from inference.model.runner import JaxRunner
+from inference.model.jax_runner import JaxRunner
 from inference.runner import SeqWork, StepPlan
 from inference.weights import write_hf_checkpoint
 from tests.bench.bench_decode import BLOCK, GREEDY, _load, model_config
@@ -86,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         write_hf_checkpoint(tmp, model_config(args.layers), seed=0)
         runners = {k: JaxRunner.load(tmp, block_size=BLOCK, num_blocks=blocks, max_batch=max(batches),
-                                     max_model_len=PROMPT + args.steps + 1, weight_dtype=k) for k in KINDS}
+                                     max_model_len=PROMPT + args.steps + 1, weight_dtype=k, attention="auto")
+                   for k in KINDS}
     print(f"model: bench_decode model_config({args.layers}), float32; load average at start: {_load()} "
           f"(machine has {os.cpu_count()} cores)")
     base = runners["auto"].weight_bytes

@@ -43,13 +43,14 @@ import numpy as np  # noqa: E402
 
 from inference.kernels import reference  # noqa: E402
 from inference.kernels.autotune import Autotuner, time_call  # noqa: E402
-from inference.kernels.dispatch import (  # noqa: E402
+from inference.kernels.flash_prefill import flash_prefill, paged_flash_prefill  # noqa: E402
+from inference.kernels.kernel_set import current_platform  # noqa: E402
+from inference.kernels.paged_decode import paged_decode  # noqa: E402
+from inference.kernels.pallas import (  # noqa: E402
     tuned_decode_blocks,
     tuned_matmul_blocks,
     tuned_prefill_blocks,
 )
-from inference.kernels.flash_prefill import flash_prefill, paged_flash_prefill  # noqa: E402
-from inference.kernels.paged_decode import paged_decode  # noqa: E402
 from inference.kernels.quant import QMAX, code_dtype, kv_read_bytes, quantize_weight, quantized_matmul  # noqa: E402
 from inference.kernels.quant_matmul import MatmulBlocks, pallas_quantized_matmul  # noqa: E402
 
@@ -238,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
 
-    platform = jax.default_backend()
+    platform = current_platform()
     if platform != "gpu" and not args.smoke:
         print(f"gpu_kernels: no GPU here (JAX backend {platform!r}); nothing to measure. "
               "Run on a CUDA machine, or pass --smoke to check the script on CPU.")

@@ -157,7 +157,7 @@ def test_jax_worker_runs_a_window_of_prompts_as_one_prefill_call(monkeypatch: py
     (batch bucket 4, after the window), two by default (--max-prefill-batch 2:
     a full batch, admitted at once)."""
     pytest.importorskip("jax")
-    from inference.model.runner import JaxRunner
+    from inference.model.jax_runner import JaxRunner
 
     # Compile lazily: only the few shapes this test runs, not every bucket.
     monkeypatch.setattr(JaxRunner, "warmup", lambda self, progress=None, threads=None: None)
@@ -223,7 +223,7 @@ def test_flags_engine_and_runner_share_one_default_per_option() -> None:
     svc = build_service(parse_args(["--engine", "synthetic", "--max-prefill-tokens", "300", "--no-prefix-cache"]))
     assert svc.engine.config.max_prefill_tokens == 300 and not svc.engine.config.enable_prefix_cache
     assert svc.hello().prefix_hash == ""  # no prefix cache: no hashes to match
-    jax_runner = pytest.importorskip("inference.model.runner")
+    jax_runner = pytest.importorskip("inference.model.jax_runner")
     import inspect
 
     sig = inspect.signature(jax_runner.JaxRunner.load).parameters
@@ -354,7 +354,7 @@ async def test_jax_worker_with_int8_serves_what_the_float_worker_does(
     cached prefix, get the float worker's 8 tokens (the tiny model's greedy choices here are not
     near-ties: tests/inference/model/test_kv_quant.py, test_weight_quant.py)."""
     pytest.importorskip("jax")
-    from inference.model.runner import JaxRunner
+    from inference.model.jax_runner import JaxRunner
 
     monkeypatch.setattr(JaxRunner, "warmup", lambda self, progress=None, threads=None: None)  # compile lazily
     quantized = await _serve_two(flags, caplog)

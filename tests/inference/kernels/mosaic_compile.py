@@ -15,10 +15,9 @@ process loads libtpu)::
 Besides each kernel alone (the paged prefill over bf16, int8 and fp8 caches
 among them), whole model steps compile: a two-layer Llama-3-8B-shaped model's
 decode (bf16 and int8 KV caches, int8 weights) and prefill (int8 KV, keys
-read through the block table by the paged prefill), bf16, with the Mosaic
-attention kernels. Those are traced as on a TPU
-(``jax.default_backend`` reads "tpu" while tracing), so the model takes its
-accelerator paths (no XLA:CPU multiply-reduce, no native CPU kernels).
+read through the block table by the paged prefill), bf16, with the kernel set
+built for a TPU (``build_kernels("pallas", platform="tpu")``), so the model
+takes its accelerator paths (no XLA:CPU multiply-reduce, no native CPU kernels).
 
 Prints one line per case and exits 1 if any fails to compile.
 """
@@ -26,11 +25,11 @@ Prints one line per case and exits 1 if any fails to compile.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 import time
 import traceback
 from collections.abc import Callable, Iterator
+from functools import partial
 from typing import Any
 
 import jax
@@ -38,8 +37,10 @@ import jax.numpy as jnp
 from jax.experimental import topologies
 from jax.sharding import SingleDeviceSharding
 
-from inference.kernels import dispatch
 from inference.kernels.autotune import Autotuner
+from inference.kernels.kernel_set import KernelSet, build_kernels
+from inference.kernels.paged_cache import init_kv_cache
+from inference.kernels.quant import quantize_weight_t
 from inference.kernels.tpu_decode import tpu_paged_decode
 from inference.kernels.tpu_prefill import TpuPrefillBlocks, tpu_flash_prefill, tpu_paged_flash_prefill
 from inference.kernels.tpu_quant_matmul import TpuMatmulBlocks, tpu_quantized_matmul
@@ -141,23 +142,33 @@ def abstract_params(cfg: LlamaConfig, weights: str | None, dtype: Any = jnp.bflo
         shapes = llama.param_shapes(cfg)
         top = {k: jnp.zeros(shapes[k], dtype) for k in ("embed", "norm", "lm_head")}
         layer = [k for k in shapes if k not in top]
-        params = {**top, "layers": [{k: jnp.zeros(shapes[k], dtype) for k in layer}
-                                    for _ in range(cfg.num_hidden_layers)]}  # fmt: skip
-        return llama.transpose_weights(params) if weights is None else llama.quantize_projections(params, weights)
+        params = llama.serving_params({**top, "layers": [{k: jnp.zeros(shapes[k], dtype) for k in layer}
+                                                         for _ in range(cfg.num_hidden_layers)]})  # fmt: skip
+        return params if weights is None else llama.map_projections(params, partial(quantize_weight_t, kind=weights))
 
     return jax.eval_shape(build)
 
 
+def abstract_cache(cfg: LlamaConfig, blocks: int, block_size: int, dtype: Any, kv_quant: str | None) -> Any:
+    return jax.eval_shape(lambda: init_kv_cache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, blocks,
+                                                block_size, dtype, kv_quant))
+
+
+def accelerator_kernels(platform: str, dtype: Any = jnp.bfloat16, kv_quant: str | None = None) -> KernelSet:
+    """The kernel set a worker on ``platform`` ("gpu", "tpu") runs, built here to lower for it (nothing timed)."""
+    return build_kernels("auto", platform=platform, dtype=dtype, kv_quant=kv_quant, tuner=Autotuner(enabled=False))
+
+
 def model_cases() -> Iterator[Case]:
     cfg, b, blocks, bs, width = MODEL, 32, 2048, 16, 64  # 32 sequences of up to 1024 tokens
-    attn = dispatch.tpu_fns(False, Autotuner(enabled=False))
     for kv_quant, weights in ((None, None), ("int8", None), (None, "int8")):
+        attn = accelerator_kernels("tpu", kv_quant=kv_quant)
         params = abstract_params(cfg, weights)
-        cache = jax.eval_shape(lambda kq=kv_quant: llama.init_kv_cache(cfg, blocks, bs, jnp.bfloat16, kq))
+        cache = abstract_cache(cfg, blocks, bs, jnp.bfloat16, kv_quant)
         label = f"KV {kv_quant or 'bf16'}, weights {weights or 'bf16'}"
 
-        def decode(p, c, tokens, positions, slots, tables, lens):
-            return llama.decode_forward(p, c, tokens, positions, slots, tables, lens, cfg=cfg, attn=attn)
+        def decode(p, c, tokens, positions, slots, tables, lens, attn=attn):
+            return llama.decode_forward(p, c, tokens, positions, slots, tables, lens, cfg=cfg, kernels=attn)
 
         yield (f"model decode step, {cfg.num_hidden_layers} Llama-3-8B layers, batch {b}, {label}", jax.jit(decode),
                [params, cache, ((b,), jnp.int32), ((b,), jnp.int32), ((b,), jnp.int32), ((b, width), jnp.int32),
@@ -165,24 +176,13 @@ def model_cases() -> Iterator[Case]:
         if kv_quant == "int8":  # one prefill: its compile is ~4x a decode step's
             t = 256
 
-            def prefill(p, c, tokens, positions, slots, tables, offs, lens, last):
+            def prefill(p, c, tokens, positions, slots, tables, offs, lens, last, attn=attn):
                 return llama.prefill_forward(p, c, tokens, positions, slots, tables, offs, lens, last, cfg=cfg,
-                                             attn=attn)  # fmt: skip
+                                             kernels=attn)  # fmt: skip
 
             yield (f"model prefill step, 4 x {t} tokens, {label}", jax.jit(prefill),
                    [params, cache, ((4, t), jnp.int32), ((4, t), jnp.int32), ((4, t), jnp.int32),
                     ((4, width), jnp.int32), ((4,), jnp.int32), ((4,), jnp.int32), ((4,), jnp.int32)])  # fmt: skip
-
-
-@contextlib.contextmanager
-def traced_as(platform: str) -> Iterator[None]:
-    """``jax.default_backend()`` reads ``platform`` inside: the model picks the paths it takes there."""
-    real = jax.default_backend
-    jax.default_backend = lambda: platform  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        jax.default_backend = real  # type: ignore[assignment]
 
 
 def _abstract(arg: Any, sharding: SingleDeviceSharding) -> Any:
@@ -204,9 +204,7 @@ def main(argv: list[str] | None = None) -> int:
                               *([] if args.kernels_only else model_cases())]:
         t0 = time.perf_counter()
         try:
-            with traced_as("tpu"):
-                lowered = fn.lower(*(_abstract(a, sharding) for a in shapes))
-            lowered.compile()
+            fn.lower(*(_abstract(a, sharding) for a in shapes)).compile()
         except Exception:  # report every case, then fail
             failed += 1
             print(f"FAIL {name}\n{traceback.format_exc(limit=3)}", flush=True)

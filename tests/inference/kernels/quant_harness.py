@@ -1,12 +1,13 @@
 """Greedy decoding with a quantized KV cache and/or quantized weights, for quality tests.
 
-The model engineer's ``decode_forward`` writes float K/V; to measure the int8
-/ fp8 cache faithfully (quantized when written, dequantized in attention)
-this harness composes the same decode step from the model's own layer
-functions (``_qkv``, ``_mlp``, ``_logits``) with
-``inference.kernels.quant.write_quantized_kv`` in place of the float write.
-With ``kv_kind=None`` the composed step must equal ``decode_forward`` exactly;
-the tests check that, so the composition cannot silently drift from the model.
+The model's own decode step (``Model.decode``) runs every token: over a float
+cache, or over an int8 / fp8 one (quantized when written, dequantized in
+attention), with float or weight-only quantized projections (``[in, out]``
+:class:`~inference.kernels.quant.QuantizedWeight`, per channel or group-wise).
+The kernels are the reference set by default: the ground truth's attention,
+the same arithmetic on every platform, so a quality figure measures the
+quantization and nothing else; the tests check that the kernels a worker
+serves with give the same run.
 
 Prompts are fed one token per step (positions 0..P-1), then ``steps`` greedy
 tokens follow. A quantized run can be *teacher-forced* with the baseline's
@@ -15,7 +16,6 @@ tokens so that every step compares logits for the same context.
 
 from __future__ import annotations
 
-import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,11 +25,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from inference.kernels import reference
-from inference.kernels.quant import QuantizedWeight, init_quantized_cache, quantize_weight, write_quantized_kv
-from inference.model import attention, llama
+from inference.kernels.kernel_set import KernelSet, build_kernels
+from inference.kernels.paged_cache import init_kv_cache
+from inference.kernels.quant import QuantizedWeight, quantize_weight
 from inference.model.config import LlamaConfig
-from inference.weights import random_hf_tensors
+from inference.model.llama import random_hf_tensors
+from inference.model.registry import Model
 
 __all__ = ["DecodeRun", "LLAMA", "greedy_decode", "quantize_params", "write_random_llama", "compare"]
 
@@ -53,7 +54,7 @@ def write_random_llama(directory: Path, init: str = "fan_in", seed: int = 1) -> 
     from safetensors.numpy import save_file
 
     cfg = LlamaConfig.from_hf(LLAMA)
-    tensors = random_hf_tensors(cfg, seed=seed)  # N(0, 0.02)
+    tensors = random_hf_tensors(cfg, seed)  # N(0, 0.02)
     if init == "fan_in":
         for name, t in tensors.items():
             if t.ndim == 2:
@@ -101,20 +102,20 @@ class DecodeRun:
 
 
 def quantize_params(params: dict[str, Any], kind: str, group_size: int | None = None, *,
-                    method: str = "rtn", cfg: LlamaConfig | None = None) -> dict[str, Any]:
+                    method: str = "rtn", model: Model | None = None) -> dict[str, Any]:
     """Weight-only quantization of every layer's linear maps (embeddings/lm_head stay float).
 
     ``method="rtn"``: round to nearest (optionally group-wise). ``"gptq"``: the
     runner's GPTQ (``inference.model.calibrate``, calibrated on the model's own
-    activations for its fixed random calibration tokens; needs ``cfg``), the
+    activations for its fixed random calibration tokens; needs ``model``), the
     same codes and per-channel scales the runner would serve, as ``[in, out]``.
     """
     if method == "gptq":
-        if cfg is None or group_size is not None:
-            raise ValueError("gptq needs cfg and has one scale per output channel")
+        if model is None or group_size is not None:
+            raise ValueError("gptq needs the model and has one scale per output channel")
         from inference.model.calibrate import quantize_projections_gptq
 
-        q = quantize_projections_gptq(llama.transpose_weights(params), cfg, kind, head=False)
+        q = quantize_projections_gptq(model, model.serving_params(params), kind, head=False)
         layers = [{k: QuantizedWeight(lq[k + "_t"].codes.T, lq[k + "_t"].scale) if k in _MATRICES else v
                    for k, v in lp.items()} for lp, lq in zip(params["layers"], q["layers"], strict=True)]
         return {**params, "layers": layers}
@@ -127,72 +128,38 @@ def quantize_params(params: dict[str, Any], kind: str, group_size: int | None = 
     return {**params, "layers": layers}
 
 
-def _step_fn(cfg: LlamaConfig, kv_kind: str | None, use_model_forward: bool):
+def _step_fn(model: Model, kernels: KernelSet):
     def step(params, cache, tokens, positions, block_tables):
         b = tokens.shape[0]
-        context_lens = positions + 1
-        if use_model_forward:
-            bs = cache[0][0].shape[1]  # decode_forward's flat slot = block * bs + offset
-            slots = block_tables[jnp.arange(b), positions // bs] * bs + positions % bs
-            attn = (attention.prefill_attention, attention.paged_decode_attention)
-            return llama.decode_forward(
-                params, cache, tokens, positions, slots, block_tables, context_lens, cfg=cfg, attn=attn
-            )
-        inv_freq = jnp.asarray(llama.rope_inv_freq(cfg))
-        x = params["embed"][tokens]
-        new_cache = []
-        for lp, (kc, ks, vc, vs) in zip(params["layers"], cache, strict=True):
-            q, k, v = llama._qkv(x, lp, cfg, positions, inv_freq)
-            page = kc.shape[1]
-            blk = block_tables[jnp.arange(b), positions // page]
-            slot = positions % page
-            if kv_kind is None:
-                kc = kc.at[blk, slot].set(k)
-                vc = vc.at[blk, slot].set(v)
-                o = reference.paged_decode_attention(q, kc, vc, block_tables, context_lens, scale=cfg.head_dim**-0.5)
-            else:
-                kc, ks = write_quantized_kv(kc, ks, k, blk, slot)
-                vc, vs = write_quantized_kv(vc, vs, v, blk, slot)
-                o = reference.paged_decode_attention(
-                    q, kc, vc, block_tables, context_lens, scale=cfg.head_dim**-0.5, k_scale=ks, v_scale=vs
-                )
-            new_cache.append((kc, ks, vc, vs))
-            x = x + o.reshape(b, -1) @ lp["wo"]
-            x = llama._mlp(x, lp, cfg)
-        return llama._logits(params, x, cfg), tuple(new_cache)
+        bs = jax.tree.leaves(cache)[0].shape[1]  # the flat slot = block * bs + offset
+        slots = block_tables[jnp.arange(b), positions // bs] * bs + positions % bs
+        return model.decode(params, cache, tokens, positions, slots, block_tables, positions + 1, kernels=kernels)
 
     return jax.jit(step)
 
 
 def greedy_decode(
-    cfg: LlamaConfig,
+    model: Model,
     params: dict[str, Any],
     prompts: np.ndarray,
     steps: int,
     *,
     kv_kind: str | None = None,
     forced: np.ndarray | None = None,
-    use_model_forward: bool = False,
+    kernels: str = "reference",
     block_size: int = 16,
 ) -> DecodeRun:
-    """Feed ``prompts[B,P]`` then decode ``steps`` tokens (or the ``forced`` ones)."""
+    """Feed ``prompts[B,P]`` then decode ``steps`` tokens (or the ``forced`` ones) with the ``kernels`` set."""
+    cfg = model.config
     b, p = prompts.shape
     total = p + steps
     m = -(-total // block_size)
     num_blocks = b * m
     tables = jnp.asarray(np.arange(num_blocks, dtype=np.int32).reshape(b, m))
-    shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
-    if use_model_forward:
-        cache: Any = llama.init_kv_cache(cfg, num_blocks, block_size, jnp.float32)
-    elif kv_kind is None:
-        z = functools.partial(jnp.zeros, shape, jnp.float32)
-        cache = tuple((z(), None, z(), None) for _ in range(cfg.num_hidden_layers))
-    else:
-        cache = tuple(
-            (*init_quantized_cache(*shape[:2], *shape[2:], kv_kind), *init_quantized_cache(*shape[:2], *shape[2:], kv_kind))
-            for _ in range(cfg.num_hidden_layers)
-        )
-    step = _step_fn(cfg, kv_kind, use_model_forward)
+    dtype = params["embed"].dtype
+    cache: Any = init_kv_cache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, num_blocks, block_size,
+                               dtype, kv_kind)
+    step = _step_fn(model, build_kernels(kernels, dtype=dtype, kv_quant=kv_kind))
     token = jnp.asarray(prompts[:, 0], jnp.int32)
     out_tokens, out_argmax, out_logits = [], [], []
     for pos in range(total - 1):
@@ -209,7 +176,3 @@ def greedy_decode(
         out_logits.append(np.asarray(logits, np.float32))
         token = jnp.asarray(nxt, jnp.int32)
     return DecodeRun(np.stack(out_tokens, 1), np.stack(out_argmax, 1), np.stack(out_logits, 1))
-
-
-def is_quantized(params: dict[str, Any]) -> bool:
-    return any(isinstance(v, QuantizedWeight) for lp in params["layers"] for v in lp.values())

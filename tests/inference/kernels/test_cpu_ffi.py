@@ -84,7 +84,7 @@ def test_no_compiler_is_a_clear_error(fresh: None, monkeypatch: pytest.MonkeyPat
         cpu_isa.build(cpu_isa.level())
 
 
-def test_a_failed_build_means_the_reference_with_a_warning(
+def test_a_failed_build_means_the_xla_kernels_with_a_warning(
     fresh: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     def fail(level: str) -> None:
@@ -93,7 +93,11 @@ def test_a_failed_build_means_the_reference_with_a_warning(
     monkeypatch.setattr(cpu_ffi, "_load_and_register", fail)
     with caplog.at_level(logging.WARNING, logger=cpu_ffi.__name__):
         assert not cpu_ffi.available()
-    assert "using the jnp reference" in caplog.text and "boom" in caplog.text
+    assert "the kernel set takes the XLA ones" in caplog.text and "boom" in caplog.text
+    from inference.kernels.kernel_set import build_kernels
+
+    ks = build_kernels("native", platform="cpu")  # what a worker started now would run
+    assert (ks.attention, ks.pack) == ("xla", None)
 
 
 def test_switched_off_by_environment(fresh: None, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -236,7 +240,7 @@ def test_gather_live_copies_each_rows_live_blocks_for_the_prefill_kernel(level: 
     gives over the full gather."""
     import jax.numpy as jnp
 
-    from inference.model.attention import gather_block_rows
+    from inference.kernels.xla_attention import gather_block_rows
 
     rng = np.random.default_rng(bs + kv + d)
     b, m = 4, -(-100 // bs)
@@ -286,7 +290,7 @@ def test_packed_matmul_matches_float64(level: str, m: int, n: int, k: int) -> No
     size, within gamma_K |x| |W|.T of the float64 product."""
     import jax.numpy as jnp
 
-    from inference.model.llama import pack_weight
+    from inference.kernels.projections import pack_weight
 
     rng = np.random.default_rng(m * 1000 + n + k)
     x = rng.standard_normal((m, k), dtype=np.float32)
@@ -313,13 +317,13 @@ def test_packed_matmul_rejects_inconsistent_shapes() -> None:
                                      (40, 4, 4, 12)])
 def test_native_rope_write_matches_float64_rotation_and_scatter(level: str, r: int, h: int, kv: int, d: int) -> None:
     """Rotated queries and the cache after the write, against llama's rotate-half RoPE in float64 from
-    the same cos/sin tables (``_rope_half_tables``) and the same scatter, within gamma_2 of each
+    the same cos/sin tables (``rope.rope_tables``) and the same scatter, within gamma_2 of each
     product pair, over GQA 1/2/3/4, head dims 8-128, row counts across the 32-row tasks, positions
     up to 4096, and padding rows (slots past the cache or negative) that write nothing; values are
     copied exactly and every slot not written keeps its old value bit for bit."""
     import jax.numpy as jnp
 
-    from inference.model import llama
+    from inference.kernels import rope
 
     rng = np.random.default_rng(r * 100 + h + kv + d)
     n, bs = 20, 4
@@ -330,7 +334,7 @@ def test_native_rope_write_matches_float64_rotation_and_scatter(level: str, r: i
     slots[3::11] = -1
     kc, vc = (rng.standard_normal((n, bs, kv, d), dtype=np.float32) for _ in range(2))
     inv_freq = jnp.asarray(1.0 / (10000.0 ** (np.arange(0, d, 2, dtype=np.float32) / d)))
-    cos, sin = (np.asarray(t) for t in llama._rope_half_tables(pos, inv_freq))
+    cos, sin = (np.asarray(t) for t in rope.rope_tables(pos, inv_freq))
     q, k2, v2 = (np.asarray(x) for x in cpu_ffi.rope_write_kv_cpu(
         *map(jnp.asarray, (qkv, cos, sin, slots, kc, vc)), heads=h, level=level))
     want_q, bound_q = f64.rope(qkv[:, : h * d].reshape(r, h, d), cos, sin)
@@ -384,7 +388,7 @@ def test_packed_matmul_fusions_match_float64(level: str, m: int, n: int, k: int)
     quotient), the add, the divide and two multiplies (4 u). A residual is one more term of the sum."""
     import jax.numpy as jnp
 
-    from inference.model.llama import pack_weight
+    from inference.kernels.projections import pack_weight
 
     rng = np.random.default_rng(m + n + k)
     x = rng.standard_normal((m, 2 * k), dtype=np.float32)

@@ -16,10 +16,9 @@ jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 from jax import export  # noqa: E402
 
-from inference.kernels import reference  # noqa: E402
+from inference.kernels import reference, xla_attention  # noqa: E402
 from inference.kernels.paged_decode import DecodeBlocks, paged_decode  # noqa: E402
 from inference.kernels.quant import quantize_blocks  # noqa: E402
-from inference.model import attention as model_attention  # noqa: E402
 
 BS, M, N = 8, 6, 40  # page size, table width, pages in the cache
 # Ragged: one token, exactly two pages, partial last page, the full table.
@@ -57,10 +56,10 @@ def test_matches_reference(d: int, h: int, kv: int, blocks_name: str) -> None:
     np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=2e-5, rtol=0)
 
 
-def test_reference_agrees_with_model_attention() -> None:
+def test_reference_agrees_with_xla_attention() -> None:
     q, kc, vc, tables, lens = _inputs(8, 2, 64, seed=1)
     ours = reference.paged_decode_attention(q, kc, vc, tables, lens, scale=0.125)
-    theirs = model_attention.paged_decode_attention(q, kc, vc, tables, lens, scale=0.125)
+    theirs = xla_attention.paged_decode_attention(q, kc, vc, tables, lens, scale=0.125)
     np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs), atol=2e-5, rtol=0)
 
 

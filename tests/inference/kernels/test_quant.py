@@ -8,6 +8,7 @@ import pytest
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 
+from inference.kernels.kernel_set import build_kernels  # noqa: E402
 from inference.kernels.quant import (  # noqa: E402
     QMAX,
     QuantizedWeight,
@@ -184,12 +185,13 @@ def test_pallas_weight_matmul_matches_xla(kind: str, m: int, k: int, n: int, blo
     rng = np.random.default_rng(9)
     w = jnp.asarray(rng.standard_normal((k, n), np.float32))
     x = jnp.asarray(rng.standard_normal((2, m, k), np.float32))
-    qw = quantize_weight(w, kind, kernel="interpret")
+    qw = quantize_weight(w, kind)
     got = pallas_quantized_matmul(x, qw.codes, qw.scale, blocks=MatmulBlocks(*blocks), interpret=True)
-    want = quantized_matmul(x, quantize_weight(w, kind))
+    want = quantized_matmul(x, qw)
     assert got.shape == (2, m, n)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4, rtol=1e-5)
-    np.testing.assert_allclose(np.asarray(x @ qw), np.asarray(want), atol=1e-4, rtol=1e-5)
+    pallas_matmul = build_kernels("pallas", interpret=True, target="gpu").matmul  # the kernel set's route to it
+    np.testing.assert_allclose(np.asarray(pallas_matmul(x, qw)), np.asarray(want), atol=1e-4, rtol=1e-5)
 
 
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
@@ -233,8 +235,8 @@ def test_pallas_group_wise_matmul_matches_xla(kind: str, m: int, k: int, n: int,
     want = quantized_matmul(x, qw)
     assert got.shape == (2, m, n)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4, rtol=1e-5)
-    interp = quantize_weight(w, kind, kernel="interpret", group_size=group)
-    np.testing.assert_allclose(np.asarray(x @ interp), np.asarray(want), atol=1e-4, rtol=1e-5)
+    pallas_matmul = build_kernels("pallas", interpret=True, target="gpu").matmul
+    np.testing.assert_allclose(np.asarray(pallas_matmul(x, qw)), np.asarray(want), atol=1e-4, rtol=1e-5)
 
 
 @pytest.mark.parametrize("code", [jnp.int8, jnp.float8_e4m3fn])

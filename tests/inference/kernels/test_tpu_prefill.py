@@ -285,14 +285,14 @@ def test_paged_lowers_for_tpu(code) -> None:
 
 
 def test_tpu_backend_prefill_reads_the_paged_cache(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``tpu_fns``' ``prefill_fn.paged`` runs this kernel with the dense kernel's tile; a head dim it cannot
+    """The TPU family's ``paged_prefill`` runs this kernel with the dense kernel's tile; a head dim it cannot
     take (over 128 lanes, not a multiple) gathers the table for the dense kernel instead."""
-    from inference.kernels import dispatch, tpu_prefill
+    from inference.kernels import pallas, tpu_prefill
     from inference.kernels.autotune import Autotuner
 
-    prefill_fn, _ = dispatch.tpu_fns(True, Autotuner(enabled=False))
+    paged_prefill = pallas.tpu_kernels(interpret=True, tuner=Autotuner(enabled=False)).paged_prefill
     calls = []
-    monkeypatch.setattr(dispatch, "tpu_paged_flash_prefill", lambda *a, **kw: calls.append(kw["blocks"])
+    monkeypatch.setattr(pallas, "tpu_paged_flash_prefill", lambda *a, **kw: calls.append(kw["blocks"])
                         or tpu_prefill.tpu_paged_flash_prefill(*a, **kw))  # fmt: skip
     rng = np.random.default_rng(7)
     q = jnp.asarray(rng.standard_normal((2, 16, 8, 64), np.float32))
@@ -300,16 +300,16 @@ def test_tpu_backend_prefill_reads_the_paged_cache(monkeypatch: pytest.MonkeyPat
                           for _ in range(2))  # fmt: skip
     tables = jnp.asarray([[9, 2, 5], [7, 0, 11]], jnp.int32)
     offs, lens = jnp.asarray([16, 0], jnp.int32), jnp.asarray([32, 16], jnp.int32)
-    got = jax.jit(lambda *a: prefill_fn.paged(*a, scale=0.125, k_scale=ks, v_scale=vs))(q, kq, vq, tables, offs, lens)
+    got = jax.jit(lambda *a: paged_prefill(*a, scale=0.125, k_scale=ks, v_scale=vs))(q, kq, vq, tables, offs, lens)
     want = reference.prefill_attention(q, gather_dequantized(kq, ks, tables), gather_dequantized(vq, vs, tables), offs,
                                        lens, scale=0.125)  # fmt: skip
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5)
-    assert calls == [dispatch.tpu_prefill_candidates()[0]]  # tuning off: the default tile
+    assert calls == [pallas.tpu_prefill_candidates()[0]]  # tuning off: the default tile
 
     sd = jax.ShapeDtypeStruct
     wide = sd((12, 16, 2, 192), jnp.bfloat16)
-    compiled, _ = dispatch.tpu_fns(False, Autotuner(enabled=False))
-    exported = export.export(jax.jit(lambda *a: compiled.paged(*a, scale=0.07)), platforms=["tpu"])(
+    compiled = pallas.tpu_kernels(tuner=Autotuner(enabled=False)).paged_prefill
+    exported = export.export(jax.jit(lambda *a: compiled(*a, scale=0.07)), platforms=["tpu"])(
         sd((2, 16, 8, 192), jnp.bfloat16), wide, wide, sd((2, 3), jnp.int32), sd((2,), jnp.int32), sd((2,), jnp.int32))
     text = exported.mlir_module()
     assert "tpu_flash_prefill" in text and "tpu_paged_flash_prefill" not in text

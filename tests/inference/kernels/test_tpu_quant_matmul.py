@@ -72,23 +72,25 @@ def test_lowers_for_tpu(code, groups) -> None:
 
 
 def test_pallas_weights_route_to_the_tpu_kernel_on_tpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``kernel="pallas"`` weights take the Mosaic kernel on a TPU (simulated: the backend reads "tpu" and
-    the kernel runs interpreted); group-wise weights with groups under 128 rows take the XLA path there."""
+    """The TPU family's matmul takes the Mosaic kernel for per-channel weights and groups of 128 rows
+    (interpreted here); group-wise weights with groups under 128 rows take the XLA path."""
     import functools
 
-    from inference.kernels import dispatch
+    from inference.kernels import pallas
+    from inference.kernels.kernel_set import build_kernels
 
     calls = []
     kernel = functools.partial(tpu_quantized_matmul, interpret=INTERPRET)
-    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
-    monkeypatch.setattr(dispatch, "tpu_quantized_matmul", lambda *a, **kw: calls.append(kw) or kernel(*a, **kw))
-    monkeypatch.setattr(dispatch, "tuned_tpu_matmul_blocks", lambda tuner, x, codes: TpuMatmulBlocks(8, 128, 128))
+    monkeypatch.setattr(pallas, "tpu_quantized_matmul", lambda *a, **kw: calls.append(kw) or kernel(
+        *a, **{k: v for k, v in kw.items() if k != "interpret"}))
+    monkeypatch.setattr(pallas, "tuned_tpu_matmul_blocks", lambda tuner, x, codes, platform: TpuMatmulBlocks(8, 128, 128))
+    matmul = build_kernels("pallas", interpret=True, target="tpu").matmul
     rng = np.random.default_rng(13)
     w = jnp.asarray(rng.standard_normal((256, 128), np.float32))
     x = jnp.asarray(rng.standard_normal((3, 256), np.float32))
     for group, routed in ((None, True), (128, True), (64, False)):
         calls.clear()
-        qw = quantize_weight(w, "int8", kernel="pallas", group_size=group)
-        want = quantized_matmul(x, quantize_weight(w, "int8", group_size=group))
-        np.testing.assert_allclose(np.asarray(x @ qw), np.asarray(want), atol=2e-4, rtol=1e-5)
+        qw = quantize_weight(w, "int8", group_size=group)
+        np.testing.assert_allclose(np.asarray(matmul(x, qw)), np.asarray(quantized_matmul(x, qw)), atol=2e-4,
+                                   rtol=1e-5)
         assert bool(calls) == routed, group

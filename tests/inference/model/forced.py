@@ -1,10 +1,10 @@
-"""Teacher-forced greedy runs of a :class:`~inference.model.runner.JaxRunner`, for quantized-vs-float tests."""
+"""Teacher-forced greedy runs of a :class:`~inference.model.jax_runner.JaxRunner`, for quantized-vs-float tests."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from inference.model.runner import JaxRunner
+from inference.model.jax_runner import JaxRunner
 from inference.runner import SeqWork, StepPlan
 from transport.messages import SamplingParams
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from inference.model.runner import JaxRunner
+from inference.model.jax_runner import JaxRunner
 from inference.runner import SeqWork, StepPlan
 from tests.inference.model.forced import GREEDY, teacher_forced
 
@@ -122,13 +122,15 @@ def test_quantized_steps_write_the_cache_in_place(quant, request) -> None:
 
 
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
-def test_pallas_decode_kernel_reads_the_quantized_cache(monkeypatch, kind) -> None:
-    """The Pallas backend (interpreted on CPU) gets the codes and scales and gives the reference's logits."""
-    monkeypatch.setenv("QUICSERVE_PALLAS_INTERPRET", "1")
+def test_pallas_decode_kernel_reads_the_quantized_cache(kind) -> None:
+    """The Pallas kernels (interpreted on CPU) get the codes and scales and give the reference's logits."""
+    from inference.kernels.kernel_set import build_kernels
+
     prompt = list(b"hello pallas world, a longer prompt")
     got = {}
     for backend in ("reference", "pallas"):
-        r = JaxRunner.load("tiny", attention=backend, kv_cache_dtype=kind, max_batch=2, num_blocks=16)
+        kernels = build_kernels(backend, kv_quant=kind, interpret=True)
+        r = JaxRunner.load("tiny", kernels=kernels, kv_cache_dtype=kind, max_batch=2, num_blocks=16)
         pre = r.logits(StepPlan(prefills=(SeqWork(0, prompt, 0, [3, 5, 9], GREEDY, 0, 0),), decodes=()))
         dec = r.logits(StepPlan(prefills=(), decodes=(SeqWork(0, [7], len(prompt), [3, 5, 9], GREEDY, 0, 1),)))
         got[backend] = (pre, dec)

@@ -1,8 +1,10 @@
-"""Parity with transformers' LlamaForCausalLM on tiny random checkpoints (CPU, float32).
+"""Parity with transformers on tiny random checkpoints of every registered architecture (CPU, float32).
 
 Each checkpoint is written by transformers itself (``save_pretrained``, safetensors)
-and loaded with our loader. Block size 4 and shuffled block ids make every
-sequence span several non-contiguous KV blocks.
+and loaded with our loader, which picks the architecture by ``model_type``. Block
+size 4 and shuffled block ids make every sequence span several non-contiguous KV
+blocks. A new architecture adds its transformers classes to ``HF_CLASSES`` and a
+config or two to ``CONFIGS`` (docs/ARCHITECTURE.md, "How to add a model architecture").
 """
 
 from __future__ import annotations
@@ -13,19 +15,29 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from inference.model.runner import JaxRunner  # noqa: E402
+from inference.model.jax_runner import JaxRunner  # noqa: E402
+from inference.model.registry import ARCHITECTURES  # noqa: E402
 from inference.runner import SeqWork, StepPlan  # noqa: E402
 from transport.messages import SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
+# model_type -> transformers' (config class, model class)
+HF_CLASSES = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+}
 BASE = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, max_position_embeddings=256, initializer_range=0.1)
-CONFIGS = {
-    "gqa-llama3-untied": dict(BASE, num_key_value_heads=2, tie_word_embeddings=False, rope_theta=500000.0,
-                              rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                            "high_freq_factor": 4.0, "original_max_position_embeddings": 32}),
-    "mha-tied": dict(BASE, num_key_value_heads=4, tie_word_embeddings=True, rope_theta=10000.0),
+CONFIGS = {  # name: (model_type, config)
+    "gqa-llama3-untied": ("llama", dict(BASE, num_key_value_heads=2, tie_word_embeddings=False, rope_theta=500000.0,
+                                        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                      "high_freq_factor": 4.0,
+                                                      "original_max_position_embeddings": 32})),
+    "mha-tied": ("llama", dict(BASE, num_key_value_heads=4, tie_word_embeddings=True, rope_theta=10000.0)),
+    # a window wider than every sequence here: ours serves up to it (the context is capped at the window)
+    "mistral-gqa-window": ("mistral", dict(BASE, num_key_value_heads=2, tie_word_embeddings=False,
+                                           rope_theta=1000000.0, sliding_window=64)),
 }
 GREEDY = SamplingParams(temperature=0.0, top_logprobs=5)
 ATOL = 2e-4
@@ -43,14 +55,20 @@ class Blocks:
         return [int(b) for b in out]
 
 
+def test_every_registered_architecture_has_a_parity_config():
+    assert set(HF_CLASSES) == set(ARCHITECTURES) == {model_type for model_type, _ in CONFIGS.values()}
+
+
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def model(request, tmp_path_factory):
     torch.manual_seed(1234)
-    cfg = transformers.LlamaConfig(**CONFIGS[request.param])
-    hf = transformers.LlamaForCausalLM(cfg).eval()
+    model_type, config = CONFIGS[request.param]
+    config_class, model_class = HF_CLASSES[model_type]
+    hf = model_class(config_class(**config)).eval()
     path = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(path, safe_serialization=True)
     runner = JaxRunner.load(str(path), block_size=4, num_blocks=128, max_batch=4, max_prefill_batch=4)
+    assert runner.model.model_type == model_type
     return hf, runner, Blocks(128)
 
 

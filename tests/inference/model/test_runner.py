@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from inference.model.runner import JaxRunner
+from inference.model.jax_runner import JaxRunner
 from inference.runner import SeqWork, StepPlan
 from transport.messages import SamplingParams
 
@@ -120,19 +120,23 @@ def test_bad_work_is_rejected_with_clear_errors(tiny):
         JaxRunner.load("tiny", dtype="float16")
 
 
-def test_pallas_backend_plugs_in_behind_the_same_signatures(monkeypatch):
+def test_pallas_kernels_plug_in_behind_the_same_signatures():
     """The kernels (interpreted on CPU) give the reference's logits through the whole runner."""
-    monkeypatch.setenv("QUICSERVE_PALLAS_INTERPRET", "1")
+    from inference.kernels.kernel_set import build_kernels
+
     p = SamplingParams(temperature=0.0)
     prompt = list(b"hello pallas world, a longer prompt")
     got = {}
     for backend in ("reference", "pallas"):
-        r = JaxRunner.load("tiny", attention=backend, max_batch=2, num_blocks=16)
+        kernels = build_kernels(backend, interpret=True)
+        r = JaxRunner.load("tiny", kernels=kernels, max_batch=2, num_blocks=16)
         pre = r.logits(StepPlan(prefills=(SeqWork(0, prompt, 0, [3, 5, 9], p, 0, 0),), decodes=()))
         dec = r.logits(StepPlan(prefills=(), decodes=(SeqWork(0, [7], len(prompt), [3, 5, 9], p, 0, 1),)))
         got[backend] = (pre, dec)
     for ref, pallas in zip(got["reference"], got["pallas"], strict=True):
         assert abs(ref - pallas).max() < 1e-4
+    with pytest.raises(ValueError, match="kernels built for float32"):
+        JaxRunner.load("tiny", dtype="bfloat16", kernels=build_kernels("xla"))
 
 
 def test_every_compiled_step_updates_the_kv_cache_in_place(tiny):
@@ -158,36 +162,37 @@ def _elements(hlo_rhs: str) -> int:
     return math.prod(int(x) for x in dims.split(",") if x)
 
 
-@pytest.mark.parametrize("module,switch,target", [
-    ("runner", "native_cpu_matmul", "quicserve_matmul_packed"),  # _f32, _norm_f32, _residual_f32
-    ("llama", "native_cpu_rope", "quicserve_rope_write_kv_f32"),
-])
-def test_native_cpu_paths_give_the_xla_logits(monkeypatch, module: str, switch: str, target: str):
-    """On CPU float32 projections are packed for the native matmul, and RoPE with the K/V cache write
-    is one native call per layer; with either switched off XLA's own ops run instead. The logits agree
-    for a prefill and for decodes over the cache it wrote, and the native call is what compiles."""
-    import importlib
+# The native calls a CPU float32 step makes: the packed projections (_f32, _norm_f32, _residual_f32), RoPE
+# with the K/V write, and the attention of its kind.
+NATIVE_TARGETS = {"decode": ("quicserve_matmul_packed", "quicserve_rope_write_kv_f32", "quicserve_paged_decode_f32"),
+                  "prefill": ("quicserve_matmul_packed", "quicserve_rope_write_kv_f32", "quicserve_prefill_f32")}
 
-    import jax
+
+@pytest.mark.parametrize("attention", ["native", "xla", "reference"])
+def test_the_cpu_kernel_sets_give_the_same_logits(attention: str):
+    """On CPU the native kernel set packs float32 projections for the native matmul and runs RoPE with the
+    K/V cache write and attention as native calls; ``xla`` runs XLA's own ops, ``reference`` the ground
+    truth's attention. The logits agree for a prefill and for decodes over the cache it wrote, and the
+    native calls are what compiles, in the native set only."""
     import numpy as np
 
-    from inference.model.llama import PackedWeightT
+    from inference.kernels.kernel_set import build_kernels, current_platform
+    from inference.kernels.projections import PackedWeightT
     from inference.weights import load_model
 
-    if jax.default_backend() != "cpu":
+    if current_platform() != "cpu":
         pytest.skip("the native kernels are for CPU")
     loaded = load_model("tiny")
     got = {}
-    for native in (True, False):
-        monkeypatch.setattr(importlib.import_module(f"inference.model.{module}"), switch, native)
-        r = JaxRunner(loaded, max_batch=4, num_blocks=16, max_model_len=64)
-        if switch == "native_cpu_matmul":
-            assert isinstance(r._params["layers"][0]["w_down_t"], PackedWeightT) == native
+    for name in ("native", attention):
+        r = JaxRunner(loaded, max_batch=4, num_blocks=16, max_model_len=64, kernels=build_kernels(name))
+        assert isinstance(r._params["layers"][0]["w_down_t"], PackedWeightT) == (name == "native")
         prompt = list(b"packed or not")
         pre = r.logits(StepPlan(prefills=(SeqWork(0, prompt, 0, [1, 2], HOT, 0, 0),), decodes=()))
         dec = r.logits(StepPlan(prefills=(), decodes=(SeqWork(0, [66], len(prompt), [1, 2], HOT, 0, 1),
                                                       SeqWork(1, [67], 3, [5], HOT, 0, 1))))
-        hlo = r._executable(("decode", 1, 1)).as_text()
-        assert (target in hlo) == native
-        got[native] = np.concatenate([pre, dec])
-    np.testing.assert_allclose(got[True], got[False], atol=2e-4, rtol=1e-4)
+        for kind, key in (("decode", ("decode", 1, 1)), ("prefill", ("prefill",) + r.buckets.prefill_shape(1, 13))):
+            hlo = r._executable(key).as_text()
+            assert all((t in hlo) == (name == "native") for t in NATIVE_TARGETS[kind]), (name, kind)
+        got[name] = np.concatenate([pre, dec])
+    np.testing.assert_allclose(got[attention], got["native"], atol=2e-4, rtol=1e-4)

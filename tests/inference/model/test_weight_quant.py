@@ -35,8 +35,8 @@ import pytest
 
 jax = pytest.importorskip("jax")
 
-from inference.model.llama import MULREDUCE_ROWS, PackedWeightT  # noqa: E402
-from inference.model.runner import JaxRunner  # noqa: E402
+from inference.kernels.projections import MULREDUCE_ROWS, PackedWeightT  # noqa: E402
+from inference.model.jax_runner import JaxRunner  # noqa: E402
 from inference.weights import LoadedModel, load_hf_dir, load_model  # noqa: E402
 from tests.inference.kernels.quant_harness import write_random_llama  # noqa: E402
 from tests.inference.model.forced import teacher_forced  # noqa: E402
@@ -140,7 +140,7 @@ def test_weight_bytes_and_layout() -> None:
     # Float32 on CPU: projections packed for the native matmul, the tied head as its own packed copy
     # (258 rows padded to 272, x 64 x 4 B = 69,632 B) beside the lookup table.
     packed = isinstance(f32._params["layers"][0]["wqkv_t"], PackedWeightT)
-    assert packed == (jax.default_backend() == "cpu")
+    assert packed == (f32.kernels.pack is not None)
     assert f32.weight_bytes == 362_240 + (69_632 if packed else 0)
     assert i8.weight_bytes == f8.weight_bytes == 67_328 + 90_240 + 5_128 == 162_696
     layer = i8._params["layers"][0]
@@ -162,9 +162,9 @@ def test_compiled_steps_read_codes_without_a_float_copy_of_the_weights(kind, req
     (what makes fp8 weights several times slower than float on CPU:
     tests/bench/bench_weight_quant.py). Use int8 on CPU.
     """
-    if kind == "fp8" and jax.default_backend() == "cpu":
-        request.applymarker(pytest.mark.xfail(strict=True, reason="XLA:CPU does not fuse float8 converts"))
     runner = JaxRunner(load_model("tiny"), weight_dtype=kind, max_batch=4, num_blocks=16, max_model_len=64)
+    if kind == "fp8" and runner.kernels.platform == "cpu":
+        request.applymarker(pytest.mark.xfail(strict=True, reason="XLA:CPU does not fuse float8 converts"))
     keys = [("decode", b, 1) for b in runner.buckets.decode_batches]
     keys += [("prefill", b, t) for b, t in runner.buckets.prefill_shapes if b * t <= MULREDUCE_ROWS[1]]
     assert len(keys) >= 4
@@ -207,38 +207,39 @@ def _dims(hlo_rhs: str) -> tuple[int, ...]:
 
 
 def test_matmul_paths_equal_the_dequantized_weight() -> None:
-    """``_matmul_t`` on a quantized weight equals ``x @ (codes * scale).T`` on every path:
-    one row (run as two), a multiply-reduce batch, and a dot past 64 rows."""
+    """``linear`` on a quantized weight equals ``x @ (codes * scale).T`` on every path: one row (run as
+    two), a multiply-reduce batch, and a dot past 64 rows (XLA:CPU's choices), and the dot everywhere."""
     import jax.numpy as jnp
 
+    from inference.kernels.projections import linear
     from inference.kernels.quant import quantize_weight_t
-    from inference.model.llama import _matmul_t
 
     rng = np.random.default_rng(0)
     w = quantize_weight_t(rng.standard_normal((96, 48)).astype(np.float32), "int8")
     dense = np.asarray(w.codes, np.float32) * np.asarray(w.scale)[:, None]
-    for rows in (1, 8, math.prod((2, 50))):
-        x = rng.standard_normal((rows, 48)).astype(np.float32)
-        got = np.asarray(jax.jit(_matmul_t, static_argnums=2)(jnp.asarray(x), w, jnp.float32))
-        np.testing.assert_allclose(got, x @ dense.T, rtol=1e-5, atol=1e-4)
+    for mulreduce in (True, False):
+        for rows in (1, 8, math.prod((2, 50))):
+            x = rng.standard_normal((rows, 48)).astype(np.float32)
+            fn = jax.jit(lambda a, w, m=mulreduce: linear(a, w, jnp.float32, mulreduce=m))
+            np.testing.assert_allclose(np.asarray(fn(jnp.asarray(x), w)), x @ dense.T, rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("quantized", [False, True])
-def test_projections_are_dots_off_cpu(quantized: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The multiply-reduce that serves a few rows on XLA:CPU is CPU-only: traced for an accelerator
-    (the backend reads "gpu"), an 8-row projection is one dot, which reads the weight once, not once per row."""
+def test_projections_are_dots_off_cpu(quantized: bool) -> None:
+    """The multiply-reduce that serves a few rows on XLA:CPU is CPU-only: in a kernel set built for an
+    accelerator an 8-row projection is one dot, which reads the weight once, not once per row."""
     import jax.numpy as jnp
 
+    from inference.kernels.kernel_set import build_kernels
     from inference.kernels.quant import quantize_weight_t
-    from inference.model import llama
 
     w = jnp.ones((48, 32), jnp.float32)
     w_t = quantize_weight_t(w, "int8") if quantized else w
     x = jnp.ones((8, 32), jnp.float32)
 
-    def prims() -> set[str]:
-        return {e.primitive.name for e in jax.make_jaxpr(lambda a: llama._matmul_t(a, w_t, jnp.float32))(x).eqns}
+    def prims(platform: str) -> set[str]:
+        linear = build_kernels("xla", platform=platform).linear
+        return {e.primitive.name for e in jax.make_jaxpr(lambda a: linear(a, w_t, jnp.float32))(x).eqns}
 
-    assert "reduce_sum" in prims() and "dot_general" not in prims()  # CPU: the multiply-reduce
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert "dot_general" in prims() and "reduce_sum" not in prims()
+    assert "reduce_sum" in prims("cpu") and "dot_general" not in prims("cpu")  # CPU: the multiply-reduce
+    assert "dot_general" in prims("gpu") and "reduce_sum" not in prims("gpu")

@@ -9,13 +9,8 @@ import pytest
 from safetensors.numpy import save_file
 
 from inference.model.config import TINY_CONFIG, ConfigError, LlamaConfig
-from inference.weights import (
-    WeightsError,
-    load_hf_dir,
-    load_model,
-    random_hf_tensors,
-    write_hf_checkpoint,
-)
+from inference.model.llama import random_hf_tensors
+from inference.weights import WeightsError, load_hf_dir, load_model, write_hf_checkpoint
 
 SMALL = dict(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, eos_token_id=3)

@@ -1,4 +1,4 @@
-"""Backend dispatch and the block-size autotuner."""
+"""The Pallas families as the kernel set calls them (interpreted on CPU), and the block-size autotuner."""
 
 from __future__ import annotations
 
@@ -13,28 +13,10 @@ import pytest
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 
-from inference.kernels import dispatch, reference  # noqa: E402
+from inference.kernels import pallas, reference  # noqa: E402
 from inference.kernels.autotune import Autotuner  # noqa: E402
 from inference.kernels.paged_decode import DecodeBlocks  # noqa: E402
 from inference.kernels.quant import quantize_blocks  # noqa: E402
-from inference.model import attention as model_attention  # noqa: E402
-
-
-def test_reference_backend() -> None:
-    assert dispatch.get_backend("reference") == (reference.prefill_attention, reference.paged_decode_attention)
-
-
-def test_unknown_backend_is_rejected() -> None:
-    with pytest.raises(ValueError, match="unknown attention backend 'cuda'"):
-        dispatch.get_backend("cuda")
-
-
-@pytest.mark.skipif(jax.default_backend() != "cpu", reason="CPU fallback only")
-def test_pallas_on_cpu_falls_back_to_reference(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("QUICSERVE_PALLAS_INTERPRET", raising=False)
-    assert dispatch.get_backend("pallas") == (reference.prefill_attention, reference.paged_decode_attention)
-    # the model's switch goes through us
-    assert model_attention.get_attention_backend("pallas") == dispatch.get_backend("pallas")
 
 
 def _decode_inputs(seed: int = 0):
@@ -46,11 +28,10 @@ def _decode_inputs(seed: int = 0):
     return q, kc, vc, tables, jnp.asarray([5, 30], jnp.int32)
 
 
-def test_interpreted_pallas_backend_inside_jit(tmp_path: Path) -> None:
-    """Forced interpret mode: both kernels run under the caller's jit and match the reference."""
-    prefill_fn, decode_fn = dispatch.get_backend("pallas", interpret=True, tuner=Autotuner(tmp_path / "t.json",
-                                                                                          enabled=False))
-    assert prefill_fn is not reference.prefill_attention
+def test_interpreted_gpu_family_inside_jit(tmp_path: Path) -> None:
+    """Interpreted: both kernels run under the caller's jit and match the reference."""
+    fns = pallas.gpu_kernels(interpret=True, tuner=Autotuner(tmp_path / "t.json", enabled=False))
+    prefill_fn, decode_fn = fns.prefill, fns.decode
     rng = np.random.default_rng(1)
     q = jnp.asarray(rng.standard_normal((2, 16, 8, 64), np.float32))
     k = jnp.asarray(rng.standard_normal((2, 32, 2, 64), np.float32))
@@ -69,40 +50,32 @@ def test_interpreted_pallas_backend_inside_jit(tmp_path: Path) -> None:
 
 
 def test_interpreted_tpu_family_inside_jit(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``target="tpu"`` (or ``QUICSERVE_PALLAS_TARGET=tpu``) gives the Mosaic-model kernels; they match too."""
+    """The Mosaic-model kernels, interpreted, match too (default tiles: tuning is off when interpreted)."""
     from inference.kernels import tpu_decode, tpu_prefill
 
-    prefill_fn, decode_fn = dispatch.get_backend("pallas", interpret=True, target="tpu")
+    fns = pallas.tpu_kernels(interpret=True, tuner=Autotuner(enabled=False))
+    prefill_fn, decode_fn = fns.prefill, fns.decode
     rng = np.random.default_rng(4)
     q = jnp.asarray(rng.standard_normal((2, 16, 8, 64), np.float32))
     k = jnp.asarray(rng.standard_normal((2, 32, 2, 64), np.float32))
     offs, lens = jnp.asarray([16, 0], jnp.int32), jnp.asarray([32, 16], jnp.int32)
     calls = []
-    monkeypatch.setattr(dispatch, "tpu_flash_prefill", lambda *a, **kw: calls.append(kw["blocks"])
+    monkeypatch.setattr(pallas, "tpu_flash_prefill", lambda *a, **kw: calls.append(kw["blocks"])
                         or tpu_prefill.tpu_flash_prefill(*a, **kw))  # fmt: skip
     got = jax.jit(lambda *a: prefill_fn(*a, scale=0.125))(q, k, k * 0.5, offs, lens)
     want = reference.prefill_attention(q, k, k * 0.5, offs, lens, scale=0.125)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5)
-    assert calls == [dispatch.tpu_prefill_candidates()[0]]  # tuning off: the default tile
+    assert calls == [pallas.tpu_prefill_candidates()[0]]  # tuning off: the default tile
 
     q, kc, vc, tables, clens = _decode_inputs()
     kq, ks = quantize_blocks(kc, "int8")
     vq, vs = quantize_blocks(vc, "int8")
-    monkeypatch.setattr(dispatch, "tpu_paged_decode", lambda *a, **kw: calls.append(kw["pages_per_step"])
+    monkeypatch.setattr(pallas, "tpu_paged_decode", lambda *a, **kw: calls.append(kw["pages_per_step"])
                         or tpu_decode.tpu_paged_decode(*a, **kw))  # fmt: skip
     got = jax.jit(lambda *a: decode_fn(*a, scale=0.125, k_scale=ks, v_scale=vs))(q, kq, vq, tables, clens)
     want = reference.paged_decode_attention(q, kq, vq, tables, clens, scale=0.125, k_scale=ks, v_scale=vs)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5)
-    assert calls[-1] == dispatch.tpu_decode_candidates(kc.shape[1])[0].pages_per_step
-
-    monkeypatch.setenv("QUICSERVE_PALLAS_TARGET", "tpu")
-    monkeypatch.setenv("QUICSERVE_PALLAS_INTERPRET", "1")
-    if jax.default_backend() == "cpu":
-        assert dispatch.get_backend("pallas")[0] is not reference.prefill_attention
-        monkeypatch.delenv("QUICSERVE_PALLAS_INTERPRET")  # compiled Mosaic kernels off a TPU: the reference
-        assert dispatch.get_backend("pallas") == (reference.prefill_attention, reference.paged_decode_attention)
-    with pytest.raises(ValueError, match="unknown Pallas target 'rocm'"):
-        dispatch.get_backend("pallas", target="rocm")
+    assert calls[-1] == pallas.tpu_decode_candidates(kc.shape[1])[0].pages_per_step
 
 
 class _FakeTiming:
@@ -152,9 +125,9 @@ def test_autotuner_survives_a_corrupt_cache(tmp_path: Path) -> None:
 def test_tuning_runs_at_trace_time_under_jit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The first trace of a shape times real (interpreted) candidates, caches the winner by shape key."""
     cands = [DecodeBlocks(1, 1), DecodeBlocks(2, 2)]
-    monkeypatch.setattr(dispatch, "decode_candidates", lambda b, kv: cands)
+    monkeypatch.setattr(pallas, "decode_candidates", lambda b, kv: cands)
     tuner = Autotuner(tmp_path / "t.json", enabled=True)
-    _, decode_fn = dispatch.gpu_fns(True, tuner)
+    decode_fn = pallas.gpu_kernels(platform="cpu", interpret=True, tuner=tuner).decode
     q, kc, vc, tables, clens = _decode_inputs(2)
     got = jax.jit(lambda *a: decode_fn(*a, scale=0.125))(q, kc, vc, tables, clens)
     want = reference.paged_decode_attention(q, kc, vc, tables, clens, scale=0.125)
@@ -175,8 +148,8 @@ def test_compiled_decode_falls_back_for_non_power_of_two_geometry(caplog: pytest
     tables, lens = jnp.asarray([[1, 0]], jnp.int32), jnp.asarray([20], jnp.int32)
     with pytest.raises(ValueError, match="power-of-two"):
         paged_decode(q, kc, kc, tables, lens, scale=0.1, platform="gpu")
-    _, decode_fn = dispatch.gpu_fns(False, Autotuner(enabled=False))
-    with caplog.at_level(logging.WARNING, logger="inference.kernels.dispatch"):
+    decode_fn = pallas.gpu_kernels(tuner=Autotuner(enabled=False)).decode
+    with caplog.at_level(logging.WARNING, logger="inference.kernels.pallas"):
         got = decode_fn(q, kc, kc, tables, lens, scale=0.1)
     assert "not powers of two" in caplog.text
     want = reference.paged_decode_attention(q, kc, kc, tables, lens, scale=0.1)
@@ -187,13 +160,13 @@ def test_matmul_tuning_key_and_candidates(tmp_path: Path, monkeypatch: pytest.Mo
     """Weight matmul tiles are tuned per (M, K, N, dtypes); interpreted candidates are timed for real."""
     from inference.kernels.quant_matmul import MatmulBlocks, pallas_quantized_matmul
 
-    assert all(c.block_m == 16 for c in dispatch.matmul_candidates(8))
+    assert all(c.block_m == 16 for c in pallas.matmul_candidates(8))
     # CPU: time the candidates interpreted (on GPU they are compiled)
-    monkeypatch.setattr(dispatch, "pallas_quantized_matmul", functools.partial(pallas_quantized_matmul, interpret=True))
-    monkeypatch.setattr(dispatch, "matmul_candidates", lambda m: [MatmulBlocks(16, 16, 16), MatmulBlocks(16, 32, 32)])
+    monkeypatch.setattr(pallas, "pallas_quantized_matmul", functools.partial(pallas_quantized_matmul, interpret=True))
+    monkeypatch.setattr(pallas, "matmul_candidates", lambda m: [MatmulBlocks(16, 16, 16), MatmulBlocks(16, 32, 32)])
     tuner = Autotuner(tmp_path / "t.json", enabled=True)
     x = jnp.ones((2, 3, 32), jnp.float32)
-    chosen = dispatch.tuned_matmul_blocks(tuner, x, jnp.ones((32, 48), jnp.int8))
+    chosen = pallas.tuned_matmul_blocks(tuner, x, jnp.ones((32, 48), jnp.int8), platform="cpu")
     (key, entry), = json.loads((tmp_path / "t.json").read_text()).items()
     assert key == "wmatmul/cpu/M6-K32-N48-float32-int8"
     assert MatmulBlocks(**entry["params"]) == chosen
