@@ -200,9 +200,12 @@ class App:
     def _readyz(self, req: Request) -> Answer:
         ready = self.pool.ready_workers()
         if ready and not self.draining:
-            body = {"status": "ready", "workers": ready, "models": self.pool.models()}
+            body: dict[str, object] = {"status": "ready", "workers": ready, "models": self.pool.models()}
             if self.config_problem:
                 body["config"] = self.config_problem
+            degraded = self.pool.degraded()
+            if degraded:
+                body["degraded"] = degraded  # still ready: other models serve, fallbacks take traffic
             return 200, JSON_HEADERS, orjson.dumps(body)
         why = "draining" if self.draining else (self.worker_failure() or "no worker is ready")
         return 503, JSON_HEADERS, orjson.dumps({"status": "not ready", "reason": why, "workers": ready})

@@ -49,6 +49,7 @@ from .routing.rollout import Rollouts
 from .routing.rollout_runner import STATE_FILE, RolloutCollector, load_rollouts, run_rollouts
 from .settings import Settings, state_dir
 from .workers.discovery import watch_workers
+from .workers.healing import heal_forever
 from .workers.supervisor import WorkerSupervisor
 
 __all__ = ["run_gateway", "serve_forever", "tune_gc"]
@@ -96,6 +97,7 @@ async def run_gateway(settings: Settings, *, out: TextIO | None = None,
     served = settings.served()
     if settings.models:  # configured names answer 404/503 before their workers are up
         pool.configure((m.name, m.aliases) for m in served)
+        pool.fallbacks.update((m.name, m.fallback) for m in served if m.fallback)
     adm = build_admission(settings.admission, settings.server.host)
     if adm.stage is not None:
         metrics.registry.register(AdmissionCollector(adm.stage.admission, adm.leases))
@@ -187,6 +189,7 @@ async def run_gateway(settings: Settings, *, out: TextIO | None = None,
     loop.add_signal_handler(signal.SIGHUP, on_hup)
     leases_task = asyncio.create_task(adm.leases.run()) if adm.leases is not None else None
     rollout_task = asyncio.create_task(run_rollouts(rollouts, rollout_state))
+    heal_task = asyncio.create_task(heal_forever(supervisor, pool, settings.shutdown.drain_timeout))
     watch_task = asyncio.create_task(reloader.watch()) if reloader is not None and reloader.path else None
 
     async def announce_ready() -> None:
@@ -200,6 +203,7 @@ async def run_gateway(settings: Settings, *, out: TextIO | None = None,
         ready_task.cancel()
         sweeper.cancel()
         rollout_task.cancel()
+        heal_task.cancel()
         if watch_task is not None:
             watch_task.cancel()
         for w in watches:

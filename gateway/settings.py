@@ -261,6 +261,10 @@ def check_mapping(data: Mapping[str, Any]) -> tuple[Settings | None, list[str]]:
         getattr(settings, section)._validate(problems)
     for i, m in enumerate(models):
         problems += [f"models[{i}] ({m.name}): {p.removeprefix('workers.')}" for p in _validated(m.worker_settings())]
+    names = {m.name for m in models}
+    for i, m in enumerate(models):
+        if m.fallback and (m.fallback not in names or m.fallback == m.name):
+            problems.append(f"models[{i}].fallback: {m.fallback!r} is not another served model")
     if not any(m.local or m.remote for m in settings.served()) and not settings.discovery.worker_dns:
         problems.append("workers: no local workers, no remote workers and no discovery.worker_dns: nothing would "
                         "serve requests")

@@ -188,6 +188,8 @@ class Generations:
         try:
             return self.pool.open(g.model, g.make_submit, g)
         except NoReplica:
+            if not fallbacks and g.model in self.pool.fallbacks:  # the model's own fallback ([[models]])
+                fallbacks = (self.pool.fallbacks[g.model],)
             for model in fallbacks:
                 g.model = model
                 try:

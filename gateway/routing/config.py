@@ -21,26 +21,30 @@ class RoutingSettings:
     max_ejected_share: float = 0.1  # of a pool at once (at least one replica, never the last)
     retry_budget_share: float = 0.2  # retries in flight per request in flight
     retry_budget_floor: int = 3  # retries in flight always allowed
+    heal_error_rate: float = 0.05  # a local replica failing more than this share of its requests ...
+    heal_window: float = 300.0  # ... over this many seconds (the write-up's 5% over 5 minutes) ...
+    heal_min_requests: int = 20  # ... with at least this many, is drained and restarted (one per pool at once)
 
     def _validate(self, p: list[str]) -> None:
         if self.policy not in POLICIES:
             p.append(f"routing.policy: {self.policy!r} is not one of {', '.join(sorted(POLICIES))}")
         if self.prefix_slack < 0:
             p.append("routing.prefix_slack: must be >= 0")
-        for name in ("eject_consecutive", "retry_budget_floor"):
+        for name in ("eject_consecutive", "retry_budget_floor", "heal_min_requests"):
             if getattr(self, name) < 1:
                 p.append(f"routing.{name}: must be >= 1")
-        for name in ("eject_error_rate", "max_ejected_share", "retry_budget_share"):
+        for name in ("eject_error_rate", "max_ejected_share", "retry_budget_share", "heal_error_rate"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 p.append(f"routing.{name}: must be in [0, 1]")
-        if not self.eject_seconds > 0 or not self.outlier_factor > 1:
-            p.append("routing.eject_seconds must be > 0 and routing.outlier_factor > 1")
+        if not self.eject_seconds > 0 or not self.outlier_factor > 1 or not self.heal_window > 0:
+            p.append("routing.eject_seconds and heal_window must be > 0, and routing.outlier_factor > 1")
 
     def health(self) -> HealthSettings:
         return HealthSettings(consecutive=self.eject_consecutive, error_rate=self.eject_error_rate,
                               base_ejection=self.eject_seconds, outlier_factor=self.outlier_factor,
                               max_ejected_share=self.max_ejected_share, retry_budget_share=self.retry_budget_share,
-                              retry_budget_floor=self.retry_budget_floor)
+                              retry_budget_floor=self.retry_budget_floor, heal_error_rate=self.heal_error_rate,
+                              heal_window=self.heal_window, heal_min_requests=self.heal_min_requests)
 
     def build(self) -> RoutingPolicy:
         cls = POLICIES[self.policy]

@@ -12,8 +12,9 @@ half open: one probe request at a time goes there; a success closes it, a failur
 **Latency outliers**: a replica whose time to first token (an exponential average) is more than
 ``outlier_factor`` times the median of its pool's other replicas, over ``outlier_min_ms``, with
 ``min_requests`` samples, is ejected the same way. At most ``max_ejected_share`` of a pool (at
-least one replica, never the last one) is ejected at once; past that, a pool whose every replica
-is open is used whole (Envoy's panic routing: better a degraded answer than none).
+least one replica, never the last one) is ejected at once -- unless its model has a
+``fallback`` to take its traffic, when the whole pool may go; a pool whose every replica is open
+and that has no fallback is used whole (Envoy's panic routing: better a degraded answer than none).
 
 **Retry budget**: a request resubmitted because a replica failed it or refused it (an internal
 error, overloaded) holds a retry token until it ends; at most ``max(floor, share x active
@@ -32,7 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-__all__ = ["HealthSettings", "Breaker", "Health", "RetryBudget"]
+__all__ = ["HealthSettings", "Breaker", "Health", "RetryBudget", "to_heal"]
 
 log = logging.getLogger("quicserve.health")
 R = TypeVar("R")  # a replica handle (a worker connection)
@@ -51,13 +52,16 @@ class HealthSettings:
     max_ejected_share: float = 0.1
     retry_budget_share: float = 0.2
     retry_budget_floor: int = 3
+    heal_error_rate: float = 0.05  # a local replica failing more than this share ...
+    heal_window: float = 300.0  # ... of its requests over this many seconds ...
+    heal_min_requests: int = 20  # ... (at least this many) is drained and restarted
 
 
 class Breaker:
     """One replica's state: ``closed`` | ``open`` | ``half_open``."""
 
     __slots__ = ("name", "state", "_recent", "_failures_in_row", "_open_until", "times_opened", "_probing",
-                 "ttft", "_ttft_n", "reason")
+                 "ttft", "_ttft_n", "reason", "_long", "_long_failed")
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -70,6 +74,22 @@ class Breaker:
         self.ttft = 0.0  # seconds, exponential average
         self._ttft_n = 0
         self.reason = ""
+        self._long: deque[tuple[float, bool]] = deque()  # (time, failed) over the healing window
+        self._long_failed = 0
+
+    def long_error_rate(self, now: float, window: float) -> tuple[int, float]:
+        """(outcomes, share failed) over the last ``window`` seconds."""
+        long = self._long
+        while long and long[0][0] <= now - window:
+            self._long_failed -= long.popleft()[1]
+        return len(long), (self._long_failed / len(long) if long else 0.0)
+
+    def healed(self) -> None:
+        """The replica was restarted: its history starts again."""
+        self._long.clear()
+        self._long_failed = 0
+        self._recent.clear()
+        self._failures_in_row = 0
 
     def usable(self, now: float) -> bool:
         if self.state == "closed":
@@ -87,6 +107,10 @@ class Breaker:
                 ) -> str | None:
         """Record one request's end; returns a transition ("open: why", "closed") if one happened
         (``may_eject`` False: its pool has its share out already, so it stays closed)."""
+        self._long.append((now, failed))
+        self._long_failed += failed
+        if len(self._long) > 100_000:  # bounded, whatever the rate
+            self._long_failed -= self._long.popleft()[1]
         if ttft is not None and not failed:
             self._ttft_n += 1
             self.ttft = ttft if self._ttft_n == 1 else self.ttft + 0.2 * (ttft - self.ttft)
@@ -138,19 +162,23 @@ class Health:
     def forget(self, replica: object) -> None:
         self.breakers.pop(replica, None)
 
-    def usable(self, replicas: list[R], now: float) -> list[R]:
-        """The replicas routing may pick now; all of them when none is usable (panic)."""
+    def usable(self, replicas: list[R], now: float, panic: bool = True) -> list[R]:
+        """The replicas routing may pick now; when none is usable, all of them (``panic``: better a
+        degraded answer than none) or none (the model has a fallback to take its traffic)."""
         ok = [r for r in replicas if (b := self.breakers.get(r)) is None or b.usable(now)]
-        if ok or not replicas:
+        if ok or not replicas or not panic:
             return ok
         self.panics += 1
         return replicas
 
-    def outcome(self, replica: object, pool: Sequence[object], failed: bool, ttft: float | None, now: float) -> None:
+    def outcome(self, replica: object, pool: Sequence[object], failed: bool, ttft: float | None, now: float,
+                fallback: bool = False) -> None:
+        """One request's end on ``replica`` of ``pool``; ``fallback``: the pool's model has one, so
+        all of it may be ejected (its traffic has somewhere to go)."""
         b = self.breakers.get(replica)
         if b is None:
             return
-        may = self._may_eject(b, pool)
+        may = fallback or self._may_eject(b, pool)
         moved = b.outcome(failed, ttft, self.s, now, may)
         if moved is None and may and not failed and ttft is not None:
             moved = self._outlier(b, pool, now)
@@ -175,6 +203,25 @@ class Health:
         """Whether ``b`` may be ejected too: never the last replica, at most the pool's share out."""
         out = sum(1 for r in pool if (o := self.breakers.get(r)) is not None and o is not b and o.state != "closed")
         return len(pool) > 1 and out + 1 <= max(1, math.floor(self.s.max_ejected_share * len(pool)))
+
+
+def to_heal(h: Health, pools: dict[str, list[R]], now: float) -> list[tuple[R, str]]:
+    """Replicas to drain and restart now, and why: error rate over ``heal_window`` past
+    ``heal_error_rate`` (with ``heal_min_requests``); one per pool (the caller leaves out the pools
+    it is healing a replica of), never a pool's last replica."""
+    s, out = h.s, []
+    for replicas in pools.values():
+        if len(replicas) < 2:
+            continue
+        for r in replicas:
+            b = h.breakers.get(r)
+            if b is None:
+                continue
+            n, rate = b.long_error_rate(now, s.heal_window)
+            if n >= s.heal_min_requests and rate > s.heal_error_rate:
+                out.append((r, f"{rate:.1%} of its {n} requests in {s.heal_window:g} s failed"))
+                break
+    return out
 
 
 class RetryBudget:

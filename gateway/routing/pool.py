@@ -51,6 +51,7 @@ class ModelPool:
         # what a policy sees of a request (prompt estimate, max_tokens), built only when it is asked
         self.describe: Describe = model_only
         self.aliases: dict[str, str] = {}  # alias -> the model's name ([[models]] aliases)
+        self.fallbacks: dict[str, str] = {}  # model -> the model that takes its traffic when it is unhealthy
 
     def configure(self, models: Iterable[tuple[str, Iterable[str]]]) -> None:
         """The models the configuration names, each with its aliases: a request may name any of
@@ -123,13 +124,14 @@ class ModelPool:
         conns = self._by_model.get(model)
         if not conns:
             return None
-        if len(conns) == 1 and not exclude:  # the common single-worker case: nothing to choose
+        if len(conns) == 1 and not exclude and not self.fallbacks:  # the common single-worker case: nothing to choose
             c = conns[0]
             return None if c.closed or c.draining else c
         live = [c for c in conns if not c.closed and not c.draining and c not in exclude]
         if not live:
             return None
-        live = self.health.usable(live, clock.now())  # open breakers skipped (all of them: panic)
+        # open breakers skipped; all open: a fallback takes the traffic, else the whole pool (panic)
+        live = self.health.usable(live, clock.now(), model not in self.fallbacks)
         pick = self.policy.choose(self.route_request(model, subject, make_submit, live), live)
         if pick is not None:
             b = self.health.breakers.get(pick)
@@ -143,12 +145,13 @@ class ModelPool:
         token: a replica that hangs) or a success, for its breaker."""
         if conn is None or status < 200 or 400 <= status < 500 or status == 503 or (status == 504 and ttft):
             return  # the client's doing, load (shedding, overloaded), or a slow answer (latency judges it)
-        self.health.outcome(conn, self._by_model.get(model, []), status >= 500, ttft, clock.now())
+        self.health.outcome(conn, self._by_model.get(model, []), status >= 500, ttft, clock.now(),
+                            model in self.fallbacks)
 
     def failed(self, conn: WorkerConnection | None, model: str) -> None:
         """A request left ``conn`` before its first token because the worker failed it."""
         if conn is not None:
-            self.health.outcome(conn, self._by_model.get(model, []), True, None, clock.now())
+            self.health.outcome(conn, self._by_model.get(model, []), True, None, clock.now(), model in self.fallbacks)
 
     def route_request(self, model: str, subject: object, make_submit: SubmitFactory | None,
                       replicas: list[WorkerConnection]) -> RouteRequest:
@@ -158,6 +161,27 @@ class ModelPool:
         if self.prefix is not None and make_submit is not None:
             req = self.prefix.annotate(req, make_submit, replicas)
         return req
+
+    def replicas(self) -> dict[str, list[WorkerConnection]]:
+        """Every model's replicas (open or not)."""
+        return {m: list(conns) for m, conns in self._by_model.items()}
+
+    def degraded(self) -> dict[str, str]:
+        """Models that cannot serve as configured now, and why (for ``/readyz`` and the logs)."""
+        out: dict[str, str] = {}
+        now = clock.now()
+        for model in sorted(self._known - set(self.aliases)):
+            conns = [c for c in self._by_model.get(model, ()) if not c.closed and not c.draining]
+            if not conns:
+                out[model] = "no ready replica"
+            elif not self.health.usable(conns, now, panic=False):
+                out[model] = "every replica ejected: " + "; ".join(
+                    b.reason for c in conns if (b := self.health.breakers.get(c)) is not None and b.reason)
+            else:
+                continue
+            if model in self.fallbacks:
+                out[model] += f" (its traffic goes to {self.fallbacks[model]})"
+        return out
 
     def waiting_on(self, conn: WorkerConnection) -> dict[RoutedStream, None]:
         """``conn``'s requests that have no token yet, oldest first: the set a :class:`RoutedStream`

@@ -44,7 +44,7 @@ class WorkersSettings(WorkerOptions):
 
 
 # Keys of a [[models]] entry's own (the rest of [workers] comes in its `workers` sub-table).
-MODEL_KEYS = ("name", "aliases", "engine", "model", "local", "remote", "workers")
+MODEL_KEYS = ("name", "aliases", "engine", "model", "local", "remote", "workers", "fallback")
 # [workers] keys that a [[models]] entry sets for itself: with [[models]], [workers] must not.
 PER_MODEL = ("model", "served_name", "local", "remote")
 
@@ -62,6 +62,7 @@ class ModelSettings:
     local: int = 1
     remote: list[str] = field(default_factory=list)
     workers: WorkersSettings = field(default_factory=WorkersSettings)  # [workers] with this entry's overrides
+    fallback: str = ""  # the model that takes this one's traffic while none of its replicas can
 
     def worker_settings(self) -> WorkersSettings:
         """The ``[workers]`` settings its own workers run with (served under its name)."""

@@ -28,8 +28,6 @@ from typing import Any
 import orjson
 
 from transport.api import WorkerConnection
-from transport.errors import SecurityConfigError
-from transport.security import security_of
 from transport.worker_options import PERMANENT_EXITS
 
 from .. import clock
@@ -102,12 +100,8 @@ class _Worker:
 
     async def attach(self, url: str, models: Sequence[str] | None) -> WorkerConnection:
         ws = self.ws
-        try:  # the [workers] transport_* keys: TLS, the pre-shared key, default deny (transport/security.py)
-            conn = await self.sup.connect(url, identity=self.sup.identity, timeout=ws.connect_timeout,
-                                          heartbeat_interval=ws.heartbeat_interval, dead_after=ws.dead_after,
-                                          security=security_of(ws))
-        except SecurityConfigError as e:  # our own settings refuse it: a reconnect would too
-            raise WorkerUnusable(str(e)) from None
+        conn = await self.sup.connect(url, identity=self.sup.identity, timeout=ws.connect_timeout,
+                                      heartbeat_interval=ws.heartbeat_interval, dead_after=ws.dead_after)
         self.conn = conn
         served = list(models) if models else list(conn.peer_hello.models)
         self.sup.pool.add(conn, served)
@@ -239,6 +233,7 @@ class WorkerSupervisor:
         self.connect = connect if connect is not None else _default_connector()
         self.identity = f"gateway@{os.uname().nodename}:{os.getpid()}"
         self.changed = asyncio.Event()  # a worker became ready or stopped for good
+        self.healed = 0  # replicas restarted by self-healing
         self.workers: list[_Worker] = []
         if commands is not None:
             self.workers += [LocalWorker(self, ws, i, c) for i, c in enumerate(commands)]
@@ -264,6 +259,26 @@ class WorkerSupervisor:
             self.workers.append(w)
             w.task = asyncio.create_task(w.loop(), name=f"supervise {w.name}")
         return new
+
+    def worker_of(self, conn: WorkerConnection) -> _Worker | None:
+        return next((w for w in self.workers if w.conn is conn), None)
+
+    async def heal(self, worker: _Worker, why: str, timeout: float) -> None:
+        """Drain ``worker`` (out of the pool; its requests in flight finish, up to ``timeout``) and
+        restart it: a local one's process is stopped and started again by its loop."""
+        conn = worker.conn
+        if conn is None or not isinstance(worker, LocalWorker) or worker.proc is None:
+            return
+        log.warning("healing: %s %s; draining and restarting it", worker.name, why)
+        self.progress.note(worker.name, f"{why}; restarting it")
+        self.pool.remove(conn)
+        deadline = asyncio.get_running_loop().time() + timeout
+        while conn.in_flight and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        proc = worker.proc
+        if proc is not None and proc.returncode is None:
+            await terminate(proc, worker.ws.stop_timeout)  # its loop sees it exit and starts it again
+        self.healed += 1
 
     def of_model(self, name: str) -> list[_Worker]:
         """The configured workers serving ``name`` (its [workers] served name)."""

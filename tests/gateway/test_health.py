@@ -88,3 +88,22 @@ def test_retry_budget_is_a_share_of_requests_in_flight_with_a_floor() -> None:
     assert b.acquire(5) and not b.acquire(5)
     assert all(b.acquire(100) for _ in range(17)) and not b.acquire(100)  # 20 of 100
     assert b.refused == 3
+
+
+def test_to_heal_one_replica_of_a_pool_never_its_last() -> None:
+    from gateway.routing.health import to_heal
+
+    s = HealthSettings(heal_error_rate=0.05, heal_window=60.0, heal_min_requests=20)
+    h = Health(s)
+    pools = {"m": ["a", "b", "c"], "solo": ["z"]}
+    for r in ("a", "b", "c", "z"):
+        h.breaker(r, r)
+    for i in range(40):
+        for r in ("a", "b", "z"):  # 10% failed: a, b (and the lone z) past 5%
+            h.breakers[r].outcome(i % 10 == 0, 0.01, s, float(i))
+        h.breakers["c"].outcome(False, 0.01, s, float(i))
+    picked = to_heal(h, pools, 40.0)
+    assert [r for r, _ in picked] == ["a"] and "10.0% of its 40 requests" in picked[0][1]  # one per pool; not z
+    h.breakers["a"].healed()
+    assert [r for r, _ in to_heal(h, pools, 40.0)] == ["b"]
+    assert to_heal(h, pools, 200.0) == []  # the window passed: nothing recent to judge

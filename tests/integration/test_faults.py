@@ -120,3 +120,59 @@ def test_a_faulty_replica_is_ejected_and_nothing_is_lost(tmp_path: Path, fault: 
     assert took < 6.0 + 5.0 + 2.0  # none outlived its deadline (request_timeout 5 s) by much
     assert ejections >= 1
     assert amplification <= 1.2
+
+
+HEALING = """
+[workers]
+engine = "synthetic"
+synthetic_step_ms = 2
+
+[routing]                    # the breakers as shipped: 10% errors do not trip them, healing acts
+heal_error_rate = 0.05
+heal_window = 4.0
+heal_min_requests = 20
+
+[[models]]
+name = "m"
+local = 2
+workers = { synthetic_error_rate = 0.1, synthetic_fault_seed = 2 }
+
+[[models]]
+name = "dead"
+local = 1
+fallback = "backup"
+workers = { synthetic_error_rate = 1.0 }
+
+[[models]]
+name = "backup"
+"""
+
+
+def test_self_healing_restarts_one_replica_at_a_time_and_a_dead_pool_falls_back(tmp_path: Path) -> None:
+    """Both replicas of "m" fail 10% of their requests: they are drained and restarted, one at a
+    time, and "m" keeps serving throughout. Every replica of "dead" fails: it is ejected, its
+    traffic goes to its fallback, and /readyz names it degraded."""
+    g = serve_config(tmp_path, HEALING, models=("m", "dead", "backup"))
+    try:
+        statuses: list[int] = []
+        ready_counts: list[int] = []
+        with httpx.Client(base_url=g.http, timeout=10) as c:
+            end = time.monotonic() + 12
+            while time.monotonic() < end:
+                r = c.post("/v1/completions", json={"model": "m", "prompt": f"x {len(statuses)}", "max_tokens": 2})
+                statuses.append(r.status_code)
+                if len(statuses) % 20 == 0:
+                    ready_counts.append(c.get("/readyz").json().get("workers", 0))
+            text = c.get("/metrics").text
+            healed = _metric(text, "quicserve_worker_restarts_total")
+            dead = [c.post("/v1/completions", json={"model": "dead", "prompt": "x", "max_tokens": 2}) for _ in range(20)]
+            degraded = c.get("/readyz").json().get("degraded", {})
+    finally:
+        assert stop_gateway(g) == 0
+    print(f"healing: {len(statuses)} requests to m ({statuses.count(500)} injected errors), {healed:g} restarts, "
+          f"ready workers seen {sorted(set(ready_counts))}; dead -> {[r.json().get('model', r.status_code) for r in dead]}")
+    assert set(statuses) <= {200, 500}  # injected errors are explicit; never "no worker available"
+    assert healed >= 1
+    assert min(ready_counts) >= 3  # of 4 workers: one restarting at most, m never without a replica
+    assert all(r.status_code == 200 and r.json()["model"] == "backup" for r in dead[-10:])
+    assert "dead" in degraded and "backup" in degraded["dead"]

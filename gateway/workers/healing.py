@@ -1,0 +1,53 @@
+"""Self-healing: every second, the replicas whose error rate over the healing window passed its
+bound (gateway/routing/health.py ``to_heal``: one per pool at a time, never a pool's last) are
+drained and restarted if local, ejected and probed if remote."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from .. import clock
+from ..routing.health import to_heal
+from ..routing.pool import ModelPool
+from .supervisor import LocalWorker, WorkerSupervisor
+
+__all__ = ["heal_forever"]
+
+log = logging.getLogger("quicserve.workers")
+
+
+async def heal_forever(supervisor: WorkerSupervisor, pool: ModelPool, drain_timeout: float,
+                       interval: float = 1.0) -> None:
+    busy: set[str] = set()  # models a replica of which is being healed (until it is back)
+    tasks: set[asyncio.Task[None]] = set()
+    while True:
+        await asyncio.sleep(interval)
+        now = clock.now()
+        pools = {m: rs for m, rs in pool.replicas().items() if m not in busy}
+        for conn, why in to_heal(pool.health, pools, now):
+            worker = supervisor.worker_of(conn)
+            if isinstance(worker, LocalWorker):
+                models = {m for m, rs in pools.items() if conn in rs}
+                busy.update(models)
+                task = asyncio.create_task(_heal(supervisor, worker, why, drain_timeout, busy, models))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+            else:  # a remote replica cannot be restarted from here: ejected, then probed
+                b = pool.health.breakers.get(conn)
+                if b is not None and b.state == "closed":
+                    b.trip(why, pool.health.s, now)
+                    b.healed()
+
+
+async def _heal(supervisor: WorkerSupervisor, worker: LocalWorker, why: str, timeout: float, busy: set[str],
+                models: set[str]) -> None:
+    """Restart one replica; its pool may lose another only once this one is serving again."""
+    try:
+        old = worker.conn
+        await supervisor.heal(worker, why, timeout)
+        deadline = clock.now() + max(60.0, worker.ws.ready_timeout)
+        while (worker.conn is None or worker.conn is old) and clock.now() < deadline and not worker.stopping:
+            await asyncio.sleep(0.1)
+    finally:
+        busy.difference_update(models)
