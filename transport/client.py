@@ -194,6 +194,9 @@ async def connect(
             else:
                 await open_stream(t.scheme, t.host, t.port, t.path, lambda: conn.endpoint, tls)
             await conn._hello
+            if conn.closed:  # the worker broke the protocol right after its HELLO (logged above)
+                assert conn.core.close_error is not None
+                raise ProtocolError(conn.core.close_error.message)
     except TimeoutError:
         conn.endpoint.close("connect timeout")
         raise ConnectError(f"{url}: no HELLO from the worker within {timeout}s") from None

@@ -220,6 +220,7 @@ class FlowConnection:
         streams = StreamTable(max_streams)
         self._enc = FrameEncoder(streams)
         self._dec = FrameDecoder(streams, min(HANDSHAKE_MAX_FRAME, self.local_hello.max_frame))
+        self._dec.stop_after_hello = True  # the frames after the peer's HELLO get the limit it leads to
         self._out: list[bytes] = []
         self._last_rx = now
         self._next_ping = now + heartbeat_interval
@@ -255,11 +256,18 @@ class FlowConnection:
         except WireError as exc:
             return self._fail(str(exc))
         events: list[Event] = []
-        for msg in msgs:
-            self._handle(msg, events)
-            if self.closed:
-                break
-        return events
+        while True:
+            for msg in msgs:
+                self._handle(msg, events)
+                if self.closed:
+                    return events
+            if not (msgs and type(msgs[-1]) is Hello and self._dec.buffered):
+                return events
+            try:  # the decoder stopped after a HELLO (handshake): the rest, under the limit now in force
+                msgs = self._dec.feed(b"")
+            except WireError as exc:
+                events.extend(self._fail(str(exc)))
+                return events
 
     def connection_lost(self, reason: str = "connection lost") -> list[Event]:
         """The byte stream ended or broke."""
@@ -270,6 +278,16 @@ class FlowConnection:
         return self._terminate(Error(0, ErrorCode.CONNECTION_LOST, reason))
 
     # --- timers ------------------------------------------------------------------------------
+
+    @property
+    def buffered(self) -> int:
+        """Bytes held for the peer's incomplete frame: at most a header plus :attr:`frame_limit`."""
+        return self._dec.buffered
+
+    @property
+    def frame_limit(self) -> int:
+        """The largest frame body accepted from the peer now (small until its HELLO is accepted)."""
+        return self._dec.max_frame
 
     @property
     def psk_verified(self) -> bool:
@@ -514,6 +532,7 @@ class FlowConnection:
         self.peer_hello = msg
         self._enc.max_frame = msg.max_frame
         self._dec.max_frame = self.local_hello.max_frame
+        self._dec.stop_after_hello = False
         events.append(PeerHello(msg))
 
     def _handle_gateway(self, msg: Message | SubmitRejected, events: list[Event]) -> None:

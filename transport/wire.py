@@ -349,6 +349,9 @@ class FrameDecoder:
         self._buf = bytearray()
         self._failed: WireError | None = None
         self._tokens = TokenDecoder(self.streams)
+        # Stop after each HELLO (the rest waits in the buffer for the next feed), so that whoever
+        # reads it can change max_frame before the frames that follow it are checked.
+        self.stop_after_hello = False
 
     @property
     def buffered(self) -> int:
@@ -386,6 +389,8 @@ class FrameDecoder:
                         break
                     out.append(self._message(ftype, flags, rid, mv[start : start + length]))
                     pos = start + length
+                    if ftype == _HELLO and self.stop_after_hello:
+                        break
         except WireError as exc:
             self._failed = exc
             self._buf = bytearray()  # rebind, not clear(): a traceback may still pin a view
@@ -573,5 +578,6 @@ def _submit_body(rid: int, body: memoryview) -> Submit:
     return sub
 
 
+_HELLO = int(FrameType.HELLO)
 _RID_FRAMES = frozenset({FrameType.SUBMIT, FrameType.CANCEL, FrameType.CREDIT, FrameType.FINISH})
 _NO_OPTIONS = StreamOptions(False, 0)

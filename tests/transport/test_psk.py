@@ -173,3 +173,20 @@ def test_key_files(tmp_path: Path) -> None:
     assert "short" not in str(e.value)
     with pytest.raises(ValueError, match="cannot read"):
         read_key_file(str(tmp_path / "missing"))
+
+
+@pytest.mark.parametrize("key", [None, KEY])
+def test_frames_coalesced_with_the_hello_get_the_limit_it_leads_to(key: bytes | None) -> None:
+    """A gateway's HELLO and a SUBMIT past the handshake cap in one read: the SUBMIT is checked against
+    the full frame limit, as the HELLO accepted just before it allows."""
+    gw, wk = cores(key, key)
+    big = Submit(1, "tiny", prompt="x" * (2 * HANDSHAKE_MAX_FRAME))
+    wk_out = wk.data_to_send()
+    gev = gw.receive_data(wk_out, 0.0)
+    wev: list[Event] = []
+    while not any(isinstance(e, PeerHello) for e in gev):  # the key's exchange, one step each way
+        wev += wk.receive_data(gw.data_to_send(), 0.0)
+        gev += gw.receive_data(wk.data_to_send(), 0.0)
+    gw.submit(big)
+    wev += wk.receive_data(gw.data_to_send(), 0.0)  # [AUTH +] full HELLO + the SUBMIT, in one piece
+    assert [e.submit.prompt for e in wev if isinstance(e, SubmitReceived)] == [big.prompt] and not wk.closed
