@@ -16,6 +16,11 @@ wire format; routing errors are converted at this edge.
 
 Seams: an admission stage (:class:`AdmissionStage`) runs before anything is
 routed; the pool's routing policy picks the replica; a writer per wire format.
+
+When the admission stage requires API keys, every other route needs one too
+(``/v1/models`` lists what exists; ``/admin`` tells how traffic moves), as vLLM's
+``--api-key`` guards every ``/v1`` route; only :data:`OPEN_ROUTES` (probes and
+the scrape) answer without. A missing or bad key is the admission's own 401.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ from collections.abc import Callable, Iterable
 import orjson
 
 from . import clock
+from .admission.keys import KeyStore
+from .admission.stage import AdmissionStageAdapter
 from .api.call import CallContext
 from .api.config import ApiSettings
 from .api.deadlines import DeadlineSweeper
@@ -45,7 +52,7 @@ from .routing.pool import ModelPool
 from .routing.rollout import Rollouts
 from .routing.rules import RuleTree
 
-__all__ = ["App", "AdmissionStage"]
+__all__ = ["App", "AdmissionStage", "OPEN_ROUTES"]
 
 log = logging.getLogger("quicserve.app")
 
@@ -55,6 +62,16 @@ _METRICS_HEADERS = [(b"content-type", CONTENT_TYPE_LATEST.encode())]
 
 Answer = tuple[int, Headers, bytes]
 SmallRoute = Callable[[Request], Answer]
+
+OPEN_ROUTES = frozenset({"/healthz", "/readyz", "/metrics"})
+"""The routes that answer without an API key when keys are required (liveness, readiness, scrape)."""
+
+
+def _required_keys(admission: AdmissionStage | None) -> KeyStore | None:
+    """The keys every route but :data:`OPEN_ROUTES` checks: the admission stage's, when it requires them."""
+    if isinstance(admission, AdmissionStageAdapter) and admission.admission.auth_required:
+        return admission.admission.keys
+    return None
 
 
 _SHUTTING_DOWN = APIError(503, "The server is shutting down; retry on another instance.", "server_error", None,
@@ -83,6 +100,7 @@ class App:
         self.generations = Generations(pool, self.metrics, self.calls, admission, tracer, access_log, rules, identify,
                                        rollouts)
         self.rollouts = rollouts
+        self.keys = _required_keys(admission)  # None: no key needed anywhere but where admission asks
         self.config_problem: str | None = None  # why the last config reload was refused (/readyz says)
         self.metrics.watch_workers(pool.connections)
         self.draining = False
@@ -124,6 +142,10 @@ class App:
             return mounted(req, sink, done)
         route = path
         try:
+            keys = self.keys
+            if keys is not None and path not in OPEN_ROUTES:
+                keys.maybe_reload(t0)
+                keys.authenticate(req.header(b"authorization"))  # 401 like a generation route's
             methods = self.small.get(path)
             if methods is not None:
                 small = methods.get(req.method)
