@@ -38,6 +38,7 @@ from .http.listeners import Listener
 from .http.quic_listener import QuicListener, start_quic_listener
 from .http.quic_settings import alt_svc as alt_svc_header
 from .http.tls import SELF_SIGNED_CERT, SELF_SIGNED_KEY
+from .observability.counters import GatewayCounters
 from .observability.logs import ACCESS_LOGGER, configure_logging
 from .observability.metrics import GatewayMetrics
 from .observability.systemd import SystemdNotifier, required_models
@@ -149,7 +150,9 @@ async def run_gateway(settings: Settings, *, out: TextIO | None = None,
     supervisor.start()
     notifier.start(required_models(*model_workers), pool.models)
     tune_gc()
-    sweeper = asyncio.create_task(CycleSweeper().run())  # a burst's garbage cycles do not outlive it
+    sweeper = asyncio.create_task((cycles := CycleSweeper()).run())  # a burst's garbage cycles do not outlive it
+    metrics.registry.register(GatewayCounters(next((s for s in servers if isinstance(s, QuicListener)), None), cycles,
+                                              supervisor))  # 0-RTT, tickets, GC sweeps, workers by model
     watches = [asyncio.create_task(watch_workers(spec, supervisor.add_remote, supervisor.remove_remote,
                                                  interval=settings.discovery.interval))
                for spec in settings.discovery.worker_dns]  # workers behind a DNS name (Kubernetes)
