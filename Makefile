@@ -43,7 +43,7 @@ $(LIBTPU_STAMP): $(STAMP_TEST)
 # chromium, an independent HTTP/3 client (tests/integration/test_h3_chromium.py); systemd for
 # systemd-analyze, which checks config/quicserve.service; podman, runc and debootstrap to
 # build and run the Dockerfile's image (tests/integration/test_container.py).
-APT_PKGS := curl python3-pyverbs g++ nodejs redis-server chromium systemd podman runc debootstrap
+APT_PKGS := curl python3-pyverbs g++ nodejs redis-server chromium systemd podman runc debootstrap prometheus
 $(SYSDEPS_STAMP): $(VENV)/bin/python Makefile
 	@missing=""; for p in $(APT_PKGS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \
