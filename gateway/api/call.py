@@ -157,7 +157,7 @@ class GenerationCall:
                 self._fail(from_wire_code(fin.code, fin.message))
                 return
             n = fin.completion_tokens
-            self._ctx.observe(self.route, self._routed.model, None, None, n)
+            self._ctx.observe(self.route, self._routed.model, self.t_first - self.t0 if t else None, None, n)
             w = self._w
             assert isinstance(w, JsonWriter)
             self._sink.respond(200, self._headers, w.whole(res.text, fin))

@@ -93,9 +93,10 @@ class GatewayMetrics:
     def tokens(self, route: str, model: str, ttft: float | None, tpot: float | None, n: int) -> None:
         """One generation finished: first-token latency, mean inter-token time, count.
 
-        ``ttft``/``tpot`` are None when the gateway did not see tokens arrive one step
-        at a time: a non-streaming response is delivered by the worker in one piece
-        (``Submit.buffered``), so only its token count is recorded.
+        A non-streaming response is delivered by the worker in one piece (``Submit.buffered``):
+        its ``ttft`` is when the transport saw its first token (the worker stamps nothing; the
+        piece arrives once the request ends, so this is the first token's time at the earliest
+        the gateway can know it), and its ``tpot`` is None.
         """
         key = (route, model)
         if ttft is not None:

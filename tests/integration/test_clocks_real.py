@@ -123,7 +123,7 @@ def test_0rtt_on_a_resumed_connection(gw: tuple[Gateway, Path]) -> None:
                 await asyncio.sleep(0.01)
         assert tickets, "no session ticket"
         async with h3_connect(port, ticket=tickets[-1], wait_connected=False) as client:
-            resp = client.start("GET", "/v1/models", b"", None)
+            resp = client.start("GET", "/v1/models", b"", [(b"authorization", f"Bearer {KEY_A}".encode())])
             await asyncio.wait_for(resp.done.wait(), 10)
             return resp.status, client.early_data_accepted
 
