@@ -171,3 +171,25 @@ def test_no_capability_is_found_with_getattr() -> None:
                 if where not in GETATTR_ALLOWED:
                     found.append(where)
     assert not found, f"declare these in a type instead: {found}"
+
+
+SETTINGS_IMPORTERS = {"gateway.cli", "gateway.serve", "gateway.reload"}  # the entry points (serve's reload)
+
+
+def test_only_the_entry_points_import_the_settings_collector() -> None:
+    """Each package owns its section (its config.py); gateway/settings.py collects them, so a module
+    that imported it back would point up the tree (the six arrows issue #27 removed)."""
+    found = set()
+    for name, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                pkg = name if path.name == "__init__.py" else name.rpartition(".")[0]
+                base = node.module or ""
+                if node.level:
+                    up = pkg.split(".")[: len(pkg.split(".")) - (node.level - 1)]
+                    base = ".".join([*up, base] if base else up)
+                if base == "gateway.settings" or (base == "gateway" and any(a.name == "settings" for a in node.names)):
+                    found.add(name)
+            elif isinstance(node, ast.Import) and any(a.name == "gateway.settings" for a in node.names):
+                found.add(name)
+    assert found <= SETTINGS_IMPORTERS | {"gateway.settings"}, sorted(found - SETTINGS_IMPORTERS)

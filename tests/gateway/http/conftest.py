@@ -225,3 +225,11 @@ def event_loop_policy() -> Any:
     import uvloop
 
     return uvloop.EventLoopPolicy()
+
+
+@pytest.fixture(scope="session")
+def cert(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    """A self-signed certificate and key for the QUIC/TLS listeners (one for the whole run)."""
+    from .h3_client import make_cert
+
+    return make_cert(Path(tmp_path_factory.mktemp("h3cert")))

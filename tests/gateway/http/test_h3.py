@@ -3,20 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 import pytest
 
 from gateway.http.quic_settings import QuicSettings
 from tests.gateway.doubles import ScriptedWorkerConnection, sse_events
-from tests.gateway.http.h3_client import H3Response, chat_body, h3_connect, h3_gateway, make_cert
+from tests.gateway.http.h3_client import H3Response, chat_body, h3_connect, h3_gateway
 
 pytestmark = pytest.mark.timeout(30)
-
-
-@pytest.fixture(scope="module")
-def cert(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
-    return make_cert(Path(tmp_path_factory.mktemp("h3cert")))
 
 
 async def test_full_handshake_whole_json_response(cert: tuple[str, str]) -> None:

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 import pytest
 from aioquic.tls import SessionTicket
 
 from gateway.http.quic_settings import DEFAULT_EARLY_DATA_ROUTES, QuicSettings
-from tests.gateway.http.h3_client import Gateway, H3Response, chat_body, h3_connect, h3_gateway, make_cert
+from tests.gateway.http.h3_client import Gateway, H3Response, chat_body, h3_connect, h3_gateway
 from tests.netrelay import Link, UdpRelay
 
 pytestmark = pytest.mark.timeout(30)
@@ -17,11 +16,6 @@ pytestmark = pytest.mark.timeout(30)
 CHAT = "/v1/chat/completions"
 JSON = [(b"content-type", b"application/json")]
 GENERATION_SAFE = QuicSettings(early_data_routes=[*DEFAULT_EARLY_DATA_ROUTES, f"POST {CHAT}"])
-
-
-@pytest.fixture(scope="module")
-def cert(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
-    return make_cert(Path(tmp_path_factory.mktemp("h3cert")))
 
 
 async def ticket_from(gw: Gateway) -> SessionTicket:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from pathlib import Path
 
 import pytest
 
@@ -13,17 +12,12 @@ from gateway.http.h3 import H3Protocol
 from gateway.http.h3_sink import unsent as _unsent
 from gateway.http.quic_settings import QuicSettings
 from tests.gateway.doubles import ScriptedWorkerConnection, sse_events
-from tests.gateway.http.h3_client import Gateway, chat_body, h3_connect, h3_gateway, make_cert
+from tests.gateway.http.h3_client import Gateway, chat_body, h3_connect, h3_gateway
 from tests.netrelay import Link, UdpRelay
 
 pytestmark = pytest.mark.timeout(60)
 
 CHAT = "/v1/chat/completions"
-
-
-@pytest.fixture(scope="module")
-def cert(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
-    return make_cert(Path(tmp_path_factory.mktemp("h3cert")))
 
 
 @asynccontextmanager
