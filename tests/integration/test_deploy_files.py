@@ -114,15 +114,49 @@ def test_systemd_unit_matches_the_code() -> None:
     assert keys["ProtectSystem"] == "strict" and "MemoryDenyWriteExecute" not in keys  # XLA's JIT needs W+X
 
 
+_OPTIONAL = re.compile(r"^#((?:LoadCredential|Environment|EnvironmentFile)=.*)$", re.M)
+
+
+def with_credentials(text: str) -> str:
+    """The unit with its commented-out secret lines (credentials, their settings) switched on."""
+    return _OPTIONAL.sub(r"\1", text)
+
+
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed (APT_PKGS has it)")
-def test_systemd_unit_verifies(tmp_path: Path) -> None:
-    """systemd itself parses the unit: no unknown keys or bad values (it warns and goes on, so: no output)."""
+@pytest.mark.parametrize("credentials", [False, True], ids=["as shipped", "credentials on"])
+def test_systemd_unit_verifies(tmp_path: Path, credentials: bool) -> None:
+    """systemd itself parses the unit: no unknown keys or bad values (it warns and goes on, so: no output),
+    also with every credential line switched on."""
     script = shutil.which("quicserve", path=str(Path(sys.executable).parent))
     assert script, "the quicserve console script is not installed next to this interpreter"
     unit = tmp_path / UNIT.name
-    unit.write_text(UNIT.read_text().replace("/opt/quicserve/.venv/bin/quicserve", script))
+    text = UNIT.read_text()
+    unit.write_text((with_credentials(text) if credentials else text).replace("/opt/quicserve/.venv/bin/quicserve",
+                                                                               script))
     r = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and not r.stderr.strip() and not r.stdout.strip(), r.stderr + r.stdout
+
+
+def test_systemd_secrets_come_as_credentials() -> None:
+    """Every secret the unit hands the service is a LoadCredential= file that a setting reads at %d/ID
+    (the API keys, the HTTPS and transport certificates and keys, the pre-shared key): each %d/ID has its
+    credential, each credential its setting, and the settings are real ones (turned on, they load)."""
+    lines = [ln.strip() for ln in with_credentials(UNIT.read_text()).splitlines() if ln.strip()
+             and not ln.startswith("#")]
+    creds = dict(ln.split("=", 1)[1].split(":", 1) for ln in lines if ln.startswith("LoadCredential="))
+    assert {"api-keys.toml", "transport.crt", "transport.key", "transport-ca.crt", "transport.psk"} <= set(creds)
+    assert all(path.startswith("/etc/quicserve/") for path in creds.values())
+    env = dict(item.partition("=")[::2] for ln in lines if ln.startswith("Environment=")
+               for item in shlex.split(ln.split("=", 1)[1]))
+    used = {v.removeprefix("%d/") for v in env.values() if v.startswith("%d/")}
+    assert used == set(creds), (used, set(creds))
+    settings = env_settings({k: v.replace("%d", "/run/credentials/quicserve.service") for k, v in env.items()})
+    assert settings.admission.keys_file.endswith("/api-keys.toml")
+    w = settings.workers
+    assert (w.transport_tls_cert, w.transport_tls_key, w.transport_tls_ca, w.transport_psk_file) == tuple(
+        f"/run/credentials/quicserve.service/{n}" for n in ("transport.crt", "transport.key", "transport-ca.crt",
+                                                             "transport.psk"))
+    assert settings.server.tls_cert.endswith("/https.crt") and settings.server.tls_key.endswith("/https.key")
 
 
 def _get(url: str, body: dict | None = None) -> tuple[int, dict]:
