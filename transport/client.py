@@ -198,12 +198,20 @@ async def connect(
                 assert conn.core.close_error is not None
                 raise ProtocolError(conn.core.close_error.message)
     except TimeoutError:
-        conn.endpoint.close("connect timeout")
+        _abandon(conn, "connect timeout")
         raise ConnectError(f"{url}: no HELLO from the worker within {timeout}s") from None
     except OSError as exc:
-        conn.endpoint.close("connect failed")
+        _abandon(conn, "connect failed")
         raise ConnectError(f"{url}: {exc.strerror or exc}") from exc
     except BaseException:  # protocol error at HELLO, or the caller gave up: leave nothing open
-        conn.endpoint.close("connect aborted")
+        _abandon(conn, "connect aborted")
         raise
     return conn
+
+
+def _abandon(conn: ClientConnection, why: str) -> None:
+    """Close a connection that never got going; the HELLO future it fails is the error raised
+    here, so it is read (not left for asyncio to log as "never retrieved")."""
+    conn.endpoint.close(why)
+    if conn._hello.done() and not conn._hello.cancelled():
+        conn._hello.exception()

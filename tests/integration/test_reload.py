@@ -137,8 +137,8 @@ name = "base"
 
 
 def test_reload_under_load_loses_nothing(tmp_path: Path) -> None:
-    """32 clients for the whole run while the config changes six times: a model added and removed
-    three times, the split's weights changed each time it comes back: every request gets a 200."""
+    """32 clients for 30 s while the config changes six times: a model added and removed three
+    times, the split's weights changed each time it comes back: every request gets a 200."""
     import asyncio
 
     g = serve_config(tmp_path, BASE_ONLY, models=("base",))
@@ -161,21 +161,21 @@ def test_reload_under_load_loses_nothing(tmp_path: Path) -> None:
             async with httpx.AsyncClient(base_url=g.http, timeout=30,
                                          limits=httpx.Limits(max_connections=32)) as c:
                 tasks = [asyncio.create_task(client(c, k)) for k in range(32)]
-                for weight in (10, 30, 50):
-                    await asyncio.sleep(1.0)
+                for weight in (10, 30, 50):  # 3 x 9.5 s + 1.5 s: 30 s of load
+                    await asyncio.sleep(4.0)
                     (tmp_path / "config.toml").write_text(_with_extra(weight))
                     g.proc.send_signal(signal.SIGHUP)
-                    await asyncio.sleep(1.5)
+                    await asyncio.sleep(5.5)
                     (tmp_path / "config.toml").write_text(BASE_ONLY)
                     g.proc.send_signal(signal.SIGHUP)
-                await asyncio.sleep(1.0)
+                await asyncio.sleep(1.5)
                 stop.set()
                 await asyncio.gather(*tasks)
 
         asyncio.run(run())
         failed = [s for s in statuses if s != 200]
         print(f"reload under load: {len(statuses)} requests, {len(failed)} failed, models {sorted(served)}")
-        assert len(statuses) > 300 and not failed, sorted(set(failed))
+        assert len(statuses) > 1000 and not failed, sorted(set(failed))
         assert served == {"base", "extra"}  # the split did send some to the added model
     finally:
         assert stop_gateway(g) == 0
