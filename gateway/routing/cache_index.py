@@ -1,0 +1,166 @@
+"""Which replica holds which prefix-cache blocks: an index fed by stored / evicted events.
+
+How it works: every replica's KV cache names a prompt's full blocks by the hash chain of
+:mod:`transport.prefix` (``h_i = H(h_{i-1}, block i)``), so one hash names a whole prefix. The
+index keeps one map ``hash -> bitmask of replicas holding it`` and, per replica, that
+replica's hashes in LRU order. A prompt's longest cached prefix on every replica is one walk
+down its chain, and-ing the masks until none is left (:meth:`CacheIndex.longest_prefixes`).
+
+Events are what workers will publish (:class:`BlocksStored`, :class:`BlocksEvicted`,
+:class:`ReplicaReset` on a restart or cache reset); here the simulator feeds them. Memory is
+bounded by ``capacity`` blocks per replica: a replica that reports more than it can hold
+(or an event lost on the way) costs its least recently stored entries, never the index's
+bound. The same class models an LRU prefix cache: :meth:`store` returns what it evicted, which
+is the event a worker would send, and the approximate (event-less) policy keeps its guesses
+in one.
+
+Blocks are touched leaf first, so the LRU victim is the tail of the least recently used
+chain, as in vLLM's free queue: evicting a root would orphan every block below it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+__all__ = ["BlocksStored", "BlocksEvicted", "ReplicaReset", "CacheEvent", "CacheIndex"]
+
+
+@dataclass(frozen=True, slots=True)
+class BlocksStored:
+    """A replica now holds these blocks (chain order; a step's batch)."""
+
+    replica: int
+    hashes: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class BlocksEvicted:
+    """A replica dropped these blocks."""
+
+    replica: int
+    hashes: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaReset:
+    """A replica's cache is empty (a restart, a new epoch, a resync)."""
+
+    replica: int
+
+
+CacheEvent = BlocksStored | BlocksEvicted | ReplicaReset
+
+
+class CacheIndex:
+    """Per replica, the block hashes it holds (LRU, at most ``capacity`` each); longest cached
+    prefix of a chain per replica in one walk."""
+
+    __slots__ = ("capacity", "_holders", "_lru")
+
+    def __init__(self, replicas: int, capacity: int) -> None:
+        if replicas < 1 or capacity < 1:
+            raise ValueError("replicas and capacity must be >= 1")
+        self.capacity = capacity
+        self._holders: dict[int, int] = {}  # hash -> bitmask of replicas
+        self._lru: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(replicas)]
+
+    @property
+    def replicas(self) -> int:
+        return len(self._lru)
+
+    def __len__(self) -> int:
+        """Distinct hashes held anywhere (the map's size)."""
+        return len(self._holders)
+
+    def blocks(self, replica: int) -> int:
+        """How many blocks ``replica`` holds."""
+        return len(self._lru[replica])
+
+    def holds(self, replica: int, h: int) -> bool:
+        return h in self._lru[replica]
+
+    def apply(self, event: CacheEvent) -> None:
+        """Feed one worker event."""
+        if isinstance(event, BlocksStored):
+            self.store(event.replica, event.hashes)
+        elif isinstance(event, BlocksEvicted):
+            self.evict(event.replica, event.hashes)
+        else:
+            self.reset(event.replica)
+
+    def store(self, replica: int, chain: Sequence[int]) -> list[int]:
+        """``replica`` holds ``chain`` (new or touched, most recent now); returns the hashes the
+        capacity pushed out, least recent first."""
+        lru = self._lru[replica]
+        bit = 1 << replica
+        holders = self._holders
+        for h in reversed(chain):  # leaf first: the root ends most recent
+            if h in lru:
+                lru.move_to_end(h)
+            else:
+                lru[h] = None
+                holders[h] = holders.get(h, 0) | bit
+        evicted: list[int] = []
+        while len(lru) > self.capacity:
+            h, _ = lru.popitem(last=False)
+            self._drop(h, bit)
+            evicted.append(h)
+        return evicted
+
+    def touch(self, replica: int, chain: Sequence[int]) -> None:
+        """A hit: the held blocks of ``chain`` become most recent (none is added)."""
+        lru = self._lru[replica]
+        for h in reversed(chain):
+            if h in lru:
+                lru.move_to_end(h)
+
+    def evict(self, replica: int, hashes: Iterable[int]) -> None:
+        lru = self._lru[replica]
+        bit = 1 << replica
+        for h in hashes:
+            if lru.pop(h, 0) is None:
+                self._drop(h, bit)
+
+    def reset(self, replica: int) -> None:
+        bit = 1 << replica
+        for h in self._lru[replica]:
+            self._drop(h, bit)
+        self._lru[replica].clear()
+
+    def _drop(self, h: int, bit: int) -> None:
+        mask = self._holders[h] & ~bit
+        if mask:
+            self._holders[h] = mask
+        else:
+            del self._holders[h]
+
+    def longest_prefixes(self, chain: Sequence[int]) -> list[int]:
+        """Per replica, how many leading blocks of ``chain`` it holds."""
+        n = len(self._lru)
+        out = [0] * n
+        alive = (1 << n) - 1
+        holders = self._holders
+        for i, h in enumerate(chain):
+            mask = alive & holders.get(h, 0)
+            if mask != alive:
+                gone = alive & ~mask
+                for r in range(n):
+                    if gone >> r & 1:
+                        out[r] = i
+                alive = mask
+                if not alive:
+                    return out
+        for r in range(n):
+            if alive >> r & 1:
+                out[r] = len(chain)
+        return out
+
+    def longest_prefix(self, replica: int, chain: Sequence[int]) -> int:
+        """How many leading blocks of ``chain`` ``replica`` holds."""
+        lru = self._lru[replica]
+        for i, h in enumerate(chain):
+            if h not in lru:
+                return i
+        return len(chain)

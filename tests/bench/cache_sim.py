@@ -1,0 +1,166 @@
+"""Cache-aware routing in simulated time: policies over a trace, against an ideal cache.
+
+How it works: ``replicas`` engines, each an LRU prefix cache of ``capacity`` blocks (a
+:class:`~gateway.routing.cache_index.CacheIndex` of one row per replica: the truth) and a
+chunked-prefill engine by a :class:`~gateway.routing.cache_policy.CostModel`: each step
+computes up to ``chunk`` queued prefill tokens (FIFO) and one token of every running
+sequence. A request's first token comes at the end of the step that finishes its prefill; it
+then decodes ``output_tokens - 1`` more steps. At each arrival every replica is advanced to
+that time, the policy sees their loads and picks one; the prompt's longest prefix held there
+is its hit (the rest is prefill work), and its chain is stored there. The truth's stored and
+evicted blocks are replayed as events into the index the exact policies read, as workers'
+KV events will be.
+
+Simplifications: blocks count as held from the moment a request is routed (a queued twin
+shares them); the KV memory of running sequences is not taken from the prefix cache.
+
+The oracle is one LRU cache of ``replicas * capacity`` blocks seeing the whole trace in order.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from gateway.routing.cache_index import BlocksEvicted, BlocksStored, CacheIndex
+from gateway.routing.cache_policy import CachePolicy, CacheRequest, CostModel, ReplicaLoad
+
+from .trace_gen import TraceRequest
+
+__all__ = ["SimResult", "simulate", "oracle_hit_rate", "percentile"]
+
+
+def percentile(xs: Sequence[float], p: float) -> float:
+    if not xs:
+        return 0.0
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, math.ceil(p / 100 * len(s)) - 1))]
+
+
+@dataclass(frozen=True, slots=True)
+class SimResult:
+    policy: str
+    hit_rate: float  # prompt tokens served from cache / prompt tokens
+    ttft_p50: float
+    ttft_p90: float
+    imbalance: float  # max / mean requests per replica
+    inflight_p99: float  # p99 over 100 ms samples of max / mean in-flight tokens per replica
+    per_replica: tuple[int, ...]
+
+
+class _Replica:
+    __slots__ = ("cost", "clock", "step", "waiting", "queued_tokens", "running", "inflight_tokens", "ttft", "trace")
+
+    def __init__(self, cost: CostModel, ttft: list[float], trace: Sequence[TraceRequest]) -> None:
+        self.cost, self.ttft, self.trace = cost, ttft, trace
+        self.clock = 0.0
+        self.step = 0
+        self.waiting: deque[list[int]] = deque()  # [request, prefill tokens left]
+        self.queued_tokens = 0
+        self.running: list[tuple[int, int]] = []  # (last step, request)
+        self.inflight_tokens = 0
+
+    def load(self) -> ReplicaLoad:
+        w, r = len(self.waiting), len(self.running)
+        return ReplicaLoad(w + r, w, self.queued_tokens, r)
+
+    def submit(self, rid: int, uncached: int) -> None:
+        self.waiting.append([rid, uncached])
+        self.queued_tokens += uncached
+        self.inflight_tokens += self.trace[rid].prompt_tokens
+
+    def _finish(self) -> None:
+        while self.running and self.running[0][0] <= self.step:
+            _, rid = heapq.heappop(self.running)
+            self.inflight_tokens -= self.trace[rid].prompt_tokens
+
+    def advance(self, until: float) -> None:
+        cost = self.cost
+        while self.clock < until:
+            if self.waiting:
+                budget, used, done = cost.chunk, 0, []
+                while self.waiting and budget:
+                    w = self.waiting[0]
+                    take = min(budget, w[1])
+                    w[1] -= take
+                    used += take
+                    budget -= take
+                    if w[1] == 0:
+                        done.append(self.waiting.popleft()[0])
+                self.clock += cost.step_s(used, len(self.running))
+                self.step += 1
+                self.queued_tokens -= used
+                self._finish()
+                for rid in done:
+                    req = self.trace[rid]
+                    self.ttft[rid] = self.clock - req.t
+                    heapq.heappush(self.running, (self.step + max(0, req.output_tokens - 1), rid))
+                self._finish()
+            elif self.running:
+                dt = cost.step_s(0, len(self.running))
+                n = max(1, min(self.running[0][0] - self.step, math.ceil((until - self.clock) / dt)))
+                self.clock += n * dt
+                self.step += n
+                self._finish()
+            else:
+                self.clock = until
+
+
+def simulate(trace: Sequence[TraceRequest], make_policy: Callable[[CacheIndex], CachePolicy], *,
+             replicas: int = 4, capacity: int, cost: CostModel, block_size: int,
+             sample_s: float = 0.1) -> SimResult:
+    """Run ``trace`` through the policy ``make_policy(index)`` builds (the index is exact: fed
+    the replicas' stored/evicted events)."""
+    truth = CacheIndex(replicas, capacity)
+    index = CacheIndex(replicas, capacity)
+    policy = make_policy(index)
+    ttft = [math.nan] * len(trace)
+    reps = [_Replica(cost, ttft, trace) for _ in range(replicas)]
+    counts = [0] * replicas
+    hit = total = 0
+    samples: list[float] = []
+    next_sample = sample_s
+    for rid, req in enumerate(trace):
+        while next_sample <= req.t:
+            for rep in reps:
+                rep.advance(next_sample)
+            tok = [rep.inflight_tokens for rep in reps]
+            if sum(tok):
+                samples.append(max(tok) * replicas / sum(tok))
+            next_sample += sample_s
+        for rep in reps:
+            rep.advance(req.t)
+        r = policy.choose(CacheRequest(req.chain, req.prompt_tokens, block_size), [rep.load() for rep in reps])
+        cached = min(truth.longest_prefix(r, req.chain) * block_size, req.prompt_tokens - 1)
+        evicted = truth.store(r, req.chain)
+        index.apply(BlocksStored(r, req.chain))
+        if evicted:
+            index.apply(BlocksEvicted(r, tuple(evicted)))
+        reps[r].submit(rid, req.prompt_tokens - cached)
+        counts[r] += 1
+        hit += cached
+        total += req.prompt_tokens
+    for rep in reps:
+        _drain(rep)
+    done = [x for x in ttft if not math.isnan(x)]
+    return SimResult(policy.name, hit / max(1, total), percentile(done, 50), percentile(done, 90),
+                     max(counts) * replicas / max(1, sum(counts)), percentile(samples, 99), tuple(counts))
+
+
+def _drain(rep: _Replica) -> None:
+    while rep.waiting or rep.running:
+        rep.advance(rep.clock + 60.0)
+
+
+def oracle_hit_rate(trace: Sequence[TraceRequest], capacity: int, block_size: int) -> float:
+    """The hit rate of one ideal LRU cache of ``capacity`` blocks seeing the whole trace."""
+    cache = CacheIndex(1, capacity)
+    hit = total = 0
+    for req in trace:
+        hit += min(cache.longest_prefix(0, req.chain) * block_size, req.prompt_tokens - 1)
+        cache.store(0, req.chain)
+        total += req.prompt_tokens
+    return hit / max(1, total)

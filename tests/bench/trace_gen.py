@@ -1,0 +1,160 @@
+"""Seeded request traces for cache-aware routing (issue #29): prompts as block hash chains.
+
+A trace is a list of :class:`TraceRequest` in arrival order. Each prompt is
+``[common prefix] + tenant context + [session history] + query``:
+
+- ``tenants`` tenants, picked with Zipf(``zipf_s``) popularity (rank k has weight k^-s);
+  ``hot_share`` > 0 gives tenant 0 that share of the traffic and the rest Zipf among the others.
+- each tenant has one shared context of ``context_tokens`` tokens (its system prompt and
+  documents), fixed for the trace; ``common_tokens`` > 0 puts one prompt shared by every tenant
+  before it (so the first block no longer names the tenant).
+- each request adds a fresh query of ``query_tokens`` (uniform in [q/2, 3q/2]).
+- a request opens a multi-turn session with probability ``multi_turn``; a session has up to
+  ``max_turns`` turns, each one later by ``think_s`` (exponential), its prompt the previous
+  prompt, the previous answer (``output_tokens``) and a new query: sessions grow.
+- arrivals are Poisson at ``rate`` per second, or ``bursty``: the rate switches between
+  ``burst_factor`` times and ``1/burst_factor`` times ``rate`` every ``burst_s`` on average.
+
+Tokens are random u32s from the seed; chains are :func:`transport.prefix.block_hash` chains
+with ``block_size`` tokens per block (a shared prefix is hashed once and extended).
+:func:`context_demand_blocks` is the working set a fleet cache should hold (every tenant's
+context, and the common prefix), to size caches as a share of it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import random
+from array import array
+from dataclasses import dataclass, field
+
+from transport.prefix import ROOT_HASH, block_hash
+
+__all__ = ["TraceSpec", "TraceRequest", "generate", "context_demand_blocks"]
+
+
+@dataclass(frozen=True, slots=True)
+class TraceSpec:
+    requests: int = 4000
+    tenants: int = 64
+    zipf_s: float = 1.1
+    hot_share: float = 0.0
+    context_tokens: int = 2048
+    common_tokens: int = 0
+    query_tokens: int = 128
+    output_tokens: int = 64
+    multi_turn: float = 0.3
+    max_turns: int = 4
+    think_s: float = 5.0
+    rate: float = 10.0
+    arrivals: str = "poisson"  # or "bursty"
+    burst_factor: float = 3.0
+    burst_s: float = 10.0
+    block_size: int = 16
+    seed: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRequest:
+    t: float  # arrival, seconds
+    tenant: int
+    session: int  # -1: a single turn
+    turn: int
+    prompt_tokens: int
+    output_tokens: int
+    chain: tuple[int, ...] = field(repr=False)
+
+
+def context_demand_blocks(spec: TraceSpec) -> int:
+    """Blocks of the shared working set: each tenant's context (after the common prefix) and the common prefix."""
+    bs = spec.block_size
+    return spec.tenants * ((spec.common_tokens + spec.context_tokens) // bs - spec.common_tokens // bs) \
+        + spec.common_tokens // bs
+
+
+class _Chain:
+    """Tokens and the chain over their full blocks, extended without rehashing the prefix."""
+
+    __slots__ = ("tokens", "chain", "bs")
+
+    def __init__(self, bs: int, tokens: array[int] | None = None, chain: tuple[int, ...] = ()) -> None:
+        self.bs = bs
+        self.tokens: array[int] = array("I", tokens if tokens is not None else [])
+        self.chain = list(chain)
+
+    def extend(self, more: array[int]) -> _Chain:
+        out = _Chain(self.bs, self.tokens, tuple(self.chain))
+        out.tokens.extend(more)
+        bs, n = self.bs, len(out.tokens) // self.bs
+        parent = out.chain[-1] if out.chain else ROOT_HASH
+        for i in range(len(out.chain), n):
+            parent = block_hash(parent, out.tokens[i * bs:(i + 1) * bs])
+            out.chain.append(parent)
+        return out
+
+
+def _tokens(rng: random.Random, n: int) -> array[int]:
+    a = array("I")
+    a.frombytes(rng.randbytes(4 * n))
+    return a
+
+
+def _arrivals(spec: TraceSpec, rng: random.Random) -> list[float]:
+    out: list[float] = []
+    t = 0.0
+    switch, high = rng.expovariate(1 / spec.burst_s), True
+    while len(out) < spec.requests:
+        rate = spec.rate
+        if spec.arrivals == "bursty":
+            rate = spec.rate * spec.burst_factor if high else spec.rate / spec.burst_factor
+        t += rng.expovariate(rate)
+        if spec.arrivals == "bursty" and t > switch:
+            t, high = switch, not high  # memoryless: restart the draw at the switch
+            switch += rng.expovariate(1 / spec.burst_s)
+            continue
+        out.append(t)
+    return out
+
+
+def generate(spec: TraceSpec) -> list[TraceRequest]:
+    """The trace for ``spec`` (the same list for the same spec)."""
+    if spec.arrivals not in ("poisson", "bursty"):
+        raise ValueError(f"arrivals must be 'poisson' or 'bursty', not {spec.arrivals!r}")
+    rng = random.Random(spec.seed)
+    bs = spec.block_size
+    common = _Chain(bs).extend(_tokens(rng, spec.common_tokens))
+    contexts = [common.extend(_tokens(rng, spec.context_tokens)) for _ in range(spec.tenants)]
+    weights = [k ** -spec.zipf_s for k in range(1, spec.tenants + 1)]
+    if spec.hot_share > 0:
+        rest = sum(weights[1:])
+        weights = [rest * spec.hot_share / (1 - spec.hot_share)] + weights[1:]
+    cum = [0.0]
+    for w in weights:
+        cum.append(cum[-1] + w)
+    out: list[TraceRequest] = []
+    # follow-up turns: (time, session, turn, tenant, history)
+    pending: list[tuple[float, int, int, int, _Chain]] = []
+    sessions = 0
+    q = spec.query_tokens
+
+    def emit(t: float, tenant: int, session: int, turn: int, base: _Chain) -> None:
+        nonlocal sessions
+        prompt = base.extend(_tokens(rng, rng.randint(max(1, q // 2), max(1, q + q // 2))))
+        out.append(TraceRequest(t, tenant, session, turn, len(prompt.tokens), spec.output_tokens, tuple(prompt.chain)))
+        if session >= 0 and turn + 1 < spec.max_turns:
+            history = prompt.extend(_tokens(rng, spec.output_tokens))
+            heapq.heappush(pending, (t + rng.expovariate(1 / spec.think_s), session, turn + 1, tenant, history))
+
+    for t in _arrivals(spec, rng):
+        while pending and pending[0][0] <= t and len(out) < spec.requests:
+            pt, s, turn, tenant, hist = heapq.heappop(pending)
+            emit(pt, tenant, s, turn, hist)
+        if len(out) >= spec.requests:
+            break
+        tenant = bisect.bisect_right(cum, rng.random() * cum[-1]) - 1
+        session = -1
+        if rng.random() < spec.multi_turn:
+            session, sessions = sessions, sessions + 1
+        emit(t, tenant, session, 0, contexts[tenant])
+    return out
