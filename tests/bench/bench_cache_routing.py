@@ -76,10 +76,10 @@ def run_trace(name: str, spec: TraceSpec, demand: float, load: float) -> list[Si
           f" {REPLICAS} x {cap} blocks of {spec.block_size} (demand {demand:.0%}), {rate:.1f} req/s"
           f" (load {load:.0%}); oracle hit rate {oracle:.3f}  [{time.perf_counter() - t0:.1f} s]")
     rr = results[0]
-    print(f"{'policy':<16}{'hit':>7}{'/oracle':>9}{'/rr':>7}{'p50 s':>9}{'p90 s':>9}{'p90/rr':>8}"
+    print(f"{'policy':<22}{'hit':>7}{'/oracle':>9}{'/rr':>7}{'p50 s':>9}{'p90 s':>9}{'p90/rr':>8}"
           f"{'req max/mean':>14}{'tok p99':>9}  per replica")
     for r in results:
-        print(f"{r.policy:<16}{r.hit_rate:>7.3f}{r.hit_rate / oracle:>9.3f}{r.hit_rate / rr.hit_rate:>7.2f}"
+        print(f"{r.policy:<22}{r.hit_rate:>7.3f}{r.hit_rate / oracle:>9.3f}{r.hit_rate / rr.hit_rate:>7.2f}"
               f"{r.ttft_p50:>9.3f}{r.ttft_p90:>9.3f}{r.ttft_p90 / rr.ttft_p90:>8.3f}"
               f"{r.imbalance:>14.2f}{r.inflight_p99:>9.2f}  {r.per_replica}")
     return results

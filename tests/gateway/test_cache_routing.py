@@ -198,6 +198,30 @@ def test_trace_is_seeded_and_sessions_grow() -> None:
     assert context_demand_blocks(spec) == 8 * 256 // 16
 
 
+def test_trace_hot_tenant_common_prefix_and_bursts() -> None:
+    n = 2000
+    spec = TraceSpec(requests=n, tenants=16, context_tokens=64, common_tokens=64, multi_turn=0.0, hot_share=0.5,
+                     rate=20.0, seed=3)
+    trace = generate(spec)
+    share = sum(r.tenant == 0 for r in trace) / n
+    assert abs(share - 0.5) < 4.5 * (0.25 / n) ** 0.5  # binomial: 4.5 standard deviations
+    assert len({r.chain[:4] for r in trace}) == 1  # the common 64 tokens: one 4-block prefix for all
+    assert len({r.chain[:8] for r in trace}) == 16  # then one context per tenant
+
+    def window_counts(arrivals: str) -> list[int]:
+        ts = [r.t for r in generate(replace(spec, arrivals=arrivals, burst_s=5.0))]
+        counts = [0] * (int(ts[-1]) + 1)
+        for t in ts:
+            counts[int(t)] += 1
+        return counts
+
+    def dispersion(xs: list[int]) -> float:  # variance / mean: 1 for Poisson counts
+        m = sum(xs) / len(xs)
+        return sum((x - m) ** 2 for x in xs) / len(xs) / m
+
+    assert dispersion(window_counts("poisson")) < 1.5 < 3 < dispersion(window_counts("bursty"))
+
+
 @pytest.mark.parametrize("common", [0, 512], ids=["tenant-first", "common-system-prompt"])
 def test_cost_based_beats_round_robin_and_first_block_affinity(common: int) -> None:
     """Against an ideal fleet cache: more hits and a lower p90 TTFT than round robin and today's
