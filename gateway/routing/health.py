@@ -58,15 +58,19 @@ class HealthSettings:
 
 
 class Breaker:
-    """One replica's state: ``closed`` | ``open`` | ``half_open``."""
+    """One replica's state: ``closed`` | ``open`` | ``half_open``.
 
-    __slots__ = ("name", "state", "_recent", "_failures_in_row", "_open_until", "times_opened", "_probing",
-                 "ttft", "_ttft_n", "reason", "_long", "_long_failed")
+    Per request (the hot path, closed and succeeding): a few integer updates -- the recent
+    window keeps its failure count beside it, the healing window counts per second."""
+
+    __slots__ = ("name", "state", "_recent", "_recent_failed", "_failures_in_row", "_open_until", "times_opened",
+                 "_probing", "ttft", "_ttft_n", "reason", "_seconds", "_sec", "_sec_n", "_sec_failed")
 
     def __init__(self, name: str) -> None:
         self.name = name
         self.state = "closed"
-        self._recent: deque[bool] = deque()  # the latest outcomes, True = failure
+        self._recent: deque[bool] = deque()  # the latest outcomes, True = failure ...
+        self._recent_failed = 0  # ... and how many of them failed
         self._failures_in_row = 0
         self._open_until = -math.inf
         self.times_opened = 0
@@ -74,22 +78,27 @@ class Breaker:
         self.ttft = 0.0  # seconds, exponential average
         self._ttft_n = 0
         self.reason = ""
-        self._long: deque[tuple[float, bool]] = deque()  # (time, failed) over the healing window
-        self._long_failed = 0
+        self._seconds: deque[tuple[int, int, int]] = deque()  # (second, outcomes, failed) of the healing window
+        self._sec, self._sec_n, self._sec_failed = -1, 0, 0  # the current second's, not yet in _seconds
 
     def long_error_rate(self, now: float, window: float) -> tuple[int, float]:
-        """(outcomes, share failed) over the last ``window`` seconds."""
-        long = self._long
-        while long and long[0][0] <= now - window:
-            self._long_failed -= long.popleft()[1]
-        return len(long), (self._long_failed / len(long) if long else 0.0)
+        """(outcomes, share failed) over the last ``window`` seconds (to the second)."""
+        secs = self._seconds
+        while secs and secs[0][0] <= now - window:
+            secs.popleft()
+        n = self._sec_n if self._sec > now - window else 0
+        failed = self._sec_failed if n else 0
+        for _, k, f in secs:
+            n += k
+            failed += f
+        return n, (failed / n if n else 0.0)
 
     def healed(self) -> None:
         """The replica was restarted: its history starts again."""
-        self._long.clear()
-        self._long_failed = 0
+        self._seconds.clear()
+        self._sec, self._sec_n, self._sec_failed = -1, 0, 0
         self._recent.clear()
-        self._failures_in_row = 0
+        self._recent_failed = self._failures_in_row = 0
 
     def usable(self, now: float) -> bool:
         if self.state == "closed":
@@ -103,42 +112,50 @@ class Breaker:
         if self.state == "half_open":
             self._probing = True
 
-    def outcome(self, failed: bool, ttft: float | None, s: HealthSettings, now: float, may_eject: bool = True
-                ) -> str | None:
-        """Record one request's end; returns a transition ("open: why", "closed") if one happened
-        (``may_eject`` False: its pool has its share out already, so it stays closed)."""
-        self._long.append((now, failed))
-        self._long_failed += failed
-        if len(self._long) > 100_000:  # bounded, whatever the rate
-            self._long_failed -= self._long.popleft()[1]
+    def outcome(self, failed: bool, ttft: float | None, s: HealthSettings, now: float) -> str | None:
+        """Record one request's end; returns why it should be ejected now ("..."), or "closed"
+        when a probe succeeded; None otherwise. (:class:`Health` decides whether to eject.)"""
+        sec = int(now)
+        if sec == self._sec:
+            self._sec_n += 1
+            self._sec_failed += failed
+        else:
+            if self._sec_n:
+                self._seconds.append((self._sec, self._sec_n, self._sec_failed))
+            self._sec, self._sec_n, self._sec_failed = sec, 1, int(failed)
         if ttft is not None and not failed:
-            self._ttft_n += 1
-            self.ttft = ttft if self._ttft_n == 1 else self.ttft + 0.2 * (ttft - self.ttft)
+            n = self._ttft_n = self._ttft_n + 1
+            self.ttft = ttft if n == 1 else self.ttft + 0.2 * (ttft - self.ttft)
+        recent = self._recent
+        recent.append(failed)
+        if failed:
+            self._recent_failed += 1
+            self._failures_in_row += 1
+        else:
+            self._failures_in_row = 0
+        if len(recent) > s.window and recent.popleft():
+            self._recent_failed -= 1
         if self.state == "half_open":
             self._probing = False
             if failed:
-                return self.trip(f"probe failed ({self.reason})", s, now)
+                return f"probe failed ({self.reason})"
             self.state, self._failures_in_row, self.reason = "closed", 0, ""
-            self._recent.clear()
+            recent.clear()
+            self._recent_failed = 0
             return "closed"
-        self._recent.append(failed)
-        if len(self._recent) > s.window:
-            self._recent.popleft()
-        self._failures_in_row = self._failures_in_row + 1 if failed else 0
-        if self.state != "closed" or not may_eject:
+        if not failed or self.state != "closed":
             return None
         if self._failures_in_row >= s.consecutive:
-            return self.trip(f"{self._failures_in_row} failures in a row", s, now)
-        errors = sum(self._recent)
-        if len(self._recent) >= s.min_requests and errors / len(self._recent) > s.error_rate:
-            return self.trip(f"{errors} of its last {len(self._recent)} requests failed", s, now)
+            return f"{self._failures_in_row} failures in a row"
+        if len(recent) >= s.min_requests and self._recent_failed / len(recent) > s.error_rate:
+            return f"{self._recent_failed} of its last {len(recent)} requests failed"
         return None
 
     def trip(self, why: str, s: HealthSettings, now: float) -> str:
         self.times_opened += 1
         self.state, self.reason = "open", why
         self._open_until = now + min(s.max_ejection, s.base_ejection * self.times_opened)
-        self._failures_in_row = 0
+        self._failures_in_row = self._recent_failed = 0
         self._recent.clear()
         log.warning("replica %s ejected for %.0f s: %s", self.name, self._open_until - now, why)
         return f"open: {why}"
@@ -178,14 +195,22 @@ class Health:
         b = self.breakers.get(replica)
         if b is None:
             return
-        may = fallback or self._may_eject(b, pool)
-        moved = b.outcome(failed, ttft, self.s, now, may)
-        if moved is None and may and not failed and ttft is not None:
-            moved = self._outlier(b, pool, now)
-        if moved is not None:
-            self.transitions += 1
+        why = b.outcome(failed, ttft, self.s, now)
+        if why is None:
+            if failed or ttft is None or len(pool) < 2 or b._ttft_n & 7:
+                return  # the usual case; latency is judged every 8th answer
+            why = self._outlier(b, pool)
+            if why is None:
+                return
+        self.transitions += 1
+        if why == "closed":
+            return
+        if b.state == "half_open" or fallback or self._may_eject(b, pool):
+            b.trip(why, self.s, now)
+        else:
+            self.transitions -= 1  # the cap: its pool has its share out already; it stays in
 
-    def _outlier(self, b: Breaker, pool: Sequence[object], now: float) -> str | None:
+    def _outlier(self, b: Breaker, pool: Sequence[object]) -> str | None:
         s = self.s
         if b.state != "closed" or b._ttft_n < s.min_requests or b.ttft * 1e3 < s.outlier_min_ms:
             return None
@@ -195,8 +220,7 @@ class Health:
             return None
         median = others[len(others) // 2]
         if median > 0 and b.ttft > s.outlier_factor * median:
-            return b.trip(f"time to first token {b.ttft * 1e3:.0f} ms, {b.ttft / median:.1f}x its pool's median", s,
-                          now)
+            return f"time to first token {b.ttft * 1e3:.0f} ms, {b.ttft / median:.1f}x its pool's median"
         return None
 
     def _may_eject(self, b: Breaker, pool: Sequence[object]) -> bool:
