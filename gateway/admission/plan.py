@@ -13,23 +13,22 @@ a request) and ``exec``-ed once, at startup.
 The compiled function checks every rule first and takes from them only if all allow it, so
 when it answers ``None`` nothing has been taken and the caller asks ``RateLimits.take``,
 which decides the same way for every case. tests/gateway/admission/test_plan.py drives both
-with random rules and requests and asserts the same answers, headers and limiter state.
+with random rules and requests and asserts the same answers, headers and limiter state. The
+steps and answers are the types of :mod:`.rules`, which both modules import.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .ratelimit_headers import REMAINING_REQUESTS, REMAINING_TOKENS
+from .rules import Admitted, Step
 from .window import SlidingWindowLimiter
-
-if TYPE_CHECKING:
-    from .limits import Admitted, Step
 
 __all__ = ["Plan", "compile_plan"]
 
-Plan = Callable[[str | None, str | None, str, str, float, float], "Admitted | None"]
+Plan = Callable[[str | None, str | None, str, str, float, float], Admitted | None]
 """(key id, client address, model, route -- the scope values in ``limits.SCOPES`` order --, token cost, now)
 -> the admission's headers and reservation, or None: not the usual case, nothing taken (ask
 ``RateLimits.take``)."""
