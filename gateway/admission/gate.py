@@ -174,9 +174,7 @@ class Admission:
         if not plain or st is None or st.outstanding >= self._plain_bound:
             return self.admit_request(authorization, None if client is None else client[0], model, req.path,
                                       prompt, g.params.max_tokens, hint, now, deadline)
-        if st.outstanding == 0:  # the shedder's take, its plain case: a slot in a pool with room
-            st.estimator._busy_since = now
-        st.outstanding += 1
+        self.shedder.enter_plain(st, now)  # the shedder's take, its plain case: a slot in a pool with room
         headers: Headers = ()
         reservation: Reservation | None = None
         if self._limited:

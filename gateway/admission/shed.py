@@ -34,30 +34,36 @@ DEFAULT_PRIORITY = 1  # the class of a request without a key
 
 
 class WaitEstimator:
-    """EWMA of the busy-period time between completions of one pool."""
+    """EWMA of the busy-period time between completions of one pool. Its state is public: the
+    shedder's per-request paths (:meth:`LoadShedder.enter_plain`, :meth:`LoadShedder.leave`) write
+    :meth:`started` and :meth:`completed` out on it, a call per request saved each."""
 
-    __slots__ = ("alpha", "gap", "_last", "_busy_since")
+    __slots__ = ("alpha", "gap", "last", "busy_since")
 
     def __init__(self, alpha: float = 0.2) -> None:
         if not 0.0 < alpha <= 1.0:
             raise ValueError(f"alpha must be in (0, 1], got {alpha!r}")
         self.alpha = alpha
         self.gap: float | None = None  # seconds per completion while busy; None until observed
-        self._last = 0.0
-        self._busy_since: float | None = None
+        self.last = 0.0  # when the latest request completed
+        self.busy_since: float | None = None  # when the pool's current busy period began; None: idle
 
     def started(self, now: float, outstanding_before: int) -> None:
+        """A request entered a pool that held ``outstanding_before``: the first starts a busy period."""
         if outstanding_before == 0:
-            self._busy_since = now
+            self.busy_since = now
 
     def completed(self, now: float, outstanding_after: int) -> None:
-        since = self._busy_since if self._busy_since is not None else now
-        sample = now - max(self._last, since)
-        self._last = now
-        if sample > 0.0:
-            self.gap = sample if self.gap is None else self.gap + self.alpha * (sample - self.gap)
+        """A request finished; ``outstanding_after`` are left (0 ends the busy period)."""
+        since, last = self.busy_since, self.last
+        self.last = now
+        if since is not None:  # (not busy: no sample)
+            sample = now - (last if last > since else since)
+            if sample > 0.0:
+                gap = self.gap
+                self.gap = sample if gap is None else gap + self.alpha * (sample - gap)
         if outstanding_after == 0:
-            self._busy_since = None
+            self.busy_since = None
 
     def wait(self, ahead: int) -> float:
         """Predicted seconds before a newcomer behind ``ahead`` requests starts finishing."""
@@ -94,7 +100,7 @@ class LoadShedder:
         self.classes = classes
         self.headroom = headroom
         self.max_pools = max_pools
-        self.pools: dict[str, Pool] = {}  # read by Admission.admit_call's plain case
+        self.pools: dict[str, Pool] = {}  # read by Admission.admit_call's plain case (then enter_plain)
         self._per_key: dict[str, int] = {}
         self.shed = 0  # refusals, for a counter
         self.shed_by: dict[tuple[int, str], int] = {}  # (class, reason) -> refusals, on /metrics
@@ -143,19 +149,23 @@ class LoadShedder:
             capped = key_id if key_cap > 0 else None
             self.enter(pool, capped, now)
             return capped
-        # an existing pool below even the lowest class's bound, no deadline, no key cap: admitted
-        est = st.estimator
-        if st.outstanding == 0:
-            est._busy_since = now
-        st.outstanding += 1
+        self.enter_plain(st, now)  # an existing pool below even the lowest class's bound, no deadline, no key cap
         return None
+
+    def enter_plain(self, st: Pool, now: float) -> None:
+        """Take a slot in ``st`` in :meth:`take`'s plain case, which the caller saw hold: an existing
+        pool holding fewer than ``bound(0)``, a request with no deadline and no key cap (no check can
+        refuse it). Admission's fast path takes its slot with this."""
+        if st.outstanding == 0:  # WaitEstimator.started, written out (once per request)
+            st.estimator.busy_since = now
+        st.outstanding += 1
 
     def untake(self, pool: str, capped_key: str | None) -> None:
         """Undo the :meth:`take` just made (nothing completed: the wait estimate is left as it was)."""
         st = self.pools[pool]
         st.outstanding -= 1
-        if st.outstanding == 0:
-            st.estimator._busy_since = None
+        if st.outstanding == 0:  # a busy period this request began never was
+            st.estimator.busy_since = None
         if capped_key is not None:
             held = self._per_key[capped_key] - 1
             if held > 0:
@@ -193,15 +203,15 @@ class LoadShedder:
         if st is not None and st.outstanding > 0:
             n = st.outstanding = st.outstanding - 1
             est = st.estimator  # WaitEstimator.completed, written out: this runs once per request
-            since, last = est._busy_since, est._last
-            est._last = now
+            since, last = est.busy_since, est.last
+            est.last = now
             if since is not None:  # (not busy: no sample)
                 sample = now - (last if last > since else since)
                 if sample > 0.0:
                     gap = est.gap
                     est.gap = sample if gap is None else gap + est.alpha * (sample - gap)
             if n == 0:
-                est._busy_since = None
+                est.busy_since = None
         if capped_key is not None:
             held = self._per_key.get(capped_key, 0) - 1
             if held > 0:

@@ -62,7 +62,7 @@ def _outcome(f: Any, *args: Any) -> tuple[tuple[object, ...], Grant | None]:
 
 def _state(adm: Admission, now: float) -> tuple[object, ...]:
     shed = adm.shedder
-    pools = sorted((name, p.outstanding, p.estimator.gap, p.estimator._busy_since, p.estimator._last)
+    pools = sorted((name, p.outstanding, p.estimator.gap, p.estimator.busy_since, p.estimator.last)
                    for name, p in shed.pools.items())
     tables = [*adm.limits._tables, *adm._key_tables.values()]  # type: ignore[attr-defined]
     limiters = [sorted((v, lim.status(now)) for v, lim in t.items.items()) for t in tables]
