@@ -7,15 +7,16 @@ parsed body. Redis-shared limits live in :mod:`gateway.admission.redis_limits`
 """
 
 from .bucket import TokenBucketLimiter
+from .check import AdmissionContext, Check, Grant
 from .config import AdmissionSettings, parse_rule
-from .gate import Admission, AdmissionContext, Grant, GrantInfo
+from .gate import Admission
 from .keys import KeyRecord, KeyStore, auth_warning, hash_key
 from .limits import RateLimits, RateRule
 from .shed import LoadShedder
 from .window import SlidingWindowLimiter
 
 __all__ = [
-    "Admission", "AdmissionContext", "Grant", "GrantInfo", "AdmissionSettings", "parse_rule", "KeyRecord", "KeyStore",
+    "Admission", "AdmissionContext", "Check", "Grant", "AdmissionSettings", "parse_rule", "KeyRecord", "KeyStore",
     "auth_warning", "hash_key", "RateLimits", "RateRule", "LoadShedder", "SlidingWindowLimiter",
     "TokenBucketLimiter",
 ]

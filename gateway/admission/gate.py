@@ -1,104 +1,49 @@
 """The admission stage's façade: one synchronous ``admit`` per request, one ``release`` at its end.
 
-How it works: ``admit`` runs, in order, the checks that refuse cheapest
-first and that must not leave anything taken when a later one refuses:
+How it works: admission is an ordered list of checks (:class:`~gateway.admission.check.Check`):
+the built-in ones of :mod:`.checks` -- the API key (when auth is on), load shedding, rate limits
+(when a rule or a key may have one) -- and any added with :meth:`Admission.register`.
+:meth:`Admission.admit` runs them in order on one request and returns the
+:class:`~gateway.admission.check.Grant` they filled in; a check that refuses raises
+:class:`~gateway.errors.APIError` (401/403/429/503) and those before it are undone, so a refused
+request holds nothing. :meth:`Admission.release` releases the grant through every check, once (a
+second release is a bug in the caller and raises).
 
-1. auth -- the bearer key's record (401), then its model allow-list (403);
-2. load shedding -- pool bound for the request's priority class, predicted
-   wait against the deadline (503), the key's concurrency cap (429); the slot
-   is taken in the same call (one dict lookup on the usual path);
-3. rate limits -- every matching rule on requests and on tokens (prompt +
-   max output, reserved), all-or-nothing (429 with ``x-ratelimit-*``); a
-   refusal gives the shedding slot back (``untake``: the wait estimate is
-   left as it was), so a refused request holds nothing;
-4. a :class:`Grant` returned.
-
-``release`` settles the token reservation by the tokens actually used and
-frees the slot; a grant released twice is a bug in the caller and raises.
-Nothing here awaits or starts a task: with Redis-shared limits the limiters
-spend local leases and a separate refresher keeps them topped up.
+:meth:`Admission.admit_call`, the pipeline's admit, writes the built-in checks' usual case out in
+one frame (the rate limits' own usual case compiled, :mod:`.plan`); it admits whole or takes
+nothing and hands the request to :meth:`Admission.admit`. Nothing here awaits or starts a task:
+with Redis-shared limits the limiters spend local leases and a separate refresher tops them up.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING
 
-from ..errors import APIError
+from .check import AdmissionContext, Check, Grant
+from .checks import KeyCheck, RateCheck, ShedCheck
 from .config import AdmissionSettings, parse_rule
 from .keys import KeyRecord, KeyStore
 from .limiter import Limiter
-from .limits import (
-    DEFAULT_MAX_KEYS,
-    Admitted,
-    LimiterTable,
-    RateLimits,
-    RateRule,
-    Reservation,
-    Step,
-    Verdict,
-    local_limiter,
-    step,
-)
-from .ratelimit_headers import Headers, refusal, render
+from .limits import DEFAULT_MAX_KEYS, RateLimits, RateRule, local_limiter
 from .shed import DEFAULT_PRIORITY, LoadShedder
 
 if TYPE_CHECKING:
     from ..api.params import GenerationRequest
     from ..http.types import Request
 
-__all__ = ["Admission", "AdmissionContext", "Grant", "GrantInfo", "PRIORITY_OF_TIER"]
+__all__ = ["Admission", "AdmissionContext", "Grant", "PRIORITY_OF_TIER"]
 
 # OpenAI's service_tier as a priority hint (it may lower a key's class, never raise it)
 PRIORITY_OF_TIER = {"flex": 0, "default": 1, "auto": 1, "priority": 2}
 
 
-@dataclass(frozen=True, slots=True)
-class AdmissionContext:
-    """What admission needs of a request; ``authorization`` is the raw header value, never logged."""
-
-    authorization: bytes | None
-    client: str | None  # client address
-    model: str
-    route: str
-    prompt_tokens: int  # estimate
-    max_tokens: int  # output tokens the request may generate
-    deadline: float | None = None  # seconds from now
-    priority: int | None = None  # hint from the request; may lower the key's class, never raise it
-
-    def __repr__(self) -> str:
-        auth = "None" if self.authorization is None else "<redacted>"
-        return (f"AdmissionContext(authorization={auth}, client={self.client!r}, model={self.model!r}, "
-                f"route={self.route!r}, prompt_tokens={self.prompt_tokens}, max_tokens={self.max_tokens}, "
-                f"deadline={self.deadline!r}, priority={self.priority!r})")
-
-
-Grant = list[Any]
-"""An admitted request: ``[key_id, priority, headers, reservation, pool, capped_key, released,
-prompt]`` (:class:`GrantInfo` names the fields). A list because one is built per request and a
-list is the cheapest object to build; ``released`` turns True at release, which makes a second
-release an error."""
-
-
-class GrantInfo(NamedTuple):
-    """A grant's fields by name (tests, diagnostics): ``GrantInfo(*grant)``."""
-
-    key_id: str | None  # who (a key id, never the key)
-    priority: int  # its shedding class
-    headers: tuple[tuple[bytes, bytes], ...]  # x-ratelimit-* for the response
-    reservation: Reservation | None  # the tokens reserved, settled at release
-    pool: str
-    capped_key: str | None  # the key id when its concurrency is capped
-    released: bool
-    prompt: int  # the prompt-size estimate reserved with the output (release_completion adds it back)
-
-
 class Admission:
-    """Auth + rate limits + load shedding for the request pipeline; sans-I/O, ``now`` passed in."""
+    """Auth + load shedding + rate limits (+ registered checks) for the request pipeline; sans-I/O,
+    ``now`` passed in."""
 
-    __slots__ = ("keys", "auth_required", "limits", "shedder", "default_priority", "key_max_concurrency",
-                 "_key_tables", "_key_plans", "_max_keys", "_make", "_limited", "_plain_bound")
+    __slots__ = ("keys", "auth_required", "limits", "shedder", "default_priority", "key_max_concurrency", "checks",
+                 "_builtin", "_usual", "_limited", "_plain_bound")
 
     def __init__(self, keys: KeyStore | None, limits: RateLimits, shedder: LoadShedder, *,
                  auth_required: bool, default_priority: int = DEFAULT_PRIORITY, key_max_concurrency: int = 0,
@@ -112,13 +57,17 @@ class Admission:
         self.shedder = shedder
         self.default_priority = default_priority
         self.key_max_concurrency = key_max_concurrency
-        self._key_tables: dict[RateRule, LimiterTable] = {}  # per-key rules from key records
-        self._key_plans: dict[str, tuple[tuple[RateRule, ...], tuple[Step, ...]]] = {}  # by key id
+        checks: list[Check] = [KeyCheck(keys)] if keys is not None and auth_required else []
+        checks.append(ShedCheck(shedder, key_max_concurrency))
+        if limits.rules or auth_required:  # (a key's record may carry rules of its own)
+            checks.append(RateCheck(limits, make, max_keys))
+        self.checks: tuple[Check, ...] = tuple(checks)  # in the order they run; register() adds
+        self._builtin = True  # the built-in checks only: release_completion writes their release out
+        # admit_call writes out the built-in checks' usual case: without key caps, and none registered
+        self._usual = not key_max_concurrency
         self._limited = bool(limits.rules)
         # admit_call's plain case: a pool holding fewer than the lowest class's bound admits any class
         self._plain_bound = shedder.bound(0)
-        self._max_keys = max_keys
-        self._make = make
 
     @classmethod
     def from_settings(cls, s: AdmissionSettings,
@@ -132,18 +81,43 @@ class Admission:
                    default_priority=s.default_priority, key_max_concurrency=s.key_max_concurrency,
                    make=make, max_keys=s.limiter_max_keys)
 
+    def register(self, check: Check, *, before: str | None = None) -> None:
+        """Add ``check`` to the list: last, or just before the check named ``before`` (a cheap refusal
+        belongs early: what the checks before it took is undone when it refuses). From then on
+        every request is decided by :meth:`admit` (the fast path knows the built-in checks only)."""
+        names = [c.name for c in self.checks]
+        if check.name in names:
+            raise ValueError(f"an admission check named {check.name!r} is registered already")
+        if before is not None and before not in names:
+            raise ValueError(f"no admission check named {before!r} (checks: {', '.join(names)})")
+        at = len(names) if before is None else names.index(before)
+        self.checks = (*self.checks[:at], check, *self.checks[at:])
+        self._builtin = self._usual = False
+
     def admit(self, ctx: AdmissionContext, now: float) -> Grant:
-        """A :class:`Grant`, or :class:`APIError` (401, 403, 429, 503) with nothing held."""
-        return self.admit_request(ctx.authorization, ctx.client, ctx.model, ctx.route, ctx.prompt_tokens,
-                                  ctx.max_tokens, ctx.priority, now, ctx.deadline)
+        """A :class:`Grant` from every check in order, or :class:`APIError` (401, 403, 429, 503) with
+        nothing held: the checks that admitted before the one that refused are undone, last first."""
+        grant = Grant(None, self.default_priority, (), None, ctx.model, None, ctx.prompt_tokens)
+        checks = self.checks
+        done = 0
+        try:
+            for check in checks:
+                check.admit(ctx, grant, now)
+                done += 1
+        except BaseException:
+            for check in reversed(checks[:done]):
+                check.undo(ctx, grant, now)
+            raise
+        return grant
 
     def admit_call(self, req: Request, g: GenerationRequest, now: float, deadline: float | None = None) -> Grant:
-        """The pipeline's admit: :meth:`admit_request` for a parsed request, its usual case written
-        out in this one frame -- a key seen before, with no cap or rules of its own, allowed the
-        model; a pool below even the lowest class's bound; no deadline. Anything else is decided
-        by :meth:`admit_request` (tests/gateway/admission/test_admit_call.py drives both with the
-        same random requests and asserts the same answers and state). ``deadline``: seconds the
-        request may still take (gRPC's ``grpc-timeout``), None for none of its own."""
+        """The pipeline's admit: :meth:`admit` for a parsed request, the built-in checks' usual case
+        written out in this one frame -- a key seen before, with no cap or rules of its own, allowed
+        the model; a pool below even the lowest class's bound; no deadline; the rate limits' compiled
+        plan admits. It admits whole or takes nothing and hands the request to :meth:`admit`
+        (tests/gateway/admission/test_admit_call.py drives both with the same random requests and
+        asserts the same answers and state). ``deadline``: seconds the request may still take
+        (gRPC's ``grpc-timeout``), None for none of its own."""
         model = g.model
         prompt = g.prompt_tokens
         if prompt < 0:
@@ -151,9 +125,10 @@ class Admission:
         tier = g.service_tier
         hint = None if tier is None else PRIORITY_OF_TIER.get(tier)
         authorization: bytes | None = None
+        rec: KeyRecord | None = None
         key_id: str | None = None
         priority = self.default_priority
-        plain = deadline is None and not self.key_max_concurrency
+        plain = self._usual and deadline is None
         if self.auth_required:
             for name, value in req.headers:
                 if name == b"authorization":
@@ -169,97 +144,49 @@ class Admission:
                 key_id, priority = rec.id, rec.priority
         if hint is not None and hint < priority:
             priority = hint
-        st = self.shedder.pools.get(model)
         client = req.client
-        if not plain or st is None or st.outstanding >= self._plain_bound:
-            return self.admit_request(authorization, None if client is None else client[0], model, req.path,
-                                      prompt, g.params.max_tokens, hint, now, deadline)
-        self.shedder.enter_plain(st, now)  # the shedder's take, its plain case: a slot in a pool with room
-        headers: Headers = ()
-        reservation: Reservation | None = None
-        if self._limited:
-            limits = self.limits
-            address = None if client is None else client[0]
-            tokens = prompt + g.params.max_tokens
-            fast = limits.fast(key_id, address, model, req.path, tokens, now)  # the usual case, compiled
-            if fast is None:  # not the usual case: take decides
-                fast = self._take((key_id, address, model, req.path), tokens, now, (), model, None)
-            headers, reservation = fast
-        return [key_id, priority, headers, reservation, model, None, False, prompt]
-
-    def admit_request(self, authorization: bytes | None, client: str | None, model: str, route: str,
-                      prompt: int, max_tokens: int, hint: int | None, now: float,
-                      deadline: float | None = None) -> Grant:
-        """:meth:`admit` without building an :class:`AdmissionContext` (the pipeline's call):
-        ``prompt`` the prompt-size estimate, ``max_tokens`` the output tokens the request may
-        generate (both are reserved on token rules), ``hint`` the request's priority hint."""
-        key_id: str | None = None
-        priority = self.default_priority
-        cap = self.key_max_concurrency
-        extra: tuple[Step, ...] = ()
-        if self.auth_required:
-            keys = self.keys
-            assert keys is not None
-            if now >= keys.next_check:
-                keys.maybe_reload(now)
-            rec = keys.seen.get(authorization) if authorization is not None else None  # a key seen before
-            if rec is None:
-                rec = keys.authenticate(authorization)
-            if rec.models and model not in rec.models:
-                raise APIError(403, f"This API key ({rec.id}) is not allowed to use the model '{model}'.",
-                               "invalid_request_error", "model", "model_not_allowed")
-            key_id, priority = rec.id, rec.priority
-            if rec.max_concurrency:
-                cap = rec.max_concurrency
-            if rec.limits:
-                extra = self._key_steps(rec)
-        if hint is not None and hint < priority:
-            priority = hint
-        capped = self.shedder.take(model, key_id, cap, priority, deadline, now)  # 503/429 with nothing held
-        headers: Headers = ()
-        reservation: Reservation | None = None
-        if self._limited or extra:
-            headers, reservation = self._take((key_id, client, model, route), prompt + max_tokens, now, extra, model,
-                                              capped)
-        return [key_id, priority, headers, reservation, model, capped, False, prompt]
-
-    def _take(self, values: tuple[str | None, ...], tokens: float, now: float, extra: tuple[Step, ...], pool: str,
-              capped: str | None) -> Admitted:
-        """The rate limits' answer for a request that holds a shedding slot: on a refusal (or a
-        shared store that cannot decide, fail-closed) the slot is given back and the 429 raised."""
-        try:
-            r = self.limits.take(values, tokens, now, extra)
-        except APIError:
-            self.shedder.untake(pool, capped)
-            raise
-        if isinstance(r, Verdict):
-            self.shedder.untake(pool, capped)
-            raise refusal(r.wait, r.unit, render(r.requests, r.tokens))
-        return r
+        address = None if client is None else client[0]
+        st = self.shedder.pools.get(model)
+        if plain and st is not None and st.outstanding < self._plain_bound:  # the shedder admits: take() plain
+            if not self._limited:
+                self.shedder.enter_plain(st, now)
+                return Grant(key_id, priority, (), None, model, None, prompt, rec)
+            fast = self.limits.fast(key_id, address, model, req.path, prompt + g.params.max_tokens, now)
+            if fast is not None:  # the usual case, compiled (None: not it, nothing taken)
+                self.shedder.enter_plain(st, now)
+                return Grant(key_id, priority, fast[0], fast[1], model, None, prompt, rec)
+        return self.admit(AdmissionContext(authorization, address, model, req.path, prompt, g.params.max_tokens,
+                                           deadline, hint, req.headers), now)
 
     def release(self, grant: object, used_tokens: int, now: float) -> None:
         """At the request's end, exactly once: settle tokens by actual use, free the slot (``grant``:
         what :meth:`admit` returned; typed ``object`` so the pipeline can call this directly)."""
-        if type(grant) is not list:
+        if type(grant) is not Grant:
             raise TypeError(f"not an admission grant: {grant!r}")
-        self.release_completion(grant, used_tokens - grant[7], now)
+        self.release_completion(grant, used_tokens - grant.prompt, now)
 
     def release_completion(self, grant: object, completion_tokens: int, now: float) -> None:
         """:meth:`release` told only the completion tokens (the pipeline's call): the use settled
-        is the reserved prompt estimate plus them."""
-        if type(grant) is not list:
+        is the reserved prompt estimate plus them. With the built-in checks only, their release is
+        written out here (a call per check per request saved; test_admit_call.py compares it with
+        the checks' own)."""
+        if type(grant) is not Grant:
             raise TypeError(f"not an admission grant: {grant!r}")
-        _, _, _, res, pool, capped, released, prompt = grant
-        if released:
+        if grant.released:
             raise RuntimeError("admission grant released twice")
-        grant[6] = True
+        grant.released = True
+        if not self._builtin:  # every check releases, last first
+            for check in reversed(self.checks):
+                check.release(grant, completion_tokens, now)
+            return
+        res = grant.reservation  # the built-in checks' release written out: RateCheck's, then ShedCheck's
         if res is not None:
             reserved, at, limiters = res
-            over = reserved - prompt - completion_tokens
+            over = reserved - grant.prompt - completion_tokens
             if over != 0.0:
                 for lim in limiters:
                     lim.refund(over, at, now)
-        self.shedder.leave(pool, capped, now)
+        self.shedder.leave(grant.pool, grant.capped_key, now)
 
     def reload_keys(self) -> list[str]:
         """Re-read the key file now (SIGHUP); the problems, if any, with the old keys kept."""
@@ -268,20 +195,3 @@ class Admission:
     def outstanding(self) -> int:
         """Requests admitted and not yet released (each holds a slot in its pool)."""
         return sum(st.outstanding for st in self.shedder.pools.values())
-
-    def _key_steps(self, rec: KeyRecord) -> tuple[Step, ...]:
-        """The plan steps of a key's own rules, built once per key record."""
-        cached = self._key_plans.get(rec.id)
-        if cached is not None and cached[0] is rec.limits:
-            return cached[1]
-        if len(self._key_plans) > self._max_keys:
-            self._key_plans.clear()
-        steps = tuple(step(r, self._key_table(r)) for r in rec.limits)
-        self._key_plans[rec.id] = (rec.limits, steps)
-        return steps
-
-    def _key_table(self, rule: RateRule) -> LimiterTable:
-        table = self._key_tables.get(rule)
-        if table is None:
-            table = self._key_tables[rule] = LimiterTable(lambda value: self._make(rule, value), self._max_keys)
-        return table

@@ -156,6 +156,11 @@ class RateLimits:
                 return
             lim.untake(tokens if s[4] else 1.0, now)
 
+    def untake(self, values: Sequence[str | None], tokens: float, now: float, extra: tuple[Step, ...] = ()) -> None:
+        """Give back all that the :meth:`take` just made at ``now`` took (a later check refused the request)."""
+        for s, lim in self._matching(values, now, extra):
+            lim.untake(tokens if s[4] else 1.0, now)
+
     def _refusal(self, values: Sequence[str | None], tokens: float, now: float,
                  extra: tuple[Step, ...]) -> Verdict:
         """A rule said no (nothing is held any more): the longest wait, and the headers' figures."""
@@ -177,6 +182,10 @@ class RateLimits:
         if over != 0.0:
             for lim in limiters:
                 lim.refund(over, at, now)
+
+    def tables(self) -> tuple[LimiterTable, ...]:
+        """Each rule's limiters, in rule order."""
+        return self._tables
 
     def sizes(self) -> tuple[int, ...]:
         """Limiters held per rule (for the bounded-memory assertion and a gauge)."""

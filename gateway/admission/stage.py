@@ -15,7 +15,8 @@ import operator
 from collections.abc import Callable
 from typing import TYPE_CHECKING, cast
 
-from .gate import PRIORITY_OF_TIER, Admission, Grant, GrantInfo
+from .check import Grant
+from .gate import PRIORITY_OF_TIER, Admission
 
 if TYPE_CHECKING:
     from ..api.params import GenerationRequest
@@ -26,8 +27,8 @@ __all__ = ["AdmissionStageAdapter", "PRIORITY_OF_TIER"]
 
 class AdmissionStageAdapter:
     """``AdmissionStage`` over :class:`Admission`. Its three members are the callables themselves
-    (the façade's bound methods, a C item getter), not methods that forward: each forward was a
-    Python frame per request."""
+    (the façade's bound methods, a C attribute getter), not methods that forward: each forward was
+    a Python frame per request."""
 
     __slots__ = ("admission", "admit", "headers", "release")
 
@@ -36,7 +37,6 @@ class AdmissionStageAdapter:
         # (request, parsed request, now, deadline) -> a Grant, or APIError
         self.admit: Callable[[Request, GenerationRequest, float, float | None], Grant] = admission.admit_call
         # (grant) -> its x-ratelimit-* headers
-        self.headers = cast(Callable[[object], tuple[tuple[bytes, bytes], ...]], operator.itemgetter(2))
-        assert GrantInfo._fields[2] == "headers"
+        self.headers = cast(Callable[[object], tuple[tuple[bytes, bytes], ...]], operator.attrgetter("headers"))
         # (grant, completion tokens, now), once; the prompt estimate it reserved counts as used
         self.release: Callable[[object, int, float], None] = admission.release_completion

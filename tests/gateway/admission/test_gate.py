@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.admission import Admission, AdmissionContext, AdmissionSettings, GrantInfo, parse_rule
+from gateway.admission import Admission, AdmissionContext, AdmissionSettings, parse_rule
 from gateway.admission.schema import parse_schema_entry
 from gateway.errors import APIError
 
@@ -17,10 +17,10 @@ def _ctx(client: str = "10.0.0.1", prompt: int = 100, out: int = 100, model: str
 def test_request_limit_headers_and_429() -> None:
     adm = Admission.from_settings(AdmissionSettings(limits=["client requests 3/1m"]))
     grants = [adm.admit(_ctx(), float(i)) for i in range(3)]
-    assert dict(GrantInfo(*grants[0]).headers) == {b"x-ratelimit-limit-requests": b"3",
+    assert dict(grants[0].headers) == {b"x-ratelimit-limit-requests": b"3",
                                        b"x-ratelimit-remaining-requests": b"2",
                                        b"x-ratelimit-reset-requests": b"1m0s"}
-    assert dict(GrantInfo(*grants[2]).headers)[b"x-ratelimit-remaining-requests"] == b"0"
+    assert dict(grants[2].headers)[b"x-ratelimit-remaining-requests"] == b"0"
     with pytest.raises(APIError) as e:
         adm.admit(_ctx(), 10.0)
     err = e.value
@@ -34,7 +34,7 @@ def test_request_limit_headers_and_429() -> None:
 def test_tokens_reserved_then_settled_by_use() -> None:
     adm = Admission.from_settings(AdmissionSettings(limits=["model tokens 1000/1s"]))
     g = [adm.admit(_ctx(prompt=100, out=300), 0.0) for _ in range(2)]  # 800 reserved
-    assert dict(GrantInfo(*g[1]).headers)[b"x-ratelimit-remaining-tokens"] == b"200"
+    assert dict(g[1].headers)[b"x-ratelimit-remaining-tokens"] == b"200"
     with pytest.raises(APIError) as e:
         adm.admit(_ctx(prompt=100, out=300), 0.1)
     assert e.value.type == "tokens"
@@ -132,10 +132,10 @@ def test_pipeline_release_counts_the_prompt() -> None:
     """The pipeline knows only the completion tokens at the end: the reserved prompt estimate stays
     counted (before, it was refunded with the unused output, so token rules counted completions only)."""
     adm = Admission.from_settings(AdmissionSettings(limits=["model tokens 1000/1s"]))
-    g = adm.admit_request(None, "10.0.0.1", "tiny", "/v1/chat/completions", 100, 300, None, 0.0)
-    assert dict(GrantInfo(*g).headers)[b"x-ratelimit-remaining-tokens"] == b"600"
+    g = adm.admit(AdmissionContext(None, "10.0.0.1", "tiny", "/v1/chat/completions", 100, 300), 0.0)
+    assert dict(g.headers)[b"x-ratelimit-remaining-tokens"] == b"600"
     adm.release_completion(g, 50, 0.1)  # 100 prompt + 50 completion used
-    g2 = adm.admit_request(None, "10.0.0.1", "tiny", "/v1/chat/completions", 0, 1, None, 0.2)
-    assert dict(GrantInfo(*g2).headers)[b"x-ratelimit-remaining-tokens"] == b"849"
+    g2 = adm.admit(AdmissionContext(None, "10.0.0.1", "tiny", "/v1/chat/completions", 0, 1), 0.2)
+    assert dict(g2.headers)[b"x-ratelimit-remaining-tokens"] == b"849"
     with pytest.raises(RuntimeError, match="twice"):
         adm.release(g, 150, 0.3)

@@ -13,7 +13,6 @@ from gateway.admission import (
     Admission,
     AdmissionContext,
     AdmissionSettings,
-    GrantInfo,
     auth_warning,
     hash_key,
 )
@@ -59,21 +58,21 @@ def test_missing_bad_and_good_key(tmp_path: Path) -> None:
     with pytest.raises(APIError):  # not Bearer
         adm.admit(AdmissionContext(b"Basic " + KEY_A.encode(), None, "tiny", "/", 1, 1), 0.0)
     g = adm.admit(_ctx(KEY_A), 0.0)
-    assert GrantInfo(*g).key_id == "alpha"
+    assert g.key_id == "alpha"
     g2 = adm.admit(AdmissionContext(b"bearer  " + KEY_A.encode() + b" ", None, "tiny", "/", 1, 1), 0.0)
-    assert GrantInfo(*g2).key_id == "alpha"
+    assert g2.key_id == "alpha"
 
 
 def test_model_restriction_and_priority(tmp_path: Path) -> None:
     adm, _ = _admission(tmp_path, [_entry("alpha", KEY_A, 'models = ["tiny"]\npriority = 2\n')])
-    assert GrantInfo(*adm.admit(_ctx(KEY_A, "tiny"), 0.0)).priority == 2
+    assert adm.admit(_ctx(KEY_A, "tiny"), 0.0).priority == 2
     with pytest.raises(APIError) as e:
         adm.admit(_ctx(KEY_A, "big"), 0.0)
     assert (e.value.status, e.value.code, e.value.param) == (403, "model_not_allowed", "model")
     lowered = AdmissionContext(b"Bearer " + KEY_A.encode(), None, "tiny", "/", 1, 1, priority=0)
-    assert GrantInfo(*adm.admit(lowered, 0.0)).priority == 0  # a hint lowers, never raises
+    assert adm.admit(lowered, 0.0).priority == 0  # a hint lowers, never raises
     raised = AdmissionContext(b"Bearer " + KEY_A.encode(), None, "tiny", "/", 1, 1, priority=5)
-    assert GrantInfo(*adm.admit(raised, 0.0)).priority == 2
+    assert adm.admit(raised, 0.0).priority == 2
 
 
 def test_revoke_and_add_by_reload(tmp_path: Path) -> None:
@@ -85,11 +84,11 @@ def test_revoke_and_add_by_reload(tmp_path: Path) -> None:
     with pytest.raises(APIError) as e:
         adm.admit(_ctx(KEY_A), 1.5)
     assert e.value.status == 401
-    assert GrantInfo(*adm.admit(_ctx(KEY_B), 1.6)).key_id == "bravo"
+    assert adm.admit(_ctx(KEY_B), 1.6).key_id == "bravo"
     # SIGHUP path: explicit reload
     _toml(f, [_entry("alpha", KEY_A), _entry("bravo", KEY_B)])
     assert adm.reload_keys() == []
-    assert GrantInfo(*adm.admit(_ctx(KEY_A), 1.7)).key_id == "alpha"
+    assert adm.admit(_ctx(KEY_A), 1.7).key_id == "alpha"
 
 
 def test_broken_reload_keeps_old_keys(tmp_path: Path) -> None:
@@ -97,7 +96,7 @@ def test_broken_reload_keeps_old_keys(tmp_path: Path) -> None:
     f.write_text("[[keys]]\nid = 'alpha'\nsha256 = 'nothex'\n")
     problems = adm.reload_keys()
     assert problems and "64 hex digits" in problems[0]
-    assert GrantInfo(*adm.admit(_ctx(KEY_A), 0.0)).key_id == "alpha"
+    assert adm.admit(_ctx(KEY_A), 0.0).key_id == "alpha"
 
 
 def test_jsonl_key_file_and_config_keys(tmp_path: Path) -> None:
@@ -140,7 +139,7 @@ def test_key_never_in_logs_or_reprs(tmp_path: Path, caplog: pytest.LogCaptureFix
     seen.append(adm.reload_keys())  # ... and a good one what it loaded
     assert any("not reloaded" in r.getMessage() for r in caplog.records)
     grant = adm.admit(_ctx(KEY_A), 0.0)
-    seen += [grant, GrantInfo(*grant).reservation]
+    seen += [grant, grant.reservation]
     assert adm.keys is not None
     seen += list(adm.keys._by_digest.values())
     for bad in (_ctx(KEY_A), _ctx(KEY_A, "big"), _ctx(KEY_A + "x"), _ctx(None)):
@@ -167,7 +166,7 @@ def test_auth_warning() -> None:
 def test_auth_off_admits_anonymous() -> None:
     adm = Admission.from_settings(AdmissionSettings())
     g = adm.admit(_ctx(None), 0.0)
-    assert GrantInfo(*g).key_id is None and GrantInfo(*g).priority == AdmissionSettings().default_priority
+    assert g.key_id is None and g.priority == AdmissionSettings().default_priority
     with pytest.raises(ValueError):
         Admission.from_settings(AdmissionSettings(auth="on"))
 
