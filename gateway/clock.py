@@ -15,8 +15,8 @@ A third clock runs beside them and never meets them: the event loop's (``loop.ti
 asyncio's monotonic clock), which the protocol adapters (HTTP/1.1, h2, h3, QUIC) and the
 transport use for their own timers -- keep-alive, write and body timeouts, heartbeats --
 each reading compared only with readings of the same clock. transport/ keeps
-``time.perf_counter`` for a result's ``first_token_at``; the gateway turns it into a request
-clock time through an age (``api/call.py``).
+``time.perf_counter`` for a result's ``first_token_at``: the request clock is that clock plus
+:data:`OFFSET` (0 outside tests), so the gateway converts by adding it (``api/call.py``).
 
 Why this module exists: ``RedisLeases`` once ran on ``time.time`` while requests
 reached the limiters with ``perf_counter`` readings, ~1.8e9 s apart, and every

@@ -26,11 +26,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from transport.api import WorkerConnection
 from transport.messages import Finish, TokenEntry
 
 from .. import clock
@@ -46,7 +44,9 @@ __all__ = ["GenerationCall", "CallContext"]
 
 log = logging.getLogger("quicserve.api")
 _perf = clock.now  # the request clock (gateway/clock.py): t0, admission's now, latencies
-_transport_clock = time.perf_counter  # transport/'s (client_stream.Result.first_token_at)
+# transport/ stamps first_token_at with time.perf_counter; the request clock is that clock shifted by
+# clock.OFFSET (0 outside tests): the conversion is exact and costs an addition
+_FROM_TRANSPORT = clock.OFFSET
 
 EndHook = Callable[["GenerationCall", int, int], None]
 """(the call, status, completion tokens): its owner reads ``route``, ``t0``, ``t_first`` (perf_counter
@@ -76,7 +76,7 @@ class CallContext:
 class GenerationCall:
     """One generation request (the :class:`~gateway.http.types.Call` the pipeline hands back)."""
 
-    __slots__ = ("_ctx", "_routed", "_w", "_sink", "route", "t0", "t_first", "ticket", "_on_end", "_done",
+    __slots__ = ("_ctx", "_routed", "routed", "_w", "_sink", "route", "t0", "t_first", "ticket", "_on_end", "_done",
                  "_started", "_ended", "_starting", "_held", "_held_final", "_resumer", "_mode", "_fut", "_timeout",
                  "_text", "_send_nowait", "_headers")
     # set where they are first needed (see __init__)
@@ -95,7 +95,7 @@ class GenerationCall:
         # its mode or path needs it: _starting (start), _fut (_read), _held/_held_final (a slow
         # client), _text/_send_nowait (push mode).
         self._ctx = ctx
-        self._routed = routed
+        self._routed = self.routed = routed  # public: the pipeline reads the replica it ended on
         self._w = writer
         self._sink = sink
         self.route = route
@@ -150,9 +150,8 @@ class GenerationCall:
                 self._read()
                 return
             # the end, at once: nothing can move or retry it before _end closes the routed stream
-            # delivered whole: when the transport saw it (its perf_counter), onto the request clock as an age
-            t = res.first_token_at
-            self.t_first = _perf() - (_transport_clock() - t) if t else 0.0
+            t = res.first_token_at  # delivered whole: when the transport saw it, on the request clock
+            self.t_first = t + _FROM_TRANSPORT if t else 0.0
             if type(fin) is not Finish:
                 self._fail(from_wire_code(fin.code, fin.message))
                 return
@@ -345,10 +344,6 @@ class GenerationCall:
             self._end(500, 0)
 
     # -- the Call contract, and the deadline sweeper's -------------------------------------------
-    @property
-    def conn(self) -> WorkerConnection | None:  # the replica the request ended on (for its health)
-        return self._routed.conn
-
     def cancel(self) -> bool:
         """The client went away: stop the worker request; nothing more is written."""
         if self._ended:

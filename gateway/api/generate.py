@@ -133,7 +133,10 @@ class Generations:
                 span = self.tracer.start(route, _text(req.header(b"traceparent")), protocol=req.protocol)
                 if span is not None:
                     g.trace = {"traceparent": span.traceparent}  # the worker's spans join this trace
-            routed = self._open(g, fallbacks)
+            try:
+                routed = self.pool.open(g.model, g.make_submit, g)
+            except NoReplica:
+                routed = self._fallback(g, fallbacks)
         except (APIError, RoutingError) as e:
             err = e if isinstance(e, APIError) else from_routing(e)
             if g is not None and g.rollout is not None:  # e.g. the candidate has no ready replica
@@ -183,20 +186,19 @@ class Generations:
 
         stream.collect().add_done_callback(ended)
 
-    def _open(self, g: GenerationRequest, fallbacks: tuple[str, ...]) -> RoutedStream:
-        """The routed stream on ``g.model``, else on each fallback in turn that has a ready replica."""
-        try:
-            return self.pool.open(g.model, g.make_submit, g)
-        except NoReplica:
-            if not fallbacks and g.model in self.pool.fallbacks:  # the model's own fallback ([[models]])
-                fallbacks = (self.pool.fallbacks[g.model],)
-            for model in fallbacks:
-                g.model = model
-                try:
-                    return self.pool.open(model, g.make_submit, g)
-                except NoReplica:
-                    continue
-            raise
+    def _fallback(self, g: GenerationRequest, fallbacks: tuple[str, ...]) -> RoutedStream:
+        """``g.model`` has no ready replica: each fallback in turn (the rule's chain, else the
+        model's own ``fallback``) that has one; NoReplica if none does."""
+        if not fallbacks and g.model in self.pool.fallbacks:
+            fallbacks = (self.pool.fallbacks[g.model],)
+        first = g.model
+        for model in fallbacks:
+            g.model = model
+            try:
+                return self.pool.open(model, g.make_submit, g)
+            except NoReplica:
+                continue
+        raise NoReplica(first)
 
     def _call_ended(self, call: GenerationCall, status: int, tokens: int) -> None:
         """A call's end hook: metrics, the admission release, span and access log (its ticket is
@@ -206,7 +208,7 @@ class Generations:
         now = _perf()
         req, g, grant, span = call.ticket
         metrics.request_done(call.route, status, req.protocol, now - call.t0, g.model)
-        self.pool.outcome(call.conn, g.model, status, call.t_first - call.t0 if call.t_first else None)
+        self.pool.outcome(call.routed.conn, g.model, status, call.t_first - call.t0 if call.t_first else None, now)
         admission = self.admission
         if grant is not _NO_GRANT and admission is not None:
             admission.release(grant, tokens, now)

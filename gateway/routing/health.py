@@ -63,13 +63,14 @@ class Breaker:
     Per request (the hot path, closed and succeeding): a few integer updates -- the recent
     window keeps its failure count beside it, the healing window counts per second."""
 
-    __slots__ = ("name", "state", "_recent", "_recent_failed", "_failures_in_row", "_open_until", "times_opened",
-                 "_probing", "ttft", "_ttft_n", "reason", "_seconds", "_sec", "_sec_n", "_sec_failed")
+    __slots__ = ("name", "state", "_recent", "_recent_n", "_recent_failed", "_failures_in_row", "_open_until",
+                 "times_opened", "_probing", "ttft", "_ttft_n", "reason", "_seconds", "_sec", "_sec_n", "_sec_failed")
 
     def __init__(self, name: str) -> None:
         self.name = name
         self.state = "closed"
         self._recent: deque[bool] = deque()  # the latest outcomes, True = failure ...
+        self._recent_n = 0  # ... how many (no len() per request) ...
         self._recent_failed = 0  # ... and how many of them failed
         self._failures_in_row = 0
         self._open_until = -math.inf
@@ -78,8 +79,8 @@ class Breaker:
         self.ttft = 0.0  # seconds, exponential average
         self._ttft_n = 0
         self.reason = ""
-        self._seconds: deque[tuple[int, int, int]] = deque()  # (second, outcomes, failed) of the healing window
-        self._sec, self._sec_n, self._sec_failed = -1, 0, 0  # the current second's, not yet in _seconds
+        self._seconds: deque[tuple[float, int, int]] = deque()  # (second, outcomes, failed) of the healing window
+        self._sec, self._sec_n, self._sec_failed = -1.0, 0, 0  # the current second's, not yet in _seconds
 
     def long_error_rate(self, now: float, window: float) -> tuple[int, float]:
         """(outcomes, share failed) over the last ``window`` seconds (to the second)."""
@@ -96,9 +97,9 @@ class Breaker:
     def healed(self) -> None:
         """The replica was restarted: its history starts again."""
         self._seconds.clear()
-        self._sec, self._sec_n, self._sec_failed = -1, 0, 0
+        self._sec, self._sec_n, self._sec_failed = -1.0, 0, 0
         self._recent.clear()
-        self._recent_failed = self._failures_in_row = 0
+        self._recent_n = self._recent_failed = self._failures_in_row = 0
 
     def usable(self, now: float) -> bool:
         if self.state == "closed":
@@ -115,7 +116,7 @@ class Breaker:
     def outcome(self, failed: bool, ttft: float | None, s: HealthSettings, now: float) -> str | None:
         """Record one request's end; returns why it should be ejected now ("..."), or "closed"
         when a probe succeeded; None otherwise. (:class:`Health` decides whether to eject.)"""
-        sec = int(now)
+        sec = now // 1.0
         if sec == self._sec:
             self._sec_n += 1
             self._sec_failed += failed
@@ -126,36 +127,55 @@ class Breaker:
         if ttft is not None and not failed:
             n = self._ttft_n = self._ttft_n + 1
             self.ttft = ttft if n == 1 else self.ttft + 0.2 * (ttft - self.ttft)
+        if not failed and not self._recent_failed:  # the usual case: no failure in the window to age out
+            self._failures_in_row = 0
+            if self._recent_n < s.window:
+                self._recent_n += 1
+            if self.state == "closed":
+                return None
+        else:
+            self._window(failed, s.window)
+        if self.state == "half_open":
+            self._probing = False
+            if failed:
+                return f"probe failed ({self.reason})"
+            self.state, self._failures_in_row, self.reason = "closed", 0, ""
+            self._recent.clear()
+            self._recent_n = self._recent_failed = 0
+            return "closed"
+        if not failed or self.state != "closed":
+            return None
+        if self._failures_in_row >= s.consecutive:
+            return f"{self._failures_in_row} failures in a row"
+        n = self._recent_n
+        if n >= s.min_requests and self._recent_failed / n > s.error_rate:
+            return f"{self._recent_failed} of its last {n} requests failed"
+        return None
+
+    def _window(self, failed: bool, window: int) -> None:
+        """The recent outcomes, while a failure is among them: kept one by one (while none is, only
+        their number: the deque is empty and stands for that many successes)."""
         recent = self._recent
+        if not recent and self._recent_n:
+            recent.extend([False] * self._recent_n)  # the successes the count stood for
         recent.append(failed)
         if failed:
             self._recent_failed += 1
             self._failures_in_row += 1
         else:
             self._failures_in_row = 0
-        if len(recent) > s.window and recent.popleft():
+        if self._recent_n < window:
+            self._recent_n += 1
+        elif recent.popleft():
             self._recent_failed -= 1
-        if self.state == "half_open":
-            self._probing = False
-            if failed:
-                return f"probe failed ({self.reason})"
-            self.state, self._failures_in_row, self.reason = "closed", 0, ""
-            recent.clear()
-            self._recent_failed = 0
-            return "closed"
-        if not failed or self.state != "closed":
-            return None
-        if self._failures_in_row >= s.consecutive:
-            return f"{self._failures_in_row} failures in a row"
-        if len(recent) >= s.min_requests and self._recent_failed / len(recent) > s.error_rate:
-            return f"{self._recent_failed} of its last {len(recent)} requests failed"
-        return None
+        if not self._recent_failed:
+            recent.clear()  # back to counting
 
     def trip(self, why: str, s: HealthSettings, now: float) -> str:
         self.times_opened += 1
         self.state, self.reason = "open", why
         self._open_until = now + min(s.max_ejection, s.base_ejection * self.times_opened)
-        self._failures_in_row = self._recent_failed = 0
+        self._failures_in_row = self._recent_failed = self._recent_n = 0
         self._recent.clear()
         log.warning("replica %s ejected for %.0f s: %s", self.name, self._open_until - now, why)
         return f"open: {why}"
@@ -191,14 +211,20 @@ class Health:
     def outcome(self, replica: object, pool: Sequence[object], failed: bool, ttft: float | None, now: float,
                 fallback: bool = False) -> None:
         """One request's end on ``replica`` of ``pool``; ``fallback``: the pool's model has one, so
-        all of it may be ejected (its traffic has somewhere to go)."""
+        all of it may be ejected (its traffic has somewhere to go). (The pool calls the breaker and
+        :meth:`judge` itself, the usual case inline.)"""
         b = self.breakers.get(replica)
-        if b is None:
-            return
-        why = b.outcome(failed, ttft, self.s, now)
+        if b is not None:
+            self.judge(b, b.outcome(failed, ttft, self.s, now), pool, now, fallback,
+                       latency=not failed and ttft is not None and not b._ttft_n & 7)
+
+    def judge(self, b: Breaker, why: str | None, pool: Sequence[object], now: float, fallback: bool,
+              latency: bool = True) -> None:
+        """After ``b``'s outcome: eject it if it asked (``why``) and the pool's cap allows, or if its
+        latency makes it an outlier (judged every 8th answer)."""
         if why is None:
-            if failed or ttft is None or len(pool) < 2 or b._ttft_n & 7:
-                return  # the usual case; latency is judged every 8th answer
+            if not latency or len(pool) < 2:
+                return
             why = self._outlier(b, pool)
             if why is None:
                 return

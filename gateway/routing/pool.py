@@ -46,7 +46,7 @@ class ModelPool:
         self._by_model: dict[str, list[WorkerConnection]] = {}
         self._known: set[str] = set()  # every model ever announced (404 vs 503)
         # per replica: its requests that have no token yet, oldest first (what a rebalance may move)
-        self._waiting: dict[WorkerConnection, dict[RoutedStream, None]] = {}
+        self.unstarted: dict[WorkerConnection, dict[RoutedStream, None]] = {}  # RoutedStream joins and leaves these
         self.on_move: Callable[[int], None] | None = None  # metrics: requests moved by a rebalance
         # what a policy sees of a request (prompt estimate, max_tokens), built only when it is asked
         self.describe: Describe = model_only
@@ -91,7 +91,7 @@ class ModelPool:
             self.rebalance(name, conn)
 
     def remove(self, conn: WorkerConnection) -> None:
-        self._waiting.pop(conn, None)
+        self.unstarted.pop(conn, None)
         self.health.forget(conn)
         for name in list(self._by_model):
             conns = self._by_model[name]
@@ -140,18 +140,28 @@ class ModelPool:
         return pick
 
     # -- health (the pipeline reports every end) ----------------------------------------------
-    def outcome(self, conn: WorkerConnection | None, model: str, status: int, ttft: float | None) -> None:
+    def outcome(self, conn: WorkerConnection | None, model: str, status: int, ttft: float | None, now: float) -> None:
         """A request ended on ``conn``: a worker failure (500, 502; a deadline passed with not one
-        token: a replica that hangs) or a success, for its breaker."""
+        token: a replica that hangs) or a success, for its breaker. Once per request: the breaker's
+        own bookkeeping inline, the pool's rules only when they can matter."""
         if conn is None or status < 200 or 400 <= status < 500 or status == 503 or (status == 504 and ttft):
             return  # the client's doing, load (shedding, overloaded), or a slow answer (latency judges it)
-        self.health.outcome(conn, self._by_model.get(model, []), status >= 500, ttft, clock.now(),
-                            model in self.fallbacks)
+        health = self.health
+        b = health.breakers.get(conn)
+        if b is None:
+            return
+        failed = status >= 500
+        why = b.outcome(failed, ttft, health.s, now)
+        if why is not None or (not failed and ttft is not None and not b._ttft_n & 7):
+            health.judge(b, why, self._by_model.get(model, []), now, model in self.fallbacks)
 
     def failed(self, conn: WorkerConnection | None, model: str) -> None:
         """A request left ``conn`` before its first token because the worker failed it."""
-        if conn is not None:
-            self.health.outcome(conn, self._by_model.get(model, []), True, None, clock.now(), model in self.fallbacks)
+        b = self.health.breakers.get(conn) if conn is not None else None
+        if b is not None:
+            now = clock.now()
+            self.health.judge(b, b.outcome(True, None, self.health.s, now), self._by_model.get(model, []), now,
+                              model in self.fallbacks)
 
     def route_request(self, model: str, subject: object, make_submit: SubmitFactory | None,
                       replicas: list[WorkerConnection]) -> RouteRequest:
@@ -183,17 +193,9 @@ class ModelPool:
                 out[model] += f" (its traffic goes to {self.fallbacks[model]})"
         return out
 
-    def waiting_on(self, conn: WorkerConnection) -> dict[RoutedStream, None]:
-        """``conn``'s requests that have no token yet, oldest first: the set a :class:`RoutedStream`
-        joins while it waits (created empty if none)."""
-        w = self._waiting.get(conn)
-        if w is None:
-            w = self._waiting[conn] = {}
-        return w
-
     def waiting(self, conn: WorkerConnection) -> int:
         """Requests on ``conn`` that have no token yet."""
-        return len(self._waiting.get(conn, ()))
+        return len(self.unstarted.get(conn, ()))
 
     def rebalance(self, model: str, target: WorkerConnection) -> int:
         """Move requests of ``model`` that have no token yet from the other replicas to ``target``
@@ -208,7 +210,7 @@ class ModelPool:
         for src in self._by_model.get(model, ()):
             if src is target:
                 continue
-            waiting = [r for r in self._waiting.get(src, ()) if r.model == model and r.on_moved is not None]
+            waiting = [r for r in self.unstarted.get(src, ()) if r.model == model and r.on_moved is not None]
             left = len(waiting)
             for routed in reversed(waiting):  # the newest: still queued behind the older ones, which run
                 if left - 1 < load + 1:

@@ -49,13 +49,11 @@ class Replicas(Protocol):
     on_retry: Callable[[], None] | None
     budget: RetryBudget
     active: Callable[[], int]
+    unstarted: dict[WorkerConnection, dict[RoutedStream, None]]  # per replica: its requests with no token yet
 
     def choose(self, model: str, subject: object, exclude: tuple[WorkerConnection, ...],
                make_submit: SubmitFactory | None) -> WorkerConnection | None: ...
 
-    def waiting_on(self, conn: WorkerConnection) -> dict[RoutedStream, None]:
-        """``conn``'s requests that have no token yet (created empty if none), oldest first."""
-        ...
 
     def failed(self, conn: WorkerConnection | None, model: str) -> None:
         """``conn`` failed a request before its first token (its breaker counts it)."""
@@ -104,8 +102,12 @@ class RoutedStream:
 
     def _wait_on(self, conn: WorkerConnection) -> None:
         """Join ``conn``'s set of requests that have no token yet (what a rebalance may move)."""
-        w = self._waiting = self._pool.waiting_on(conn)
+        waiting = self._pool.unstarted
+        w = waiting.get(conn)
+        if w is None:
+            w = waiting[conn] = {}
         w[self] = None
+        self._waiting = w
 
     def start(self) -> None:
         """The first token (or the finish) arrived: the request stays where it is."""

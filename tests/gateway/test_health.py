@@ -3,7 +3,10 @@ ejection cap, panic routing and the retry budget."""
 
 from __future__ import annotations
 
-from gateway.routing.health import Health, HealthSettings, RetryBudget
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gateway.routing.health import Breaker, Health, HealthSettings, RetryBudget
 
 S = HealthSettings(consecutive=3, error_rate=0.5, window=10, min_requests=6, base_ejection=5.0, max_ejection=12.0,
                    outlier_factor=3.0, outlier_min_ms=50.0, max_ejected_share=0.5)
@@ -107,3 +110,24 @@ def test_to_heal_one_replica_of_a_pool_never_its_last() -> None:
     h.breakers["a"].healed()
     assert [r for r, _ in to_heal(h, pools, 40.0)] == ["b"]
     assert to_heal(h, pools, 200.0) == []  # the window passed: nothing recent to judge
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.booleans(), min_size=1, max_size=80))
+def test_the_compact_window_trips_as_a_plain_one_would(outcomes: list[bool]) -> None:
+    """The breaker keeps only a count while no failure is in its window: it must eject exactly when
+    a plain list of the last ``window`` outcomes says so."""
+    from collections import deque
+
+    s = HealthSettings(consecutive=1000, error_rate=0.3, window=10, min_requests=6)
+    b = Breaker("r")
+    plain: deque[bool] = deque(maxlen=10)
+    for i, failed in enumerate(outcomes):
+        plain.append(failed)
+        why = b.outcome(failed, None, s, float(i))
+        expected = failed and len(plain) >= 6 and sum(plain) / len(plain) > 0.3
+        assert (why is not None) == expected, (i, list(plain))
+        if why is not None:
+            b.trip(why, s, float(i))
+            b.state = "closed"  # keep judging the same stream
+            plain.clear()
