@@ -28,6 +28,8 @@ from typing import Any
 import orjson
 
 from transport.api import WorkerConnection
+from transport.errors import SecurityConfigError
+from transport.security import security_of
 from transport.worker_options import PERMANENT_EXITS
 
 from .. import clock
@@ -100,8 +102,12 @@ class _Worker:
 
     async def attach(self, url: str, models: Sequence[str] | None) -> WorkerConnection:
         ws = self.ws
-        conn = await self.sup.connect(url, identity=self.sup.identity, timeout=ws.connect_timeout,
-                                      heartbeat_interval=ws.heartbeat_interval, dead_after=ws.dead_after)
+        try:  # the [workers] transport_* keys: TLS, the pre-shared key, default deny (transport/security.py)
+            conn = await self.sup.connect(url, identity=self.sup.identity, timeout=ws.connect_timeout,
+                                          heartbeat_interval=ws.heartbeat_interval, dead_after=ws.dead_after,
+                                          security=security_of(ws))
+        except SecurityConfigError as e:  # our own settings refuse it: a reconnect would too
+            raise WorkerUnusable(str(e)) from None
         self.conn = conn
         served = list(models) if models else list(conn.peer_hello.models)
         self.sup.pool.add(conn, served)
