@@ -12,7 +12,8 @@ How it works
   signed is accepted; names are not checked, as workers are reached by pod address). Give
   gateways certificates with extendedKeyUsage clientAuth and workers serverAuth: OpenSSL
   then refuses a worker's certificate where a gateway's is expected and the other way
-  round. TLS 1.3 only. The files are read again for the next connection when any of them
+  round (a gateway's local workers read the same ``[workers]`` files: give that one
+  certificate both usages, or leave loopback workers without TLS). TLS 1.3 only. The files are read again for the next connection when any of them
   changes (rotation without a restart); a set that does not load keeps the last good one.
 * **Pre-shared key** (``transport_psk_file``): an HMAC challenge in the HELLO exchange
   (:mod:`transport.psk`): authentication without certificates, no encryption. Re-read for

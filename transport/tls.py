@@ -23,7 +23,7 @@ from .errors import TlsFailure
 
 __all__ = ["TlsSession", "explain", "looks_like_frames"]
 
-_READ = 1 << 18
+_READ = 1 << 15  # a TLS record holds at most 16 KiB of plaintext; one read returns at most one record
 _SSL_SUFFIX = re.compile(r"\s*\(_ssl\.c:\d+\)$")
 _NOT_TLS = {"WRONG_VERSION_NUMBER", "HTTP_REQUEST", "RECORD_LAYER_FAILURE", "PACKET_LENGTH_TOO_LONG",
             "UNKNOWN_PROTOCOL", "RECORD_TOO_LARGE"}
@@ -106,6 +106,24 @@ class TlsSession:
             just = True
         return self._read(), just
 
+    def decrypt(self, data: bytes | bytearray | memoryview) -> bytes:
+        """After the handshake: ciphertext in, the plaintext it completes out (``receive``'s hot path)."""
+        self._in.write(data)
+        return self._read()
+
+    def encrypt(self, data: bytes) -> bytes:
+        """After the handshake: plaintext in, the ciphertext for the peer out (``send``'s hot path)."""
+        try:
+            self._obj.write(data)
+        except ssl.SSLError as exc:
+            raise TlsFailure(explain(exc, self.side)) from None
+        return self._out.read()
+
+    @property
+    def wants_write(self) -> bool:
+        """Bytes for the peer are waiting (an alert, a post-handshake message)."""
+        return self._out.pending > 0
+
     def send(self, data: bytes) -> None:
         """Plaintext for the peer (held until the handshake ends)."""
         if not self.handshake_done:
@@ -142,7 +160,19 @@ class TlsSession:
         return True
 
     def _read(self) -> bytes:
-        obj, chunks = self._obj, []
+        obj = self._obj
+        try:  # the usual case, one whole record, without a second call to raise SSLWantReadError
+            first = obj.read(_READ)
+        except ssl.SSLWantReadError:
+            return b""
+        except ssl.SSLZeroReturnError:
+            self.closed = True
+            return b""
+        except ssl.SSLError as exc:
+            raise TlsFailure(explain(exc, self.side)) from None
+        if not first or (not self._in.pending and not obj.pending()):
+            return first
+        chunks = [first]
         while True:
             try:
                 chunk = obj.read(_READ)

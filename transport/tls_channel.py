@@ -32,6 +32,14 @@ _PLAIN_REFUSAL = FrameEncoder().encode(Error(0, ErrorCode.PROTOCOL, (
     "transport_tls_key and transport_tls_ca on the gateway")))
 
 
+def _nothing(data: bytes) -> bytes:
+    return b""
+
+
+def _drop(data: bytes) -> None:
+    return None
+
+
 class TlsChannel(ChannelBase):
     """One TLS connection; plaintext to and from its endpoint (a :class:`~transport.endpoint.ByteSink`)."""
 
@@ -47,6 +55,11 @@ class TlsChannel(ChannelBase):
         self._timer: asyncio.TimerHandle | None = None
         self._seen_bytes = False
         self._failed = False
+        self._open = False  # verified and attached: the hot paths below, bound methods cached
+        self._decrypt: Callable[[bytes], bytes] = _nothing
+        self._encrypt: Callable[[bytes], bytes] = _nothing
+        self._deliver: Callable[[bytes], None] = _drop
+        self._send: Callable[[bytes], object] = _drop
 
     # --- asyncio.Protocol ---------------------------------------------------------------------
 
@@ -62,6 +75,23 @@ class TlsChannel(ChannelBase):
         self._transmit()
 
     def data_received(self, data: bytes) -> None:
+        if self._open:  # per frame batch: decrypt, deliver; anything else on the slow path below
+            try:
+                plain = self._decrypt(data)
+            except TlsFailure as exc:
+                self._transmit()  # our alert, if OpenSSL wrote one
+                self._fail(str(exc))
+                return
+            if plain:
+                self._deliver(plain)
+            session = self.session
+            assert session is not None
+            if session.wants_write:
+                self._transmit()
+            if session.closed and self.transport is not None:  # the peer's close_notify
+                self._open = False
+                self.transport.close()
+            return
         session = self.session
         if session is None or self._failed:
             return
@@ -85,6 +115,7 @@ class TlsChannel(ChannelBase):
             self.transport.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._open = False
         self._cancel_timer()
         if self.endpoint is not None:
             self.endpoint.channel_lost(f"connection lost: {exc}" if exc else "peer closed the connection")
@@ -97,6 +128,12 @@ class TlsChannel(ChannelBase):
     # --- ByteSink -------------------------------------------------------------------------------
 
     def write(self, data: bytes) -> None:
+        if self._open:
+            try:
+                self._send(self._encrypt(data))
+            except TlsFailure as exc:
+                self._fail(str(exc))
+            return
         if self.session is None or self.transport is None or self.transport.is_closing():
             return
         try:
@@ -107,6 +144,7 @@ class TlsChannel(ChannelBase):
         self._transmit()
 
     def close(self) -> None:
+        self._open = False
         if self.transport is not None and not self.transport.is_closing():
             if self.session is not None:
                 self.session.close()
@@ -128,6 +166,10 @@ class TlsChannel(ChannelBase):
             log.info("gateway %s: TLS verified (%s)", self.peer, self.session.peer_subject() or "no subject")
         self.endpoint = ep = self._make_endpoint()
         ep.peer = self.peer
+        assert self.transport is not None
+        self._decrypt, self._encrypt = self.session.decrypt, self.session.encrypt
+        self._deliver, self._send = ep.data_received, self.transport.write
+        self._open = True
         ep.attach(self)
 
     def _refuse_plain(self) -> None:
@@ -146,6 +188,7 @@ class TlsChannel(ChannelBase):
             self._fail(f"no TLS handshake within {self._handshake_timeout:g}s")
 
     def _fail(self, why: str) -> None:
+        self._open = False
         if self._failed:
             return
         self._failed = True

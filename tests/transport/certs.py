@@ -62,15 +62,17 @@ class TestCA:
         self.ca_file.write_bytes(self.cert.public_bytes(serialization.Encoding.PEM))
 
     def issue(self, cn: str, role: str) -> Leaf:
-        """A leaf for ``role`` "gateway" (clientAuth) or "worker" (serverAuth)."""
+        """A leaf for ``role`` "gateway" (clientAuth), "worker" (serverAuth) or "both" (a gateway whose
+        local workers read the same [workers] files)."""
         key = ec.generate_private_key(ec.SECP256R1())
         now = datetime.datetime.now(datetime.UTC)
-        usage = ExtendedKeyUsageOID.CLIENT_AUTH if role == "gateway" else ExtendedKeyUsageOID.SERVER_AUTH
+        usage = [ExtendedKeyUsageOID.CLIENT_AUTH, ExtendedKeyUsageOID.SERVER_AUTH]
+        usage = usage[:1] if role == "gateway" else usage[1:] if role == "worker" else usage
         cert = (x509.CertificateBuilder().subject_name(_name(cn)).issuer_name(self.cert.subject)
                 .public_key(key.public_key()).serial_number(x509.random_serial_number())
                 .not_valid_before(now - _DAY).not_valid_after(now + 30 * _DAY)
                 .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-                .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+                .add_extension(x509.ExtendedKeyUsage(usage), critical=False)
                 .add_extension(x509.SubjectAlternativeName([x509.DNSName(cn)]), critical=False)
                 .sign(self.key, hashes.SHA256()))
         cert_file, key_file = self.dir / f"{cn}.crt", self.dir / f"{cn}.key"
