@@ -310,3 +310,41 @@ def test_rdma_channel_failed_completion_ends_streams_once() -> None:
         assert conn.closed and cm_g.closed
 
     asyncio.run(body())
+
+
+@pytest.mark.parametrize("same_key", [True, False])
+def test_rdma_channel_authenticates_with_the_pre_shared_key(tmp_path: Path, same_key: bool) -> None:
+    """rdma:// carries no TLS; the pre-shared key's challenge rides in its HELLO exchange as on TCP: the
+    right key opens the connection, another is refused before the worker names itself."""
+    from tests.transport import fake_verbs
+    from tests.transport.certs import write_psk
+    from tests.transport.doubles import EchoWorker
+    from transport.client import ClientConnection
+    from transport.errors import ProtocolError
+    from transport.flow import FlowConnection
+    from transport.messages import Hello
+    from transport.psk import read_key_file
+    from transport.rdma import RdmaChannel
+    from transport.security import PskKeys
+    from transport.server import WorkerServer
+
+    key = write_psk(tmp_path / "k")
+    other = key if same_key else write_psk(tmp_path / "k2", "a different key, long enough too")
+
+    async def body() -> None:
+        loop = asyncio.get_running_loop()
+        server = WorkerServer(EchoWorker(), "w", 1.0, 5.0, PskKeys(key))
+        conn = ClientConnection(FlowConnection("gateway", Hello(), loop.time(), psk=read_key_file(other)), loop)
+        cm_g, cm_w = fake_verbs.pair()
+        RdmaChannel(cm_w, CreditRing(4, 4096), server._new_endpoint, verbs=fake_verbs.VERBS).start()
+        RdmaChannel(cm_g, CreditRing(4, 4096), lambda: conn.endpoint, verbs=fake_verbs.VERBS).start()
+        if same_key:
+            await asyncio.wait_for(conn._hello, 5)
+            assert conn.peer_hello.identity == "w" and conn.core.psk_verified
+        else:
+            with pytest.raises(ProtocolError, match="proof does not match"):
+                await asyncio.wait_for(conn._hello, 5)
+            assert conn.peer_hello.identity == ""
+        await conn.close()
+
+    asyncio.run(body())
