@@ -10,13 +10,16 @@ drain (a draining replica takes no new request, finishes what it has, then stops
 ready, the write-up's pre-warm threshold: P90 + 2 sigma of the measured start-up times, clamped
 to 300-2000 ms (:class:`StartupTimes`). Arrivals are counted in short bins and smoothed with
 Holt's linear method (level + trend, :class:`HoltRate`); the demand it provisions for is the
-higher of the level and the level projected to the end of the horizon, plus a Poisson margin on the
-arrivals expected within it, plus what it takes to clear the queue within its wait budget. A
-replica starts as soon as that demand exceeds what ready + starting replicas can serve at the
-target utilisation: a replica started now is ready when the forecast comes due. It drains one only
-after the demand has stayed below the ready capacity less one replica for ``idle_s`` (sustained,
-so a lull inside a burst does not cost a cold start), and it goes to zero (``min_replicas = 0``)
-only after ``idle_s`` without an arrival; the next request then waits while one starts.
+higher of the level and the level projected to the end of the horizon (plus an optional Poisson
+margin on the arrivals expected within it), plus a busy slot for each request already queued. It
+sizes the pool for that demand by Erlang C (:func:`replicas_for`: the fewest replicas for which at
+most ``late_target`` of requests would wait past the queue budget), or, with ``late_target=None``,
+the write-up's rule as such: demand over capacity at ``target_utilisation``. A replica starts as
+soon as ready + starting replicas fall short: one started now is ready when the forecast comes
+due. Scale-in: the pool drains down to the most it needed over the last ``idle_s``, and only once
+no replica has been started for ``idle_s`` (so a lull inside a burst does not cost a cold start);
+it goes to zero (``min_replicas = 0``) only after ``idle_s`` without an arrival; the next request
+then waits while one starts.
 
 :class:`ReactiveController` is the comparison: it starts replicas only once the oldest queued
 request has waited past the budget (enough to serve the queue), and drains one after ``idle_s``
@@ -49,6 +52,7 @@ class PoolLimits:
     queue_budget_s: float = 0.5  # the longest a request should wait in the pool's queue
     idle_s: float = 30.0  # how long capacity must stay unneeded before a replica drains
     target_utilisation: float = 0.75  # the share of a replica's capacity the forecast may use
+    # (the write-up's sizing rule; ElasticController's default sizes by Erlang C instead)
 
     def __post_init__(self) -> None:
         if not 0 <= self.min_replicas <= self.max_replicas or self.max_replicas < 1:
@@ -190,8 +194,8 @@ class ElasticController:
     """Scale on predicted demand over the cold-start horizon (see the module's docstring)."""
 
     def __init__(self, limits: PoolLimits, startup: StartupTimes | None = None,
-                 rate: HoltRate | None = None, margin_sigmas: float = 2.0,
-                 late_target: float | None = None) -> None:
+                 rate: HoltRate | None = None, margin_sigmas: float = 0.0,
+                 late_target: float | None = 0.01) -> None:
         self.limits = limits
         self.startup = startup or StartupTimes()
         self.rate = rate or HoltRate()
@@ -209,13 +213,14 @@ class ElasticController:
         self.startup.add(seconds)
 
     def demand_rps(self, now: float, view: PoolView) -> float:
-        """Requests/s to provision for: forecast peak in the horizon + margin + the queue's backlog."""
+        """Requests/s to provision for: forecast peak in the horizon + margin + the queue's backlog
+        (each queued request as one more busy slot)."""
         self.rate.advance(now)
         h = self.startup.horizon()
         peak = max(self.rate.level, self.rate.forecast(h))
         expected = peak * h
         with_margin = (expected + self._margin * math.sqrt(expected)) / h
-        return with_margin + view.queued / self.limits.queue_budget_s
+        return with_margin + view.queued * view.capacity_rps / view.slots  # a slot for each one queued
 
     def needed(self, now: float, view: PoolView) -> int:
         """Replicas the demand calls for, within the pool's limits."""

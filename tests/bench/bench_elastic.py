@@ -10,9 +10,10 @@ earlier starts. Pools compared:
   static-peak   sized for its peak rate (a burst on the diurnal crest) at the target utilisation
   reactive      starts replicas once the queue's head passes the wait budget
   elastic-bare  forecasts (Holt: level + trend) over the P90 + 2 sigma start-up horizon and starts a
-                replica when that forecast exceeds ready + starting capacity (the write-up's rule)
-  elastic       the same plus a Poisson margin (2 sigma) on the arrivals expected within the
-                horizon (see gateway/workers/elastic.py)
+                replica when that forecast exceeds ready + starting capacity at the target
+                utilisation (0.75): the write-up's rule
+  elastic       the same forecast, sized by Erlang C: the fewest replicas for which at most 1% of
+                requests would wait past the budget (see gateway/workers/elastic.py)
 
 It prints p50/p95/p99 queue wait, the share of requests past the budget, replica-seconds and the
 ratios to the peak-sized pool. The issue's target: elastic p95 <= 1.2x static-peak's with <= 0.6x
@@ -34,7 +35,7 @@ from gateway.workers.elastic_sim import SimResult, Startup, StaticController, bu
 
 
 def run(seed: int, duration: float, slots: int, budget: float, idle: float,
-        margin: float = 2.0) -> dict[str, SimResult]:
+        margin: float = 0.0, late: float = 0.01) -> dict[str, SimResult]:
     trace = bursty_trace(seed=seed, duration_s=duration)
     startup = Startup()
     capacity = slots / (sum(trace.service) / len(trace.service))
@@ -43,8 +44,8 @@ def run(seed: int, duration: float, slots: int, budget: float, idle: float,
     peak_n = math.ceil(trace.peak_rps / (capacity * util))
     limits = PoolLimits(min_replicas=1, max_replicas=2 * peak_n, queue_budget_s=budget, idle_s=idle,
                         target_utilisation=util)
-    elastic = ElasticController(limits, margin_sigmas=margin)
-    bare = ElasticController(limits, margin_sigmas=0.0)  # the write-up's rule alone: no Poisson margin
+    elastic = ElasticController(limits, margin_sigmas=margin, late_target=late)
+    bare = ElasticController(limits, margin_sigmas=0.0, late_target=None)  # the write-up's rule alone
     history = random.Random(seed + 1000)
     for _ in range(16):
         d = startup.draw(history)
@@ -84,11 +85,12 @@ def main() -> None:
     ap.add_argument("--slots", type=int, default=8, help="requests a replica serves at once")
     ap.add_argument("--budget", type=float, default=0.5, help="queue-wait budget, seconds")
     ap.add_argument("--idle", type=float, default=30.0, help="sustained idleness before a drain, seconds")
-    ap.add_argument("--margin", type=float, default=2.0, help="elastic: Poisson margin in sigmas")
+    ap.add_argument("--margin", type=float, default=0.0, help="elastic: Poisson margin in sigmas")
+    ap.add_argument("--late", type=float, default=0.01, help="elastic: Erlang C share past the budget")
     args = ap.parse_args()
     for seed in range(args.seed, args.seed + args.seeds):
         t0 = time.perf_counter()
-        results = run(seed, args.duration, args.slots, args.budget, args.idle, args.margin)
+        results = run(seed, args.duration, args.slots, args.budget, args.idle, args.margin, args.late)
         report(results, args.budget)
         print(f"  ({time.perf_counter() - t0:.1f} s wall)")
 
