@@ -39,6 +39,10 @@ elastic pool is ahead of the reactive one on waits (p95, p99, share past budget)
 replica-seconds at the same idleness setting: reactive is 5-18% cheaper, paid for with ~1% of
 requests past the budget. Along the frontier, elastic at idle 10 s (0.30 / 0.29 / 0.26x, p95 0)
 beats reactive at idle 30 s on seeds 0-1 (0.33 / 0.31x) but not on seed 2 (0.24x).
+Erlang C (exponential service) is pessimistic here: --late 0.25 still leaves only 0.16 / 0.18 /
+0.09% past the budget, at 0.30 / 0.30 / 0.25x (reactive 0.33 / 0.31 / 0.24x). Correcting the
+model by observed vs predicted waits (as Dynamo's planner corrects its latency model) is the
+next step before the elastic pool can claim to be cheaper than reactive.
 """
 
 from __future__ import annotations
