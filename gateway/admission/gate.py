@@ -6,12 +6,14 @@ the built-in ones of :mod:`.checks` -- the API key (when auth is on), load shedd
 :meth:`Admission.admit` runs them in order on one request and returns the
 :class:`~gateway.admission.check.Grant` they filled in; a check that refuses raises
 :class:`~gateway.errors.APIError` (401/403/429/503) and those before it are undone, so a refused
-request holds nothing. :meth:`Admission.release` releases the grant through every check, once (a
-second release is a bug in the caller and raises).
+request holds nothing. :meth:`Admission.release` releases the grant through every check, last
+first, once (a second release is a bug in the caller and raises).
 
 :meth:`Admission.admit_call`, the pipeline's admit, writes the built-in checks' usual case out in
 one frame (the rate limits' own usual case compiled, :mod:`.plan`); it admits whole or takes
-nothing and hands the request to :meth:`Admission.admit`. Nothing here awaits or starts a task:
+nothing and hands the request to :meth:`Admission.admit`. While the checks are the built-in ones,
+:meth:`Admission.release_completion` writes their release out too: the per-request path stays a
+frame each way, as it was before the checks were a list. Nothing here awaits or starts a task:
 with Redis-shared limits the limiters spend local leases and a separate refresher tops them up.
 """
 
