@@ -119,6 +119,9 @@ class TlsChannel(ChannelBase):
         self._cancel_timer()
         if self.endpoint is not None:
             self.endpoint.channel_lost(f"connection lost: {exc}" if exc else "peer closed the connection")
+        elif self._server_side and not self._seen_bytes:  # a TCP probe (Kubernetes tcpSocket): not a refusal
+            self._failed = True
+            log.debug("gateway at %s closed without a byte", self.peer)
         elif not self._failed:
             self._failed = True
             why = f"the connection was lost during the TLS handshake{f': {exc}' if exc else ''}"

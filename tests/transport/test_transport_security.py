@@ -117,6 +117,29 @@ def test_refusals_say_why_on_both_sides(pki: PKI, case: str, loop_kind: str, cap
     assert wk_says in caplog.text, caplog.text
 
 
+def test_a_tcp_probe_is_not_a_refusal(pki: PKI, caplog: pytest.LogCaptureFixture) -> None:
+    """Kubernetes' tcpSocket probes connect and close every few seconds: no warning for them, one for a
+    peer that starts a handshake and leaves."""
+    caplog.set_level(logging.DEBUG, "transport")
+
+    async def body() -> None:
+        srv = await serve("tcp://127.0.0.1:0", EchoWorker(), security=tls(pki.worker))
+        host, port = srv.address.removeprefix("tcp://").rsplit(":", 1)
+        for first in (b"", b"\x16\x03\x01"):
+            _, writer = await asyncio.open_connection(host, int(port))
+            writer.write(first)
+            await writer.drain()
+            writer.close()
+            await writer.wait_closed()
+            await asyncio.sleep(0.05)
+        await srv.close()
+
+    run("uvloop", body)
+    warnings = [r.message for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "the connection was lost during the TLS handshake" in warnings[0]
+    assert "closed without a byte" in caplog.text
+
+
 def test_certificates_and_keys_are_read_again_when_they_change(pki: PKI, tmp_path: Path,
                                                                caplog: pytest.LogCaptureFixture) -> None:
     """Rotation: the worker's files are replaced by another CA's set; the next gateway must hold the new
