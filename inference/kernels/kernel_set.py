@@ -113,13 +113,11 @@ def build_kernels(attention: str = "auto", *, dtype: Any = jnp.float32, kv_quant
                          decode=paged_cache.over_cache(kernels.decode), **{**base, "matmul": kernels.matmul})
     if family == "native" and name == "float32" and cpu_ffi.available():
         log.info("kernels: native CPU kernels (%s KV cache)", kv_quant or "float32")
+        native = {**base, "attention": "native", "prefill": _native_prefill, "pack": projections.pack_weight}
         if kv_quant is not None:  # the native decode and RoPE write read float32 caches only
-            return KernelSet(attention="native", prefill=_native_prefill, pack=projections.pack_weight,
-                             decode=paged_cache.over_cache(xla_attention.paged_decode_attention),
-                             **{k: v for k, v in base.items() if k != "pack"})
-        return KernelSet(attention="native", prefill=_native_prefill, decode=_native_decode,
-                         **{**base, "rope": rope.rope_tables, "rope_write": rope.rope_write_native,
-                            "pack": projections.pack_weight})
+            return KernelSet(decode=paged_cache.over_cache(xla_attention.paged_decode_attention), **native)
+        return KernelSet(decode=_native_decode, **{**native, "rope": rope.rope_tables,
+                                                   "rope_write": rope.rope_write_native})
     if family == "native":
         why = f"they are float32 kernels, the model is {name}" if name != "float32" else "they did not build"
         log.info("kernels: xla in place of the native CPU kernels (%s)", why)

@@ -98,6 +98,14 @@ prefetching two K/V blocks ahead. Session 4's packed-prefill experiment (4 x
 313 ms against 214 ms as four calls) predates the native kernels.
 Transformers' batch-32 run: ~12.1 s on one core, ~7.9-8.6 s on two.
 
+The kernel seam (#27, 2026-12-05, ``inference/kernels/kernel_set.py``) changed no program: the bench
+model's compiled decode and prefill steps are the HLO of before, instruction for instruction. Our
+decode loop alone (batch 32, process CPU time, best of 3), eight runs alternating with the tree
+before: 4.09-4.32 s before, 4.15-4.25 s after (means 4.23 and 4.21 s). This bench's wall figures
+(``--batches 32 --stream 0 --repeats 1``, four pairs, the machine at load 5-9 that day) moved with
+the load and the order of each pair: 344 / 366 / 351 / 385 tok/s before, 297 / 311 / 261 / 456 after
+(the fourth pair run after-then-before).
+
 Last figures (``--stream 2 --repeats 2``, final code of 2026-11-30 session
 6, two threads, unpinned, other work paused, load ~1.6-2.2 = the bench
 itself), two runs: ratio 2.04x / 3.26x / 3.42x and 2.18x / 3.28x / 3.33x
