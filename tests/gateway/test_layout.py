@@ -14,12 +14,9 @@ MAX_LINES = 400
 GETATTR_ALLOWED = {("http/h1.py", "POLLRDHUP"),  # Linux only
                    ("workers/discovery.py", "EAI_NODATA"),  # a resolver error code glibc has and others lack
                    ("settings.py", "__name__")}  # a type's name for an error message
-# Circles that remain when every import counts (type-only and function-level ones too), each as the
-# set of modules that import one another. TEMPORARY: this list must only shrink. Remove an entry once
-# its circle is gone; never add one (a back reference is a Protocol in the module that needs it).
-KNOWN_CIRCLES: list[frozenset[str]] = [
-    frozenset({"gateway.admission.limits", "gateway.admission.plan"}),  # plan types limits.Step (TYPE_CHECKING)
-]
+# Circles allowed when every import counts (type-only and function-level ones too): none. Never add
+# one: a back reference is a Protocol in the module that needs it.
+KNOWN_CIRCLES: list[frozenset[str]] = []
 
 
 def _modules() -> dict[str, Path]:
