@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.integration.test_gateway_e2e import Gateway, wait_ready
+from tests.integration.test_gateway_e2e import Gateway, stop_gateway, wait_ready
 
 __all__ = ["serve_config"]
 
@@ -33,7 +33,11 @@ def serve_config(state: Path, config: str, *, models: Iterable[str] = (), env: M
                                     env={**os.environ, "QUICSERVE_SHUTDOWN__GRACE_PERIOD": "0", **(env or {})}))
     wanted = set(models)
     deadline = time.monotonic() + 120
-    while wanted and not wanted <= {m["id"] for m in httpx.get(g.http + "/v1/models").json()["data"]}:
-        assert time.monotonic() < deadline, f"models never all ready: {wanted}"
-        time.sleep(0.1)
+    try:
+        while wanted and not wanted <= {m["id"] for m in httpx.get(g.http + "/v1/models").json()["data"]}:
+            assert time.monotonic() < deadline, f"models never all ready: {wanted}"
+            time.sleep(0.1)
+    except BaseException:
+        stop_gateway(g)  # not left running (with its workers) past the test that gave up on it
+        raise
     return g
