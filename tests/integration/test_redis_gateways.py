@@ -226,3 +226,36 @@ def test_redis_stopped_mid_load_and_restarted_empty(fail: str, tmp_path: Path) -
     finally:
         assert stop_gateway(gw) == 0
         redis.stop()
+
+
+@pytest.mark.parametrize("secured", ["password", "password+tls"])
+def test_limits_through_a_redis_with_a_password_and_tls(secured: str, tmp_path: Path) -> None:
+    """Issue #36: the shared limits through a redis-server with requirepass, and with TLS too
+    (rediss:// with the server's CA), as the Kubernetes base runs it: limits as accurate as ever;
+    a wrong password is an unreachable store (fail open, counted)."""
+    from tests.transport.certs import TestCA
+
+    tls = None
+    if secured.endswith("tls"):
+        ca = TestCA(tmp_path / "ca", "redis test CA")
+        leaf = ca.issue("localhost", "worker")  # serverAuth, for the name the client dials
+        tls = (leaf.cert, leaf.key, leaf.ca)
+    redis = RedisProcess(tmp_path, password="s3cret-redis", tls=tls).start()
+    try:
+        gw = _serve(tmp_path, _config(tmp_path / "config.toml", redis.url))
+        try:
+            answers = asyncio.run(_load([gw.http], "t6", 40, concurrency=1))
+            assert [a.status for a in answers] == [200] * 30 + [429] * 10
+            assert _metric(gw, "quicserve_admission_redis_errors_total") == 0
+        finally:
+            assert stop_gateway(gw) == 0
+        wrong = redis.url.replace("s3cret-redis", "wrong")
+        gw = _serve(tmp_path, _config(tmp_path / "wrong.toml", wrong))
+        try:
+            answers = asyncio.run(_load([gw.http], "t5", 10, concurrency=1))
+            assert {a.status for a in answers} == {200}  # fail open ...
+            assert _metric(gw, "quicserve_admission_redis_errors_total") >= 1  # ... and counted
+        finally:
+            assert stop_gateway(gw) == 0
+    finally:
+        redis.stop()
