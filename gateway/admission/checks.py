@@ -21,7 +21,7 @@ from .keys import KeyRecord, KeyStore
 from .limiter import Limiter
 from .limits import RateLimits, RateRule, Verdict
 from .ratelimit_headers import refusal, render
-from .rules import LimiterTable, Step, step
+from .rules import Admitted, LimiterTable, Step, step
 from .shed import LoadShedder
 
 __all__ = ["KeyCheck", "ShedCheck", "RateCheck"]
@@ -99,13 +99,18 @@ class RateCheck:
 
     def admit(self, ctx: AdmissionContext, grant: Grant, now: float) -> None:
         extra = self._key_steps(grant.key)
-        if not (self._limited or extra):
-            return
-        r = self.limits.take((grant.key_id, ctx.client, ctx.model, ctx.route), ctx.prompt_tokens + ctx.max_tokens,
-                             now, extra)
+        if self._limited or extra:
+            grant.headers, grant.reservation = self.take(
+                (grant.key_id, ctx.client, ctx.model, ctx.route), ctx.prompt_tokens + ctx.max_tokens, now, extra)
+
+    def take(self, values: tuple[str | None, ...], tokens: float, now: float, extra: tuple[Step, ...] = ()
+             ) -> Admitted:
+        """Every matching rule's units (``values``: the scopes' values, ``limits.SCOPES`` order), or the
+        429 with nothing taken; :meth:`admit`'s decision, and admit_call's when its plan is not it."""
+        r = self.limits.take(values, tokens, now, extra)
         if isinstance(r, Verdict):
             raise refusal(r.wait, r.unit, render(r.requests, r.tokens))
-        grant.headers, grant.reservation = r
+        return r
 
     def undo(self, ctx: AdmissionContext, grant: Grant, now: float) -> None:
         extra = self._key_steps(grant.key)

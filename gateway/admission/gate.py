@@ -45,7 +45,7 @@ class Admission:
     ``now`` passed in."""
 
     __slots__ = ("keys", "auth_required", "limits", "shedder", "default_priority", "key_max_concurrency", "checks",
-                 "_builtin", "_usual", "_limited", "_plain_bound")
+                 "_builtin", "_usual", "_rates", "_plain_bound")
 
     def __init__(self, keys: KeyStore | None, limits: RateLimits, shedder: LoadShedder, *,
                  auth_required: bool, default_priority: int = DEFAULT_PRIORITY, key_max_concurrency: int = 0,
@@ -61,13 +61,15 @@ class Admission:
         self.key_max_concurrency = key_max_concurrency
         checks: list[Check] = [KeyCheck(keys)] if keys is not None and auth_required else []
         checks.append(ShedCheck(shedder, key_max_concurrency))
-        if limits.rules or auth_required:  # (a key's record may carry rules of its own)
-            checks.append(RateCheck(limits, make, max_keys))
+        # rate limits where there are rules, or keys (a key's record may carry rules of its own)
+        rates = RateCheck(limits, make, max_keys) if limits.rules or auth_required else None
+        if rates is not None:
+            checks.append(rates)
         self.checks: tuple[Check, ...] = tuple(checks)  # in the order they run; register() adds
         self._builtin = True  # the built-in checks only: release_completion writes their release out
         # admit_call writes out the built-in checks' usual case: without key caps, and none registered
         self._usual = not key_max_concurrency
-        self._limited = bool(limits.rules)
+        self._rates = rates if limits.rules else None  # admit_call's, when it has rules to apply
         # admit_call's plain case: a pool holding fewer than the lowest class's bound admits any class
         self._plain_bound = shedder.bound(0)
 
@@ -115,8 +117,9 @@ class Admission:
     def admit_call(self, req: Request, g: GenerationRequest, now: float, deadline: float | None = None) -> Grant:
         """The pipeline's admit: :meth:`admit` for a parsed request, the built-in checks' usual case
         written out in this one frame -- a key seen before, with no cap or rules of its own, allowed
-        the model; a pool below even the lowest class's bound; no deadline; the rate limits' compiled
-        plan admits. It admits whole or takes nothing and hands the request to :meth:`admit`
+        the model; a pool below even the lowest class's bound; no deadline -- with the rate limits
+        decided by their compiled plan, else by the rate check's take. It admits whole, refuses (429)
+        holding nothing, or takes nothing and hands the request to :meth:`admit`
         (tests/gateway/admission/test_admit_call.py drives both with the same random requests and
         asserts the same answers and state). ``deadline``: seconds the request may still take
         (gRPC's ``grpc-timeout``), None for none of its own."""
@@ -150,13 +153,16 @@ class Admission:
         address = None if client is None else client[0]
         st = self.shedder.pools.get(model)
         if plain and st is not None and st.outstanding < self._plain_bound:  # the shedder admits: take() plain
-            if not self._limited:
+            rates = self._rates
+            if rates is None:
                 self.shedder.enter_plain(st, now)
                 return Grant(key_id, priority, (), None, model, None, prompt, rec)
-            fast = self.limits.fast(key_id, address, model, req.path, prompt + g.params.max_tokens, now)
-            if fast is not None:  # the usual case, compiled (None: not it, nothing taken)
-                self.shedder.enter_plain(st, now)
-                return Grant(key_id, priority, fast[0], fast[1], model, None, prompt, rec)
+            tokens = prompt + g.params.max_tokens
+            fast = self.limits.fast(key_id, address, model, req.path, tokens, now)  # the usual case, compiled
+            if fast is None:  # not it (nothing taken): the rate check decides -- or refuses, nothing held
+                fast = rates.take((key_id, address, model, req.path), tokens, now)
+            self.shedder.enter_plain(st, now)  # the shedder's slot last: it cannot refuse
+            return Grant(key_id, priority, fast[0], fast[1], model, None, prompt, rec)
         return self.admit(AdmissionContext(authorization, address, model, req.path, prompt, g.params.max_tokens,
                                            deadline, hint, req.headers), now)
 
