@@ -55,7 +55,7 @@ DTYPES = ("float32", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # "auto": the model dtype
 WEIGHT_DTYPES = ("auto", "int8", "fp8")  # "auto": the model dtype
 WEIGHT_QUANT_METHODS = ("rtn", "gptq")  # round to nearest; GPTQ calibrated on random tokens
-ATTENTION_BACKENDS = ("reference", "pallas")
+ATTENTION_BACKENDS = ("auto", "pallas", "native", "xla", "reference")  # inference.kernels.kernel_set.ATTENTION
 URL_SCHEMES = ("tcp://", "unix://", "rdma://")
 
 # KV blocks when ``num_blocks`` is 0, per engine, and the synthetic engine's context length.
@@ -110,7 +110,8 @@ class WorkerOptions:
         "rtn", "how weight_dtype picks the codes: 'rtn' rounds to nearest; 'gptq' calibrates on the model's own "
         "activations and feeds each column's rounding error into the columns not yet quantized (slower start)",
         WEIGHT_QUANT_METHODS)
-    attention: str = _opt("reference", "attention kernels: reference (jnp) or pallas", ATTENTION_BACKENDS)
+    attention: str = _opt("auto", "kernels: auto (Pallas on GPU and TPU, the native kernels on CPU), pallas, native, "
+                                  "xla (jnp, any platform) or reference (the ground truth, slow)", ATTENTION_BACKENDS)
     batch_window: str = _opt("adaptive", "how long admission waits to batch prompts: adaptive | fixed:<ms>")
     prefix_cache: bool = _opt(True, "share the KV blocks of common prompt prefixes between requests")
     stats_interval: float = _opt(0.5, "seconds between load reports to the gateway")

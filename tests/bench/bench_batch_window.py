@@ -178,7 +178,7 @@ def measured_shapes(lengths: tuple[int, ...]) -> list[tuple[int, int]]:
 
 
 def measure(model: str, lengths: tuple[int, ...], rounds: int = 30) -> Table:
-    from inference.model.runner import JaxRunner
+    from inference.model.jax_runner import JaxRunner
 
     stride = -(-max(lengths) // 16) + 4  # blocks per sequence: the longest prompt, or a 64-token context
     r = JaxRunner.load(model, block_size=16, num_blocks=48 * stride, max_batch=MAX_BATCH,
@@ -437,7 +437,7 @@ def check_replay(model: str, steps: list[tuple[StepPlan, float]], prefill_batch:
     runner, ``passes`` times interleaved (the fastest pass of each step, as the
     table takes a low quantile), and compare with what the replay charged:
     decode-only steps and steps that carry prefills apart."""
-    from inference.model.runner import JaxRunner
+    from inference.model.jax_runner import JaxRunner
 
     r = JaxRunner.load(model, block_size=16, num_blocks=4096, max_batch=MAX_BATCH, max_prefill_batch=prefill_batch)
     for plan, _ in steps:  # compile every shape the steps use

@@ -129,7 +129,7 @@ def test_worker_options_are_typed_keys_of_workers_with_env_and_flag_overrides(tm
     ("max_batch = 0", "workers.max_batch: must be >= 1, got 0"),
     ('dtype = "float13"', "workers.dtype: 'float13' is not one of 'float32', 'bfloat16'"),
     ('kv_cache_dtype = "int4"', "workers.kv_cache_dtype: 'int4' is not one of 'auto', 'int8', 'fp8'"),
-    ('attention = "flash"', "workers.attention: 'flash' is not one of 'reference', 'pallas'"),
+    ('attention = "flash"', "workers.attention: 'flash' is not one of 'auto', 'pallas', 'native', 'xla', 'reference'"),
     ('batch_window = "soon"', "workers.batch_window: bad batch window 'soon': use 'adaptive' or 'fixed:<ms>'"),
     ('batch_window = "fixed:-1"', "workers.batch_window: bad batch window 'fixed:-1': fixed:<ms> needs a finite"),
     ("max_model_len = 9000", "workers.max_model_len: 9000 tokens do not fit the KV cache (512 blocks x 16 tokens"),

@@ -216,7 +216,7 @@ def test_flags_engine_and_runner_share_one_default_per_option() -> None:
     assert {k: getattr(args, k) for k in ("max_batch", "max_prefill_batch", "max_prefill_tokens", "dtype",
                                           "kv_cache_dtype", "weight_dtype", "attention", "block_size")} == {
         "max_batch": 32, "max_prefill_batch": 2, "max_prefill_tokens": 2048, "dtype": "float32",
-        "kv_cache_dtype": "auto", "weight_dtype": "auto", "attention": "reference", "block_size": 16}
+        "kv_cache_dtype": "auto", "weight_dtype": "auto", "attention": "auto", "block_size": 16}
     cfg = EngineConfig()
     assert (cfg.max_batch, cfg.prefill_batch, cfg.max_prefill_tokens, cfg.enable_prefix_cache) == (
         d.max_batch, d.max_prefill_batch, d.max_prefill_tokens, d.prefix_cache)
