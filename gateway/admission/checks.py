@@ -119,13 +119,7 @@ class RateCheck:
                                now, extra)
 
     def release(self, grant: Grant, completion_tokens: int, now: float) -> None:
-        res = grant.reservation
-        if res is not None:
-            reserved, at, limiters = res
-            over = reserved - grant.prompt - completion_tokens
-            if over != 0.0:
-                for lim in limiters:
-                    lim.refund(over, at, now)
+        self.limits.settle(grant.reservation, grant.prompt + completion_tokens, now)
 
     def tables(self) -> list[LimiterTable]:
         """Every table of limiters: the configured rules', then the keys' own rules' (tests, gauges)."""

@@ -189,11 +189,7 @@ class Admission:
             return
         res = grant.reservation  # the built-in checks' release written out: RateCheck's, then ShedCheck's
         if res is not None:
-            reserved, at, limiters = res
-            over = reserved - grant.prompt - completion_tokens
-            if over != 0.0:
-                for lim in limiters:
-                    lim.refund(over, at, now)
+            self.limits.settle(res, grant.prompt + completion_tokens, now)
         self.shedder.leave(grant.pool, grant.capped_key, now)
 
     def reload_keys(self) -> list[str]:

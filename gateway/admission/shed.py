@@ -34,18 +34,17 @@ DEFAULT_PRIORITY = 1  # the class of a request without a key
 
 
 class WaitEstimator:
-    """EWMA of the busy-period time between completions of one pool. Its state is public: the
-    shedder's per-request paths (:meth:`LoadShedder.enter_plain`, :meth:`LoadShedder.leave`) write
-    :meth:`started` and :meth:`completed` out on it, a call per request saved each."""
+    """EWMA of the busy-period time between completions of one pool. Its busy period is public:
+    :meth:`LoadShedder.enter_plain` (admission's fast path) writes :meth:`started` out on it."""
 
-    __slots__ = ("alpha", "gap", "last", "busy_since")
+    __slots__ = ("alpha", "gap", "_last", "busy_since")
 
     def __init__(self, alpha: float = 0.2) -> None:
         if not 0.0 < alpha <= 1.0:
             raise ValueError(f"alpha must be in (0, 1], got {alpha!r}")
         self.alpha = alpha
         self.gap: float | None = None  # seconds per completion while busy; None until observed
-        self.last = 0.0  # when the latest request completed
+        self._last = 0.0  # when the latest request completed
         self.busy_since: float | None = None  # when the pool's current busy period began; None: idle
 
     def started(self, now: float, outstanding_before: int) -> None:
@@ -55,8 +54,8 @@ class WaitEstimator:
 
     def completed(self, now: float, outstanding_after: int) -> None:
         """A request finished; ``outstanding_after`` are left (0 ends the busy period)."""
-        since, last = self.busy_since, self.last
-        self.last = now
+        since, last = self.busy_since, self._last
+        self._last = now
         if since is not None:  # (not busy: no sample)
             sample = now - (last if last > since else since)
             if sample > 0.0:
@@ -201,17 +200,8 @@ class LoadShedder:
         """Free what :meth:`enter` took."""
         st = self.pools.get(pool)
         if st is not None and st.outstanding > 0:
-            n = st.outstanding = st.outstanding - 1
-            est = st.estimator  # WaitEstimator.completed, written out: this runs once per request
-            since, last = est.busy_since, est.last
-            est.last = now
-            if since is not None:  # (not busy: no sample)
-                sample = now - (last if last > since else since)
-                if sample > 0.0:
-                    gap = est.gap
-                    est.gap = sample if gap is None else gap + est.alpha * (sample - gap)
-            if n == 0:
-                est.busy_since = None
+            st.outstanding -= 1
+            st.estimator.completed(now, st.outstanding)
         if capped_key is not None:
             held = self._per_key.get(capped_key, 0) - 1
             if held > 0:

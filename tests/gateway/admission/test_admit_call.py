@@ -78,7 +78,7 @@ def _outcome(f: Any, *args: Any) -> tuple[tuple[object, ...], Grant | None]:
 
 def _state(adm: Admission, now: float) -> tuple[object, ...]:
     shed = adm.shedder
-    pools = sorted((name, p.outstanding, p.estimator.gap, p.estimator.busy_since, p.estimator.last)
+    pools = sorted((name, p.outstanding, p.estimator.gap, p.estimator.busy_since, p.estimator._last)
                    for name, p in shed.pools.items())
     tables = [t for c in adm.checks if isinstance(c, RateCheck) for t in c.tables()] or [*adm.limits.tables()]
     limiters = [sorted((v, lim.status(now)) for v, lim in t.items.items()) for t in tables]
