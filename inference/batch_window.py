@@ -60,7 +60,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from transport.worker_options import WorkerOptions, batch_window_ms
+from transport.common.worker_options import WorkerOptions, batch_window_ms
 
 _PREFILL_GROUP = WorkerOptions().max_prefill_batch  # the runner's max_prefill_batch unless told
 
@@ -270,7 +270,7 @@ def parse_batch_window(
     """``"adaptive"`` or ``"fixed:<ms>"`` (the worker's ``--batch-window``);
     ``prefill_group``: prefills the runner runs per call (its ``max_prefill_batch``). Once the runner
     is loaded, an adaptive window's ``calls`` can be set to its shapes (:func:`bucket_calls`)."""
-    ms = batch_window_ms(spec)  # the syntax is the worker option's (transport.worker_options)
+    ms = batch_window_ms(spec)  # the syntax is the worker option's (transport.common.worker_options)
     if ms is None:
         return AdaptiveWindow(target_latency, prefill_group=prefill_group)
     return FixedWindow(ms / 1e3)

@@ -57,8 +57,8 @@ import random
 from collections.abc import Hashable
 from dataclasses import dataclass
 
+from transport.common.worker_options import WorkerOptions
 from transport.messages import ErrorCode, FinishReason, SamplingParams
-from transport.worker_options import WorkerOptions
 
 from .batch_window import BatchWindow, FixedWindow
 from .kv_cache import KVCache

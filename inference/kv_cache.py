@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 # One definition for workers and gateways (a gateway computes the same chain to route by prefix).
-from transport.prefix import PREFIX_HASH_SCHEME, ROOT_HASH, block_hash
+from transport.common.prefix import PREFIX_HASH_SCHEME, ROOT_HASH, block_hash
 
 __all__ = ["KVCache", "Allocation", "block_hash", "ROOT_HASH", "PREFIX_HASH_SCHEME"]
 

@@ -3,7 +3,7 @@
 A gateway exports the Stats of every worker it is connected to; a worker on another
 host (a Kubernetes worker pod, say) is also scraped directly, so its engine figures
 are there even when no gateway is. The series are the gateway's (one table,
-:data:`transport.stats_series.STATS_SERIES`) without the ``worker`` label, since the
+:data:`transport.common.stats_series.STATS_SERIES`) without the ``worker`` label, since the
 scrape target is the worker; they are read from the Stats the worker last sent, so a
 scrape costs the engine nothing. prometheus_client serves them from its own thread.
 """
@@ -15,9 +15,9 @@ from collections.abc import Callable, Iterator
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from transport.common.stats_series import STATS_SERIES
+from transport.common.worker_options import parse_host_port
 from transport.messages import Stats
-from transport.stats_series import STATS_SERIES
-from transport.worker_options import parse_host_port
 
 __all__ = ["serve_metrics"]
 

@@ -13,7 +13,7 @@ No JAX import.
 
 Worker options (``quicserve worker --synthetic-step-ms 5``, ``[workers]`` keys,
 ``quicserve serve --worker-option=synthetic_step_ms=5``; defaults and checks in
-:mod:`transport.worker_options`). At their defaults a step takes no time and
+:mod:`transport.common.worker_options`). At their defaults a step takes no time and
 nothing fails.
 
 Cost model (:class:`SyntheticCost`): each step sleeps ::
@@ -24,7 +24,7 @@ Cost model (:class:`SyntheticCost`): each step sleeps ::
 
 Prompt tokens the prefix cache holds are not prefilled: the engine's own
 prefix cache (:mod:`inference.kv_cache`: full blocks of ``block_size`` tokens
-named by :mod:`transport.prefix`'s hash chain, LRU-evicted) hands the runner
+named by :mod:`transport.common.prefix`'s hash chain, LRU-evicted) hands the runner
 only the uncached rest. Its capacity is the KV cache, ``num_blocks`` (8 bytes a
 token here, so set it freely). So a request's TTFT is its queueing plus one
 step whose prefill term is ``uncached prompt tokens * prefill cost``, and its

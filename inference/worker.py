@@ -23,8 +23,8 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
-from transport.logfmt import install
-from transport.worker_options import (
+from transport.common.logfmt import install
+from transport.common.worker_options import (
     EXIT_CONFIG,
     JAX_NUM_BLOCKS,
     SYNTHETIC_MAX_MODEL_LEN,
@@ -65,7 +65,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    """The flags of :mod:`transport.worker_options` (one default each, shared with the gateway's
+    """The flags of :mod:`transport.common.worker_options` (one default each, shared with the gateway's
     ``[workers]`` settings) plus ``--identity``; a bad value exits 2 naming its flag."""
     p = _Parser(prog="quicserve worker", description="Run an inference worker. Local workers of `quicserve "
                 "serve` take these options as keys of its [workers] settings (max_batch = 64, ...).")

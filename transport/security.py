@@ -109,7 +109,7 @@ NO_SECURITY = TransportSecurity()
 
 
 def security_of(options: Any) -> TransportSecurity:
-    """The security settings among worker options (a :class:`~transport.worker_options.WorkerOptions`,
+    """The security settings among worker options (a :class:`~transport.common.worker_options.WorkerOptions`,
     ``[workers]`` settings, or the worker's parsed flags)."""
     return TransportSecurity(options.transport_tls_cert, options.transport_tls_key, options.transport_tls_ca,
                              options.transport_psk_file, bool(options.insecure))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from transport.logfmt import FORMATS as LOG_FORMATS
+from transport.common.logfmt import FORMATS as LOG_FORMATS
 
 __all__ = ["LogSettings"]
 

@@ -23,10 +23,10 @@ import sys
 from collections.abc import MutableMapping
 from typing import Any, TextIO
 
-from transport.logfmt import JsonFormatter, TextFormatter, install
+from transport.common.logfmt import JsonFormatter, TextFormatter, install
 
 __all__ = ["ACCESS_LOGGER", "JsonFormatter", "TextFormatter", "access_log", "access_record",
-           "configure_logging"]  # the formatters live in transport.logfmt, shared with the workers
+           "configure_logging"]  # the formatters live in transport.common.logfmt, shared with the workers
 
 ACCESS_LOGGER = "quicserve.access"
 

@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from transport.stats_series import STATS_SERIES
+from transport.common.stats_series import STATS_SERIES
 
 __all__ = ["GatewayMetrics", "FastHistogram", "CONTENT_TYPE_LATEST"]
 

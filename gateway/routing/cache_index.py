@@ -1,7 +1,7 @@
 """Which replica holds which prefix-cache blocks: an index fed by stored / evicted events.
 
 How it works: every replica's KV cache names a prompt's full blocks by the hash chain of
-:mod:`transport.prefix` (``h_i = H(h_{i-1}, block i)``), so one hash names a whole prefix. The
+:mod:`transport.common.prefix` (``h_i = H(h_{i-1}, block i)``), so one hash names a whole prefix. The
 index keeps one map ``hash -> bitmask of replicas holding it`` and, per replica, that
 replica's hashes in LRU order. A prompt's longest cached prefix on every replica is one walk
 down its chain, and-ing the masks until none is left (:meth:`CacheIndex.longest_prefixes`).

@@ -32,7 +32,7 @@ __all__ = ["CacheRequest", "ReplicaLoad", "CostModel", "CachePolicy", "RoundRobi
 
 
 class CacheRequest(NamedTuple):
-    chain: tuple[int, ...]  # the prompt's block hash chain (transport.prefix.chain_hashes)
+    chain: tuple[int, ...]  # the prompt's block hash chain (transport.common.prefix.chain_hashes)
     prompt_tokens: int
     block_size: int
 

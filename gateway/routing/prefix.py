@@ -2,7 +2,7 @@
 
 A routing policy that wants to send a prompt where its prefix is already cached
 (``uses_prefix_hashes``) needs the chain of block hashes the worker's KV cache
-would give the prompt (:func:`transport.prefix.chain_hashes`). That takes the
+would give the prompt (:func:`transport.common.prefix.chain_hashes`). That takes the
 worker's tokens, so :class:`PrefixHasher` tokenizes the prompt exactly as the
 worker does (``inference.service``: ``prompt`` -> ``encode``, ``messages`` ->
 ``encode_chat``, token ids as given) with the same tokenizer files, and hashes
@@ -25,8 +25,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from transport.api import WorkerConnection
+from transport.common.prefix import PREFIX_HASH_SCHEME, chain_hashes
 from transport.messages import Submit
-from transport.prefix import PREFIX_HASH_SCHEME, chain_hashes
 
 from .policy import RouteRequest
 

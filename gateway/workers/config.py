@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from pathlib import PurePath
 
-from transport.worker_options import URL_SCHEMES, WorkerOptions, option_problems
+from transport.common.worker_options import URL_SCHEMES, WorkerOptions, option_problems
 
 __all__ = ["WorkersSettings", "ModelSettings", "MODEL_KEYS", "PER_MODEL", "served_name_of"]
 
@@ -13,7 +13,7 @@ __all__ = ["WorkersSettings", "ModelSettings", "MODEL_KEYS", "PER_MODEL", "serve
 @dataclass(frozen=True, slots=True)
 class WorkersSettings(WorkerOptions):
     """How the gateway runs its workers, plus every ``quicserve worker`` option (inherited from
-    :class:`~transport.worker_options.WorkerOptions`, which holds their defaults and checks)."""
+    :class:`~transport.common.worker_options.WorkerOptions`, which holds their defaults and checks)."""
 
     local: int = 1  # local worker processes started by `quicserve serve`
     remote: list[str] = field(default_factory=list)  # URLs of workers started elsewhere

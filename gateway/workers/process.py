@@ -9,7 +9,7 @@ import dataclasses
 import signal
 import sys
 
-from transport.worker_options import to_flags
+from transport.common.worker_options import to_flags
 
 from .config import WorkersSettings
 

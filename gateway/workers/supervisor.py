@@ -8,7 +8,7 @@ JSON lines: ``progress`` events go to the :class:`ProgressDisplay`, one
 out of the pool and start it again after a :class:`Backoff` delay (doubling
 per consecutive failure, reset once a worker has stayed up a while), unless it
 exited before ready with a status restarting cannot fix (a usage or
-configuration error, :data:`~transport.worker_options.PERMANENT_EXITS`): that
+configuration error, :data:`~transport.common.worker_options.PERMANENT_EXITS`): that
 worker is reported once, stays down, and :attr:`WorkerSupervisor.failure` says
 why (the worker's ``fatal`` event names the bad option). Remote
 workers (by URL) get the same treatment minus the process. :meth:`stop` takes
@@ -28,9 +28,9 @@ from typing import Any
 import orjson
 
 from transport.api import WorkerConnection
+from transport.common.worker_options import PERMANENT_EXITS
 from transport.errors import SecurityConfigError
 from transport.security import security_of
-from transport.worker_options import PERMANENT_EXITS
 
 from .. import clock
 from ..observability.metrics import GatewayMetrics

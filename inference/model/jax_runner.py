@@ -53,7 +53,7 @@ from inference.model.registry import Model
 from inference.runner import SeqOutput, SeqWork, StepPlan
 from inference.sampling import MAX_TOP_LOGPROBS, SamplingBatch, sample
 from inference.weights import LoadedModel, load_model
-from transport import worker_options as options
+from transport.common import worker_options as options
 
 __all__ = ["JaxRunner", "DTYPES", "KV_CACHE_DTYPES", "WEIGHT_DTYPES", "WEIGHT_QUANT_METHODS", "weight_bytes"]
 
@@ -61,7 +61,7 @@ log = logging.getLogger("inference.model")
 Progress = Callable[[str, int, int, str], None]
 Key = tuple[str, int, int]  # (kind, batch, tokens)
 Params = dict[str, Any]
-# The choices and defaults are the worker options' (transport.worker_options: one source for the
+# The choices and defaults are the worker options' (transport.common.worker_options: one source for the
 # `quicserve worker` flags, the gateway's [workers] settings, the engine and this runner).
 KV_CACHE_DTYPES = options.KV_CACHE_DTYPES  # "auto": the model dtype
 WEIGHT_DTYPES = options.WEIGHT_DTYPES  # "auto": the model dtype

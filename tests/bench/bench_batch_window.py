@@ -152,8 +152,8 @@ from inference.engine import Engine, EngineConfig, Finished  # noqa: E402
 from inference.model.buckets import Buckets, pow2_ceil  # noqa: E402  (no JAX import)
 from inference.runner import SeqOutput, SeqWork, StepPlan  # noqa: E402
 from inference.tokenizer import ByteTokenizer  # noqa: E402
+from transport.common.worker_options import WorkerOptions  # noqa: E402
 from transport.messages import SamplingParams  # noqa: E402
-from transport.worker_options import WorkerOptions  # noqa: E402
 
 MAX_BATCH = 32
 PREFILL_BATCH = WorkerOptions().max_prefill_batch  # the worker's default (2)

@@ -141,8 +141,8 @@ from inference.model.jax_runner import JaxRunner
 from inference.runner import SeqWork, StepPlan
 from inference.weights import write_hf_checkpoint
 from tests.bench.roofline import ModelShape, Recorder, floor_seconds, measure_machine
+from transport.common.worker_options import WorkerOptions
 from transport.messages import SamplingParams
-from transport.worker_options import WorkerOptions
 
 GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)
 BLOCK = 16

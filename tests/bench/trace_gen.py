@@ -15,7 +15,7 @@ A trace is a list of :class:`TraceRequest` in arrival order. Each prompt is
 - arrivals are Poisson at ``rate`` per second, or ``bursty``: the rate switches between
   ``burst_factor`` times and ``1/burst_factor`` times ``rate`` every ``burst_s`` on average.
 
-Tokens are random u32s from the seed; chains are :func:`transport.prefix.block_hash` chains
+Tokens are random u32s from the seed; chains are :func:`transport.common.prefix.block_hash` chains
 with ``block_size`` tokens per block (a shared prefix is hashed once and extended).
 :func:`context_demand_blocks` is the working set a fleet cache should hold (every tenant's
 context, and the common prefix), to size caches as a share of it.
@@ -29,7 +29,7 @@ import random
 from array import array
 from dataclasses import dataclass, field
 
-from transport.prefix import ROOT_HASH, block_hash
+from transport.common.prefix import ROOT_HASH, block_hash
 
 __all__ = ["TraceSpec", "TraceRequest", "generate", "context_demand_blocks"]
 

@@ -22,7 +22,7 @@ from gateway.routing.cache_policy import (
 from tests.bench.bench_cache_routing import capacity_for, fleet_rate, policies
 from tests.bench.cache_sim import oracle_hit_rate, simulate
 from tests.bench.trace_gen import TraceSpec, context_demand_blocks, generate
-from transport.prefix import chain_hashes
+from transport.common.prefix import chain_hashes
 
 BS = 16
 A = chain_hashes(list(range(1, 1 + 6 * BS)), BS)  # 6 blocks

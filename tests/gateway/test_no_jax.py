@@ -93,7 +93,7 @@ def test_prefix_routing_imports_only_the_tokenizer_from_inference() -> None:
         "from gateway.routing.pool import ModelPool\n"
         "from gateway.routing.policy import RouteRequest\n"
         "from transport.messages import Hello, Submit\n"
-        "from transport.prefix import PREFIX_HASH_SCHEME\n"
+        "from transport.common.prefix import PREFIX_HASH_SCHEME\n"
         "pool = ModelPool(policy=RoutingSettings(policy='prefix_affinity').build())\n"
         "class C:\n"
         "    peer_hello = Hello(role='worker', models=('tiny',), block_size=16, model_id='tiny',"

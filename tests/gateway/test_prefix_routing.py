@@ -25,8 +25,8 @@ from inference.tokenizer import ByteTokenizer
 from inference.worker import build_service, parse_args
 from transport.api import WorkerConnection
 from transport.client import ClientConnection, connect
+from transport.common.prefix import PREFIX_HASH_SCHEME, ROOT_HASH, block_hash, chain_hashes
 from transport.messages import Hello, SamplingParams, Stats, Submit
-from transport.prefix import PREFIX_HASH_SCHEME, ROOT_HASH, block_hash, chain_hashes
 from transport.server import serve
 
 from .doubles import RecordingSink, ScriptedWorkerConnection

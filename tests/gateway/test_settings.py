@@ -10,7 +10,7 @@ import pytest
 
 from gateway import cli
 from gateway.settings import Settings, SettingsError, assignments, check_file, check_mapping, load_settings
-from transport.worker_options import WorkerOptions
+from transport.common.worker_options import WorkerOptions
 
 REPO = Path(__file__).resolve().parents[2]
 

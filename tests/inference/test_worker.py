@@ -17,9 +17,9 @@ from inference.engine import EngineConfig
 from inference.kv_cache import PREFIX_HASH_SCHEME
 from inference.worker import build_service, main, numa_cpus, parse_args, parse_cpus
 from transport.client import connect
+from transport.common.worker_options import EXIT_CONFIG, EXIT_USAGE, WorkerOptions
 from transport.messages import Error, ErrorCode, Finish, FinishReason, SamplingParams, Submit, TokenEntry
 from transport.server import serve
-from transport.worker_options import EXIT_CONFIG, EXIT_USAGE, WorkerOptions
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -210,7 +210,7 @@ def test_cli_validation(tmp_path: Path) -> None:
 
 
 def test_flags_engine_and_runner_share_one_default_per_option() -> None:
-    """The worker's flags, the engine and the runner read transport.worker_options (as does the
+    """The worker's flags, the engine and the runner read transport.common.worker_options (as does the
     gateway's [workers] section): no second copy of a default to drift."""
     args, d = parse_args([]), WorkerOptions()
     assert {k: getattr(args, k) for k in ("max_batch", "max_prefill_batch", "max_prefill_tokens", "dtype",

@@ -20,8 +20,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.inference.test_worker import collect
 from transport.client import connect
+from transport.common.worker_options import EXIT_CONFIG
 from transport.messages import Finish, SamplingParams, Submit
-from transport.worker_options import EXIT_CONFIG
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = [sys.executable, "-c", "import sys; from inference.worker import main; raise SystemExit(main(sys.argv[1:]))",

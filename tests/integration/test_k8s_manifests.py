@@ -21,7 +21,7 @@ from gateway.cli import build_parser
 from gateway.settings import load_settings
 from gateway.workers.discovery import parse_worker_dns
 from inference.worker import parse_args as parse_worker_args
-from transport.worker_options import parse_host_port
+from transport.common.worker_options import parse_host_port
 
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "config" / "k8s"

@@ -25,8 +25,8 @@ import pytest
 
 from inference.synthetic import SyntheticFaults
 from inference.tokenizer import ByteTokenizer
-from transport.prefix import chain_hashes
-from transport.worker_options import WorkerOptions
+from transport.common.prefix import chain_hashes
+from transport.common.worker_options import WorkerOptions
 
 from .test_gateway_e2e import REPO, start_gateway, stop_gateway
 

@@ -18,13 +18,13 @@ from tests.transport.doubles import EchoWorker
 from tests.transport.test_integration import LOOPS, run
 from transport.api import WorkerConnection
 from transport.client import connect
+from transport.common.worker_options import WorkerOptions, option_problems
 from transport.errors import ConnectError, SecurityConfigError, TransportError
 from transport.messages import Finish, SamplingParams, Submit
 from transport.security import TlsContexts, TransportSecurity, is_loopback
 from transport.select import parse_url
 from transport.server import serve
 from transport.tls import TlsSession
-from transport.worker_options import WorkerOptions, option_problems
 
 
 class PKI:

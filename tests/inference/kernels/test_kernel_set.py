@@ -10,7 +10,7 @@ import pytest
 from inference.kernels import cpu_ffi, projections, rope
 from inference.kernels.autotune import Autotuner
 from inference.kernels.kernel_set import ATTENTION, build_kernels, current_platform
-from transport.worker_options import ATTENTION_BACKENDS, WorkerOptions
+from transport.common.worker_options import ATTENTION_BACKENDS, WorkerOptions
 
 OFF = Autotuner(enabled=False)  # lowering for an accelerator this host lacks: nothing to time
 
@@ -24,7 +24,7 @@ def test_auto_is_pallas_on_accelerators_and_native_on_cpu(platform: str, family:
 
 
 def test_every_worker_option_value_is_a_kernel_family() -> None:
-    """The worker's --attention choices (transport.worker_options) are names the seam knows."""
+    """The worker's --attention choices (transport.common.worker_options) are names the seam knows."""
     assert set(ATTENTION_BACKENDS) <= set(ATTENTION)
     assert WorkerOptions().attention in ATTENTION
 

@@ -7,7 +7,7 @@ import sys
 
 import orjson
 
-from transport.logfmt import JsonFormatter, TextFormatter
+from transport.common.logfmt import JsonFormatter, TextFormatter
 
 
 def _record(msg: str = "hello %s", args: tuple[object, ...] = ("world",), **fields: object) -> logging.LogRecord:

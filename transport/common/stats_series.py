@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .messages import Stats
+from ..messages import Stats
 
 __all__ = ["STATS_SERIES"]
 

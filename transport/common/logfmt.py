@@ -3,7 +3,7 @@
 Why here: local workers write to the gateway's stderr, so one service log mixes both
 processes' lines and they must come in one format; imports flow ``gateway ->
 transport <- inference``, so the formatters sit beside the other launch contract
-(:mod:`transport.worker_options`). Any record may carry structured fields -- pass
+(:mod:`transport.common.worker_options`). Any record may carry structured fields -- pass
 ``extra={"fields": {...}}``: JSON merges them into the object, text appends them as
 ``key=value``. Stdlib and orjson only.
 """

@@ -7,7 +7,7 @@ import argparse
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from transport.worker_options import (
+from transport.common.worker_options import (
     ATTENTION_BACKENDS,
     DTYPES,
     KV_CACHE_DTYPES,

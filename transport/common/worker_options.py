@@ -22,8 +22,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from .security import security_of
-from .select import BadURL, parse_url
+from ..security import security_of
+from ..select import BadURL, parse_url
 
 __all__ = [
     "WorkerOptions",
