@@ -64,7 +64,7 @@ class Breaker:
     window keeps its failure count beside it, the healing window counts per second."""
 
     __slots__ = ("name", "state", "_recent", "_recent_n", "_recent_failed", "_failures_in_row", "_open_until",
-                 "times_opened", "_probing", "ttft", "_ttft_n", "reason", "_seconds", "_sec", "_sec_n", "_sec_failed")
+                 "times_opened", "_probing", "ttft", "ttft_samples", "reason", "_seconds", "_sec", "_sec_n", "_sec_failed")
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -77,7 +77,7 @@ class Breaker:
         self.times_opened = 0
         self._probing = False  # half open: a probe is out
         self.ttft = 0.0  # seconds, exponential average
-        self._ttft_n = 0
+        self.ttft_samples = 0  # answers averaged into ttft (the pool reads it: every 8th is judged)
         self.reason = ""
         self._seconds: deque[tuple[float, int, int]] = deque()  # (second, outcomes, failed) of the healing window
         self._sec, self._sec_n, self._sec_failed = -1.0, 0, 0  # the current second's, not yet in _seconds
@@ -125,7 +125,7 @@ class Breaker:
                 self._seconds.append((self._sec, self._sec_n, self._sec_failed))
             self._sec, self._sec_n, self._sec_failed = sec, 1, int(failed)
         if ttft is not None and not failed:
-            n = self._ttft_n = self._ttft_n + 1
+            n = self.ttft_samples = self.ttft_samples + 1
             self.ttft = ttft if n == 1 else self.ttft + 0.2 * (ttft - self.ttft)
         if not failed and not self._recent_failed:  # the usual case: no failure in the window to age out
             self._failures_in_row = 0
@@ -216,7 +216,7 @@ class Health:
         b = self.breakers.get(replica)
         if b is not None:
             self.judge(b, b.outcome(failed, ttft, self.s, now), pool, now, fallback,
-                       latency=not failed and ttft is not None and not b._ttft_n & 7)
+                       latency=not failed and ttft is not None and not b.ttft_samples & 7)
 
     def judge(self, b: Breaker, why: str | None, pool: Sequence[object], now: float, fallback: bool,
               latency: bool = True) -> None:
@@ -238,10 +238,10 @@ class Health:
 
     def _outlier(self, b: Breaker, pool: Sequence[object]) -> str | None:
         s = self.s
-        if b.state != "closed" or b._ttft_n < s.min_requests or b.ttft * 1e3 < s.outlier_min_ms:
+        if b.state != "closed" or b.ttft_samples < s.min_requests or b.ttft * 1e3 < s.outlier_min_ms:
             return None
         others = sorted(o.ttft for r in pool if (o := self.breakers.get(r)) is not None and o is not b
-                        and o._ttft_n >= s.min_requests)
+                        and o.ttft_samples >= s.min_requests)
         if not others:
             return None
         median = others[len(others) // 2]

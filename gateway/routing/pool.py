@@ -152,7 +152,7 @@ class ModelPool:
             return
         failed = status >= 500
         why = b.outcome(failed, ttft, health.s, now)
-        if why is not None or (not failed and ttft is not None and not b._ttft_n & 7):
+        if why is not None or (not failed and ttft is not None and not b.ttft_samples & 7):
             health.judge(b, why, self._by_model.get(model, []), now, model in self.fallbacks)
 
     def failed(self, conn: WorkerConnection | None, model: str) -> None:
