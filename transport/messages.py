@@ -87,6 +87,23 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False  # return the sampled token's logprob
     top_logprobs: int = 0  # 0..20 alternatives per token
+    # The rarer settings (#31). The wire carries them only when one differs from its default
+    # (transport.wire: SUBMIT params 10..17), so a request that sets none costs nothing more.
+    presence_penalty: float = 0.0  # -2..2, OpenAI's: subtracted once from a token that appeared
+    frequency_penalty: float = 0.0  # -2..2, OpenAI's: subtracted per appearance
+    repetition_penalty: float = 1.0  # > 0, the CTRL/HF one (1 = off): divides positive logits
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, -100..100) added to the logits
+    min_tokens: int = 0  # no end (eos, stop ids) before this many tokens
+    # Structured output (inference.grammar): "json" (a JSON Schema), "regex", "lark", "choice"; "" = none
+    guide_kind: str = ""
+    guide: str = ""  # the schema / pattern / grammar / JSON array of choices
+    tools: str = ""  # a chat's tool definitions as a JSON array, which the chat template renders; "" = none
+
+    @property
+    def extended(self) -> bool:
+        """Whether any of the rarer settings is set (the wire's optional params group)."""
+        return bool(self.guide_kind or self.tools or self.logit_bias or self.min_tokens or self.presence_penalty
+                    or self.frequency_penalty or self.repetition_penalty != 1.0)
 
 
 @dataclass(frozen=True, slots=True)

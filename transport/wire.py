@@ -34,7 +34,11 @@ type   name       request_id  body
                               buffered (optional, default false)]
                               params = [max_tokens, temperature, top_p, top_k,
                               seed|nil, [stop], stop_token_ids (bin, u32 LE),
-                              ignore_eos, logprobs, top_logprobs (0..20)]
+                              ignore_eos, logprobs, top_logprobs (0..20),
+                              then optionally all of: presence_penalty,
+                              frequency_penalty, repetition_penalty,
+                              logit_bias [[id, bias]], min_tokens, guide_kind,
+                              guide, tools (absent: 0, 0, 1, [], 0, "", "", "")]
 3      CANCEL     rid (>0)    empty
 4      CREDIT     rid (>0)    u32 tokens granted
 5      TOKENS     0           packed arrays, see below
@@ -177,6 +181,7 @@ from .wire_control import (
     enum_value,
     le_bytes,
     pack,
+    params_extension,
     submit_body,
     unpack_fields,
 )
@@ -555,6 +560,7 @@ def _submit_body(rid: int, body: memoryview) -> Submit:
         ignore_eos=p.flag(7),
         logprobs=p.flag(8),
         top_logprobs=p.integer(9, 0, MAX_TOP_N),
+        **params_extension(p),
     )
     ids = None if f.items[3] is None else f.uints(3)
     buffered = f.flag(9) if len(f.items) > 9 else False

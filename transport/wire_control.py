@@ -23,6 +23,7 @@ __all__ = [
     "unpack_fields",
     "enum_value",
     "le_bytes",
+    "params_extension",
 ]
 
 MAX_TOP_N = 20
@@ -105,7 +106,7 @@ def _params_fields(p: SamplingParams) -> list[object]:
     if not (0 <= p.max_tokens <= INT64_MAX and 0 <= p.top_k <= INT64_MAX) or (
             p.seed is not None and not -INT64_MAX - 1 <= p.seed <= INT64_MAX):
         raise ValueError("max_tokens and top_k must be in 0..2**63-1 and seed in -2**63..2**63-1")
-    return [
+    fields: list[object] = [
         p.max_tokens,
         float(p.temperature),
         float(p.top_p),
@@ -117,6 +118,26 @@ def _params_fields(p: SamplingParams) -> list[object]:
         bool(p.logprobs),
         p.top_logprobs,
     ]
+    if p.extended:  # the optional group 10..17, all or none (absent: the defaults)
+        fields += [float(p.presence_penalty), float(p.frequency_penalty), float(p.repetition_penalty),
+                   [[int(t), float(b)] for t, b in p.logit_bias], p.min_tokens, p.guide_kind, p.guide, p.tools]
+    return fields
+
+
+def params_extension(p: Fields) -> dict[str, Any]:
+    """SUBMIT params 10..17 as SamplingParams keywords ({} when absent), each checked."""
+    if len(p.items) <= 10:
+        return {}
+    if len(p.items) < 18:
+        raise WireError("SUBMIT params: the optional fields 10..17 come all together or not at all")
+    bias = p.items[13]
+    if not isinstance(bias, list) or not all(
+            isinstance(x, list) and len(x) == 2 and type(x[0]) is int and 0 <= x[0] < 1 << 32
+            and type(x[1]) in (int, float) for x in bias):
+        raise p.fail(13, "a list of [token id, bias] pairs")
+    return dict(presence_penalty=p.number(10), frequency_penalty=p.number(11), repetition_penalty=p.number(12),
+                logit_bias=tuple((int(t), float(b)) for t, b in bias), min_tokens=p.integer(14),
+                guide_kind=p.text(15), guide=p.text(16), tools=p.text(17))
 
 
 # --- decoding ------------------------------------------------------------------------------------
