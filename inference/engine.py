@@ -56,6 +56,7 @@ from __future__ import annotations
 import random
 from collections.abc import Hashable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from transport.common.worker_options import WorkerOptions
 from transport.messages import ErrorCode, FinishReason, SamplingParams
@@ -65,6 +66,9 @@ from .kv_cache import KVCache
 from .runner import ModelRunner, SeqFault, SeqOutput, SeqWork, StepPlan
 from .sequence import Delta, EngineEvent, Failed, Finished, SeqStatus, Sequence
 from .tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from .grammar import Guide
 
 __all__ = ["Engine", "EngineConfig", "EngineError", "Delta", "Finished", "Failed", "EngineEvent"]
 
@@ -140,8 +144,10 @@ class Engine:
         *,
         deadline: float | None = None,
         return_text: bool = True,
+        guide: Guide | None = None,
     ) -> None:
-        """Queue a request or raise :class:`EngineError` (nothing is queued)."""
+        """Queue a request or raise :class:`EngineError` (nothing is queued). ``guide``: its
+        structured output's grammar, compiled (inference.grammar)."""
         if key in self._by_key:
             raise EngineError(ErrorCode.INVALID_REQUEST, f"duplicate request id {key!r}")
         _validate(params)
@@ -161,7 +167,7 @@ class Engine:
             raise EngineError(ErrorCode.OVERLOADED, "the worker queue is full")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(31)
         dec = self.tokenizer.incremental_decoder(prompt)
-        seq = Sequence(key, self._next_id, prompt, params, seed, now, deadline, dec, self._eos, return_text)
+        seq = Sequence(key, self._next_id, prompt, params, seed, now, deadline, dec, self._eos, return_text, guide)
         self._next_id += 1
         self._by_key[key] = seq
         self._by_id[seq.seq_id] = seq
@@ -301,7 +307,7 @@ class Engine:
                 pos = len(s.tokens) - 1
                 work.append(
                     SeqWork(s.seq_id, (s.tokens[-1],), pos, self.kv.block_table(s.seq_id), s.params, s.seed,
-                            s.num_generated)
+                            s.num_generated, s.guide)
                 )  # fmt: skip
         return work
 
@@ -339,7 +345,7 @@ class Engine:
             self._last_admit = now
             work.append(
                 SeqWork(s.seq_id, tuple(s.tokens[alloc.num_cached_tokens :]), alloc.num_cached_tokens,
-                        alloc.block_table, s.params, s.seed, s.num_generated)
+                        alloc.block_table, s.params, s.seed, s.num_generated, s.guide)
             )  # fmt: skip
         return work
 

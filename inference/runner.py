@@ -20,9 +20,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from transport.messages import SamplingParams
+
+if TYPE_CHECKING:
+    from .grammar import Guide
 
 __all__ = ["SeqWork", "StepPlan", "SeqFault", "SeqOutput", "ModelRunner"]
 
@@ -49,8 +52,9 @@ class SeqWork:
     params: SamplingParams
     seed: int  # the request's seed, or one the engine drew for it
     num_generated: int
-    # All tokens generated so far are not needed by the model; penalties are
-    # out of scope for now.
+    # Structured output: where this sequence stands in its grammar (inference.grammar.Guide), whose
+    # mask the runner applies when it samples; None (nearly always): nothing to mask.
+    guide: Guide | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,12 +14,16 @@ from __future__ import annotations
 import enum
 from collections.abc import Hashable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from transport.messages import ErrorCode, FinishReason, SamplingParams
 
 from .runner import SeqOutput
 from .stop import StopMatcher
 from .tokenizer import IncrementalDecoder
+
+if TYPE_CHECKING:
+    from .grammar import Guide
 
 __all__ = ["Delta", "Finished", "Failed", "EngineEvent", "Sequence", "SeqStatus"]
 
@@ -71,7 +75,7 @@ class Sequence:
     __slots__ = (
         "key", "seq_id", "prompt_len", "tokens", "params", "seed", "arrival", "deadline",
         "return_text", "status", "paused_at", "num_computed", "cached_tokens", "admitted",
-        "_decoder", "_stop", "_stop_ids", "_want_text",
+        "_decoder", "_stop", "_stop_ids", "_want_text", "guide",
     )  # fmt: skip
 
     def __init__(
@@ -86,8 +90,10 @@ class Sequence:
         decoder: IncrementalDecoder,
         eos_ids: tuple[int, ...],
         return_text: bool,
+        guide: Guide | None = None,
     ) -> None:
         self.key = key
+        self.guide = guide  # structured output's grammar state (inference.grammar), fed every sampled token
         self.seq_id = seq_id
         self.prompt_len = len(prompt)
         self.tokens = prompt  # prompt followed by every sampled token
@@ -121,6 +127,8 @@ class Sequence:
         tok = out.token_id
         self.tokens.append(tok)
         p = self.params
+        if self.guide is not None and tok not in self._stop_ids:
+            self.guide.consume(tok)
         reason: FinishReason | None = None
         text = ""
         emit = True
