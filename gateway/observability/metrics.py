@@ -54,6 +54,7 @@ class GatewayMetrics:
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        self.merge: Callable[[bytes], bytes] | None = None  # gateway/multiproc: this process's text + the others'
         r = self.registry
         # every request series is labelled by model: a configured or announced name, "" for routes
         # that name none (bounded: the pool canonicalises names and refuses unknown ones)
@@ -129,7 +130,8 @@ class GatewayMetrics:
         self.registry.register(_WorkerCollector(connections))
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        text = generate_latest(self.registry)
+        return text if self.merge is None else self.merge(text)  # several gateway processes: the whole gateway
 
 
 class _RequestCollector:
