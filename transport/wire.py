@@ -31,7 +31,9 @@ type   name       request_id  body
 2      SUBMIT     rid (>0)    msgpack [model, params, prompt|nil,
                               prompt_token_ids (bin, u32 LE)|nil, messages|nil,
                               deadline_ms, priority, trace|nil, return_text,
-                              buffered (optional, default false)]
+                              buffered (optional, default false),
+                              continuation (optional: nil or absent = none;
+                              else [token_ids (bin, u32 LE), text_bytes])]
                               params = [max_tokens, temperature, top_p, top_k,
                               seed|nil, [stop], stop_token_ids (bin, u32 LE),
                               ignore_eos, logprobs, top_logprobs (0..20),
@@ -87,6 +89,16 @@ FINISH or ERROR. Credit does not apply to a buffered stream (its consumer takes
 everything at the end; ``max_tokens`` bounds it), and it cannot ask for
 logprobs or top_logprobs. (The codec carries the option and checks that rule;
 :mod:`transport.hold` does the holding, above the flow core.)
+
+A SUBMIT with a ``continuation`` resumes a request whose first replica was lost
+mid-stream (mid-stream failover): ``token_ids`` are the tokens generated so far
+and ``text_bytes`` how many bytes of their text the client has. The worker
+treats them as its own output so far (prefilled after the prompt, counted in
+``max_tokens`` and in FINISH's ``completion_tokens``; ``prompt_tokens`` is the
+prompt's alone) and sends only what follows: its first text delta begins at
+byte ``text_bytes`` of the whole output. A gateway sends it only to a worker
+whose HELLO lists the capability ``"continuation"`` (an older worker ignores the
+field and would start over).
 
 Both sides also remember the request-id list of the previous TOKENS frame; a
 continuous-batching engine usually emits the same requests in the same order
@@ -178,6 +190,7 @@ from .wire_control import (
     MAX_TOP_N,
     Fields,
     check_rid,
+    continuation,
     enum_value,
     le_bytes,
     pack,
@@ -578,6 +591,7 @@ def _submit_body(rid: int, body: memoryview) -> Submit:
         trace=f.str_dict(7),
         return_text=f.flag(8),
         buffered=buffered,
+        continuation=continuation(f),
     )
     if sum(x is not None for x in (sub.prompt, sub.prompt_token_ids, sub.messages)) != 1:
         raise WireError("SUBMIT: exactly one of prompt, prompt_token_ids, messages must be set")

@@ -10,7 +10,7 @@ from typing import Any
 import msgpack
 
 from .errors import WireError
-from .messages import SamplingParams, Submit
+from .messages import Continuation, SamplingParams, Submit
 
 __all__ = [
     "MAX_TOP_N",
@@ -19,6 +19,8 @@ __all__ = [
     "pack",
     "submit_fields",
     "submit_body",
+    "continuation_fields",
+    "continuation",
     "Fields",
     "unpack_fields",
     "enum_value",
@@ -64,17 +66,36 @@ def submit_body(s: Submit) -> bytes:
     """``pack(submit_fields(s))``, faster: the params sub-array is packed once per SamplingParams
     object (the gateway shares one per distinct setting) and spliced in."""
     rest: bytes = _PACKER.pack(_submit_rest(s))
-    # msgpack: an array of 10 is the byte 0x9a then its items; ``rest`` is an array of 8 (0x98 + items).
+    # msgpack: an array of 10 is the byte 0x9a then its items; ``rest`` is an array of 8 (0x98 + items),
+    # or of 9 with a continuation (then 11 in all: 0x9b).
     model: bytes = _PACKER.pack(s.model)
-    return b"\x9a" + model + _params_bytes(s.params) + rest[1:]
+    return (b"\x9a" if rest[0] == 0x98 else b"\x9b") + model + _params_bytes(s.params) + rest[1:]
 
 
 def _submit_rest(s: Submit) -> list[object]:
-    """Fields 2..9 of a checked SUBMIT (everything after model and params)."""
+    """Fields 2..9 (10 with a continuation) of a checked SUBMIT (everything after model and params)."""
     _check_submit(s)
     ids = None if s.prompt_token_ids is None else le_bytes(array("I", s.prompt_token_ids))
     msgs = None if s.messages is None else list(s.messages)
-    return [s.prompt, ids, msgs, s.deadline_ms, s.priority, s.trace, bool(s.return_text), bool(s.buffered)]
+    rest: list[object] = [s.prompt, ids, msgs, s.deadline_ms, s.priority, s.trace, bool(s.return_text), bool(s.buffered)]
+    if s.continuation is not None:
+        rest.append(continuation_fields(s.continuation))
+    return rest
+
+
+def continuation_fields(c: Continuation) -> list[object]:
+    """SUBMIT field 10: [token_ids (bin, u32 LE), text_bytes]."""
+    if not 0 <= c.text_bytes <= INT64_MAX:
+        raise ValueError("a continuation's text_bytes must be in 0..2**63-1")
+    return [le_bytes(array("I", c.token_ids)), c.text_bytes]
+
+
+def continuation(f: Fields) -> Continuation | None:
+    """SUBMIT field 10, checked (None when absent or nil: a new request)."""
+    if len(f.items) <= 10 or f.items[10] is None:
+        return None
+    c = Fields(f.items[10], "SUBMIT continuation", 2)
+    return Continuation(c.uints(0), c.integer(1))
 
 
 def _check_submit(s: Submit) -> None:
