@@ -45,6 +45,7 @@ calls :meth:`handle_timer`. No sockets, no asyncio.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from .errors import ConnectionClosed, CreditExceeded, WireError
@@ -256,6 +257,12 @@ class FlowConnection:
         except WireError as exc:
             return self._fail(str(exc))
         events: list[Event] = []
+        if self.peer_hello is not None:  # the usual case: the handshake is over
+            for msg in msgs:
+                self._handle(msg, events)
+                if self.closed:
+                    break
+            return events
         while True:
             for msg in msgs:
                 self._handle(msg, events)
@@ -297,8 +304,7 @@ class FlowConnection:
     def get_timer(self) -> float | None:
         if self.closed:
             return None
-        when = min(self._next_ping, self._last_rx + self.dead_after)
-        return when if self.peer_hello is not None else min(when, self._handshake_deadline)
+        return min(self._next_ping, self._last_rx + self.dead_after, self._handshake_deadline)  # (inf once done)
 
     def handle_timer(self, now: float) -> list[Event]:
         if self.closed:
@@ -533,6 +539,7 @@ class FlowConnection:
         self._enc.max_frame = msg.max_frame
         self._dec.max_frame = self.local_hello.max_frame
         self._dec.stop_after_hello = False
+        self._handshake_deadline = math.inf
         events.append(PeerHello(msg))
 
     def _handle_gateway(self, msg: Message | SubmitRejected, events: list[Event]) -> None:

@@ -393,6 +393,7 @@ class FrameDecoder:
         pos = 0
         unpack = HEADER.unpack_from
         max_frame = self.max_frame
+        stop = self.stop_after_hello
         try:
             with memoryview(src) as mv:
                 end = len(mv)
@@ -407,7 +408,7 @@ class FrameDecoder:
                         break
                     out.append(self._message(ftype, flags, rid, mv[start : start + length]))
                     pos = start + length
-                    if ftype == _HELLO and self.stop_after_hello:
+                    if stop and ftype == _HELLO:
                         break
         except WireError as exc:
             self._failed = exc

@@ -60,16 +60,25 @@ class HealthSettings:
 class Breaker:
     """One replica's state: ``closed`` | ``open`` | ``half_open``.
 
-    Per request (the hot path, closed and succeeding): a few integer updates -- the recent
-    window keeps its failure count beside it, the healing window counts per second."""
+    Per request (the hot path: closed, nothing failed in its window, succeeding) nothing but two
+    counts and the latency average change -- :meth:`ModelPool.outcome` writes that case out (``clean``
+    says it holds). The recent window is only a number while none of it failed (``outcomes`` since
+    ``_since``, at most ``window``); the healing window is read from the cumulative counts, sampled
+    by whoever asks (:meth:`long_error_rate`, once a second by the healer)."""
 
-    __slots__ = ("name", "state", "_recent", "_recent_n", "_recent_failed", "_failures_in_row", "_open_until",
-                 "times_opened", "_probing", "ttft", "ttft_samples", "reason", "_seconds", "_sec", "_sec_n", "_sec_failed")
+    __slots__ = ("name", "state", "clean", "outcomes", "failures", "_marks", "_since", "_recent", "_recent_n",
+                 "_recent_failed", "_failures_in_row", "_open_until", "times_opened", "_probing", "ttft",
+                 "ttft_samples", "reason")
 
     def __init__(self, name: str) -> None:
         self.name = name
         self.state = "closed"
-        self._recent: deque[bool] = deque()  # the latest outcomes, True = failure ...
+        self.clean = True  # closed with no failure in the recent window: a success changes nothing else
+        self.outcomes = 0  # requests ended here since the replica (re)started ...
+        self.failures = 0  # ... and how many of them failed (the healing window's counts)
+        self._marks: deque[tuple[float, int, int]] = deque()  # (when, outcomes, failures) as sampled
+        self._since = 0  # ``outcomes`` when the recent window last started empty
+        self._recent: deque[bool] = deque()  # the latest outcomes while a failure is among them ...
         self._recent_n = 0  # ... how many (no len() per request) ...
         self._recent_failed = 0  # ... and how many of them failed
         self._failures_in_row = 0
@@ -79,27 +88,28 @@ class Breaker:
         self.ttft = 0.0  # seconds, exponential average
         self.ttft_samples = 0  # answers averaged into ttft (the pool reads it: every 8th is judged)
         self.reason = ""
-        self._seconds: deque[tuple[float, int, int]] = deque()  # (second, outcomes, failed) of the healing window
-        self._sec, self._sec_n, self._sec_failed = -1.0, 0, 0  # the current second's, not yet in _seconds
 
     def long_error_rate(self, now: float, window: float) -> tuple[int, float]:
-        """(outcomes, share failed) over the last ``window`` seconds (to the second)."""
-        secs = self._seconds
-        while secs and secs[0][0] <= now - window:
-            secs.popleft()
-        n = self._sec_n if self._sec > now - window else 0
-        failed = self._sec_failed if n else 0
-        for _, k, f in secs:
-            n += k
-            failed += f
-        return n, (failed / n if n else 0.0)
+        """(outcomes, share failed) over the last ``window`` seconds, to the spacing of the calls (the
+        healer's: a second): the counts now less those at the latest call at least ``window`` ago
+        (none yet: since the start)."""
+        marks = self._marks
+        marks.append((now, self.outcomes, self.failures))
+        while len(marks) > 1 and marks[1][0] <= now - window:
+            marks.popleft()
+        t, n0, f0 = marks[0]
+        if t > now - window:
+            n0 = f0 = 0
+        n = self.outcomes - n0
+        return n, ((self.failures - f0) / n if n else 0.0)
 
     def healed(self) -> None:
         """The replica was restarted: its history starts again."""
-        self._seconds.clear()
-        self._sec, self._sec_n, self._sec_failed = -1.0, 0, 0
+        self._marks.clear()
+        self.outcomes = self.failures = self._since = 0
         self._recent.clear()
         self._recent_n = self._recent_failed = self._failures_in_row = 0
+        self.clean = self.state == "closed"
 
     def usable(self, now: float) -> bool:
         if self.state == "closed":
@@ -116,32 +126,23 @@ class Breaker:
     def outcome(self, failed: bool, ttft: float | None, s: HealthSettings, now: float) -> str | None:
         """Record one request's end; returns why it should be ejected now ("..."), or "closed"
         when a probe succeeded; None otherwise. (:class:`Health` decides whether to eject.)"""
-        sec = now // 1.0
-        if sec == self._sec:
-            self._sec_n += 1
-            self._sec_failed += failed
-        else:
-            if self._sec_n:
-                self._seconds.append((self._sec, self._sec_n, self._sec_failed))
-            self._sec, self._sec_n, self._sec_failed = sec, 1, int(failed)
-        if ttft is not None and not failed:
+        self.outcomes += 1
+        if failed:
+            self.failures += 1
+        elif ttft is not None:
             n = self.ttft_samples = self.ttft_samples + 1
             self.ttft = ttft if n == 1 else self.ttft + 0.2 * (ttft - self.ttft)
-        if not failed and not self._recent_failed:  # the usual case: no failure in the window to age out
-            self._failures_in_row = 0
-            if self._recent_n < s.window:
-                self._recent_n += 1
-            if self.state == "closed":
+            if self.clean:
                 return None
-        else:
-            self._window(failed, s.window)
+        elif self.clean:
+            return None
+        self._window(failed, s.window)
         if self.state == "half_open":
             self._probing = False
             if failed:
                 return f"probe failed ({self.reason})"
             self.state, self._failures_in_row, self.reason = "closed", 0, ""
-            self._recent.clear()
-            self._recent_n = self._recent_failed = 0
+            self._restart_window()
             return "closed"
         if not failed or self.state != "closed":
             return None
@@ -153,11 +154,14 @@ class Breaker:
         return None
 
     def _window(self, failed: bool, window: int) -> None:
-        """The recent outcomes, while a failure is among them: kept one by one (while none is, only
-        their number: the deque is empty and stands for that many successes)."""
+        """The recent outcomes (this one counted in ``outcomes`` already), kept one by one while a
+        failure is among them."""
         recent = self._recent
-        if not recent and self._recent_n:
-            recent.extend([False] * self._recent_n)  # the successes the count stood for
+        if not self._recent_failed:  # a count until now: the successes it stood for, then this one
+            before = min(self.outcomes - 1 - self._since, window)
+            recent.clear()
+            recent.extend([False] * before)
+            self._recent_n = before
         recent.append(failed)
         if failed:
             self._recent_failed += 1
@@ -168,15 +172,22 @@ class Breaker:
             self._recent_n += 1
         elif recent.popleft():
             self._recent_failed -= 1
-        if not self._recent_failed:
-            recent.clear()  # back to counting
+        if not self._recent_failed:  # back to counting: the window's outcomes since a point that says so
+            recent.clear()
+            self._since = self.outcomes - self._recent_n
+        self.clean = self.state == "closed" and not self._recent_failed
+
+    def _restart_window(self) -> None:
+        self._recent.clear()
+        self._recent_n = self._recent_failed = self._failures_in_row = 0
+        self._since = self.outcomes
+        self.clean = self.state == "closed"
 
     def trip(self, why: str, s: HealthSettings, now: float) -> str:
         self.times_opened += 1
         self.state, self.reason = "open", why
         self._open_until = now + min(s.max_ejection, s.base_ejection * self.times_opened)
-        self._failures_in_row = self._recent_failed = self._recent_n = 0
-        self._recent.clear()
+        self._restart_window()
         log.warning("replica %s ejected for %.0f s: %s", self.name, self._open_until - now, why)
         return f"open: {why}"
 
@@ -277,14 +288,19 @@ def to_heal(h: Health, pools: dict[str, list[R]], now: float) -> list[tuple[R, s
 class RetryBudget:
     """Retries in flight bounded by a share of the requests in flight (with a floor)."""
 
-    __slots__ = ("share", "floor", "in_flight", "refused", "attempts", "requests")
+    __slots__ = ("share", "floor", "in_flight", "refused", "retries", "requests")
 
     def __init__(self, share: float = 0.2, floor: int = 3) -> None:
         self.share, self.floor = share, floor
         self.in_flight = 0
         self.refused = 0  # retries the budget did not allow
-        self.attempts = 0  # submissions to a replica, retries included
-        self.requests = 0  # requests routed
+        self.requests = 0  # requests routed (each submitted once) ...
+        self.retries = 0  # ... and submitted again (moved or retried)
+
+    @property
+    def attempts(self) -> int:
+        """Submissions to a replica, retries included."""
+        return self.requests + self.retries
 
     def acquire(self, active: int) -> bool:
         if self.in_flight >= max(self.floor, self.share * active):

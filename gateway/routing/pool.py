@@ -142,18 +142,26 @@ class ModelPool:
     # -- health (the pipeline reports every end) ----------------------------------------------
     def outcome(self, conn: WorkerConnection | None, model: str, status: int, ttft: float | None, now: float) -> None:
         """A request ended on ``conn``: a worker failure (500, 502; a deadline passed with not one
-        token: a replica that hangs) or a success, for its breaker. Once per request: the breaker's
-        own bookkeeping inline, the pool's rules only when they can matter."""
-        if conn is None or status < 200 or 400 <= status < 500 or status == 503 or (status == 504 and ttft):
-            return  # the client's doing, load (shedding, overloaded), or a slow answer (latency judges it)
-        health = self.health
-        b = health.breakers.get(conn)
+        token: a replica that hangs) or a success, for its breaker. Once per request: the usual case
+        (a success on a clean breaker: :meth:`Breaker.outcome`'s first lines) written out here, the
+        rest through the breaker, the pool's rules only when they can matter."""
+        b = self.health.breakers.get(conn)  # (None: no breaker either)
         if b is None:
             return
+        if status == 200 and b.clean:
+            b.outcomes += 1
+            if ttft is not None:
+                n = b.ttft_samples = b.ttft_samples + 1
+                b.ttft = ttft if n == 1 else b.ttft + 0.2 * (ttft - b.ttft)
+                if not n & 7:  # every 8th answer: is it a latency outlier?
+                    self.health.judge(b, None, self._by_model.get(model, []), now, model in self.fallbacks)
+            return
+        if status < 200 or 400 <= status < 500 or status == 503 or (status == 504 and ttft):
+            return  # the client's doing, load (shedding, overloaded), or a slow answer (latency judges it)
         failed = status >= 500
-        why = b.outcome(failed, ttft, health.s, now)
+        why = b.outcome(failed, ttft, self.health.s, now)
         if why is not None or (not failed and ttft is not None and not b.ttft_samples & 7):
-            health.judge(b, why, self._by_model.get(model, []), now, model in self.fallbacks)
+            self.health.judge(b, why, self._by_model.get(model, []), now, model in self.fallbacks)
 
     def failed(self, conn: WorkerConnection | None, model: str) -> None:
         """A request left ``conn`` before its first token because the worker failed it."""
@@ -241,7 +249,6 @@ class ModelPool:
             raise UnknownModel(model)
         budget = self.budget
         budget.requests += 1
-        budget.attempts += 1
         routed = RoutedStream(self, model, subject, make_submit)
         routed.submit()
         return routed

@@ -155,7 +155,7 @@ class RoutedStream:
             if not pool.budget.acquire(pool.active()):
                 return False  # the gateway's retry budget is spent: this error is the answer
             self._retry_token = True
-        pool.budget.attempts += 1
+        pool.budget.retries += 1
         self._retries_left -= 1
         if self._pool.on_retry is not None:
             self._pool.on_retry()

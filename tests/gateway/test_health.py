@@ -131,3 +131,42 @@ def test_the_compact_window_trips_as_a_plain_one_would(outcomes: list[bool]) -> 
             b.trip(why, s, float(i))
             b.state = "closed"  # keep judging the same stream
             plain.clear()
+
+
+class _Replica:
+    """A worker connection as the pool sees it (hashable by identity, like the real one)."""
+
+    def __init__(self, name: str) -> None:
+        from transport.messages import Hello
+        self.peer_hello = Hello(role="worker", identity=name, models=("m",))
+        self.closed = self.draining = False
+        self.latest_stats = None
+        self.in_flight = 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2), st.sampled_from([200, 200, 200, 500, 502, 504, 499, 503, 400]),
+                          st.sampled_from([None, 0.01, 0.02, 0.4])), min_size=1, max_size=120))
+def test_the_pools_inline_outcome_is_the_breakers(ends: list[tuple[int, int, float | None]]) -> None:
+    """ModelPool.outcome writes the usual case out (a success on a clean breaker): every sequence of
+    request ends must leave its breakers exactly as Health.outcome (the breaker's own method) does."""
+    from gateway.routing.pool import ModelPool
+
+    pool = ModelPool()
+    pool.health = Health(S)
+    conns = [_Replica(f"r{i}") for i in range(3)]
+    for c in conns:
+        pool.add(c)  # type: ignore[arg-type]
+    ref, names = _pool(3)
+    fields = ("state", "clean", "outcomes", "failures", "ttft", "ttft_samples", "times_opened", "_recent_n",
+              "_recent_failed", "_failures_in_row", "reason")
+    for i, (r, status, ttft) in enumerate(ends):
+        now = i * 0.5
+        pool.outcome(conns[r], "m", status, ttft, now)  # type: ignore[arg-type]
+        if not (status < 200 or 400 <= status < 500 or status == 503 or (status == 504 and ttft)):
+            ref.outcome(names[r], names, status >= 500, ttft, now)
+        for c, name in zip(conns, names, strict=True):
+            got, want = pool.health.breakers[c], ref.breakers[name]
+            assert [getattr(got, f) for f in fields] == [getattr(want, f) for f in fields], (i, name)
+        for c, name in zip(conns, names, strict=True):  # the routing view: same usable replicas
+            assert pool.health.breakers[c].usable(now) == ref.breakers[name].usable(now)
