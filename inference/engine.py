@@ -59,7 +59,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from transport.common.worker_options import WorkerOptions
-from transport.messages import ErrorCode, FinishReason, SamplingParams
+from transport.messages import Continuation, ErrorCode, FinishReason, SamplingParams
 
 from .batch_window import BatchWindow, FixedWindow
 from .kv_cache import KVCache
@@ -145,9 +145,11 @@ class Engine:
         deadline: float | None = None,
         return_text: bool = True,
         guide: Guide | None = None,
+        continuation: Continuation | None = None,
     ) -> None:
         """Queue a request or raise :class:`EngineError` (nothing is queued). ``guide``: its
-        structured output's grammar, compiled (inference.grammar)."""
+        structured output's grammar, compiled (inference.grammar); ``continuation``: the output so
+        far of a request another replica began (:meth:`Sequence.resume`)."""
         if key in self._by_key:
             raise EngineError(ErrorCode.INVALID_REQUEST, f"duplicate request id {key!r}")
         _validate(params)
@@ -168,6 +170,8 @@ class Engine:
         seed = params.seed if params.seed is not None else self._rng.getrandbits(31)
         dec = self.tokenizer.incremental_decoder(prompt)
         seq = Sequence(key, self._next_id, prompt, params, seed, now, deadline, dec, self._eos, return_text, guide)
+        if continuation is not None:
+            seq.resume(continuation.token_ids, continuation.text_bytes)
         self._next_id += 1
         self._by_key[key] = seq
         self._by_id[seq.seq_id] = seq

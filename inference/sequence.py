@@ -75,7 +75,7 @@ class Sequence:
     __slots__ = (
         "key", "seq_id", "prompt_len", "tokens", "params", "seed", "arrival", "deadline",
         "return_text", "status", "paused_at", "num_computed", "cached_tokens", "admitted",
-        "_decoder", "_stop", "_stop_ids", "_want_text", "guide",
+        "_decoder", "_stop", "_stop_ids", "_want_text", "guide", "_resync",
     )  # fmt: skip
 
     def __init__(
@@ -114,13 +114,54 @@ class Sequence:
             stop_ids.update(eos_ids)
         self._stop_ids = frozenset(stop_ids)
         self._want_text = return_text or bool(params.stop)
+        self._resync: tuple[str, int] | None = None  # a resumed request's text to add or bytes to drop (resume)
 
     @property
     def num_generated(self) -> int:
         return len(self.tokens) - self.prompt_len
 
     def finished(self, reason: FinishReason) -> Finished:
-        return Finished(self.key, reason, self.prompt_len, self.num_generated, max(self.cached_tokens, 0))
+        # cached tokens are the prompt's (a resumed request's prefill may find its generated ones cached too)
+        cached = min(max(self.cached_tokens, 0), self.prompt_len)
+        return Finished(self.key, reason, self.prompt_len, self.num_generated, cached)
+
+    def resume(self, generated: tuple[int, ...], text_bytes: int) -> None:
+        """Go on from where another replica stopped (mid-stream failover, ``Submit.continuation``).
+
+        ``generated`` become this sequence's output so far, exactly as if sampled here: counted in
+        ``max_tokens`` and usage, at the sampler's positions, fed to the guide, the detokenizer and
+        the stop matcher -- which then hold what the lost replica's held (a partial UTF-8 character,
+        text that may start a stop string). Its text so far is what that replica sent; should it
+        differ in length from ``text_bytes`` (what the client has), the next delta makes up for it,
+        so the client's text goes on byte for byte either way."""
+        self.tokens.extend(generated)
+        if not self._want_text and self.guide is None:
+            return
+        parts: list[str] = []
+        for tok in generated:  # as accept() takes each (no stop id can be among them: it would have ended)
+            if tok in self._stop_ids:
+                continue
+            if self.guide is not None:
+                self.guide.consume(tok)
+            if self._want_text:
+                parts.append(self._stop.push(self._decoder.push(tok))[0])
+        sent = len("".join(parts).encode()) if self.return_text else 0
+        if sent != text_bytes:
+            carry = "".join(parts).encode()[text_bytes:].decode("utf-8", "replace") if sent > text_bytes else ""
+            self._resync = (carry, max(0, text_bytes - sent))
+
+    def _resynced(self, text: str) -> str:
+        """A resumed request's first deltas: the text the client lacks first, or the bytes it has dropped."""
+        carry, skip = self._resync  # type: ignore[misc]
+        if carry:
+            self._resync = None
+            return carry + text
+        data = text.encode()
+        if len(data) < skip:
+            self._resync = ("", skip - len(data))
+            return ""
+        self._resync = None
+        return data[skip:].decode("utf-8", "replace")
 
     def accept(self, out: SeqOutput, max_model_len: int) -> tuple[Delta | None, FinishReason | None]:
         """Take one sampled token; return the delta to stream and a finish reason."""
@@ -147,6 +188,8 @@ class Sequence:
             text += tail + self._stop.flush()
         if not self.return_text:
             text = ""
+        elif self._resync is not None:
+            text = self._resynced(text)
         if not emit and not text:
             return None, reason
         ids = (tok,) if emit else ()

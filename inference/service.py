@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from transport.api import ServerConnection
-from transport.messages import Error, ErrorCode, Finish, Hello, Stats, Submit, TokenBatch
+from transport.messages import Error, ErrorCode, Finish, FinishReason, Hello, Stats, Submit, TokenBatch
 
 from .engine import Delta, Engine, EngineError, EngineEvent, Failed, Finished
 from .tokenizer import Tokenizer, TokenizerError
@@ -101,7 +101,7 @@ class WorkerService:
         """Who we are and what we can hold: the gateway sizes and routes by these."""
         eng = self.engine
         return Hello(role="worker", identity=self.identity, models=(self.served_name,),
-                     capabilities=("logprobs", "text", "chat"), max_batch=eng.config.max_batch,
+                     capabilities=("logprobs", "text", "chat", "continuation"), max_batch=eng.config.max_batch,
                      kv_blocks=eng.kv.num_blocks, block_size=eng.kv.block_size, max_model_len=eng.max_model_len,
                      model_id=self.model_id, prefix_hash=eng.kv.hash_scheme)  # fmt: skip
 
@@ -123,15 +123,31 @@ class WorkerService:
                 raise EngineError(ErrorCode.UNKNOWN_MODEL, f"model {submit.model!r} is not served here "
                                                            f"(serving {self.served_name!r})")  # fmt: skip
             ids = self._prompt_ids(submit)
+            if submit.continuation is not None and self._resumed_at_its_end(conn, submit, len(ids)):
+                return
             now = self._clock()
             deadline = now + submit.deadline_ms / 1e3 if submit.deadline_ms > 0 else None
             self.engine.add((cid, rid), ids, submit.params, now, deadline=deadline,
-                            return_text=submit.return_text)  # fmt: skip
+                            return_text=submit.return_text, continuation=submit.continuation)  # fmt: skip
             self.tracer.submitted((cid, rid), submit.trace)
         except EngineError as exc:
             conn.send_error(Error(rid, exc.code, exc.message))
             return
         self._wake.set()
+
+    def _resumed_at_its_end(self, conn: ServerConnection, submit: Submit, prompt_len: int) -> bool:
+        """A resumed request (``Submit.continuation``) whose tokens are all valid; True (and its
+        Finish sent) when it already has all its ``max_tokens`` (its first replica was lost between
+        its last token and its end)."""
+        cont = submit.continuation
+        assert cont is not None
+        if cont.token_ids and max(cont.token_ids) >= self.tokenizer.vocab_size:
+            raise EngineError(ErrorCode.INVALID_REQUEST,
+                              f"continuation token ids must be in [0, {self.tokenizer.vocab_size})")
+        if len(cont.token_ids) < submit.params.max_tokens:
+            return False
+        conn.send_finish(Finish(submit.request_id, FinishReason.LENGTH, prompt_len, len(cont.token_ids)))
+        return True
 
     def _prompt_ids(self, s: Submit) -> list[int]:
         given = [x is not None for x in (s.prompt, s.prompt_token_ids, s.messages)]
