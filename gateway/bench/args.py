@@ -6,12 +6,13 @@ import argparse
 
 __all__ = ["run_parser", "compare_parser", "PROTOCOLS"]
 
-PROTOCOLS = ("http1", "h2", "grpc")
-_DEFAULT_URL = {"http1": "http://127.0.0.1:8080", "h2": "http://127.0.0.1:8080", "grpc": "grpc://127.0.0.1:50051"}
+PROTOCOLS = ("http1", "h2", "h3", "grpc", "grpc-web")
+_DEFAULT_URL = {"http1": "http://127.0.0.1:8080", "h2": "http://127.0.0.1:8080", "h3": "https://127.0.0.1:8443",
+                "grpc": "grpc://127.0.0.1:50051"}
 
 
-def default_url(protocol: str) -> str:
-    return _DEFAULT_URL[protocol]
+def default_url(protocol: str, over: str = "http1") -> str:
+    return _DEFAULT_URL[over if protocol == "grpc-web" else protocol]
 
 
 def run_parser() -> argparse.ArgumentParser:
@@ -21,10 +22,14 @@ def run_parser() -> argparse.ArgumentParser:
                     "open or closed loop, TTFT/TPOT/ITL/E2E, goodput, a JSON result file and plots. "
                     "`quicserve bench compare A.json B.json` compares two results.")
     g = p.add_argument_group("server")
-    g.add_argument("--url", help="server base URL (default http://127.0.0.1:8080; grpc://127.0.0.1:50051 for grpc)")
+    g.add_argument("--url", help="server base URL (default http://127.0.0.1:8080; https://127.0.0.1:8443 for h3, "
+                                 "grpc://127.0.0.1:50051 for grpc)")
     g.add_argument("--protocol", choices=PROTOCOLS, default="http1",
                    help="http1: HTTP/1.1 (http:// or https://); h2: HTTP/2 (h2c with prior knowledge on http://, "
-                        "ALPN on https://); grpc: quicserve.v1.Inference (grpc:// or grpcs://)")
+                        "ALPN on https://); h3: HTTP/3 (https://, QUIC on that UDP port); grpc: quicserve.v1.Inference "
+                        "(grpc:// or grpcs://); grpc-web: the same service as gRPC-Web (binary) over --grpc-web-over")
+    g.add_argument("--grpc-web-over", choices=["http1", "h2", "h3"], default="http1",
+                   help="the HTTP version a grpc-web run rides on (default http1)")
     g.add_argument("--endpoint", choices=["completions", "chat"], default="completions",
                    help="/v1/completions or /v1/chat/completions (gRPC: a prompt or a conversation)")
     g.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True,

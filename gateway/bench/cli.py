@@ -4,6 +4,8 @@
         --dataset sharegpt --dataset-path conversations.json --goodput ttft:500 tpot:50 \\
         --result r.json --plots plots/
     quicserve bench --protocol h2 --concurrency 32 --duration 30 --no-stream
+    quicserve bench --protocol h3 --url https://127.0.0.1:8443 --insecure --request-rate 50
+    quicserve bench --protocol grpc-web --grpc-web-over h2 --url http://127.0.0.1:8080
     quicserve bench compare quicserve.json other.json --plot both.png
 """
 
@@ -89,7 +91,7 @@ async def run_all(a: argparse.Namespace) -> list[dict[str, Any]]:
     requests = _requests(a)
     sender = make_sender(a.protocol, a.url, endpoint=a.endpoint, stream=a.stream, api_key=a.api_key,
                          timeout=a.timeout, insecure=a.insecure, cacert=a.cacert,
-                         concurrency_hint=a.max_concurrency or a.concurrency or 64)
+                         concurrency_hint=a.max_concurrency or a.concurrency or 64, over=a.grpc_web_over)
     o = BodyOptions(a.model, a.endpoint, a.stream, a.ignore_eos, a.min_tokens, a.temperature)
     prepared = prepare_all(sender, a.protocol, requests, o)
     if a.start_at:
@@ -107,9 +109,12 @@ async def run_all(a: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def _check(a: argparse.Namespace) -> None:
-    a.url = (a.url or default_url(a.protocol)).rstrip("/")
+    a.url = (a.url or default_url(a.protocol, a.grpc_web_over)).rstrip("/")
+    http = a.grpc_web_over if a.protocol == "grpc-web" else a.protocol
     if a.protocol == "grpc" and not a.url.startswith(("grpc://", "grpcs://")):
         raise ValueError("--protocol grpc takes a grpc:// or grpcs:// URL")
+    if http == "h3" and not a.url.startswith("https://"):
+        raise ValueError("HTTP/3 takes an https:// URL (QUIC is always TLS; the port is the server's UDP port)")
     if a.protocol != "grpc" and not a.url.startswith(("http://", "https://")):
         raise ValueError(f"--protocol {a.protocol} takes an http:// or https:// URL")
     if a.request_rate and a.concurrency:
@@ -151,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     for run in runs:
         print(format_run(run))
     doc = result_doc({k: v for k, v in vars(a).items() if k not in ("raw_out", "start_at")}, runs,
-                     a.label or f"{a.protocol} {a.url}")
+                     a.label or f"{a.protocol}{'/' + a.grpc_web_over if a.protocol == 'grpc-web' else ''} {a.url}")
     if a.result:
         write_result(a.result, doc)
         print(f"result: {a.result}")

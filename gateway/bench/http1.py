@@ -1,7 +1,7 @@
 """The HTTP/1.1 client: keep-alive connections of our own over asyncio, parsed by httptools.
 
 A request is rendered to bytes once before the run; sending it is one ``write``, and each
-``recv`` of its response is one ``data_received`` whose time stamps every SSE event in it.
+``recv`` of its response is one ``data_received`` whose time stamps every SSE event (or gRPC-Web message) in it.
 Connections are pooled: a request takes an idle one or opens one (the connect is part of its
 latency, as with any client pool). No task per request beyond the runner's own.
 """
@@ -15,7 +15,8 @@ from collections.abc import Callable
 
 import httptools
 
-from .records import Record, SSEReader, read_whole_response
+from .exchange import Exchange
+from .records import BodyReader, Record, settled
 
 __all__ = ["HTTP1Sender"]
 
@@ -23,15 +24,13 @@ __all__ = ["HTTP1Sender"]
 class _Conn(asyncio.Protocol):
     """One keep-alive connection; :meth:`request` sends pre-rendered bytes and fills the record."""
 
-    def __init__(self, now: Callable[[], float]) -> None:
-        self.now = now
+    def __init__(self, exchange: Exchange, now: Callable[[], float]) -> None:
+        self.exchange, self.now = exchange, now
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.fut: asyncio.Future[None] | None = None
         self.rec: Record | None = None
-        self.sse: SSEReader | None = None
-        self.status = 0
-        self.body = bytearray()
+        self.reader: BodyReader | None = None
         self.keep_alive = True
         self.closed = False
 
@@ -52,60 +51,47 @@ class _Conn(asyncio.Protocol):
 
     # httptools callbacks
     def on_headers_complete(self) -> None:
-        self.status = self.parser.get_status_code()
-        if self.status != 200:
-            self.sse = None
+        assert self.rec is not None
+        self.reader = self.exchange.reader(self.rec, self.parser.get_status_code())
 
     def on_body(self, body: bytes) -> None:
-        if self.sse is not None:
-            self.sse.feed(body, self.now())
-        else:
-            self.body += body
+        assert self.reader is not None
+        self.reader.feed(body, self.now())
 
     def on_message_complete(self) -> None:
         t = self.now()
-        rec = self.rec
-        assert rec is not None
+        assert self.reader is not None
         self.keep_alive = self.parser.should_keep_alive()
-        if self.status != 200:
-            rec.end = t
-            rec.fail(f"http_{self.status}", bytes(self.body[:300]).decode(errors="replace"))
-        elif self.sse is not None:
-            self.sse.finish(t)
-        else:
-            read_whole_response(bytes(self.body), rec, t)
+        self.reader.finish(t)
         if self.fut is not None and not self.fut.done():
             self.fut.set_result(None)
 
-    async def request(self, raw: bytes, rec: Record, stream: bool) -> None:
-        self.rec, self.status = rec, 0
-        self.sse = SSEReader(rec) if stream else None
-        self.body.clear()
+    async def request(self, raw: bytes, rec: Record) -> None:
+        self.rec, self.reader = rec, None
         self.fut = asyncio.get_running_loop().create_future()
         assert self.transport is not None
         self.transport.write(raw)
         try:
             await self.fut
         finally:
-            self.fut = self.rec = self.sse = None
+            self.fut = self.rec = self.reader = None
 
 
 class HTTP1Sender:
-    """OpenAI requests over HTTP/1.1 (``http://`` or ``https://``), keep-alive, pooled."""
+    """Requests over HTTP/1.1 (``http://`` or ``https://``), keep-alive, pooled."""
 
-    def __init__(self, url: str, *, path: str, stream: bool, api_key: str = "", timeout: float = 600.0,
+    def __init__(self, url: str, exchange: Exchange, *, timeout: float = 600.0,
                  ssl_context: ssl.SSLContext | None = None, now: Callable[[], float]) -> None:
         u = urllib.parse.urlsplit(url)
         self.host = u.hostname or "127.0.0.1"
         self.tls = u.scheme == "https"
         self.port = u.port or (443 if self.tls else 80)
         self.base_path = u.path.rstrip("/")
-        self.path, self.stream, self.timeout, self.now = path, stream, timeout, now
+        self.exchange, self.timeout, self.now = exchange, timeout, now
         self.ssl = (ssl_context or ssl.create_default_context()) if self.tls else None
-        auth = f"authorization: Bearer {api_key}\r\n" if api_key else ""
-        accept = "accept: text/event-stream\r\n" if stream else ""
-        self._head = (f"POST {self.base_path}{path} HTTP/1.1\r\nhost: {self.host}:{self.port}\r\n"
-                      f"content-type: application/json\r\n{accept}{auth}content-length: ").encode()
+        fields = "".join(f"{k}: {v}\r\n" for k, v in exchange.headers)
+        self._head = (f"POST {self.base_path}{exchange.path} HTTP/1.1\r\nhost: {self.host}:{self.port}\r\n"
+                      f"{fields}content-length: ").encode()
         self._idle: list[_Conn] = []
         self._all: set[_Conn] = set()
 
@@ -114,24 +100,18 @@ class HTTP1Sender:
 
     async def _connect(self) -> _Conn:
         loop = asyncio.get_running_loop()
-        _, conn = await loop.create_connection(lambda: _Conn(self.now), self.host, self.port, ssl=self.ssl)
+        _, conn = await loop.create_connection(lambda: _Conn(self.exchange, self.now), self.host, self.port, ssl=self.ssl)
         self._all.add(conn)
         return conn
 
     async def send(self, payload: bytes, rec: Record) -> None:
         conn: _Conn | None = None
-        try:
+        with settled(rec, self.now, self.timeout):
             async with asyncio.timeout(self.timeout):
                 while self._idle and self._idle[-1].closed:  # the server closed it while idle
                     self._all.discard(self._idle.pop())
                 conn = self._idle.pop() if self._idle else await self._connect()
-                await conn.request(payload, rec, self.stream)
-        except TimeoutError:
-            rec.fail("timeout", f"no complete response in {self.timeout:g} s")
-        except (OSError, ConnectionError) as e:
-            rec.fail("connection", str(e) or type(e).__name__)
-        if rec.error and not rec.end:
-            rec.end = self.now()
+                await conn.request(payload, rec)
         if conn is not None:
             if rec.error in ("timeout", "connection") or not conn.keep_alive or conn.closed:
                 self._drop(conn)

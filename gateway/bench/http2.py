@@ -11,24 +11,24 @@ from collections.abc import Callable
 
 import httpx
 
-from .records import Record, SSEReader, read_whole_response
+from .exchange import Exchange
+from .records import Record, settled
 
 __all__ = ["HTTP2Sender"]
 
+_TIMEOUTS = (httpx.TimeoutException,)
+_LOST = (httpx.TransportError, OSError)
+
 
 class HTTP2Sender:
-    """OpenAI requests over HTTP/2: ``https://`` negotiates h2 by ALPN, ``http://`` is h2c."""
+    """Requests over HTTP/2: ``https://`` negotiates h2 by ALPN, ``http://`` is h2c."""
 
-    def __init__(self, url: str, *, path: str, stream: bool, api_key: str = "", timeout: float = 600.0,
+    def __init__(self, url: str, exchange: Exchange, *, timeout: float = 600.0,
                  ssl_context: ssl.SSLContext | None = None, connections: int = 4,
                  now: Callable[[], float]) -> None:
-        self.url = url.rstrip("/") + path
-        self.stream, self.now = stream, now
-        self.headers = {"content-type": "application/json"}
-        if api_key:
-            self.headers["authorization"] = f"Bearer {api_key}"
-        if stream:
-            self.headers["accept"] = "text/event-stream"
+        self.url = url.rstrip("/") + exchange.path
+        self.exchange, self.now = exchange, now
+        self.headers = dict(exchange.headers)
         limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
         self.client = httpx.AsyncClient(http1=False, http2=True, verify=ssl_context or True, limits=limits,
                                         timeout=httpx.Timeout(timeout))
@@ -38,25 +38,12 @@ class HTTP2Sender:
         return body
 
     async def send(self, payload: bytes, rec: Record) -> None:
-        try:
+        with settled(rec, self.now, self.timeout, timeouts=_TIMEOUTS, lost=_LOST):
             async with self.client.stream("POST", self.url, content=payload, headers=self.headers) as resp:
-                if resp.status_code != 200:
-                    body = await resp.aread()
-                    rec.end = self.now()
-                    rec.fail(f"http_{resp.status_code}", body[:300].decode(errors="replace"))
-                elif self.stream:
-                    sse = SSEReader(rec)
-                    async for chunk in resp.aiter_raw():
-                        sse.feed(chunk, self.now())
-                    sse.finish(self.now())
-                else:
-                    read_whole_response(await resp.aread(), rec, self.now())
-        except httpx.TimeoutException:
-            rec.fail("timeout", f"no complete response in {self.timeout:g} s")
-        except (httpx.TransportError, OSError) as e:
-            rec.fail("connection", str(e) or type(e).__name__)
-        if rec.error and not rec.end:
-            rec.end = self.now()
+                reader = self.exchange.reader(rec, resp.status_code)
+                async for chunk in resp.aiter_raw():
+                    reader.feed(chunk, self.now())
+                reader.finish(self.now())
 
     async def close(self) -> None:
         await self.client.aclose()

@@ -15,12 +15,14 @@ with its last, so TTFT = E2E and it has no ITL or TPOT.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 
-__all__ = ["Record", "SSEReader", "read_whole_response"]
+__all__ = ["Record", "BodyReader", "SSEReader", "WholeReader", "ErrorReader", "read_whole_response", "settled"]
 
 
 @dataclass(slots=True)
@@ -79,6 +81,33 @@ class Record:
         return cls(int(d["index"]), float(d["scheduled"]), float(d["start"]), float(d["end"]), d["ttft"],
                    list(d["itl"]), int(d["prompt_tokens"]), int(d["output_tokens"]), int(d["expected_output"]),
                    str(d["error"]), str(d["detail"]), bool(d["warmup"]))
+
+_Errors = tuple[type[BaseException], ...]
+
+
+@contextmanager
+def settled(rec: Record, now: Callable[[], float], timeout: float, *, timeouts: _Errors = (TimeoutError,),
+            lost: _Errors = (OSError, ConnectionError)) -> Iterator[None]:
+    """A sender's request: a timeout or a lost connection inside is the record's error kind, and
+    a record that failed has an end."""
+    try:
+        yield
+    except timeouts:
+        rec.fail("timeout", f"no complete response in {timeout:g} s")
+    except lost as e:
+        rec.fail("connection", str(e) or type(e).__name__)
+    if rec.error and not rec.end:
+        rec.end = now()
+
+
+class BodyReader(Protocol):
+    """A response body read as it arrives, into its record (sans-I/O: bytes and their time in)."""
+
+    def feed(self, data: bytes, t: float) -> None: ...
+
+    def finish(self, t: float) -> None:
+        """The response ended at ``t``."""
+
 
 def _usage(doc: dict[str, object], rec: Record) -> bool:
     u = doc.get("usage")
@@ -143,6 +172,40 @@ class SSEReader:
             rec.fail("incomplete_stream", "the stream ended without data: [DONE]")
         if not self.has_usage:
             rec.output_tokens = self.chunks
+
+
+class WholeReader:
+    """A response that is not streamed: held until its end, then read by :func:`read_whole_response`."""
+
+    __slots__ = ("rec", "body")
+
+    def __init__(self, rec: Record) -> None:
+        self.rec = rec
+        self.body = bytearray()
+
+    def feed(self, data: bytes, t: float) -> None:
+        self.body += data
+
+    def finish(self, t: float) -> None:
+        read_whole_response(bytes(self.body), self.rec, t)
+
+
+class ErrorReader:
+    """A response whose HTTP status is not 200: the record fails as ``http_<status>`` with its body."""
+
+    __slots__ = ("rec", "status", "body")
+
+    def __init__(self, rec: Record, status: int) -> None:
+        self.rec, self.status = rec, status
+        self.body = bytearray()
+
+    def feed(self, data: bytes, t: float) -> None:
+        if len(self.body) < 300:
+            self.body += data
+
+    def finish(self, t: float) -> None:
+        self.rec.end = t
+        self.rec.fail(f"http_{self.status}", bytes(self.body[:300]).decode(errors="replace"))
 
 
 def read_whole_response(body: bytes, rec: Record, t: float) -> None:

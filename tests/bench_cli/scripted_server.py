@@ -1,4 +1,5 @@
-"""A scripted OpenAI-compatible HTTP/1.1 server for the bench's tests, on a clock it moves itself.
+"""A scripted OpenAI-compatible HTTP/1.1 server for the bench's tests, on a clock it moves itself
+(and the same script as quicserve's gRPC-Web ``Generate`` / ``Complete``).
 
 How it works: the server and the client under test share a :class:`ScriptClock`. For each
 request the server plays its script: before it writes a piece of the response it sets the
@@ -37,6 +38,7 @@ class Script:
     done: bool = True  # send data: [DONE]
     cut: bool = False  # close the connection before the end
     hang: bool = False  # never answer
+    grpc_status: int = 0  # gRPC-Web: the status in the trailer frame (done=False: no trailer frame)
     seen: list[bytes] = field(default_factory=list)
 
 
@@ -68,7 +70,11 @@ class _Conn(asyncio.Protocol):
             return
         body = self.buf[head_end + 4: head_end + 4 + length]
         self.buf = self.buf[head_end + 4 + length:]
-        asyncio.get_running_loop().create_task(self.play(orjson.loads(body)))
+        loop = asyncio.get_running_loop()
+        if "content-type: application/grpc-web" in head:
+            loop.create_task(self.play_web(head.split(" ", 2)[1].endswith("/generate"), body))
+        else:
+            loop.create_task(self.play(orjson.loads(body)))
 
     async def play(self, req: dict[str, object]) -> None:
         s, clock, tr = self.server.script, self.server.clock, self.transport
@@ -78,10 +84,7 @@ class _Conn(asyncio.Protocol):
         if s.hang:
             return
         if s.status != 200:
-            await self.server.at(base, s.end_ms)
-            body = orjson.dumps({"error": {"message": "scripted refusal", "type": "overloaded"}})
-            tr.write(f"HTTP/1.1 {s.status} Nope\r\ncontent-type: application/json\r\n"
-                     f"content-length: {len(body)}\r\n\r\n".encode() + body)
+            await self.refuse(base)
             return
         chat = "messages" in req
         if not req.get("stream"):
@@ -107,6 +110,42 @@ class _Conn(asyncio.Protocol):
         tail = _event({"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": len(s.token_ms)}}) \
             if s.usage else b""
         tail += b"data: [DONE]\n\n" if s.done else b""
+        tr.write(_chunk(tail) + b"0\r\n\r\n")
+
+    async def refuse(self, base: float) -> None:
+        s, tr = self.server.script, self.transport
+        assert tr is not None
+        await self.server.at(base, s.end_ms)
+        body = orjson.dumps({"error": {"message": "scripted refusal", "type": "overloaded"}})
+        tr.write(f"HTTP/1.1 {s.status} Nope\r\ncontent-type: application/json\r\n"
+                 f"content-length: {len(body)}\r\n\r\n".encode() + body)
+
+    async def play_web(self, stream: bool, body: bytes) -> None:
+        """The same script as gRPC-Web: a message a token (Generate) or one message (Complete)."""
+        from gateway.grpc.framing import FLAG_TRAILERS, encode_frame
+        from gateway.grpc.quicserve.v1 import quicserve_pb2 as pb
+
+        s, clock, tr = self.server.script, self.server.clock, self.transport
+        assert tr is not None
+        s.seen.append(body)
+        base = clock.t
+        if s.status != 200:
+            await self.refuse(base)
+            return
+        usage = pb.Usage(prompt_tokens=7, completion_tokens=len(s.token_ms))
+        tr.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/grpc-web+proto\r\ntransfer-encoding: chunked\r\n\r\n")
+        if stream:
+            for i, ms in enumerate(s.token_ms):
+                await self.server.at(base, ms)
+                tr.write(_chunk(encode_frame(0, pb.GenerateResponse(text=f"t{i}").SerializeToString())))
+            last = pb.GenerateResponse(usage=usage)
+        else:
+            last = pb.GenerateResponse(text="x" * len(s.token_ms), usage=usage)
+        await self.server.at(base, s.end_ms)
+        tail = encode_frame(0, last.SerializeToString()) if not s.grpc_status else b""
+        if s.done:
+            tail += encode_frame(FLAG_TRAILERS, f"grpc-status:{s.grpc_status}\r\ngrpc-message:scripted%20refusal\r\n"
+                                 .encode())
         tr.write(_chunk(tail) + b"0\r\n\r\n")
 
 

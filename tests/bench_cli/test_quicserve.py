@@ -33,9 +33,17 @@ def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     assert stop_gateway(g) == 0
 
 
-def _grpc_url(gw: Gateway) -> str:
-    (url,) = {m.group(1) for line in gw.lines if (m := re.search(r"listening on (grpc://\S+)", line))}
+def _listening(gw: Gateway, pattern: str) -> str:
+    (url,) = {m.group(1) for line in gw.lines if (m := re.search(pattern, line))}
     return url
+
+
+def _url(gw: Gateway, http: str, tls: bool) -> str:
+    if http == "grpc":
+        return _listening(gw, r"listening on (grpc://\S+)")
+    if http == "h3":
+        return _listening(gw, r"listening on (https://\S+) \(h3")
+    return gw.https if tls else gw.http
 
 
 def _counters(gw: Gateway) -> dict[str, float]:
@@ -52,14 +60,22 @@ def _counters(gw: Gateway) -> dict[str, float]:
     return out
 
 
-CASES = [  # protocol, TLS, stream, endpoint, the server's protocol label
+CASES = [  # protocol (grpc-web: over which HTTP), TLS, stream, endpoint, the server's protocol label
     ("http1", False, True, "completions", "http/1.1"),
     ("http1", True, False, "chat", "http/1.1"),
     ("h2", False, True, "chat", "h2"),
     ("h2", True, True, "completions", "h2"),
     ("h2", False, False, "completions", "h2"),
+    ("h3", True, True, "chat", "h3"),
+    ("h3", True, False, "completions", "h3"),
     ("grpc", False, True, "completions", "grpc"),
     ("grpc", False, False, "chat", "grpc"),
+    ("grpc-web/http1", False, True, "chat", "grpc"),  # gRPC-Web is counted as gRPC by the server
+    ("grpc-web/http1", True, False, "completions", "grpc"),
+    ("grpc-web/h2", False, True, "completions", "grpc"),
+    ("grpc-web/h2", True, False, "chat", "grpc"),
+    ("grpc-web/h3", True, True, "completions", "grpc"),
+    ("grpc-web/h3", True, False, "chat", "grpc"),
 ]
 
 
@@ -68,13 +84,15 @@ CASES = [  # protocol, TLS, stream, endpoint, the server's protocol label
                               for c in CASES])
 def test_counts_match_the_servers(gw: Gateway, tmp_path: Path, protocol: str, tls: bool, stream: bool,
                                   endpoint: str, label: str) -> None:
-    url = _grpc_url(gw) if protocol == "grpc" else gw.https if tls else gw.http
+    protocol, _, over = protocol.partition("/")
+    url = _url(gw, over or protocol, tls)
     before = _counters(gw)
     result = tmp_path / "r.json"
-    rc = bench_main(["--protocol", protocol, "--url", url, "--endpoint", endpoint,
+    openai = protocol not in ("grpc", "grpc-web")
+    rc = bench_main(["--protocol", protocol, "--grpc-web-over", over or "http1", "--url", url, "--endpoint", endpoint,
                      "--stream" if stream else "--no-stream", "--insecure", "--concurrency", "4",
-                     "--num-requests", str(N), "--input-len", "16", "--output-len", str(OUT), "--ignore-eos"
-                     if protocol != "grpc" else "--seed=1", "--result", str(result), "--progress", "off"])
+                     "--num-requests", str(N), "--input-len", "16", "--output-len", str(OUT),
+                     "--ignore-eos" if openai else "--seed=1", "--result", str(result), "--progress", "off"])
     assert rc == 0
     after = _counters(gw)
     (run,) = orjson.loads(result.read_bytes())["runs"]

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.bench.bodies import BodyOptions, openai_body
+from gateway.bench.bodies import BodyOptions, grpc_body, openai_body
 from gateway.bench.data import random_requests
+from gateway.bench.exchange import grpc_web_exchange, openai_exchange
+from gateway.bench.grpc_web import frame_body
 from gateway.bench.http1 import HTTP1Sender
 from gateway.bench.runner import LoadSpec, Prepared, run_load
 from gateway.bench.stats import parse_slos, summarize
@@ -25,10 +27,13 @@ async def _run(script: Script, *, stream: bool = True, endpoint: str = "completi
                timeout: float = 10.0, slos: str = "") -> tuple[list, dict]:  # type: ignore[type-arg]
     clock = ScriptClock()
     srv = await start_scripted(script, clock)
-    path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
-    sender = HTTP1Sender(f"http://127.0.0.1:{srv.port}", path=path, stream=stream, timeout=timeout, now=clock)
+    web = endpoint == "grpc-web"
+    exchange = grpc_web_exchange(stream=stream) if web else openai_exchange(endpoint, stream=stream)
+    sender = HTTP1Sender(f"http://127.0.0.1:{srv.port}", exchange, timeout=timeout, now=clock)
     reqs = random_requests(2, input_len=10, output_len=5)
-    prepared = [Prepared(sender.prepare(openai_body(r, BodyOptions("m", endpoint, stream))), 10, 5) for r in reqs]
+    o = BodyOptions("m", "completions" if web else endpoint, stream)
+    prepared = [Prepared(sender.prepare(frame_body(grpc_body(r, o)) if web else openai_body(r, o)), 10, 5)
+                for r in reqs]
     try:
         out = await run_load(sender, prepared, LoadSpec(concurrency=1, num_requests=n), now=clock)
     finally:
@@ -37,7 +42,7 @@ async def _run(script: Script, *, stream: bool = True, endpoint: str = "completi
     return out.records, summarize(out.records, slos=parse_slos([slos]) if slos else None)
 
 
-@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+@pytest.mark.parametrize("endpoint", ["completions", "chat", "grpc-web"])
 async def test_streamed_figures_are_the_scripts_gaps(endpoint: str) -> None:
     records, s = await _run(Script(), endpoint=endpoint)
     assert [r.error for r in records] == ["", "", ""]
@@ -59,8 +64,9 @@ async def test_streamed_figures_are_the_scripts_gaps(endpoint: str) -> None:
     assert s["request_throughput"] == pytest.approx(3 / 0.48)
 
 
-async def test_whole_response_has_ttft_equal_to_e2e_and_no_gaps() -> None:
-    records, s = await _run(Script(), stream=False)
+@pytest.mark.parametrize("endpoint", ["completions", "grpc-web"])
+async def test_whole_response_has_ttft_equal_to_e2e_and_no_gaps(endpoint: str) -> None:
+    records, s = await _run(Script(), stream=False, endpoint=endpoint)
     assert all(r.ttft == pytest.approx(160 * MS) and r.e2e == pytest.approx(160 * MS) for r in records)
     assert all(r.itl == [] and r.tpot is None and r.output_tokens == 5 for r in records)
     assert s["tpot_ms"]["count"] == 0 and s["itl_ms"]["count"] == 0
@@ -89,3 +95,18 @@ async def test_errors_by_kind(script: Script, kind: str) -> None:
     assert [r.error for r in records] == [kind, kind]
     assert s["errors"] == {kind: 2} and s["completed"] == 0 and s["failed"] == 2
     assert s["ttft_ms"]["count"] == 0
+
+
+@pytest.mark.parametrize(("script", "kind"), [
+    (Script(grpc_status=8), "grpc_RESOURCE_EXHAUSTED"),
+    (Script(grpc_status=4), "timeout"),
+    (Script(done=False), "incomplete_stream"),
+    (Script(status=503), "http_503"),
+])
+@pytest.mark.parametrize("stream", [True, False])
+async def test_grpc_web_errors_by_kind(script: Script, kind: str, stream: bool) -> None:
+    records, s = await _run(script, endpoint="grpc-web", stream=stream, n=2)
+    assert [r.error for r in records] == [kind, kind]
+    assert s["errors"] == {kind: 2} and s["completed"] == 0
+    if kind.startswith("grpc_"):
+        assert records[0].detail == "scripted refusal"  # grpc-message, percent-decoded

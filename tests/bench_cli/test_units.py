@@ -21,6 +21,7 @@ from gateway.bench.data import (
     sharegpt_requests,
     zipf_weights,
 )
+from gateway.bench.grpc_web import GrpcWebReader
 from gateway.bench.records import Record, SSEReader
 from gateway.bench.stats import latency_stats, parse_slos, summarize
 
@@ -115,6 +116,40 @@ def test_sse_reader_reads_any_split_the_same(cuts: list[int]) -> None:
     reader.finish(99.0)
     assert not rec.error and reader.done and reader.chunks == 2
     assert (rec.output_tokens, rec.prompt_tokens) == (2, 3)
+
+
+def _web_stream() -> bytes:
+    from gateway.grpc.framing import FLAG_TRAILERS, encode_frame
+    from gateway.grpc.quicserve.v1 import quicserve_pb2 as pb
+
+    msgs = [pb.GenerateResponse(text="a"), pb.GenerateResponse(text=""), pb.GenerateResponse(text="bc"),
+            pb.GenerateResponse(usage=pb.Usage(prompt_tokens=3, completion_tokens=3))]
+    return b"".join(encode_frame(0, m.SerializeToString()) for m in msgs) + encode_frame(FLAG_TRAILERS,
+                                                                                           b"grpc-status:0\r\n")
+
+
+_WEB = _web_stream()
+
+
+@given(st.lists(st.integers(0, len(_WEB)), max_size=8))
+def test_grpc_web_reader_reads_any_split_the_same(cuts: list[int]) -> None:
+    rec = Record(0, 0.0)
+    reader = GrpcWebReader(rec, stream=True)
+    bounds = [0, *sorted(cuts), len(_WEB)]
+    for i, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False)):
+        reader.feed(_WEB[a:b], float(i + 1))
+    reader.finish(99.0)
+    assert not rec.error and reader.status == 0 and reader.chunks == 2  # the empty message is no token
+    assert (rec.output_tokens, rec.prompt_tokens, rec.end) == (3, 3, 99.0)
+    assert rec.ttft is not None and rec.ttft >= 1 and len(rec.itl) == 1 and rec.itl[0] >= 0
+
+
+def test_grpc_web_body_cut_before_its_trailer_frame_is_incomplete() -> None:
+    rec = Record(0, 0.0)
+    reader = GrpcWebReader(rec, stream=False)
+    reader.feed(_WEB[:-5], 1.0)
+    reader.finish(2.0)
+    assert rec.error == "incomplete_stream" and rec.end == 2.0
 
 
 def test_sse_error_event_is_an_error_kind() -> None:
