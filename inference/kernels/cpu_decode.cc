@@ -16,9 +16,11 @@
 //
 // Contract (float32 only; the caller falls back to the reference otherwise):
 //   q [B, H, D], k_cache / v_cache [N, BS, KV, D], block_tables [B, M] int32,
-//   context_lens [B] int32, attribute scale (f32)  ->  out [B, H, D].
-// Query head h reads KV head h / (H / KV). Row b attends to positions 0 .. context_lens[b]-1;
-// a row with no context gets zeros. Softmax in float32, online over the blocks.
+//   context_lens [B] int32, attributes scale (f32), window (i64)  ->  out [B, H, D].
+// Query head h reads KV head h / (H / KV). Row b attends to positions 0 .. context_lens[b]-1,
+// or with window > 0 only the last `window` of them (blocks before those are never read: the
+// KV cache may have released them); a row with no context gets zeros. Softmax in float32,
+// online over the blocks.
 
 #include <algorithm>
 #include <cmath>
@@ -113,7 +115,7 @@ inline void weighted_sum(const float* p, const float* v, int64_t stride, int64_t
 // contiguous row of KV*D floats and a block's rows are contiguous, so each block is two
 // sequential streams, and the next block is prefetched a slice per head while this one is summed.
 void one_row(const Shapes& s, const float* q, const float* kc, const float* vc, const int32_t* tables,
-             const int32_t* lens, float scale, float* out, int64_t row, std::vector<float>& work) {
+             const int32_t* lens, float scale, int64_t window, float* out, int64_t row, std::vector<float>& work) {
   const int64_t g = s.h / s.kv;
   const int64_t d = s.d;
   const int64_t h = s.h;
@@ -135,7 +137,8 @@ void one_row(const Shapes& s, const float* q, const float* kc, const float* vc, 
   const int32_t* table = tables + row * s.m;
   const int64_t blocks = (ctx + bs - 1) / bs;
   const int64_t block_floats = bs * width;
-  for (int64_t j = 0; j < blocks; ++j) {
+  const int64_t lo = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;  // first visible key
+  for (int64_t j = lo / bs; j < blocks; ++j) {
     const float* kb = kc + static_cast<int64_t>(table[j]) * block_floats;
     const float* vb = vc + static_cast<int64_t>(table[j]) * block_floats;
     const float* kn = j + 1 < blocks ? kc + static_cast<int64_t>(table[j + 1]) * block_floats : nullptr;
@@ -143,6 +146,8 @@ void one_row(const Shapes& s, const float* q, const float* kc, const float* vc, 
     const int64_t pf_step = (block_floats + h - 1) / h;
     const int64_t n = std::min(bs, ctx - j * bs);
     for (int64_t hi = 0; hi < h; ++hi) scores(qs + hi * d, kb + (hi / g) * d, width, d, n, sc + hi * bs);
+    for (int64_t t = 0; t < lo - j * bs; ++t)  // keys before the window (first block only)
+      for (int64_t hi = 0; hi < h; ++hi) sc[hi * bs + t] = std::numeric_limits<float>::lowest();
     for (int64_t hi = 0; hi < h; ++hi) {
       float* p = sc + hi * bs;
       float m = mx[hi];
@@ -178,7 +183,7 @@ void one_row(const Shapes& s, const float* q, const float* kc, const float* vc, 
 
 ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache,
                            ffi::Buffer<ffi::F32> v_cache, ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> context_lens,
-                           ffi::Result<ffi::Buffer<ffi::F32>> out, float scale, int64_t threads) {
+                           ffi::Result<ffi::Buffer<ffi::F32>> out, float scale, int64_t threads, int64_t window) {
   auto qd = q.dimensions();
   auto kd = k_cache.dimensions();
   auto td = block_tables.dimensions();
@@ -194,7 +199,8 @@ ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
   const int32_t* lens = context_lens.typed_data();
   for (int64_t row = 0; row < s.b; ++row) {
     const int64_t ctx = std::min<int64_t>(std::max<int32_t>(lens[row], 0), s.m * s.bs);
-    for (int64_t j = 0; j < (ctx + s.bs - 1) / s.bs; ++j) {
+    const int64_t lo = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;
+    for (int64_t j = lo / s.bs; j < (ctx + s.bs - 1) / s.bs; ++j) {
       const int32_t blk = tables[row * s.m + j];
       if (blk < 0 || blk >= s.n) {
         return ffi::Error::InvalidArgument("paged decode: block id " + std::to_string(blk) + " of row " +
@@ -210,7 +216,7 @@ ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
   float* op = out->typed_data();
   quicserve::parallel_for(pool, s.b, threads, [&](int64_t row) {
     thread_local std::vector<float> work;
-    one_row(s, qp, kp, vp, tp, lp, scale, op, row, work);
+    one_row(s, qp, kp, vp, tp, lp, scale, window, op, row, work);
   });
   return ffi::Error::Success();
 }

@@ -105,26 +105,30 @@ def available(level: str | None = None) -> bool:
 
 
 def paged_decode_cpu(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, block_tables: jax.Array,
-                     context_lens: jax.Array, *, scale: float, threads: int = THREADS,
+                     context_lens: jax.Array, *, scale: float, window: int | None = None, threads: int = THREADS,
                      level: str | None = None) -> jax.Array:
     """``inference.kernels.xla_attention.paged_decode_attention`` for float32 caches, as one native call.
 
-    Call only when :func:`available` is True. Context lengths past the block table are clamped to it.
+    Call only when :func:`available` is True. Context lengths past the block table are clamped to it;
+    with a sliding ``window``, table entries before a row's window are never read.
     """
     call = jax.ffi.ffi_call(_target("quicserve_paged_decode_f32", level), jax.ShapeDtypeStruct(q.shape, jnp.float32))
     return call(q.astype(jnp.float32), k_cache, v_cache, block_tables.astype(jnp.int32),
-                context_lens.astype(jnp.int32), scale=np.float32(scale), threads=np.int64(threads))
+                context_lens.astype(jnp.int32), scale=np.float32(scale), threads=np.int64(threads),
+                window=np.int64(window or 0))
 
 
 def prefill_attention_cpu(q: jax.Array, k: jax.Array, v: jax.Array, q_offsets: jax.Array, kv_lens: jax.Array,
-                          *, scale: float, threads: int = THREADS, level: str | None = None) -> jax.Array:
-    """``inference.kernels.xla_attention.prefill_attention`` for float32, as one native call.
+                          *, scale: float, window: int | None = None, threads: int = THREADS,
+                          level: str | None = None) -> jax.Array:
+    """``inference.kernels.xla_attention.prefill_attention`` for float32 (``window`` too), as one native call.
 
     Call only when :func:`available` is True. Queries at or past ``kv_lens`` (padding) get zeros.
     """
     call = jax.ffi.ffi_call(_target("quicserve_prefill_f32", level), jax.ShapeDtypeStruct(q.shape, jnp.float32))
     return call(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), q_offsets.astype(jnp.int32),
-                kv_lens.astype(jnp.int32), scale=np.float32(scale), threads=np.int64(threads))
+                kv_lens.astype(jnp.int32), scale=np.float32(scale), threads=np.int64(threads),
+                window=np.int64(window or 0))
 
 
 def gather_live_cpu(k_cache: jax.Array, v_cache: jax.Array, block_tables: jax.Array, kv_lens: jax.Array, *,

@@ -33,11 +33,12 @@
 //
 // Contract (float32 only; the caller falls back to the reference otherwise):
 //   q [B, T, H, D], k / v [B, S, KV, D], q_offsets [B] int32, kv_lens [B] int32,
-//   attributes scale (f32), threads (i64)  ->  out [B, T, H, D].
+//   attributes scale (f32), threads (i64), window (i64)  ->  out [B, T, H, D].
 // Query head h reads KV head h / (H / KV). Query t of row b sits at position p = q_offsets[b] + t
-// and sees keys at positions <= p and < min(kv_lens[b], S). A query at p >= kv_lens[b] is
-// padding (past the sequence) and gets zeros, as does one that sees no key. Softmax in float32,
-// online over the key tiles.
+// and sees keys at positions <= p and < min(kv_lens[b], S), and with window > 0 only those
+// > p - window (key tiles before a chunk's first query's window are skipped). A query at
+// p >= kv_lens[b] is padding (past the sequence) and gets zeros, as does one that sees no key.
+// Softmax in float32, online over the key tiles.
 
 #include <algorithm>
 #include <cmath>
@@ -72,6 +73,7 @@ struct Call {
   const int32_t *offsets, *lens;
   float scale;
   float* out;
+  int64_t window;  // 0: none
 };
 
 // Layouts inside a chunk (rp = query vectors rounded up to kLanes): queries transposed qt[D][rp],
@@ -238,11 +240,12 @@ void weighted_sums(const float* s, int64_t rp, const float* corr, int64_t r0, in
 // tile's correction factor.
 struct Work {
   std::vector<float> buf;
-  std::vector<int32_t> lim;
+  std::vector<int32_t> lim, low;  // per query vector: keys [low, lim) are visible
   float *qt, *o, *s, *mx, *den, *corr;
   void reserve(int64_t rp, int64_t d) {
     buf.resize(static_cast<size_t>(2 * rp * d + rp * kKeyTile + 3 * rp));
     lim.resize(static_cast<size_t>(rp));
+    low.resize(static_cast<size_t>(rp));
     qt = buf.data();
     o = qt + rp * d;
     s = o + rp * d;
@@ -268,10 +271,12 @@ void one_chunk(const Call& call, int64_t b, int64_t kvh, int64_t t0, int64_t t1,
   w.reserve(rp, d);
   std::fill(w.qt, w.qt + rp * d, 0.0f);
   std::fill(w.lim.begin(), w.lim.end(), 0);
+  std::fill(w.low.begin(), w.low.end(), 0);
   int64_t real = 0, reach = 0;  // real query vectors (a prefix), keys the last of them sees
   for (int64_t i = 0; i < rows; ++i) {
     const int64_t pos = off + t0 + i / g;
     w.lim[i] = static_cast<int32_t>(pos < kv_len ? std::max<int64_t>(pos + 1, 0) : 0);
+    if (call.window > 0) w.low[i] = static_cast<int32_t>(std::max<int64_t>(pos + 1 - call.window, 0));
     if (w.lim[i] > 0) real = i + 1, reach = w.lim[i];
   }
   const float* q0 = call.q + ((b * call.t + t0) * call.h + kvh * g) * d;
@@ -285,7 +290,7 @@ void one_chunk(const Call& call, int64_t b, int64_t kvh, int64_t t0, int64_t t1,
   std::fill(w.mx, w.mx + rp, kNoMax);
   std::fill(w.den, w.den + rp, 0.0f);
   int64_t first = 0;  // first query vector that sees the current tile
-  for (int64_t c0 = 0; c0 < reach; c0 += kKeyTile) {
+  for (int64_t c0 = w.low[0] / kKeyTile * kKeyTile; c0 < reach; c0 += kKeyTile) {
     const int64_t n = std::min(kKeyTile, reach - c0);
     while (w.lim[first] <= c0) ++first;
     const int64_t f = first / kLanes * kLanes;
@@ -294,12 +299,13 @@ void one_chunk(const Call& call, int64_t b, int64_t kvh, int64_t t0, int64_t t1,
     float* mx = w.mx;
     float* corr = w.corr;
     const int32_t* lim = w.lim.data();
+    const int32_t* low = w.low.data();
     for (int64_t r = f; r < rp; ++r) corr[r] = mx[r];
     for (int64_t c = 0; c < n; ++c) {
       float* sc = w.s + c * rp;
       const int32_t key = static_cast<int32_t>(c0 + c);
       for (int64_t r = f; r < rp; ++r) {
-        sc[r] = key < lim[r] ? sc[r] : std::numeric_limits<float>::lowest();
+        sc[r] = key < lim[r] && key >= low[r] ? sc[r] : std::numeric_limits<float>::lowest();
         mx[r] = std::max(mx[r], sc[r]);
       }
     }
@@ -323,14 +329,14 @@ void one_chunk(const Call& call, int64_t b, int64_t kvh, int64_t t0, int64_t t1,
 
 ffi::Error PrefillImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                        ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> q_offsets, ffi::Buffer<ffi::S32> kv_lens,
-                       ffi::Result<ffi::Buffer<ffi::F32>> out, float scale, int64_t threads) {
+                       ffi::Result<ffi::Buffer<ffi::F32>> out, float scale, int64_t threads, int64_t window) {
   auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
   if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || q_offsets.dimensions().size() != 1 ||
       kv_lens.dimensions().size() != 1) {
     return ffi::Error::InvalidArgument("prefill: q must be [B,T,H,D], k and v [B,S,KV,D], q_offsets and kv_lens [B]");
   }
   const Call call{qd[0], qd[1], qd[2], qd[3], kd[1], kd[2], q.typed_data(), k.typed_data(), v.typed_data(),
-                  q_offsets.typed_data(), kv_lens.typed_data(), scale, out->typed_data()};
+                  q_offsets.typed_data(), kv_lens.typed_data(), scale, out->typed_data(), window};
   bool same_kv = true;
   for (size_t i = 0; i < 4; ++i) same_kv = same_kv && kd[i] == vd[i];
   if (kd[0] != call.b || kd[3] != call.d || !same_kv || call.kv == 0 || call.h % call.kv != 0 ||

@@ -56,7 +56,7 @@ inline void exp_nonpositive(float* x, int64_t n) {
 
 // The arguments both kernels take: queries, keys and values (float32), two int32 arrays (decode:
 // block tables and context lengths; prefill: query offsets and key lengths), the float32 output,
-// and the attributes scale and threads (most of XLA's intra-op threads to use).
+// and the attributes scale, threads (most of XLA's intra-op threads to use) and window.
 inline auto attention_binding() {
   namespace ffi = xla::ffi;
   return ffi::Ffi::Bind()
@@ -68,7 +68,8 @@ inline auto attention_binding() {
       .Arg<ffi::Buffer<ffi::S32>>()
       .Ret<ffi::Buffer<ffi::F32>>()
       .Attr<float>("scale")
-      .Attr<int64_t>("threads");
+      .Attr<int64_t>("threads")
+      .Attr<int64_t>("window");  // sliding window: a query sees its last `window` keys (0: all)
 }
 
 }  // namespace quicserve

@@ -23,6 +23,11 @@ downstream asks where it runs.
 - ``reference``: the ground truth (:mod:`~inference.kernels.reference`: every key gathered, one
   masked softmax); slow, for checking numerics.
 
+``window`` (a model's sliding window: a query sees its last ``window`` keys) is built into the set's
+attention, which never reads the blocks before a row's window (the KV cache may have released
+them). The native, XLA and reference kernels take it; the Pallas ones do not, so a window turns
+``pallas`` into ``xla`` (logged), never into attention over the whole context.
+
 On every platform the projections are XLA's dot, except on XLA:CPU where a few rows take the
 multiply-reduce (:func:`inference.kernels.projections.linear`) and fp8 codes are scattered as bytes.
 """
@@ -63,6 +68,7 @@ class KernelSet:
     attention: str  # the family that runs: "pallas", "native", "xla" or "reference"
     dtype: str  # the model's dtype the set was built for, e.g. "float32"
     kv_quant: str | None  # the KV cache's codes ("int8", "fp8") or None (the model dtype)
+    window: int | None  # the sliding window the attention applies (None: the whole context)
     prefill: PagedAttention  # (q [B,T,H,D], k, v, block_tables, q_offsets, kv_lens, *, scale) -> [B,T,H,D]
     decode: PagedAttention  # (q [B,H,D], k, v, block_tables, context_lens, *, scale) -> [B,H,D]
     rope: RopeOperand
@@ -81,7 +87,7 @@ def current_platform() -> str:
 
 def build_kernels(attention: str = "auto", *, dtype: Any = jnp.float32, kv_quant: str | None = None,
                   platform: str | None = None, interpret: bool = False, target: str | None = None,
-                  tuner: Autotuner | None = None) -> KernelSet:
+                  tuner: Autotuner | None = None, window: int | None = None) -> KernelSet:
     """The kernel set for ``attention`` (module docstring) on ``platform`` (default: this one).
 
     ``interpret`` and ``target`` are the ``pallas`` family's: kernels run interpreted (on any
@@ -90,9 +96,13 @@ def build_kernels(attention: str = "auto", *, dtype: Any = jnp.float32, kv_quant
     """
     platform = platform or current_platform()
     family = _family(attention, platform, interpret)
+    if window is not None and family == "pallas":
+        log.info("kernels: xla attention in place of pallas (the Pallas kernels have no sliding window; "
+                 "this model's is %d)", window)
+        family = "xla"
     name = jnp.dtype(dtype).name
     on_cpu = platform == "cpu"
-    base = dict(platform=platform, dtype=name, kv_quant=kv_quant, rope=rope.positions_operand,
+    base = dict(platform=platform, dtype=name, kv_quant=kv_quant, window=window, rope=rope.positions_operand,
                 rope_write=partial(rope.rope_write, as_bytes=on_cpu),
                 linear=partial(projections.linear, mulreduce=on_cpu),
                 norm_linear=partial(projections.norm_linear, mulreduce=on_cpu),
@@ -113,11 +123,13 @@ def build_kernels(attention: str = "auto", *, dtype: Any = jnp.float32, kv_quant
                          decode=paged_cache.over_cache(kernels.decode), **{**base, "matmul": kernels.matmul})
     if family == "native" and name == "float32" and cpu_ffi.available():
         log.info("kernels: native CPU kernels (%s KV cache)", kv_quant or "float32")
-        native = {**base, "attention": "native", "prefill": _native_prefill, "pack": projections.pack_weight}
+        native = {**base, "attention": "native", "prefill": partial(_native_prefill, window=window),
+                  "pack": projections.pack_weight}
         if kv_quant is not None:  # the native decode and RoPE write read float32 caches only
-            return KernelSet(decode=paged_cache.over_cache(xla_attention.paged_decode_attention), **native)
-        return KernelSet(decode=_native_decode, **{**native, "rope": rope.rope_tables,
-                                                   "rope_write": rope.rope_write_native})
+            xla_decode = partial(xla_attention.paged_decode_attention, window=window)
+            return KernelSet(decode=paged_cache.over_cache(xla_decode), **native)
+        return KernelSet(decode=partial(_native_decode, window=window),
+                         **{**native, "rope": rope.rope_tables, "rope_write": rope.rope_write_native})
     if family == "native":
         why = f"they are float32 kernels, the model is {name}" if name != "float32" else "they did not build"
         log.info("kernels: xla in place of the native CPU kernels (%s)", why)
@@ -126,7 +138,8 @@ def build_kernels(attention: str = "auto", *, dtype: Any = jnp.float32, kv_quant
     decode = reference.paged_decode_attention if family == "reference" else xla_attention.paged_decode_attention
     if family == "reference":
         log.info("kernels: reference attention (the ground truth, slow) on %s", platform)
-    return KernelSet(attention=family, prefill=_gathered(dense), decode=paged_cache.over_cache(decode), **base)
+    return KernelSet(attention=family, prefill=_gathered(partial(dense, window=window)),
+                     decode=paged_cache.over_cache(partial(decode, window=window)), **base)
 
 
 def _family(attention: str, platform: str, interpret: bool) -> str:
@@ -153,7 +166,7 @@ def _gathered(dense: Callable[..., Array]) -> PagedAttention:
 
 
 def _native_prefill(q: Array, kc: LayerKV, vc: LayerKV, block_tables: Array, q_offsets: Array, kv_lens: Array, *,
-                    scale: float) -> Array:
+                    scale: float, window: int | None) -> Array:
     """The native prefill over each row's keys: only the key tiles each query tile sees, over XLA's
     threads (bench model, 8 layers' attention, two threads: 128 tokens 6.3 -> 1.4 ms, 512 tokens 50 ->
     18 ms against the XLA loop). From a float cache only the blocks that hold a row's first ``kv_lens``
@@ -163,14 +176,14 @@ def _native_prefill(q: Array, kc: LayerKV, vc: LayerKV, block_tables: Array, q_o
         k, v = paged_cache.gather(kc, block_tables, q.dtype), paged_cache.gather(vc, block_tables, q.dtype)
     else:
         k, v = cpu_ffi.gather_live_cpu(kc, vc, block_tables, kv_lens)
-    return cpu_ffi.prefill_attention_cpu(q, k, v, q_offsets, kv_lens, scale=scale)
+    return cpu_ffi.prefill_attention_cpu(q, k, v, q_offsets, kv_lens, scale=scale, window=window)
 
 
 def _native_decode(q: Array, kc: Array, vc: Array, block_tables: Array, context_lens: Array, *,
-                   scale: float) -> Array:
+                   scale: float, window: int | None) -> Array:
     """The native decode over a float32 cache (each sequence's K/V rows read in place through its table).
 
     Bench model, batch 32, contexts 100-200, two threads, whole decode step: 31.9 -> 24.7 ms against
     the XLA loop; batch 8 12.8 -> 11.3; batch 1 7.1 -> 6.7 (one layer alone at batch 32: 1.67 -> 0.54 ms).
     """
-    return cpu_ffi.paged_decode_cpu(q, kc, vc, block_tables, context_lens, scale=scale)
+    return cpu_ffi.paged_decode_cpu(q, kc, vc, block_tables, context_lens, scale=scale, window=window)

@@ -75,13 +75,14 @@ def check_paged_cache(q: Array, k_cache: Array, v_cache: Array, k_scale: Array |
 
 
 def prefill_attention(
-    q: Array, k: Array, v: Array, q_offsets: Array, kv_lens: Array, *, scale: float
+    q: Array, k: Array, v: Array, q_offsets: Array, kv_lens: Array, *, scale: float, window: int | None = None
 ) -> Array:
     """Causal GQA attention with per-sequence offsets.
 
     q[B,T,H,D], k/v[B,S,KV,D], q_offsets[B], kv_lens[B] -> [B,T,H,D]. Query
     ``t`` of sequence ``b`` sits at position ``q_offsets[b] + t`` and sees keys
-    at positions ``<=`` that and ``< kv_lens[b]``.
+    at positions ``<=`` that and ``< kv_lens[b]``; with a sliding ``window``, only
+    the last ``window`` of them (positions ``> q_pos - window``, itself included).
     """
     b, t, h, d = q.shape
     s, kv = k.shape[1], k.shape[2]
@@ -90,6 +91,8 @@ def prefill_attention(
     q_pos = q_offsets[:, None] + jnp.arange(t)[None, :]  # [B,T]
     k_pos = jnp.arange(s)
     mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < kv_lens[:, None, None])
+    if window is not None:
+        mask &= k_pos[None, None, :] > q_pos[:, :, None] - window
     logits = jnp.where(mask[:, None, None, :, :], logits, MASK_VALUE)
     probs = jax.nn.softmax(logits, axis=-1)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v.astype(jnp.float32))
@@ -113,10 +116,12 @@ def paged_decode_attention(
     scale: float,
     k_scale: Array | None = None,
     v_scale: Array | None = None,
+    window: int | None = None,
 ) -> Array:
     """One query token per sequence against the paged cache.
 
-    q[B,H,D], caches [N,bs,KV,D], block_tables[B,M], context_lens[B] -> [B,H,D].
+    q[B,H,D], caches [N,bs,KV,D], block_tables[B,M], context_lens[B] -> [B,H,D];
+    with a sliding ``window``, a row sees only its last ``window`` keys.
     With ``k_scale``/``v_scale`` ([N, KV] float32) the caches hold int8 or fp8
     codes and are dequantized as ``code * scale[block, head]``.
     """
@@ -132,6 +137,8 @@ def paged_decode_attention(
     qg = _group(q, kv).astype(jnp.float32)  # [B,KV,G,D]
     logits = jnp.einsum("bkgd,bskd->bkgs", qg, k) * scale
     mask = jnp.arange(k.shape[1])[None, :] < context_lens[:, None]  # [B,S]
+    if window is not None:
+        mask &= jnp.arange(k.shape[1])[None, :] >= context_lens[:, None] - window
     logits = jnp.where(mask[:, None, None, :], logits, MASK_VALUE)
     probs = jax.nn.softmax(logits, axis=-1)
     out = jnp.einsum("bkgs,bskd->bkgd", probs, v)

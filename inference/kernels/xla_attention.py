@@ -52,12 +52,14 @@ def _finish(denom: Array, acc: Array, dtype: jnp.dtype) -> Array:
 
 
 def prefill_attention(q: Array, k: Array, v: Array, q_offsets: Array, kv_lens: Array, *,
-                      scale: float) -> Array:
+                      scale: float, window: int | None = None) -> Array:
     """Causal attention of new queries over gathered keys (cached prefix included).
 
     q [B,T,H,D], k/v [B,S,KV,D]; query t of row b sits at absolute position
-    ``q_offsets[b] + t`` and sees keys at positions ``<= `` that and ``< kv_lens[b]``.
-    Returns [B,T,H,D]; rows past a sequence's length are don't-care.
+    ``q_offsets[b] + t`` and sees keys at positions ``<= `` that and ``< kv_lens[b]``
+    (with a sliding ``window``, only those ``> position - window``; key chunks before
+    every row's window are skipped). Returns [B,T,H,D]; rows past a sequence's length
+    are don't-care.
     """
     b, t, h, d = q.shape
     s_len, kv = k.shape[1], k.shape[2]
@@ -73,6 +75,7 @@ def prefill_attention(q: Array, k: Array, v: Array, q_offsets: Array, kv_lens: A
     qg = q.reshape(b, t, kv, g, d).transpose(0, 2, 3, 1, 4)  # [B,KV,G,T,D]
     q_pos = q_offsets[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B,T]
     n_chunks = (jnp.max(kv_lens) + chunk - 1) // chunk
+    first = _first_chunk(q_offsets - window + 1, kv_lens, chunk) if window else 0
 
     def body(i: Array, carry: tuple[Array, Array, Array]) -> tuple[Array, Array, Array]:
         start = i * chunk
@@ -80,12 +83,20 @@ def prefill_attention(q: Array, k: Array, v: Array, q_offsets: Array, kv_lens: A
         vc = jax.lax.dynamic_slice_in_dim(v, start, chunk, axis=1)
         k_pos = start + jnp.arange(chunk, dtype=jnp.int32)
         mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < kv_lens[:, None, None])
+        if window:
+            mask &= k_pos[None, None, :] > q_pos[:, :, None] - window
         return _online_step(carry, qg, kc, vc, mask, scale)
 
     init = (jnp.full((b, kv, g, t), _NEG, jnp.float32), jnp.zeros((b, kv, g, t), jnp.float32),
             jnp.zeros((b, kv, g, t, d), jnp.float32))
-    _, denom, acc = jax.lax.fori_loop(0, n_chunks, body, init)
+    _, denom, acc = jax.lax.fori_loop(first, n_chunks, body, init)
     return _finish(denom, acc, q.dtype).transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
+
+
+def _first_chunk(lowest: Array, lens: Array, chunk: int) -> Array:
+    """The first key chunk any live row (``lens > 0``) sees, its lowest visible key at ``lowest``."""
+    live_lowest = jnp.where(lens > 0, jnp.maximum(lowest, 0), jnp.iinfo(jnp.int32).max)
+    return jnp.minimum(jnp.min(live_lowest) // chunk, (jnp.max(lens) + chunk - 1) // chunk)
 
 
 def _clamp_to_context(block_tables: Array, context_lens: Array, block_size: int) -> Array:
@@ -140,11 +151,14 @@ def _block_diag_queries(qg: Array) -> Array:
 
 def paged_decode_attention(q: Array, k_cache: Array, v_cache: Array, block_tables: Array,
                            context_lens: Array, *, scale: float, k_scale: Array | None = None,
-                           v_scale: Array | None = None) -> Array:
+                           v_scale: Array | None = None, window: int | None = None) -> Array:
     """One query per sequence over its paged KV cache.
 
     q [B,H,D]; k/v_cache [N,bs,KV,D]; block_tables [B,M]; the sequence's keys
-    are positions ``0 .. context_lens[b]-1``. Returns [B,H,D]. With
+    are positions ``0 .. context_lens[b]-1`` (with a sliding ``window``, the last
+    ``window`` of them; key chunks before every row's window are skipped, and a table
+    entry before it in the first chunk read is masked: it must name a block of finite
+    values, as the KV cache's placeholders do). Returns [B,H,D]. With
     ``k_scale``/``v_scale`` [N,KV] the caches hold int8/fp8 codes, dequantized
     (``code * scale[block, head]``) per gathered chunk inside the loop.
     """
@@ -192,7 +206,10 @@ def paged_decode_attention(q: Array, k_cache: Array, v_cache: Array, block_table
         s = scores(gather_block_rows(k_cache, k_scale, blocks).reshape(b, chunk, kv * d))  # [B,C,KV,G]
         vc = gather_block_rows(v_cache, v_scale, blocks).reshape(b, chunk, kv, 1, d)
         k_pos = i * chunk + jnp.arange(chunk, dtype=jnp.int32)
-        mask = (k_pos[None, :] < context_lens[:, None])[:, :, None, None]  # [B,C,1,1]
+        mask = k_pos[None, :] < context_lens[:, None]
+        if window:
+            mask &= k_pos[None, :] >= context_lens[:, None] - window
+        mask = mask[:, :, None, None]  # [B,C,1,1]
         s = jnp.where(mask, s, _NEG)
         m_new = jnp.maximum(m, s.max(axis=1))  # [B,KV,G]
         p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
@@ -206,5 +223,6 @@ def paged_decode_attention(q: Array, k_cache: Array, v_cache: Array, block_table
 
     init = (jnp.full((b, kv, g), _NEG, jnp.float32), jnp.zeros((b, kv, g), jnp.float32),
             jnp.zeros((b, kv, g, d), jnp.float32))
-    _, denom, acc = jax.lax.fori_loop(0, n_chunks, body, init)
+    first = _first_chunk(context_lens - window, context_lens, chunk) if window else 0
+    _, denom, acc = jax.lax.fori_loop(first, n_chunks, body, init)
     return _finish(denom, acc, q.dtype).reshape(b, h, d)
