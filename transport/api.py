@@ -25,13 +25,14 @@ Both sides: heartbeats (Ping/Pong) and a dead-peer timeout live in
 from __future__ import annotations
 
 import asyncio
+from array import array
 from collections.abc import Callable, Sequence
 from typing import NamedTuple, Protocol
 
 from .messages import Error, Finish, Hello, Stats, Submit, TokenBatch, TokenEntry
 
 __all__ = ["RequestStream", "WorkerConnection", "ServerConnection", "WorkerHandler", "Server", "StreamEvent",
-           "Collected"]
+           "Collected", "Received"]
 
 StreamEvent = TokenEntry | Finish | Error
 
@@ -43,6 +44,13 @@ class Collected(NamedTuple):
     tokens: int  # token ids received
     first_token_at: float  # time.perf_counter() when the first token arrived; 0.0 if none did
     final: Finish | Error
+
+
+class Received(NamedTuple):
+    """What a stream that ended in an error had received (:meth:`RequestStream.received`)."""
+
+    token_ids: array[int]  # 'I', in order
+    text_bytes: int  # bytes of their text deltas
 
 
 class RequestStream(Protocol):
@@ -81,6 +89,11 @@ class RequestStream(Protocol):
 
     def cancel(self) -> None:
         """Send Cancel (idempotent). The stream still ends exactly once."""
+        ...
+
+    def received(self) -> Received | None:
+        """Once the stream ended with an error: every token it received and the bytes of their
+        text (what a second replica resumes from); None otherwise, or when its history is gone."""
         ...
 
     @property

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 
-from .api import RequestStream, WorkerConnection
+from .api import Received, RequestStream, WorkerConnection
 from .client_stream import ClientStream, Collected, deliver_tokens
 from .endpoint import Endpoint
 from .errors import ConnectError, ConnectionClosed, ProtocolError, SecurityConfigError
@@ -30,6 +30,7 @@ from .flow import (
 from .hold import window
 from .messages import Error, ErrorCode, Hello, Stats, Submit
 from .psk import read_key_file
+from .received import ReceivedLog
 from .security import NO_SECURITY, TlsContexts, TransportSecurity
 from .select import choose
 from .tcp import SessionFactory, open_stream
@@ -38,6 +39,7 @@ from .tls import TlsSession
 __all__ = ["connect", "ClientConnection", "ClientStream", "Collected"]
 
 log = logging.getLogger("transport.client")
+_CANCELLED = ErrorCode.CANCELLED  # a stream we cancelled goes nowhere else: what it received is not kept
 
 
 class ClientConnection:
@@ -56,6 +58,8 @@ class ClientConnection:
         self._next_id = 0
         self._idle = asyncio.Event()
         self._idle.set()
+        self.history = ReceivedLog()  # what a stream that ends in an error had received (failover)
+        self._lost: set[int] = set()  # the streams open when the connection ended (their part is in history)
         # Consumed tokens are handed to the core in batches of this size; the core
         # itself grants Credit at half a window, so this sends exactly the same frames.
         self.grant_batch = max(1, core.local_hello.initial_credit // 2)
@@ -73,7 +77,7 @@ class ClientConnection:
             raise ConnectionClosed("connection to worker is closed")
         self.core.submit(submit, window(submit))  # a whole result (Submit.buffered): credit does not apply
         p = submit.params
-        stream = ClientStream(self, submit.request_id, bool(p.logprobs or p.top_logprobs))
+        stream = ClientStream(self, submit.request_id, bool(p.logprobs or p.top_logprobs), self.history.position)
         streams = self._streams
         if not streams:
             self._idle.clear()
@@ -111,18 +115,31 @@ class ClientConnection:
         if rid in self._streams:
             self.endpoint.deliver(self.core.cancel(rid))
 
+    def received(self, rid: int, mark: int) -> Received | None:
+        """What stream ``rid`` (opened at ``mark``) had received, from the log of a connection that
+        ended (it no longer changes); None while it lives (an error then keeps its own at once)."""
+        return self.history.frozen_slice(rid, mark) if rid in self._lost else None
+
     def _on_events(self, events: list[Event]) -> None:
         streams = self._streams
         for ev in events:
             t = type(ev)  # exact types: the events are final dataclasses, and this runs per frame
             if t is RequestEnded:
-                st = streams.pop(ev.result.request_id, None)  # type: ignore[union-attr]
+                res = ev.result  # type: ignore[union-attr]
+                st = streams.pop(res.request_id, None)
                 if st is not None:
-                    st._end(ev.result)  # type: ignore[union-attr]
+                    if type(res) is Error and res.code != _CANCELLED:
+                        if self.core.closed:  # history no longer changes: read later, if asked
+                            self._lost.add(st.request_id)
+                        else:  # history moves on: keep its part now
+                            st._received = self.history.slice(st.request_id, st.mark)
+                    st._end(res)
                 if not streams:
                     self._idle.set()
             elif t is TokensReceived:
                 deliver_tokens(streams, ev.batch, self.grant_batch)  # type: ignore[union-attr]
+                if self.history.add(ev.batch):  # type: ignore[union-attr]
+                    self.history.trim([s.mark for s in streams.values()])
             elif isinstance(ev, StatsReceived):
                 self.latest_stats = ev.stats
             elif isinstance(ev, PeerHello):

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from .api import Collected, StreamEvent
+from .api import Collected, Received, StreamEvent
 from .messages import Error, Finish, TokenBatch, TokenEntry
 
 __all__ = ["ClientStream", "Collected", "StreamOwner", "deliver_tokens"]
@@ -33,6 +33,7 @@ class StreamOwner(Protocol):
 
     def consumed(self, rid: int, tokens: int) -> None: ...
     def cancel_request(self, rid: int) -> None: ...
+    def received(self, rid: int, mark: int) -> Received | None: ...
 
 
 class ClientStream:
@@ -45,10 +46,13 @@ class ClientStream:
     """
 
     __slots__ = ("request_id", "_conn", "_events", "_waiter", "done", "_final_returned", "_unacked",
-                 "_parts", "_ntok", "_t_first", "_collector", "_extras", "_listener", "_listen_fut")
+                 "_parts", "_ntok", "_t_first", "_collector", "_extras", "_listener", "_listen_fut", "mark",
+                 "_received")
 
-    def __init__(self, conn: StreamOwner, request_id: int, extras: bool = False) -> None:
+    def __init__(self, conn: StreamOwner, request_id: int, extras: bool = False, mark: int = 0) -> None:
         self.request_id = request_id
+        self.mark = mark  # the connection's received-log position at submit (transport.received)
+        self._received: Received | None = None  # what it had received, kept when it ended in an error
         self._conn = conn
         self._events: list[StreamEvent] = []
         self._waiter: asyncio.Future[None] | None = None
@@ -231,6 +235,14 @@ class ClientStream:
 
     def cancel(self) -> None:
         self._conn.cancel_request(self.request_id)
+
+    def received(self) -> Received | None:
+        """After an error end: the tokens this stream received and the bytes of their text (kept at
+        its end, or read from its dead connection's log); None before, or when its history is gone."""
+        got = self._received
+        if got is None and self.done:
+            got = self._received = self._conn.received(self.request_id, self.mark)
+        return got
 
 
 def _text_entry(st: ClientStream, text: bytes, n: int, grant: int) -> None:
