@@ -1,7 +1,8 @@
 """The generation call: one request from its submit to its one end, driven by callbacks.
 
 How it works: the call owns the routed stream, the deadline, cancellation, the
-retry before the first token, token metrics and the end. It reads the stream in
+retry (before the first token: start over elsewhere; after it: resume elsewhere from
+what the client has, :mod:`~gateway.routing.routed`), token metrics and the end. It reads the stream in
 the cheapest mode the response allows, each a callback from the transport, so
 no task runs per request and nothing wakes per token unless it must:
 
@@ -146,7 +147,7 @@ class GenerationCall:
         try:
             res = fut.result()
             fin = res.final
-            if not res.tokens and self._routed.retry(fin):
+            if type(fin) is not Finish and self._routed.retry(fin):  # nothing was sent: start over elsewhere
                 self._read()
                 return
             # the end, at once: nothing can move or retry it before _end closes the routed stream
@@ -183,8 +184,6 @@ class GenerationCall:
             ev = fut.result()
             if ev is None:  # the client is slow (_on_text held its chunk): wait for it, then listen again
                 self._wait_for_client(None)
-            elif not self._started and self._routed.retry(ev):
-                self._read()
             else:
                 self._final(ev)
         except Exception:
@@ -203,9 +202,6 @@ class GenerationCall:
             last = events[-1]
             final = last if type(last) is not TokenEntry else None
             entries: list[TokenEntry] = events[:-1] if final is not None else events  # type: ignore[assignment]
-            if not self._started and not entries and final is not None and self._routed.retry(final):
-                self._read()
-                return
             if entries:
                 if not self._started:
                     self._open()
@@ -287,6 +283,8 @@ class GenerationCall:
             else:
                 self._sink.respond(200, self._headers, body)
                 self._end(200, n)
+        elif self._routed.retry(ev):  # its replica was lost: on another (after the first token: resumed)
+            self._read()
         else:
             self._fail(from_wire_code(ev.code, ev.message))  # type: ignore[attr-defined]
 

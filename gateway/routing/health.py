@@ -288,7 +288,7 @@ def to_heal(h: Health, pools: dict[str, list[R]], now: float) -> list[tuple[R, s
 class RetryBudget:
     """Retries in flight bounded by a share of the requests in flight (with a floor)."""
 
-    __slots__ = ("share", "floor", "in_flight", "refused", "retries", "requests")
+    __slots__ = ("share", "floor", "in_flight", "refused", "retries", "requests", "failovers")
 
     def __init__(self, share: float = 0.2, floor: int = 3) -> None:
         self.share, self.floor = share, floor
@@ -296,6 +296,7 @@ class RetryBudget:
         self.refused = 0  # retries the budget did not allow
         self.requests = 0  # requests routed (each submitted once) ...
         self.retries = 0  # ... and submitted again (moved or retried)
+        self.failovers = 0  # ... of those, streams resumed after their first token (mid-stream failover)
 
     @property
     def attempts(self) -> int:

@@ -35,6 +35,8 @@ class HealthCollector:
         yield CounterMetricFamily("quicserve_routed_requests", "Requests routed to a replica", value=budget.requests)
         yield CounterMetricFamily("quicserve_routing_attempts", "Submissions to replicas, retries included",
                                   value=budget.attempts)
+        yield CounterMetricFamily("quicserve_stream_failovers", "Streams resumed on another replica after their "
+                                  "first token, their replica lost (mid-stream failover)", value=budget.failovers)
         yield GaugeMetricFamily("quicserve_retry_amplification", "Attempts per routed request since start",
                                 value=budget.attempts / budget.requests if budget.requests else 1.0)
         yield CounterMetricFamily("quicserve_retry_budget_refused", "Retries the retry budget refused",

@@ -9,8 +9,17 @@ drained or was overloaded), :meth:`RoutedStream.retry` resubmits to another
 replica, up to the pool's ``retries``, and the consumer starts over on the new
 stream. A request still waiting for its first token can also be *moved* to a
 replica that became ready (:meth:`RoutedStream.move`, called by the pool's
-rebalance): a restart or scale-out relieves a queue at once. After the first
-token the request cannot move: errors go to the client.
+rebalance): a restart or scale-out relieves a queue at once.
+
+After the first token, a stream whose replica is lost (it died, drained or failed
+its engine step: the same retryable errors) *resumes* on another one (mid-stream
+failover): the tokens the client has -- what the lost streams received
+(``RequestStream.received``), joined across failovers in ``_cont`` -- go to a
+replica that lists the ``"continuation"`` capability as ``Submit.continuation``,
+and the consumer reads on from the new stream as if nothing happened. Within the
+same ``retries`` and retry budget; no other replica, or a stream whose history the
+connection forgot, and the error goes to the client, as before the first token
+with no replica left. Nothing of this exists until a stream is lost.
 """
 
 from __future__ import annotations
@@ -21,7 +30,7 @@ from typing import Protocol
 
 from transport.api import RequestStream, WorkerConnection
 from transport.errors import ConnectionClosed
-from transport.messages import Error, ErrorCode, Submit
+from transport.messages import Continuation, Error, ErrorCode, Submit
 
 from .errors import NoReplica, Unroutable
 from .health import RetryBudget
@@ -40,6 +49,7 @@ _FAILURES = frozenset({ErrorCode.CONNECTION_LOST, ErrorCode.INTERNAL})
 _BUDGETED = frozenset({ErrorCode.INTERNAL, ErrorCode.OVERLOADED})
 
 SubmitFactory = Callable[[int], Submit]
+_RESUMES = "continuation"  # the Hello capability of a worker that takes Submit.continuation
 
 
 class Replicas(Protocol):
@@ -64,7 +74,7 @@ class RoutedStream:
     """One request's current stream and the replicas it has tried."""
 
     __slots__ = ("_pool", "model", "subject", "_make", "stream", "_tried", "_retries_left", "started", "_cancelled",
-                 "conn", "on_moved", "_waiting", "_retry_token")
+                 "conn", "on_moved", "_waiting", "_retry_token", "_cont")
 
     def __init__(self, pool: Replicas, model: str, subject: object, make_submit: SubmitFactory) -> None:
         self._pool = pool
@@ -80,24 +90,30 @@ class RoutedStream:
         self.on_moved: Callable[[], None] | None = None  # the consumer reads :attr:`stream` again
         self._waiting: dict[RoutedStream, None] | None = None  # the pool's not-started set it is in
         self._retry_token = False  # holds one of the retry budget's tokens (until close)
+        self._cont: Continuation | None = None  # what the client had when the request last resumed
 
-    def submit(self) -> None:
-        """Open the stream on the replica the policy picks; raises a RoutingError if none takes it."""
+    def submit(self, cont: Continuation | None = None) -> None:
+        """Open the stream on the replica the policy picks (``cont``: resume there from it, on a
+        replica that can); raises a RoutingError if none takes it."""
         pool = self._pool
+        make = self._make if cont is None else _resumed(self._make, cont)
         while True:
-            conn = pool.choose(self.model, self.subject, self._tried, self._make)
+            conn = pool.choose(self.model, self.subject, self._tried, make)
             if conn is None:
                 raise NoReplica(self.model)
             self._tried += (conn,)
+            if cont is not None and _RESUMES not in conn.peer_hello.capabilities:
+                continue  # an older worker would ignore the continuation and start over
             try:
-                self.stream = conn.submit(self._make(conn.next_request_id()))
+                self.stream = conn.submit(make(conn.next_request_id()))
             except ConnectionClosed as e:  # closed, draining or full under our feet: try another worker
                 log.info("submit to a worker failed (%s); trying another", e)
                 continue
             except ValueError as e:  # the request breaks a wire rule (an encoder check): no worker can take it
                 raise Unroutable(str(e)) from None
             self.conn = conn
-            self._wait_on(conn)
+            if cont is None:
+                self._wait_on(conn)
             return
 
     def _wait_on(self, conn: WorkerConnection) -> None:
@@ -141,11 +157,14 @@ class RoutedStream:
         return True
 
     def retry(self, final: object) -> bool:
-        """``final`` ended the stream before any token: True if it was a retryable error and the
-        request moved to another replica (read :attr:`stream` again), False if ``final`` is the
-        answer."""
-        if self.started or self._cancelled or type(final) is not Error or final.code not in RETRYABLE:
+        """``final`` ended the stream: True if it was a retryable error and the request moved to
+        another replica (read :attr:`stream` again) -- before its first token to start over there,
+        after it to resume from what the client has -- False if ``final`` is the answer."""
+        if self._cancelled or type(final) is not Error or final.code not in RETRYABLE:
             return False
+        cont = self._continuation() if self.started else None
+        if self.started and cont is None:
+            return False  # the lost stream's history is gone: it cannot resume
         pool = self._pool
         if final.code in _FAILURES:
             pool.failed(self.conn, self.model)
@@ -159,13 +178,30 @@ class RoutedStream:
         self._retries_left -= 1
         if self._pool.on_retry is not None:
             self._pool.on_retry()
-        log.info("worker failed before the first token (%s: %s); resubmitting", final.code.name, final.message)
         self._unwait()
         try:
-            self.submit()
+            self.submit(cont)
         except (NoReplica, Unroutable):
             return False  # no other replica: the client gets the original error
+        if cont is None:
+            log.info("worker failed before the first token (%s: %s); resubmitted", final.code.name, final.message)
+        else:
+            self._cont = cont
+            pool.budget.failovers += 1
+            log.info("worker lost after %d tokens (%s: %s); resumed on another replica", len(cont.token_ids),
+                     final.code.name, final.message)
         return True
+
+    def _continuation(self) -> Continuation | None:
+        """What the client has of this request: the tokens of earlier failovers, then those the
+        lost stream received (None when its connection forgot them)."""
+        got = self.stream.received() if self.stream is not None else None
+        if got is None:
+            return None
+        prev = self._cont
+        if prev is None:
+            return Continuation(tuple(got.token_ids), got.text_bytes)
+        return Continuation(prev.token_ids + tuple(got.token_ids), prev.text_bytes + got.text_bytes)
 
     def cancel(self) -> None:
         self._cancelled = True
@@ -187,3 +223,14 @@ class RoutedStream:
         if stream is not None and not stream.done:
             self._cancelled = True
             stream.cancel()
+
+
+def _resumed(make: SubmitFactory, cont: Continuation) -> SubmitFactory:
+    """``make``'s Submits, resuming from ``cont``."""
+
+    def submit(request_id: int) -> Submit:
+        sub = make(request_id)
+        sub.continuation = cont
+        return sub
+
+    return submit

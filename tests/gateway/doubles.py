@@ -100,6 +100,10 @@ class ScriptedWorkerConnection:
     def consumed(self, rid: int, tokens: int) -> None:
         pass
 
+    def received(self, rid: int, mark: int) -> None:
+        """A scripted stream keeps no history: one lost mid-stream cannot resume (test_failover's can)."""
+        return None
+
     def cancel_request(self, rid: int) -> None:
         s = self.streams[rid]
         if not s.cancelled:
