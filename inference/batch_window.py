@@ -36,13 +36,17 @@ window delays first tokens and makes the steps that carry the prefill longer.
   admitted at once whatever ``w``). So DBS-Adapt also bounds each step's
   prefill (:meth:`AdaptiveWindow.prefill_fits`, which the engine asks before
   adding each request to a step): it fits ``latency ~ base + c * calls +
-  k * padded_area`` over recent steps (exponentially weighted least squares;
+  k * padded_area + r * decodes`` over recent steps (exponentially weighted least squares;
   ``calls`` says which calls the runner makes for a step's prefills and the
   shape each is padded to: the JAX runner's own shape buckets
   (:func:`bucket_calls`), or by default calls of up to ``prefill_group``
-  padded to powers of two (:func:`pow2_calls`)) and admits while the predicted
-  step stays within ``target - m`` (the first request always runs, alone if
-  need be). The margin ``m`` takes the same quantile step as ``w``, 100x
+  padded to powers of two (:func:`pow2_calls`); ``decodes`` the sequences
+  the step also decodes) and admits while the predicted step stays within
+  ``target - m`` (the first request always runs, alone if need be). With
+  chunked prefill a step is mixed, a few decodes and the chunks of prompts
+  (the engine's ``step_tokens``): the same fit, its ``decodes`` term the
+  cost of the running streams' rows, predicts it and bounds which chunks
+  join (the first always does). The margin ``m`` takes the same quantile step as ``w``, 100x
   smaller and with the opposite sign, so misses the fit did not foresee
   widen it.
 
@@ -104,14 +108,14 @@ class BatchWindow(Protocol):
         ``full`` make a full prefill batch; the window opened at ``start``."""
         ...
 
-    def observe(self, latency: float, load: float, prefill_lengths: Sequence[int] = ()) -> None:
-        """Feed back one step's wall time, load (0..1) and the new-token
-        counts of the prefills it carried."""
+    def observe(self, latency: float, load: float, prefill_lengths: Sequence[int] = (), decodes: int = 0) -> None:
+        """Feed back one step's wall time, load (0..1), the new-token
+        counts of the prefills (or chunks) it carried and how many sequences it decoded."""
         ...
 
-    def prefill_fits(self, prefill_lengths: Sequence[int]) -> bool:
-        """Whether one step may carry prefills of these new-token counts
-        (the engine always lets the first one through)."""
+    def prefill_fits(self, prefill_lengths: Sequence[int], decodes: int = 0) -> bool:
+        """Whether one step that decodes ``decodes`` sequences may carry prefills of these
+        new-token counts (the engine always lets the first one through)."""
         ...
 
 
@@ -126,10 +130,10 @@ class FixedWindow:
             return start
         return start + self.window
 
-    def observe(self, latency: float, load: float, prefill_lengths: Sequence[int] = ()) -> None:
+    def observe(self, latency: float, load: float, prefill_lengths: Sequence[int] = (), decodes: int = 0) -> None:
         pass
 
-    def prefill_fits(self, prefill_lengths: Sequence[int]) -> bool:
+    def prefill_fits(self, prefill_lengths: Sequence[int], decodes: int = 0) -> bool:
         return True
 
     def __repr__(self) -> str:
@@ -170,11 +174,12 @@ class AdaptiveWindow(FixedWindow):
         self.margin = 0.0  # seconds the prefill bound keeps below the target
         self._mean_len = 0.0  # recent new tokens per prefill (moving average)
         self._decay = 0.5 ** (1.0 / cost_halflife)
-        self._xtx = [[0.0] * 3 for _ in range(3)]  # weighted X'X and X'y, X = (1, calls, area)
-        self._xty = [0.0] * 3
-        self._coef: tuple[float, float, float] | None = None
+        self._xtx = [[0.0] * 4 for _ in range(4)]  # weighted X'X and X'y, X = (1, calls, area, decodes)
+        self._xty = [0.0] * 4
+        self._coef: tuple[float, float, float, float] | None = None
+        self._decodes = 0.0  # recent decodes per step (moving average): the full-call check's
 
-    def observe(self, latency: float, load: float, prefill_lengths: Sequence[int] = ()) -> None:
+    def observe(self, latency: float, load: float, prefill_lengths: Sequence[int] = (), decodes: int = 0) -> None:
         # A miss of any size counts as a full clipped miss: then a miss pulls
         # at least q / (1 - q) times harder than any head-room pushes, so at
         # most about 1 - q of steps miss whatever the latency distribution.
@@ -192,9 +197,11 @@ class AdaptiveWindow(FixedWindow):
         # empty, and the latency feedback cannot see that.
         if prefill_lengths:
             self._mean_len += (sum(prefill_lengths) / len(prefill_lengths) - self._mean_len) / 16
+        self._decodes += (decodes - self._decodes) / 16
         top = self.w_max
         if self._coef is not None and not (
-            load >= 1.0 and self.prefill_fits([max(1, round(self._mean_len))] * self.prefill_group)
+            load >= 1.0
+            and self.prefill_fits([max(1, round(self._mean_len))] * self.prefill_group, round(self._decodes))
         ):
             top = min(self.w_max, max(self.w_min, self._coef[1]))
         self.window = max(self.w_min, min(top, w))
@@ -202,41 +209,41 @@ class AdaptiveWindow(FixedWindow):
         # widens the prefill bound's margin on misses the cost fit did not
         # foresee (bucket padding, noise) and narrows it on head-room.
         self.margin = max(0.0, min(self.target_latency, self.margin - self.lr / 100 * err))
-        self._fit_step(self._features(prefill_lengths), latency)
+        self._fit_step(self._features(prefill_lengths, decodes), latency)
 
-    def _features(self, lengths: Sequence[int]) -> tuple[float, float, float]:
-        """(1, prefill calls, padded prefill area) of the calls the runner makes (``self.calls``)."""
+    def _features(self, lengths: Sequence[int], decodes: int) -> tuple[float, float, float, float]:
+        """(1, prefill calls, padded prefill area, decodes) of the calls the runner makes (``self.calls``)."""
         if not lengths:
-            return 1.0, 0.0, 0.0
+            return 1.0, 0.0, 0.0, float(decodes)
         shapes = self.calls(lengths)
-        return 1.0, float(len(shapes)), float(sum(b * t for b, t in shapes))
+        return 1.0, float(len(shapes)), float(sum(b * t for b, t in shapes)), float(decodes)
 
-    def _fit_step(self, x: tuple[float, float, float], y: float) -> None:
+    def _fit_step(self, x: tuple[float, ...], y: float) -> None:
         d = self._decay
-        for i in range(3):
+        for i in range(4):
             self._xty[i] = self._xty[i] * d + x[i] * y
-            for j in range(3):
+            for j in range(4):
                 self._xtx[i][j] = self._xtx[i][j] * d + x[i] * x[j]
         if self._xtx[0][2] > 0:  # some step carried a prefill
             coef = _solve(self._xtx, self._xty, ridge=1e-9)
             if coef is not None and coef[2] > 0:
-                self._coef = (coef[0], max(0.0, coef[1]), coef[2])
+                self._coef = (coef[0], max(0.0, coef[1]), coef[2], max(0.0, coef[3]))
 
     @property
-    def cost_model(self) -> tuple[float, float, float] | None:
-        """``(base, per_call, per_area)`` of the fitted step latency
-        ``base + per_call * calls + per_area * padded_area``, once known."""
+    def cost_model(self) -> tuple[float, float, float, float] | None:
+        """``(base, per_call, per_area, per_decode)`` of the fitted step latency
+        ``base + per_call * calls + per_area * padded_area + per_decode * decodes``, once known."""
         return self._coef
 
-    def predict(self, prefill_lengths: Sequence[int]) -> float | None:
-        """Predicted latency of a step that carries these prefills."""
+    def predict(self, prefill_lengths: Sequence[int], decodes: int = 0) -> float | None:
+        """Predicted latency of a step that carries these prefills (or chunks) and ``decodes`` decodes."""
         if self._coef is None:
             return None
-        x = self._features(prefill_lengths)
+        x = self._features(prefill_lengths, decodes)
         return sum(c * v for c, v in zip(self._coef, x, strict=True))
 
-    def prefill_fits(self, prefill_lengths: Sequence[int]) -> bool:
-        pred = self.predict(prefill_lengths)
+    def prefill_fits(self, prefill_lengths: Sequence[int], decodes: int = 0) -> bool:
+        pred = self.predict(prefill_lengths, decodes)
         return pred is None or pred <= self.target_latency - self.margin
 
     def __repr__(self) -> str:
@@ -248,7 +255,7 @@ def _pow2(n: int) -> int:
 
 
 def _solve(a: list[list[float]], b: list[float], *, ridge: float) -> list[float] | None:
-    """Solve (a + ridge * trace * I) x = b (3x3, Gaussian elimination); None if singular."""
+    """Solve (a + ridge * trace * I) x = b (n x n, Gaussian elimination); None if singular."""
     n = len(b)
     lam = ridge * max(1e-30, sum(a[i][i] for i in range(n)))
     m = [[a[i][j] + (lam if i == j else 0.0) for j in range(n)] + [b[i]] for i in range(n)]

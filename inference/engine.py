@@ -14,11 +14,21 @@ How it works. Requests wait in ``_waiting`` (FIFO) and run in ``_running``
          running sequence (free its blocks, requeue it at the front; it is
          recomputed from its prompt + generated tokens later, usually from
          the prefix cache);
-      4. if the batch window says so, admit waiting requests in order while
+      4. with chunked prefill (``step_tokens`` > 0) the step carries at most
+         ``step_tokens`` tokens: the decodes of step 3 first, then chunks of
+         the prompts already admitted and still prefilling (admission order),
+         then of new admissions (step 5); a chunk is as much of the prompt as
+         the budget left allows (at least a block's worth per step, so the
+         decodes never starve a prompt), and a sequence decodes only once
+         its whole prompt is in the cache. Only the last chunk samples a
+         token: the runner's sample for an earlier one is dropped;
+      5. if the batch window says so, admit waiting requests in order while
          there are batch slots, free blocks (dropping paused sequences' KV
          if that makes room) and prefill-token budget (the prefill holds at
-         most ``max_prefill_tokens`` new tokens and what the window's
-         ``prefill_fits`` allows; the first request always fits).
+         most ``max_prefill_tokens`` new tokens, the chunk budget of step 4,
+         and what the window's ``prefill_fits`` allows for this many decodes;
+         the first request always fits). An admitted prompt gets blocks for
+         all of its tokens at once.
   ``commit(plan, outputs, now)`` -> events
       feeds each sampled token to its sequence (text delta, stop checks),
       finishes the done ones, registers newly full blocks in the prefix cache
@@ -94,6 +104,7 @@ class EngineConfig:
     prefill_batch: int = _DEFAULTS.max_prefill_batch
     enable_prefix_cache: bool = _DEFAULTS.prefix_cache
     stall_timeout: float = _DEFAULTS.stall_timeout  # seconds a paused request may wait (0 = no limit)
+    step_tokens: int = _DEFAULTS.step_tokens  # chunked prefill's budget per step (0 = prompts prefill whole)
     seed: int = 0  # draws the seeds of unseeded requests
 
 
@@ -107,6 +118,8 @@ class Engine:
     ) -> None:
         if min(config.max_batch, config.max_prefill_tokens, config.prefill_batch) < 1:
             raise ValueError("max_batch, max_prefill_tokens and prefill_batch must be >= 1")
+        if config.step_tokens < 0:
+            raise ValueError("step_tokens must be >= 0 (0 = no chunked prefill)")
         self.runner = runner
         self.tokenizer = tokenizer
         self.config = config
@@ -251,10 +264,10 @@ class Engine:
         ready = self._waiting
         free = self.config.max_batch - len(self._running)
         if ready and free > 0:
-            times.append(self._admit_at(ready, free))
+            times.append(self._admit_at(ready, free, self._prefill_budget(self._num_decoding())))
         return min(times) if times else None
 
-    def _admit_at(self, ready: list[Sequence], free_slots: int) -> float:
+    def _admit_at(self, ready: list[Sequence], free_slots: int, budget: tuple[int, int]) -> float:
         start = max(ready[0].arrival, self._last_admit)
         full = min(self.config.prefill_batch, self.config.max_batch)
         batch = min(len(ready), free_slots)
@@ -264,14 +277,25 @@ class Engine:
         lengths: list[int] = []
         for s in ready[:batch]:
             lengths.append(len(s.tokens))
-            if len(lengths) > 1 and not self._prefill_fits(lengths):
+            if len(lengths) > 1 and not self._prefill_fits(lengths, budget):
                 return self.window.admit_at(start, full, full)
-        if batch < full and not self._prefill_fits([*lengths, lengths[-1]]):
+        if batch < full and not self._prefill_fits([*lengths, lengths[-1]], budget):
             batch = full
         return self.window.admit_at(start, batch, full)
 
-    def _prefill_fits(self, lengths: list[int]) -> bool:
-        return sum(lengths) <= self.config.max_prefill_tokens and self.window.prefill_fits(lengths)
+    def _prefill_fits(self, lengths: list[int], budget: tuple[int, int]) -> bool:
+        tokens, decodes = budget
+        return sum(lengths) <= tokens and self.window.prefill_fits(lengths, decodes=decodes)
+
+    def _prefill_budget(self, decodes: int) -> tuple[int, int]:
+        """(prompt tokens a step with ``decodes`` decodes may prefill, ``decodes``)."""
+        tokens = self.config.max_prefill_tokens
+        if self.config.step_tokens:
+            tokens = min(tokens, max(self.config.step_tokens - decodes, self.kv.block_size))
+        return tokens, decodes
+
+    def _num_decoding(self) -> int:
+        return sum(1 for s in self._running if s.status is SeqStatus.RUNNING and not _prefilling(s))
 
     # -- one step ------------------------------------------------------------
     def schedule(self, now: float) -> tuple[StepPlan | None, list[EngineEvent]]:
@@ -289,7 +313,7 @@ class Engine:
             s.status = SeqStatus.RUNNING
             self._running.append(s)
         decodes = self._plan_decodes()
-        prefills = self._plan_prefills(now)
+        prefills = self._plan_prefills(now, self._prefill_budget(len(decodes)))
         if not decodes and not prefills:
             return None, events
         self._step_started = now
@@ -298,7 +322,7 @@ class Engine:
     def _plan_decodes(self) -> list[SeqWork]:
         work: list[SeqWork] = []
         for s in list(self._running):
-            if s.status is not SeqStatus.RUNNING:
+            if s.status is not SeqStatus.RUNNING or _prefilling(s):
                 continue
             while not self.kv.ensure_capacity(s.seq_id, len(s.tokens)):
                 if self._drop_idle_kv(resuming_too=True):
@@ -315,30 +339,45 @@ class Engine:
                 )  # fmt: skip
         return work
 
-    def _plan_prefills(self, now: float) -> list[SeqWork]:
-        free_slots = self.config.max_batch - len(self._running)
-        ready = list(self._waiting)
-        if free_slots <= 0 or not ready:
-            return []
-        if now < self._admit_at(ready, free_slots):
-            return []
-        budget = self.config.max_prefill_tokens
+    def _plan_prefills(self, now: float, step_budget: tuple[int, int]) -> list[SeqWork]:
+        budget, decodes = step_budget
+        chunked = self.config.step_tokens > 0
         work: list[SeqWork] = []
         lengths: list[int] = []
+        for s in self._running:  # prompts part-way through their prefill go on first
+            if s.status is not SeqStatus.RUNNING or not _prefilling(s):
+                continue
+            n = min(len(s.tokens) - s.num_computed, budget) if chunked else len(s.tokens) - s.num_computed
+            if work and (n > budget or not self.window.prefill_fits([*lengths, n], decodes=decodes)):
+                return work
+            if chunked and budget <= 0:
+                return work
+            budget -= n
+            lengths.append(n)
+            work.append(SeqWork(s.seq_id, tuple(s.tokens[s.num_computed : s.num_computed + n]), s.num_computed,
+                                self.kv.block_table(s.seq_id), s.params, s.seed, s.num_generated, s.guide))
+        free_slots = self.config.max_batch - len(self._running)
+        ready = list(self._waiting)
+        if free_slots <= 0 or not ready or (chunked and budget <= 0):
+            return work
+        if now < self._admit_at(ready, free_slots, step_budget):
+            return work
         for s in ready:
-            if len(self._running) >= self.config.max_batch:
+            if len(self._running) >= self.config.max_batch or (chunked and budget <= 0):
                 break
             cached = self.kv.cached_prefix_len(s.tokens)
-            if work and (len(s.tokens) - cached > budget
-                         or not self.window.prefill_fits([*lengths, len(s.tokens) - cached])):  # fmt: skip
+            n = min(len(s.tokens) - cached, budget) if chunked else len(s.tokens) - cached
+            if work and (n > budget or not self.window.prefill_fits([*lengths, n], decodes=decodes)):
                 break
             alloc = self.kv.allocate(s.seq_id, s.tokens)
             while alloc is None and self._drop_idle_kv(resuming_too=False):
                 alloc = self.kv.allocate(s.seq_id, s.tokens)
             if alloc is None:
                 break
-            budget -= len(s.tokens) - alloc.num_cached_tokens
-            lengths.append(len(s.tokens) - alloc.num_cached_tokens)
+            cached = alloc.num_cached_tokens
+            n = min(len(s.tokens) - cached, budget) if chunked else len(s.tokens) - cached
+            budget -= n
+            lengths.append(n)
             if s.cached_tokens < 0:
                 s.cached_tokens = alloc.num_cached_tokens
             self._waiting.remove(s)
@@ -347,10 +386,8 @@ class Engine:
             s.admitted = now
             s.num_computed = alloc.num_cached_tokens
             self._last_admit = now
-            work.append(
-                SeqWork(s.seq_id, tuple(s.tokens[alloc.num_cached_tokens :]), alloc.num_cached_tokens,
-                        alloc.block_table, s.params, s.seed, s.num_generated, s.guide)
-            )  # fmt: skip
+            work.append(SeqWork(s.seq_id, tuple(s.tokens[cached : cached + n]), cached, alloc.block_table, s.params,
+                                s.seed, s.num_generated, s.guide))
         return work
 
     def commit(self, plan: StepPlan, outputs: list[SeqOutput], now: float) -> list[EngineEvent]:
@@ -370,6 +407,8 @@ class Engine:
                 continue
             s.num_computed = work.start_pos + len(work.token_ids)
             self.kv.register(s.seq_id, s.tokens, s.num_computed)
+            if s.num_computed < len(s.tokens):
+                continue  # a chunk short of the prompt's end: its sample is not a token of the request
             delta, reason = s.accept(out, self.max_model_len)
             self.tokens_generated += 1
             if delta is not None:
@@ -380,7 +419,7 @@ class Engine:
         if self._step_started is not None:
             load = min(1.0, (len(self._running) + len(self._waiting)) / self.config.max_batch)
             lengths = [len(w.token_ids) for w in plan.prefills]
-            self.window.observe(now - self._step_started, load, prefill_lengths=lengths)
+            self.window.observe(now - self._step_started, load, prefill_lengths=lengths, decodes=len(plan.decodes))
             self.steps += 1
             self.step_seconds += now - self._step_started
             self.step_sequences += len(works)
@@ -442,6 +481,11 @@ class Engine:
         s.status = SeqStatus.DONE
         self._by_key.pop(s.key, None)
         self._by_id.pop(s.seq_id, None)
+
+
+def _prefilling(s: Sequence) -> bool:
+    """Part of its prompt (or, after a preemption, of its context) is not in the cache yet."""
+    return s.num_computed < len(s.tokens) - 1
 
 
 def _validate(p: SamplingParams) -> None:

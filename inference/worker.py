@@ -116,7 +116,7 @@ def build_service(args: argparse.Namespace) -> WorkerService:
                                 max_prefill_batch=args.max_prefill_batch,
                                 max_prefill_tokens=args.max_prefill_tokens, kv_cache_dtype=args.kv_cache_dtype,
                                 weight_dtype=args.weight_dtype, weight_quant_method=args.weight_quant_method,
-                                progress=_progress)  # fmt: skip
+                                step_tokens=args.step_tokens, progress=_progress)  # fmt: skip
         log.info("KV cache %s: %.1f bytes per token (%.1f in the model dtype), %d blocks of %d tokens",
                  args.kv_cache_dtype, runner.kv_bytes_per_token, runner.float_kv_bytes_per_token,
                  runner.num_blocks, runner.block_size)
@@ -128,7 +128,7 @@ def build_service(args: argparse.Namespace) -> WorkerService:
         served = args.served_name or (args.model if args.model == "tiny" else Path(args.model).name)
     cfg = EngineConfig(max_batch=args.max_batch, max_prefill_tokens=args.max_prefill_tokens,
                        prefill_batch=args.max_prefill_batch, enable_prefix_cache=args.prefix_cache,
-                       stall_timeout=args.stall_timeout)  # fmt: skip
+                       stall_timeout=args.stall_timeout, step_tokens=args.step_tokens)  # fmt: skip
     engine = Engine(runner, tokenizer, cfg, window=args.batch_window)
     # A step runs in a one-thread executor so the loop keeps serving frames during it; a synthetic step
     # with no sleep takes microseconds, and the hand-off to a thread would cost more than the step.

@@ -89,6 +89,7 @@ class Buckets:
     min_prefill_len: int = 16
     max_prefill_batch: int = 1
     max_prefill_tokens: int = 2048
+    max_chunk: int = 0  # the engine's step_tokens: prefill groups up to this many tokens a row also run mixed
     # the defaults' measurements: the module docstring
     prefill_steps_per_octave: int = 4
     decode_steps_per_octave: int = 4
@@ -122,6 +123,26 @@ class Buckets:
                      if b == 1 or b * t <= self.max_prefill_tokens)
 
     @property
+    def mixed_shapes(self) -> tuple[tuple[int, int], ...]:
+        """The prefill buckets that also compile as a mixed pass with the decodes (chunked prefill: a step's
+        first prefill group of chunks of at most ``max_chunk`` tokens; none when chunking is off).
+
+        The decode rows of a mixed pass are padded to the largest decode bucket, so the chunk sizes alone
+        multiply the shapes: padded decode rows cost little (the native matmul and attention skip them,
+        and an accelerator reads the weights once for any few rows)."""
+        top = self._chunk_bucket
+        return tuple((b, t) for b, t in self.prefill_shapes if t <= top)
+
+    @property
+    def _chunk_bucket(self) -> int:
+        """The prefill length bucket a chunk of ``max_chunk`` tokens is padded to (0: chunking off)."""
+        return _bucket(self.prefill_lengths, min(self.max_chunk, self.max_model_len)) if self.max_chunk > 0 else 0
+
+    def mixes(self, decodes: int, b: int, t: int) -> bool:
+        """Whether ``decodes`` decode rows and a ``(b, t)`` prefill group run as one mixed pass."""
+        return decodes <= self.max_batch and t <= self._chunk_bucket
+
+    @property
     def sample_batches(self) -> tuple[int, ...]:
         """The sampler's one shape: a prefill group's logits padded to the largest prefill batch.
 
@@ -135,7 +156,7 @@ class Buckets:
 
     @property
     def num_shapes(self) -> int:
-        return len(self.decode_batches) + len(self.prefill_shapes) + len(self.sample_batches)
+        return len(self.decode_batches) + len(self.prefill_shapes) + len(self.mixed_shapes) + len(self.sample_batches)
 
     def decode_batch(self, n: int) -> int:
         """The decode bucket for ``n`` sequences: the smallest batch bucket >= n."""

@@ -91,11 +91,26 @@ def _decode_step(params: Params, cache: KVCache, tokens: jax.Array, positions: j
     Each valid row runs its last token at ``positions`` (the K/V slot looked up in its block
     table on device); invalid rows, the bucket's padding, write nothing and read no context.
     """
+    slots, lens = _decode_slots(cache, positions, block_tables, valid, block_size)
+    return model.decode(params, cache, tokens, positions, slots, block_tables, lens, kernels=kernels)
+
+
+def _decode_slots(cache: KVCache, positions: jax.Array, block_tables: jax.Array, valid: jax.Array,
+                  block_size: int) -> tuple[jax.Array, jax.Array]:
+    """Decode rows' K/V slots, looked up in their tables on device, and context lengths (padding: none)."""
     oob = jax.tree.leaves(cache)[0].shape[0] * block_size
     blk = jnp.take_along_axis(block_tables, (positions // block_size)[:, None], axis=1, mode="clip")[:, 0]
-    slots = jnp.where(valid, blk * block_size + positions % block_size, oob)
-    return model.decode(params, cache, tokens, positions, slots, block_tables, jnp.where(valid, positions + 1, 0),
-                        kernels=kernels)
+    return jnp.where(valid, blk * block_size + positions % block_size, oob), jnp.where(valid, positions + 1, 0)
+
+
+def _mixed_step(params: Params, cache: KVCache, tokens: jax.Array, positions: jax.Array, block_tables: jax.Array,
+                valid: jax.Array, *rest: jax.Array, model: Model, kernels: KernelSet, block_size: int) -> Any:
+    """Decode rows and prefill chunks in one pass (``Model.mixed``): logits ``[Bd + Bp, V]``, or with the
+    sampler's arrays after the chunk's seven (``rest``), the sampler's outputs; and the cache."""
+    slots, lens = _decode_slots(cache, positions, block_tables, valid, block_size)
+    logits, cache = model.mixed(params, cache, (tokens, positions, slots, block_tables, lens), rest[:7],
+                                kernels=kernels)
+    return (tuple(sample(logits, *rest[7:])) if rest[7:] else logits), cache
 
 
 def _decode_sample_step(params: Params, cache: KVCache, tokens: jax.Array, positions: jax.Array,
@@ -124,7 +139,8 @@ class JaxRunner:
                  max_model_len: int | None = None, attention: str = _D.attention,
                  max_prefill_batch: int = _D.max_prefill_batch, max_prefill_tokens: int = _D.max_prefill_tokens,
                  kv_cache_dtype: str = _D.kv_cache_dtype, weight_dtype: str = _D.weight_dtype,
-                 weight_quant_method: str = _D.weight_quant_method, kernels: KernelSet | None = None) -> None:
+                 weight_quant_method: str = _D.weight_quant_method, kernels: KernelSet | None = None,
+                 step_tokens: int = _D.step_tokens) -> None:
         if block_size < 1 or num_blocks < 1 or max_batch < 1:
             raise ValueError("block_size, num_blocks and max_batch must be >= 1")
         if kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -146,7 +162,8 @@ class JaxRunner:
         self.max_model_len: int = max_model_len or limit
         self.buckets = Buckets(max_batch=max_batch, max_model_len=self.max_model_len,
                                max_prefill_batch=max_prefill_batch,
-                               max_prefill_tokens=max(max_prefill_tokens, self.max_model_len))
+                               max_prefill_tokens=max(max_prefill_tokens, self.max_model_len),
+                               max_chunk=step_tokens)
         self._max_blocks_per_seq = -(-self.max_model_len // block_size)
         dtype = loaded.params["embed"].dtype
         kv_quant = None if kv_cache_dtype == "auto" else kv_cache_dtype
@@ -185,7 +202,8 @@ class JaxRunner:
              max_model_len: int | None = None, attention: str = _D.attention, progress: Progress | None = None,
              max_prefill_batch: int = _D.max_prefill_batch, max_prefill_tokens: int = _D.max_prefill_tokens,
              kv_cache_dtype: str = _D.kv_cache_dtype, weight_dtype: str = _D.weight_dtype,
-             weight_quant_method: str = _D.weight_quant_method, kernels: KernelSet | None = None) -> JaxRunner:
+             weight_quant_method: str = _D.weight_quant_method, kernels: KernelSet | None = None,
+             step_tokens: int = _D.step_tokens) -> JaxRunner:
         """Load ``"tiny"`` or a local HF checkpoint directory and allocate the KV cache."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
@@ -193,7 +211,7 @@ class JaxRunner:
         return cls(loaded, block_size=block_size, num_blocks=num_blocks, max_batch=max_batch,
                    max_model_len=max_model_len, attention=attention, max_prefill_batch=max_prefill_batch,
                    max_prefill_tokens=max_prefill_tokens, kv_cache_dtype=kv_cache_dtype, weight_dtype=weight_dtype,
-                   weight_quant_method=weight_quant_method, kernels=kernels)
+                   weight_quant_method=weight_quant_method, kernels=kernels, step_tokens=step_tokens)
 
     @property
     def compile_count(self) -> int:
@@ -205,6 +223,7 @@ class JaxRunner:
         keys: list[Key] = [("sample", s, 0) for s in self.buckets.sample_batches]
         keys += [("decode", b, 1) for b in self.buckets.decode_batches]
         keys += [("prefill", b, t) for b, t in self.buckets.prefill_shapes]
+        keys += [("mixed", b, t) for b, t in self.buckets.mixed_shapes]
         keys = [k for k in keys if k not in self._execs]
         if progress:
             progress("compile", 0, len(keys), f"compiling {len(keys)} shapes")
@@ -256,13 +275,18 @@ class JaxRunner:
         for w in plan.decodes:
             self._check(w, decode=True)
         pending: list[tuple[list[SeqWork], Any]] = []
-        prefills = list(plan.prefills)
+        prefills, decodes = list(plan.prefills), list(plan.decodes)
         for group in self.buckets.group_prefills([len(w.token_ids) for w in prefills]):
             works = [prefills[i] for i in group]
             b, t = self.buckets.prefill_shape(len(works), max(len(w.token_ids) for w in works))
+            if decodes and self.buckets.mixes(len(decodes), b, t) and not any(
+                    w.guide is not None for w in (*decodes, *works)):
+                # chunked prefill: the decodes ride in the first prefill group's pass
+                pending.append((decodes + works, self._mixed(decodes, works, b, t, sample=sample)))
+                decodes = []
+                continue
             logits = self._prefill_logits(works, b, t)
             pending.append((works, self._sample(logits, works, b) if sample else logits))
-        decodes = list(plan.decodes)
         step = self.buckets.max_batch
         for start in range(0, len(decodes), step):
             works = decodes[start:start + step]
@@ -296,9 +320,12 @@ class JaxRunner:
         return tables
 
     def _sampling(self, works: Sequence[SeqWork], b: int) -> tuple[np.ndarray, ...]:
-        rows = [(w.params.temperature, w.params.top_k, w.params.top_p, w.seed, w.num_generated,
+        return SamplingBatch.build(self._sampling_rows(works), b).arrays()
+
+    @staticmethod
+    def _sampling_rows(works: Sequence[SeqWork]) -> list[tuple[float, int, float, int, int, int]]:
+        return [(w.params.temperature, w.params.top_k, w.params.top_p, w.seed, w.num_generated,
                  w.params.top_logprobs) for w in works]
-        return SamplingBatch.build(rows, b).arrays()
 
     def _executable(self, key: Key) -> Any:
         """The compiled executable for a shape, compiling it (once, logged) if needed."""
@@ -312,6 +339,13 @@ class JaxRunner:
         if kind == "sample":
             lowered = jax.jit(sample).lower(jax.ShapeDtypeStruct((b, self.config.vocab_size), jnp.float32),
                                             *self._sampling_spec(b))
+        elif kind in ("mixed", "mixed_logits"):  # decodes padded to the largest decode bucket, a prefill group
+            d = self.buckets.decode_batches[-1]
+            fn = partial(_mixed_step, model=self.model, kernels=self.kernels, block_size=self.block_size)
+            lowered = jax.jit(fn, donate_argnums=(1,)).lower(
+                self._params_spec, self._cache_spec, i32((d,)), i32((d,)), i32((d, self._max_blocks_per_seq)),
+                jax.ShapeDtypeStruct((d,), jnp.bool_), *self._prefill_spec(b, t),
+                *(self._sampling_spec(d + b) if kind == "mixed" else ()))
         elif kind in ("decode", "decode_logits"):  # with sampling in the executable, or logits out
             sampled = kind == "decode"
             fn = partial(_decode_sample_step if sampled else _decode_step, model=self.model, kernels=self.kernels,
@@ -321,9 +355,8 @@ class JaxRunner:
                 *(self._sampling_spec(b) if sampled else ()))
         else:
             fn = partial(_prefill_step, model=self.model, kernels=self.kernels, rows=self.buckets.sample_rows(b))
-            lowered = jax.jit(fn, donate_argnums=(1,)).lower(
-                self._params_spec, self._cache_spec, i32((b, t)), i32((b, t)), i32((b, t)), tables,
-                i32((b,)), i32((b,)), i32((b,)))
+            lowered = jax.jit(fn, donate_argnums=(1,)).lower(self._params_spec, self._cache_spec,
+                                                             *self._prefill_spec(b, t))
         exe = lowered.compile()
         dt = time.perf_counter() - t0
         with self._lock:
@@ -333,6 +366,12 @@ class JaxRunner:
         log.info("compiled %s batch=%d tokens=%d in %.2fs (%d of %d shapes)", kind, b, t, dt, n,
                  self.buckets.num_shapes)
         return exe
+
+    def _prefill_spec(self, b: int, t: int) -> tuple[jax.ShapeDtypeStruct, ...]:
+        """Shapes of :meth:`_prefill_args` for a ``(b, t)`` bucket."""
+        i32 = partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
+        return (i32((b, t)), i32((b, t)), i32((b, t)), i32((b, self._max_blocks_per_seq)), i32((b,)), i32((b,)),
+                i32((b,)))
 
     @staticmethod
     def _sampling_spec(b: int) -> tuple[jax.ShapeDtypeStruct, ...]:
@@ -345,6 +384,13 @@ class JaxRunner:
         return tuple(self._executable(("sample", rows, 0))(logits, *self._sampling(works, rows)))
 
     def _prefill_logits(self, works: Sequence[SeqWork], b: int, t: int) -> Any:
+        args = self._prefill_args(works, b, t)
+        logits, self._cache = self._executable(("prefill", b, t))(self._params, self._cache, *args)
+        return logits
+
+    def _prefill_args(self, works: Sequence[SeqWork], b: int, t: int) -> tuple[np.ndarray, ...]:
+        """A prefill group's host arrays, padded to the ``(b, t)`` bucket: tokens, positions, slots, tables,
+        q_offsets, kv_lens, last_idx (each row's new tokens run at positions ``start_pos ..``)."""
         oob = self.num_blocks * self.block_size
         tokens = np.zeros((b, t), np.int32)
         positions = np.zeros((b, t), np.int32)
@@ -360,19 +406,36 @@ class JaxRunner:
             positions[row, :n] = pos
             slots[row, :n] = bt[pos // self.block_size] * self.block_size + pos % self.block_size
             q_off[row], kv_lens[row], last[row] = w.start_pos, w.start_pos + n, n - 1
-        args = (tokens, positions, slots, self._tables(works, b), q_off, kv_lens, last)
+        return tokens, positions, slots, self._tables(works, b), q_off, kv_lens, last
 
-        logits, self._cache = self._executable(("prefill", b, t))(self._params, self._cache, *args)
-        return logits
+    def _mixed(self, decodes: Sequence[SeqWork], works: Sequence[SeqWork], b: int, t: int, *, sample: bool) -> Any:
+        """Dispatch the decodes (padded to the largest decode bucket) with a prefill group (``(b, t)``) as one
+        pass: sampled outputs for the decode rows then the group's, or their logits."""
+        d = self.buckets.decode_batches[-1]
+        args = (*self._decode_args(decodes, d), *self._prefill_args(works, b, t))
+        if sample:
+            pad = [(0.0, 0, 1.0, 0, 0, 0)] * (d - len(decodes))
+            rows = [*self._sampling_rows(decodes), *pad, *self._sampling_rows(works)]
+            args = (*args, *SamplingBatch.build(rows, d + b).arrays())
+        out, self._cache = self._executable(("mixed" if sample else "mixed_logits", b, t))(self._params, self._cache,
+                                                                                           *args)
+        if sample:
+            return tuple(jnp.concatenate([o[:len(decodes)], o[d:]]) for o in out)
+        return jnp.concatenate([out[:len(decodes)], out[d:]])
 
-    def _decode(self, works: Sequence[SeqWork], b: int, *, sample: bool) -> Any:
-        """Dispatch one decode step for ``works`` (padded to ``b`` rows): sampled outputs, or logits."""
+    def _decode_args(self, works: Sequence[SeqWork], b: int) -> tuple[np.ndarray, ...]:
+        """A decode group's host arrays, padded to ``b`` rows: tokens, positions, tables, valid."""
         tokens = np.zeros(b, np.int32)
         positions = np.zeros(b, np.int32)
         valid = np.zeros(b, np.bool_)
         for row, w in enumerate(works):
             tokens[row], positions[row] = w.token_ids[0], w.start_pos
         valid[: len(works)] = True
+        return tokens, positions, self._tables(works, b), valid
+
+    def _decode(self, works: Sequence[SeqWork], b: int, *, sample: bool) -> Any:
+        """Dispatch one decode step for ``works`` (padded to ``b`` rows): sampled outputs, or logits."""
+        tokens, positions, _, valid = self._decode_args(works, b)
         args = (tokens, positions, self._tables(works, b), valid, *(self._sampling(works, b) if sample else ()))
         key = ("decode" if sample else "decode_logits", b, 1)
         out, self._cache = self._executable(key)(self._params, self._cache, *args)

@@ -34,7 +34,7 @@ from inference.kernels.rope import rotate_half
 from inference.model.config import LlamaConfig
 
 __all__ = ["Llama", "Params", "param_shapes", "rope_inv_freq", "random_hf_tensors", "prefill_forward",
-           "decode_forward"]
+           "decode_forward", "mixed_forward"]
 
 Array = jax.Array
 Params = dict[str, Any]  # {"embed", "layers": [ {...}, ...], "norm", "lm_head"?}
@@ -243,25 +243,35 @@ def _logits(params: Params, x: Array, cfg: LlamaConfig, ks: KernelSet, live: Arr
     return ks.norm_linear(x, params["norm"], cfg.rms_norm_eps, head_t, live, jnp.float32)
 
 
+def _layers(params: Params, cache: KVCache, x: Array, rope: Any, slots: Array, live: Array | None,
+            attend: Callable[[Array, LayerKV, LayerKV], Array], cfg: LlamaConfig,
+            ks: KernelSet) -> tuple[Array, KVCache]:
+    """Every layer over the rows of ``x [..., hidden]``: their K/V written at ``slots``, ``attend(q, k, v)``
+    the attention of their queries ``[..., H, D]`` over the layer's caches."""
+    kcs, vcs = list(cache[0]), list(cache[1])
+    for i, lp in enumerate(params["layers"]):
+        q, kcs[i], vcs[i] = _attention_inputs(x, lp, cfg, ks, rope, slots, kcs[i], vcs[i], live)
+        o = attend(q, kcs[i], vcs[i])
+        x = _residual_linear(x, o.reshape(*x.shape[:-1], -1), lp, "wo", live, ks)
+        x = _mlp(x, lp, cfg, ks, live)
+    return x, (tuple(kcs), tuple(vcs))
+
+
 def prefill_forward(params: Params, cache: KVCache, tokens: Array, positions: Array, slots: Array,
                     block_tables: Array, q_offsets: Array, kv_lens: Array, last_idx: Array, *,
                     cfg: LlamaConfig, kernels: KernelSet) -> tuple[Array, KVCache]:
     """Run new tokens [B,T] (positions q_offsets+t), write their K/V, return last-token logits [B,V]."""
     ks = kernels
-    inv_freq = jnp.asarray(rope_inv_freq(cfg))
-    b, t = tokens.shape
+    b = tokens.shape[0]
     scale = cfg.head_dim ** -0.5
-    x = params["embed"][tokens]
-    rope = ks.rope(positions, inv_freq)
+    rope = ks.rope(positions, jnp.asarray(rope_inv_freq(cfg)))
     live = kv_lens - q_offsets  # new tokens per row: the rest of its T are padding
-    kcs, vcs = list(cache[0]), list(cache[1])
-    for i, lp in enumerate(params["layers"]):
-        q, kcs[i], vcs[i] = _attention_inputs(x, lp, cfg, ks, rope, slots, kcs[i], vcs[i], live)
-        o = ks.prefill(q, kcs[i], vcs[i], block_tables, q_offsets, kv_lens, scale=scale)
-        x = _residual_linear(x, o.reshape(b, t, -1), lp, "wo", live, ks)
-        x = _mlp(x, lp, cfg, ks, live)
-    last = x[jnp.arange(b), last_idx]
-    return _logits(params, last, cfg, ks), (tuple(kcs), tuple(vcs))
+
+    def attend(q: Array, kc: LayerKV, vc: LayerKV) -> Array:
+        return ks.prefill(q, kc, vc, block_tables, q_offsets, kv_lens, scale=scale)
+
+    x, cache = _layers(params, cache, params["embed"][tokens], rope, slots, live, attend, cfg, ks)
+    return _logits(params, x[jnp.arange(b), last_idx], cfg, ks), cache
 
 
 def decode_forward(params: Params, cache: KVCache, tokens: Array, positions: Array, slots: Array,
@@ -269,19 +279,50 @@ def decode_forward(params: Params, cache: KVCache, tokens: Array, positions: Arr
                    kernels: KernelSet) -> tuple[Array, KVCache]:
     """One token per sequence [B] at ``positions``; returns logits [B,V]."""
     ks = kernels
-    inv_freq = jnp.asarray(rope_inv_freq(cfg))
-    b = tokens.shape[0]
     scale = cfg.head_dim ** -0.5
-    x = params["embed"][tokens]
-    rope = ks.rope(positions, inv_freq)
+    rope = ks.rope(positions, jnp.asarray(rope_inv_freq(cfg)))
     live = (context_lens > 0).astype(jnp.int32)  # rows with no context are a bucket's padding
-    kcs, vcs = list(cache[0]), list(cache[1])
-    for i, lp in enumerate(params["layers"]):
-        q, kcs[i], vcs[i] = _attention_inputs(x, lp, cfg, ks, rope, slots, kcs[i], vcs[i], live)
-        o = ks.decode(q, kcs[i], vcs[i], block_tables, context_lens, scale=scale)
-        x = _residual_linear(x, o.reshape(b, -1), lp, "wo", live, ks)
-        x = _mlp(x, lp, cfg, ks, live)
-    return _logits(params, x, cfg, ks, live), (tuple(kcs), tuple(vcs))
+
+    def attend(q: Array, kc: LayerKV, vc: LayerKV) -> Array:
+        return ks.decode(q, kc, vc, block_tables, context_lens, scale=scale)
+
+    x, cache = _layers(params, cache, params["embed"][tokens], rope, slots, live, attend, cfg, ks)
+    return _logits(params, x, cfg, ks, live), cache
+
+
+def mixed_forward(params: Params, cache: KVCache, decode: tuple[Array, ...], prefill: tuple[Array, ...], *,
+                  cfg: LlamaConfig, kernels: KernelSet) -> tuple[Array, KVCache]:
+    """One decode token per row and prefill chunks, through the layers as one set of rows: logits
+    ``[Bd + Bp, V]`` (the decode rows, then each prefill row's last token).
+
+    ``decode`` is :func:`decode_forward`'s ``(tokens [Bd], positions, slots, block_tables,
+    context_lens)``, ``prefill`` :func:`prefill_forward`'s ``(tokens [Bp, T], positions, slots,
+    block_tables, q_offsets, kv_lens, last_idx)``. Why one pass: the projections, most of a step,
+    read each weight once for both; a chunk of a long prompt then rides along with the decodes of
+    the running streams (chunked prefill) for little more than the decode step's own cost.
+    """
+    ks = kernels
+    d_tok, d_pos, d_slots, d_tables, d_lens = decode
+    p_tok, p_pos, p_slots, p_tables, q_offsets, kv_lens, last_idx = prefill
+    bd, (bp, t) = d_tok.shape[0], p_tok.shape
+    scale = cfg.head_dim ** -0.5
+    positions = jnp.concatenate([d_pos, p_pos.reshape(-1)])
+    slots = jnp.concatenate([d_slots, p_slots.reshape(-1)])
+    rope = ks.rope(positions, jnp.asarray(rope_inv_freq(cfg)))
+    # one row per group: a decode row is live with a context, a chunk's row up to its length
+    p_live = jnp.arange(t)[None, :] < (kv_lens - q_offsets)[:, None]
+    live = jnp.concatenate([d_lens > 0, p_live.reshape(-1)]).astype(jnp.int32)
+
+    def attend(q: Array, kc: LayerKV, vc: LayerKV) -> Array:
+        o_d = ks.decode(q[:bd], kc, vc, d_tables, d_lens, scale=scale)
+        o_p = ks.prefill(q[bd:].reshape(bp, t, *q.shape[1:]), kc, vc, p_tables, q_offsets, kv_lens, scale=scale)
+        return jnp.concatenate([o_d, o_p.reshape(bp * t, *q.shape[1:])])
+
+    x0 = params["embed"][jnp.concatenate([d_tok, p_tok.reshape(-1)])]
+    x, cache = _layers(params, cache, x0, rope, slots, live, attend, cfg, ks)
+    last = jnp.concatenate([x[:bd], x[bd:].reshape(bp, t, -1)[jnp.arange(bp), last_idx]])
+    out_live = jnp.concatenate([live[:bd], (kv_lens > q_offsets).astype(jnp.int32)])
+    return _logits(params, last, cfg, ks, out_live), cache
 
 
 # -- calibration -------------------------------------------------------------------------------------------
@@ -374,6 +415,10 @@ class Llama:
                block_tables: Array, context_lens: Array, *, kernels: KernelSet) -> tuple[Array, KVCache]:
         return decode_forward(params, cache, tokens, positions, slots, block_tables, context_lens, cfg=self.config,
                               kernels=kernels)
+
+    def mixed(self, params: Params, cache: KVCache, decode: tuple[Array, ...], prefill: tuple[Array, ...], *,
+              kernels: KernelSet) -> tuple[Array, KVCache]:
+        return mixed_forward(params, cache, decode, prefill, cfg=self.config, kernels=kernels)
 
     def calibrate(self, params: Params, tokens: np.ndarray, quantize: Callable[[Any, Array], Any], *,
                   head: bool = True) -> Params:

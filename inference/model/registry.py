@@ -98,6 +98,12 @@ class Model(Protocol):
         """One token per row ``[B]`` at ``positions``: logits ``[B, V]``."""
         ...
 
+    def mixed(self, params: Params, cache: KVCache, decode: tuple[Array, ...], prefill: tuple[Array, ...], *,
+              kernels: KernelSet) -> tuple[Array, KVCache]:
+        """``decode``'s rows and ``prefill``'s chunks (the arguments of ``decode`` and ``prefill`` after the
+        cache) in one pass: logits ``[Bd + Bp, V]``, the decode rows first (chunked prefill's mixed step)."""
+        ...
+
     # calibration
     def calibrate(self, params: Params, tokens: np.ndarray, quantize: Callable[[Any, Array], Any], *,
                   head: bool = True) -> Params:

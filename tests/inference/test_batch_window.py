@@ -92,7 +92,8 @@ def test_adaptive_window_fits_the_step_cost_and_bounds_prefills() -> None:
         w.observe(_cost(lengths), load=1.0, prefill_lengths=lengths)
     model = w.cost_model
     assert model is not None
-    base, per_call, per_area = model
+    base, per_call, per_area, per_decode = model
+    assert per_decode == pytest.approx(0.0, abs=1e-9)  # no step decoded anything
     assert base == pytest.approx(0.003, rel=1e-3) and per_call == pytest.approx(0.001, rel=1e-3)
     assert per_area == pytest.approx(1e-5, rel=1e-3)
     assert w.predict([40, 40]) == pytest.approx(_cost([40, 40]), rel=1e-3)
@@ -117,6 +118,30 @@ def test_adaptive_window_fits_the_step_cost_and_bounds_prefills() -> None:
         w2.observe(_cost(lengths), load=1.0, prefill_lengths=lengths)
     assert w2.cost_model is not None and w2.margin == 0.0
     assert w2.window == pytest.approx(0.001, rel=1e-3)
+
+
+def test_the_cost_model_learns_the_mixed_step() -> None:
+    """Chunked prefill: steps decode the running streams and carry chunks of prompts. A step
+    costs 2 ms, 0.1 ms per decode, 1 ms per prefill call and 10 us per padded token; the fit
+    recovers all four, predicts a mixed step it never saw, and bounds the chunks a step may
+    carry by its decodes (they take their share of the target)."""
+    import random
+
+    rng = random.Random(3)
+
+    def cost(lengths: list[int], decodes: int) -> float:
+        return _cost(lengths, group=2) - 0.001 + 1e-4 * decodes
+
+    w = AdaptiveWindow(0.012, lr=0.5, prefill_group=2)  # no step misses (at most 11.32 ms): no margin
+    for _ in range(400):
+        decodes = rng.randint(0, 32)
+        lengths = [rng.choice((16, 32, 64, 128, 256)) for _ in range(rng.choice((0, 1, 1, 2)))]
+        w.observe(cost(lengths, decodes), load=1.0, prefill_lengths=lengths, decodes=decodes)
+    assert w.cost_model == pytest.approx((0.002, 0.001, 1e-5, 1e-4), rel=1e-3)
+    assert w.predict([240], 16) == pytest.approx(cost([240], 16), rel=1e-3)
+    # 12 ms: a 512-token call (2 + 1 + 5.12 ms) fits beside 32 decodes (+3.2), not beside 48 (+4.8)
+    assert w.margin == 0.0 and w.prefill_fits([512], decodes=32)
+    assert not w.prefill_fits([512], decodes=48)
 
 
 def test_cost_model_fits_the_runners_own_shape_buckets() -> None:
@@ -154,10 +179,10 @@ class _TokenBound(FixedWindow):
         self.tokens = tokens
         self.seen: list[list[int]] = []
 
-    def prefill_fits(self, prefill_lengths: Sequence[int]) -> bool:
+    def prefill_fits(self, prefill_lengths: Sequence[int], decodes: int = 0) -> bool:
         return sum(prefill_lengths) <= self.tokens
 
-    def observe(self, latency: float, load: float, prefill_lengths: Sequence[int] = ()) -> None:
+    def observe(self, latency: float, load: float, prefill_lengths: Sequence[int] = (), decodes: int = 0) -> None:
         self.seen.append(list(prefill_lengths))
 
 
@@ -222,7 +247,7 @@ def _replay(window: FixedWindow, steps: int = 1500) -> tuple[list[float], int]:
 
     rng = random.Random(3)
     runner = SyntheticRunner(block_size=16, num_blocks=1024, max_model_len=256, verify=False)
-    eng = Engine(runner, ByteTokenizer(), EngineConfig(max_batch=32, prefill_batch=8), window)
+    eng = Engine(runner, ByteTokenizer(), EngineConfig(max_batch=32, prefill_batch=8, step_tokens=0), window)
     now, next_burst, key = 0.0, 0.0, 0
     lat: list[float] = []
     while len(lat) < steps:

@@ -107,7 +107,7 @@ def test_admission_bounded_by_max_batch_and_prefill_budget() -> None:
     assert len(runner.plans[0].prefills) == 2
     assert len(col.ends) == 5
 
-    eng, runner = make(script, config=EngineConfig(max_batch=8, max_prefill_tokens=25))
+    eng, runner = make(script, config=EngineConfig(max_batch=8, max_prefill_tokens=25, step_tokens=0))
     for i in range(4):
         eng.add(i, [65] * 10, SamplingParams(max_tokens=3, seed=i), 0.0)
     run_until_done(eng, Collector())

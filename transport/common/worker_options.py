@@ -92,6 +92,11 @@ class WorkerOptions:
     max_prefill_batch: int = _opt(2, "prompts one prefill call may carry (the batch window gathers up to this "
                                      "many; capped at max_batch)")
     max_prefill_tokens: int = _opt(2048, "new prompt tokens one step may prefill (a longer prompt runs alone)")
+    # Chunked prefill (inference/engine.py): a long prompt no longer stalls every stream for its whole
+    # prefill; the default is tests/bench/bench_chunked_prefill.py's measurement.
+    step_tokens: int = _opt(256, "tokens one engine step carries: the running sequences' decodes first, the rest "
+                                 "filled with chunks of prompts (several prompts' chunks allowed); 0 = no chunking "
+                                 "(a prompt prefills whole; one longer than max_prefill_tokens alone)")
     max_model_len: int = _opt(0, "context length in tokens (0 = the model's, capped by the KV cache)")
     block_size: int = _opt(16, "tokens per KV-cache block (the prefix cache shares whole blocks)")
     num_blocks: int = _opt(0, f"KV-cache blocks (0 = {JAX_NUM_BLOCKS} for jax, {SYNTHETIC_NUM_BLOCKS} for synthetic)")
@@ -208,6 +213,8 @@ def option_problems(o: WorkerOptions) -> list[tuple[str, str]]:
     for k in ("max_model_len", "num_blocks"):
         if getattr(o, k) < 0:
             p.append((k, f"must be >= 0 (0 = default), got {getattr(o, k)}"))
+    if o.step_tokens < 0:
+        p.append(("step_tokens", f"must be >= 0 (0 = no chunked prefill), got {o.step_tokens}"))
     blocks = o.num_blocks or (SYNTHETIC_NUM_BLOCKS if o.engine == "synthetic" else JAX_NUM_BLOCKS)
     if o.block_size >= 1 and o.max_model_len > blocks * o.block_size:
         # A lone sequence must always fit in the KV cache.
