@@ -243,12 +243,12 @@ class JaxRunner:
         """Run prefills then decodes; one output per SeqWork, prefills first."""
         pending = self._dispatch(plan, sample=True)
         # The top-n arrays come back only for groups where some row asked for them.
-        fetched = jax.device_get([res if any(w.params.top_logprobs for w in works) else res[:2]
-                                  for works, res in pending])
+        fetched = jax.device_get([res if any(w.params.top_logprobs for _, w in rows) else res[:2]
+                                  for rows, res in pending])
         by_seq: dict[int, SeqOutput] = {}
-        for (works, _), got in zip(pending, fetched, strict=True):
+        for (rows, _), got in zip(pending, fetched, strict=True):
             tokens, lps = got[0].tolist(), got[1].tolist()
-            for row, w in enumerate(works):
+            for row, w in rows:
                 n = w.params.top_logprobs
                 out = SeqOutput(w.seq_id, tokens[row], lps[row])
                 if n:
@@ -263,18 +263,19 @@ class JaxRunner:
         """
         pending = self._dispatch(plan, sample=False)
         by_seq: dict[int, np.ndarray] = {}
-        for (works, _), logits in zip(pending, jax.device_get([r for _, r in pending]), strict=True):
-            for row, w in enumerate(works):
+        for (rows, _), logits in zip(pending, jax.device_get([r for _, r in pending]), strict=True):
+            for row, w in rows:
                 by_seq[id(w)] = np.asarray(logits[row])
         return np.stack([by_seq[id(w)] for w in (*plan.prefills, *plan.decodes)])
 
-    def _dispatch(self, plan: StepPlan, *, sample: bool) -> list[tuple[list[SeqWork], Any]]:
-        """Validate, group into buckets and launch every call of the step (results not fetched)."""
+    def _dispatch(self, plan: StepPlan, *, sample: bool) -> list[tuple[list[tuple[int, SeqWork]], Any]]:
+        """Validate, group into buckets and launch every call of the step (results not fetched): per call,
+        its (row of the result, work) pairs and its result."""
         for w in plan.prefills:
             self._check(w, decode=False)
         for w in plan.decodes:
             self._check(w, decode=True)
-        pending: list[tuple[list[SeqWork], Any]] = []
+        pending: list[tuple[list[tuple[int, SeqWork]], Any]] = []
         prefills, decodes = list(plan.prefills), list(plan.decodes)
         for group in self.buckets.group_prefills([len(w.token_ids) for w in prefills]):
             works = [prefills[i] for i in group]
@@ -282,16 +283,18 @@ class JaxRunner:
             if decodes and self.buckets.mixes(len(decodes), b, t) and not any(
                     w.guide is not None for w in (*decodes, *works)):
                 # chunked prefill: the decodes ride in the first prefill group's pass
-                pending.append((decodes + works, self._mixed(decodes, works, b, t, sample=sample)))
+                d = self.buckets.decode_batches[-1]  # the mixed pass's decode rows, padding included
+                rows = [*enumerate(decodes), *((d + i, w) for i, w in enumerate(works))]
+                pending.append((rows, self._mixed(decodes, works, b, t, sample=sample)))
                 decodes = []
                 continue
             logits = self._prefill_logits(works, b, t)
-            pending.append((works, self._sample(logits, works, b) if sample else logits))
+            pending.append((list(enumerate(works)), self._sample(logits, works, b) if sample else logits))
         step = self.buckets.max_batch
         for start in range(0, len(decodes), step):
             works = decodes[start:start + step]
             b = self.buckets.decode_batch(len(works))
-            pending.append((works, self._decode(works, b, sample=sample)))
+            pending.append((list(enumerate(works)), self._decode(works, b, sample=sample)))
         return pending
 
     def _check(self, w: SeqWork, *, decode: bool) -> None:
@@ -409,8 +412,8 @@ class JaxRunner:
         return tokens, positions, slots, self._tables(works, b), q_off, kv_lens, last
 
     def _mixed(self, decodes: Sequence[SeqWork], works: Sequence[SeqWork], b: int, t: int, *, sample: bool) -> Any:
-        """Dispatch the decodes (padded to the largest decode bucket) with a prefill group (``(b, t)``) as one
-        pass: sampled outputs for the decode rows then the group's, or their logits."""
+        """Dispatch the decodes (padded to the largest decode bucket, ``d`` rows) with a prefill group
+        (``(b, t)``) as one pass: sampled outputs, or logits, for the ``d`` decode rows then the group's."""
         d = self.buckets.decode_batches[-1]
         args = (*self._decode_args(decodes, d), *self._prefill_args(works, b, t))
         if sample:
@@ -419,9 +422,7 @@ class JaxRunner:
             args = (*args, *SamplingBatch.build(rows, d + b).arrays())
         out, self._cache = self._executable(("mixed" if sample else "mixed_logits", b, t))(self._params, self._cache,
                                                                                            *args)
-        if sample:
-            return tuple(jnp.concatenate([o[:len(decodes)], o[d:]]) for o in out)
-        return jnp.concatenate([out[:len(decodes)], out[d:]])
+        return out
 
     def _decode_args(self, works: Sequence[SeqWork], b: int) -> tuple[np.ndarray, ...]:
         """A decode group's host arrays, padded to ``b`` rows: tokens, positions, tables, valid."""
