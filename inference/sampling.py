@@ -7,6 +7,13 @@ the same tokens whatever else shares its batch. Temperature ``<= 0`` means
 greedy. Logprobs are the log-softmax of the *unscaled* logits (what the model
 thinks, as OpenAI reports them); the top-n alternatives are computed only
 when some row asks for them.
+
+Structured output (:mod:`inference.grammar`) samples through :func:`sample_masked`,
+a separate executable that takes a packed bit mask per row (int32 words, bit
+``t % 32`` of word ``t // 32`` allows token ``t``, llguidance's layout) and
+puts ``-inf`` on every token it forbids before anything else: greedy, sampling
+and the logprobs all see only what the grammar allows. A batch without a
+constrained row never runs it.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["MAX_TOP_LOGPROBS", "SamplingBatch", "SampleResult", "sample", "row_keys"]
+__all__ = ["MAX_TOP_LOGPROBS", "SamplingBatch", "SampleResult", "sample", "sample_masked", "apply_mask", "row_keys"]
 
 Array = jax.Array
 MAX_TOP_LOGPROBS = 20
@@ -130,3 +137,19 @@ def sample(logits: Array, temperature: Array, top_k: Array, top_p: Array, seed_l
 
     top_ids, top_lps = jax.lax.cond(jnp.any(want_top), top, none)
     return SampleResult(tokens, lp, top_ids, top_lps)
+
+
+def apply_mask(logits: Array, mask: Array) -> Array:
+    """``logits`` [B,V] with ``-inf`` where the packed bit mask [B, ceil(V/32)] (int32) has a 0 bit."""
+    v = logits.shape[1]
+    idx = jnp.arange(v, dtype=jnp.int32)
+    words = jnp.take(mask, idx // 32, axis=1)  # [B, V]
+    allowed = (jax.lax.shift_right_logical(words, jnp.broadcast_to(idx % 32, words.shape)) & 1) != 0
+    return jnp.where(allowed, logits, -jnp.inf)
+
+
+def sample_masked(logits: Array, mask: Array, temperature: Array, top_k: Array, top_p: Array, seed_lo: Array,
+                  seed_hi: Array, step: Array, want_top: Array) -> SampleResult:
+    """:func:`sample` over only the tokens each row's mask allows. Jit-friendly."""
+    return sample(apply_mask(logits.astype(jnp.float32), mask), temperature, top_k, top_p, seed_lo, seed_hi, step,
+                  want_top)

@@ -16,20 +16,25 @@ connection every ``stats_interval``.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import time
 from array import array
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from transport.api import ServerConnection
 from transport.messages import Error, ErrorCode, Finish, FinishReason, Hello, Stats, Submit, TokenBatch
 
 from .engine import Delta, Engine, EngineError, EngineEvent, Failed, Finished
+from .guided import GuideCompiles
 from .tokenizer import Tokenizer, TokenizerError
 from .tracing import WorkerTracer
+
+if TYPE_CHECKING:
+    from .grammar import Guide
 
 __all__ = ["WorkerService", "pack_tokens"]
 
@@ -95,6 +100,7 @@ class WorkerService:
         self.tracer = tracer if tracer is not None else WorkerTracer()  # off unless given an exporter
         # The Stats last sent, for the worker's own /metrics (read from its HTTP thread: one reference swap).
         self.last_stats: Stats | None = None
+        self.grammars = GuideCompiles(self)  # structured output's compiles, off the loop and the step
 
     # -- WorkerHandler ------------------------------------------------------
     def hello(self) -> Hello:
@@ -125,13 +131,36 @@ class WorkerService:
             ids = self._prompt_ids(submit)
             if submit.continuation is not None and self._resumed_at_its_end(conn, submit, len(ids)):
                 return
-            now = self._clock()
-            deadline = now + submit.deadline_ms / 1e3 if submit.deadline_ms > 0 else None
-            self.engine.add((cid, rid), ids, submit.params, now, deadline=deadline,
-                            return_text=submit.return_text, continuation=submit.continuation)  # fmt: skip
-            self.tracer.submitted((cid, rid), submit.trace)
+            if submit.params.guide_kind:  # structured output: its grammar compiles first, off the loop
+                self.grammars.submit(conn, cid, submit, ids)
+                return
+            self._add(cid, submit, ids, None)
         except EngineError as exc:
             conn.send_error(Error(rid, exc.code, exc.message))
+            return
+        self._wake.set()
+
+    def _add(self, cid: int, submit: Submit, ids: list[int], guide: Guide | None) -> None:
+        now = self._clock()
+        deadline = now + submit.deadline_ms / 1e3 if submit.deadline_ms > 0 else None
+        self.engine.add((cid, submit.request_id), ids, submit.params, now, deadline=deadline,
+                        return_text=submit.return_text, guide=guide, continuation=submit.continuation)  # fmt: skip
+        self.tracer.submitted((cid, submit.request_id), submit.trace)
+
+    def eos_ids(self) -> tuple[int, ...]:
+        """What ends a sequence here (the runner's eos, else the tokenizer's): grammars allow them at the end."""
+        return tuple(self.engine.runner.eos_token_ids) or tuple(self.tokenizer.eos_token_ids)
+
+    def guided(self, conn: ServerConnection, cid: int, submit: Submit, ids: list[int], guide: Guide) -> None:
+        """A constrained request whose grammar compiled (:class:`~inference.guided.GuideCompiles`): to the engine."""
+        if self._conns.get(cid) is not conn or conn.closed:
+            return
+        try:
+            if self._draining:
+                raise EngineError(ErrorCode.SHUTTING_DOWN, "the worker is shutting down")
+            self._add(cid, submit, ids, guide)
+        except EngineError as exc:
+            conn.send_error(Error(submit.request_id, exc.code, exc.message))
             return
         self._wake.set()
 
@@ -157,13 +186,17 @@ class WorkerService:
             if s.prompt is not None:
                 return self.tokenizer.encode(s.prompt)
             if s.messages is not None:
-                return self.tokenizer.encode_chat(s.messages)
-        except TokenizerError as exc:
+                return self.tokenizer.encode_chat(s.messages, tools=json.loads(s.params.tools) if s.params.tools
+                                                  else None)
+        except (TokenizerError, ValueError) as exc:  # ValueError: tools that are not JSON
             raise EngineError(ErrorCode.INVALID_REQUEST, str(exc)) from exc
         return list(s.prompt_token_ids or ())
 
     def on_cancel(self, conn: ServerConnection, request_id: int) -> None:
         key = (self._key(conn), request_id)
+        if self.grammars.cancel(key):  # still compiling its grammar: it ends here
+            conn.send_finish(Finish(request_id, FinishReason.CANCELLED, 0, 0))
+            return
         fin = self.engine.cancel(key)
         self.tracer.ended(key, error="cancelled")
         if fin is not None:
@@ -178,6 +211,7 @@ class WorkerService:
         if cid is None:
             return
         self._conns.pop(cid, None)
+        self.grammars.forget(cid)
         for rid in open_requests:
             self.engine.cancel((cid, rid))
             self.tracer.ended((cid, rid), error="gateway disconnected")
@@ -192,7 +226,7 @@ class WorkerService:
         stats = asyncio.create_task(self._stats_loop())
         try:
             while not self._stopped:
-                if self._draining and not self.engine.has_unfinished():
+                if self._draining and not self.engine.has_unfinished() and not self.grammars.pending:
                     break
                 plan, events = self.engine.schedule(self._clock())
                 self._dispatch(events)

@@ -52,11 +52,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .runner import SeqFault, SeqOutput, SeqWork, StepPlan
+
+if TYPE_CHECKING:
+    from .grammar import Guide
 
 __all__ = ["SyntheticRunner", "SyntheticCost", "SyntheticFaults", "SyntheticStepFailure", "expected_token"]
 
@@ -247,8 +250,22 @@ class SyntheticRunner:
                 del self._digests[k]
         self._digests[w.seq_id] = (n, digest)
         tok = _token(digest, w.seed, w.num_generated, w.params.temperature)
+        if w.guide is not None:  # structured output: the same token if the grammar allows it, else one it does
+            tok = _allowed(w.guide, tok, digest)
         lp = -(((digest ^ tok) % 1000) / 1000.0) - 0.01
         k = w.params.top_logprobs
         top_ids = tuple(32 + (tok - 32 + i) % 95 for i in range(k))
         top_lps = tuple(lp - i for i in range(k))
         return SeqOutput(w.seq_id, tok, lp, top_ids, top_lps)
+
+
+def _allowed(guide: Guide, tok: int, digest: int) -> int:
+    """``tok`` if the guide's mask allows it, else the allowed token the digest picks."""
+    from .grammar import fill_masks, mask_words
+
+    mask = np.zeros((1, mask_words(max(tok + 1, 258))), np.int32)
+    fill_masks([(guide, 0)], mask)
+    allowed = np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little"))
+    if not len(allowed) or tok in allowed:
+        return tok
+    return int(allowed[digest % len(allowed)])

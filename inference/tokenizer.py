@@ -28,8 +28,11 @@ __all__ = [
 ]
 
 TINY_CHAT_TEMPLATE = (
+    "{% if tools %}<|tools|>\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}{% endif %}"
     "{% for message in messages %}"
-    "<|{{ message['role'] }}|>\n{{ message['content'] }}\n"
+    "<|{{ message['role'] }}|>\n{{ message['content'] or '' }}"
+    "{% for call in message['tool_calls'] or [] %}<tool_call>{\"name\": {{ call['function']['name'] | tojson }}, "
+    "\"arguments\": {{ call['function']['arguments'] }}}</tool_call>{% endfor %}{{ '\\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
@@ -59,11 +62,13 @@ class Tokenizer(Protocol):
     def decode(self, ids: Sequence[int]) -> str: ...
 
     def apply_chat_template(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> str: ...
 
     def encode_chat(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[int]: ...
 
     def incremental_decoder(self, prompt_ids: Sequence[int] = ()) -> IncrementalDecoder: ...
@@ -139,14 +144,16 @@ class ByteTokenizer:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
     def apply_chat_template(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> str:
-        return _render(self.chat_template, messages, add_generation_prompt)
+        return _render(self.chat_template, messages, add_generation_prompt, tools=tools)
 
     def encode_chat(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[int]:
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt))
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, tools))
 
     def incremental_decoder(self, prompt_ids: Sequence[int] = ()) -> IncrementalDecoder:
         return _ByteDecoder()
@@ -227,7 +234,8 @@ class HFTokenizer:
         return str(self._tok.decode(list(ids), skip_special_tokens=True))
 
     def apply_chat_template(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> str:
         if self.chat_template is None:
             raise TokenizerError("this model has no chat template")
@@ -237,18 +245,24 @@ class HFTokenizer:
             add_generation_prompt,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
+            tools=tools,
         )
 
     def encode_chat(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[int]:
-        text = self.apply_chat_template(messages, add_generation_prompt)
+        text = self.apply_chat_template(messages, add_generation_prompt, tools)
         # Templates that spell out the bos token already carry it.
         has_bos = bool(self.bos_token) and text.startswith(self.bos_token or "")
         return self.encode(text, add_special_tokens=not has_bos)
 
     def incremental_decoder(self, prompt_ids: Sequence[int] = ()) -> IncrementalDecoder:
         return _HFDecoder(self._tok, prompt_ids)
+
+    def to_json(self) -> str:
+        """The tokenizer as ``tokenizer.json`` text (what llguidance builds its token trie from)."""
+        return str(self._tok.to_str())
 
 
 def _read_json(p: Path) -> dict[str, Any]:

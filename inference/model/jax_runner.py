@@ -50,8 +50,8 @@ from inference.kernels.paged_cache import KVCache, init_kv_cache, kv_bytes_per_t
 from inference.kernels.quant import quantize_weight_t
 from inference.model.buckets import Buckets
 from inference.model.registry import Model
-from inference.runner import SeqOutput, SeqWork, StepPlan
-from inference.sampling import MAX_TOP_LOGPROBS, SamplingBatch, sample
+from inference.runner import SeqFault, SeqOutput, SeqWork, StepPlan
+from inference.sampling import MAX_TOP_LOGPROBS, SamplingBatch, sample, sample_masked
 from inference.weights import LoadedModel, load_model
 from transport.common import worker_options as options
 
@@ -167,11 +167,14 @@ class JaxRunner:
         self._max_blocks_per_seq = -(-self.max_model_len // block_size)
         dtype = loaded.params["embed"].dtype
         kv_quant = None if kv_cache_dtype == "auto" else kv_cache_dtype
+        self.sliding_window: int | None = cfg.sliding_window  # the engine's KV cache frees blocks out of it
         if kernels is None:
-            kernels = build_kernels(attention, dtype=dtype, kv_quant=kv_quant)
-        elif (kernels.dtype, kernels.kv_quant) != (jnp.dtype(dtype).name, kv_quant):
-            raise ValueError(f"kernels built for {kernels.dtype} with a {kernels.kv_quant or 'float'} KV cache; "
-                             f"this runner is {jnp.dtype(dtype).name} with {kv_quant or 'float'}")
+            kernels = build_kernels(attention, dtype=dtype, kv_quant=kv_quant, window=cfg.sliding_window)
+        elif (kernels.dtype, kernels.kv_quant, kernels.window) != (jnp.dtype(dtype).name, kv_quant,
+                                                                   cfg.sliding_window):
+            raise ValueError(f"kernels built for {kernels.dtype} with a {kernels.kv_quant or 'float'} KV cache, "
+                             f"window {kernels.window}; this runner is {jnp.dtype(dtype).name} with "
+                             f"{kv_quant or 'float'}, window {cfg.sliding_window}")
         self.kernels: KernelSet = kernels
         self._params = self.model.serving_params(loaded.params)
         self.weight_dtype = weight_dtype
@@ -194,6 +197,7 @@ class JaxRunner:
         self._params_spec, self._cache_spec = spec(self._params), spec(self._cache)
         self._execs: dict[Key, Any] = {}  # shape key -> compiled executable
         self._lock = threading.Lock()
+        self._guide_faults: dict[int, SeqFault] = {}  # this step's sequences whose grammar failed
         self.compile_seconds = 0.0
 
     @classmethod
@@ -241,6 +245,7 @@ class JaxRunner:
 
     def execute(self, plan: StepPlan) -> list[SeqOutput]:
         """Run prefills then decodes; one output per SeqWork, prefills first."""
+        self._guide_faults = {}
         pending = self._dispatch(plan, sample=True)
         # The top-n arrays come back only for groups where some row asked for them.
         fetched = jax.device_get([res if any(w.params.top_logprobs for _, w in rows) else res[:2]
@@ -254,6 +259,10 @@ class JaxRunner:
                 if n:
                     out.top_ids, out.top_logprobs = tuple(got[2][row, :n].tolist()), tuple(got[3][row, :n].tolist())
                 by_seq[id(w)] = out
+        if self._guide_faults:  # a grammar that failed at run time (out of fuel): that request ends
+            for w in (*plan.prefills, *plan.decodes):
+                if w.seq_id in self._guide_faults:
+                    by_seq[id(w)] = SeqOutput(w.seq_id, 0, 0.0, fault=self._guide_faults[w.seq_id])
         return [by_seq[id(w)] for w in (*plan.prefills, *plan.decodes)]
 
     def logits(self, plan: StepPlan) -> np.ndarray:
@@ -342,6 +351,10 @@ class JaxRunner:
         if kind == "sample":
             lowered = jax.jit(sample).lower(jax.ShapeDtypeStruct((b, self.config.vocab_size), jnp.float32),
                                             *self._sampling_spec(b))
+        elif kind == "sample_masked":  # structured output: compiled on first use, per row count
+            lowered = jax.jit(sample_masked).lower(jax.ShapeDtypeStruct((b, self.config.vocab_size), jnp.float32),
+                                                   i32((b, (self.config.vocab_size + 31) // 32)),
+                                                   *self._sampling_spec(b))
         elif kind in ("mixed", "mixed_logits"):  # decodes padded to the largest decode bucket, a prefill group
             d = self.buckets.decode_batches[-1]
             fn = partial(_mixed_step, model=self.model, kernels=self.kernels, block_size=self.block_size)
@@ -384,7 +397,24 @@ class JaxRunner:
 
     def _sample(self, logits: jax.Array, works: Sequence[SeqWork], b: int) -> Any:
         rows = self.buckets.sample_rows(b)
+        if any(w.guide is not None for w in works):
+            return self._sample_masked(logits, works, rows)
         return tuple(self._executable(("sample", rows, 0))(logits, *self._sampling(works, rows)))
+
+    def _sample_masked(self, logits: jax.Array, works: Sequence[SeqWork], rows: int) -> Any:
+        """Sample ``logits`` (already dispatched: the model runs while the masks are computed here)
+        through the grammars of the rows that have one (inference.grammar)."""
+        from inference.grammar import fill_masks
+
+        masks = np.full((rows, (self.config.vocab_size + 31) // 32), -1, np.int32)
+        guided = [(w.guide, row) for row, w in enumerate(works) if w.guide is not None]
+        for _, row in guided:
+            masks[row] = 0
+        fill_masks(guided, masks)  # type: ignore[arg-type]
+        for guide, row in guided:
+            if guide is not None and guide.error:
+                self._guide_faults[works[row].seq_id] = SeqFault(f"structured output failed: {guide.error}")
+        return tuple(self._executable(("sample_masked", rows, 0))(logits, masks, *self._sampling(works, rows)))
 
     def _prefill_logits(self, works: Sequence[SeqWork], b: int, t: int) -> Any:
         args = self._prefill_args(works, b, t)
@@ -437,6 +467,10 @@ class JaxRunner:
     def _decode(self, works: Sequence[SeqWork], b: int, *, sample: bool) -> Any:
         """Dispatch one decode step for ``works`` (padded to ``b`` rows): sampled outputs, or logits."""
         tokens, positions, _, valid = self._decode_args(works, b)
+        if sample and any(w.guide is not None for w in works):  # logits out, then the masked sampler
+            logits, self._cache = self._executable(("decode_logits", b, 1))(
+                self._params, self._cache, tokens, positions, self._tables(works, b), valid)
+            return self._sample_masked(logits, works, b)
         args = (tokens, positions, self._tables(works, b), valid, *(self._sampling(works, b) if sample else ()))
         key = ("decode" if sample else "decode_logits", b, 1)
         out, self._cache = self._executable(key)(self._params, self._cache, *args)
