@@ -50,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "headless Service)")
     s.add_argument("--worker-option", action="append", metavar="KEY=VALUE", default=[],
                    help="a [workers] setting (repeatable), e.g. --worker-option max_batch=64")
+    s.add_argument("--processes", metavar="N|auto",
+                   help='gateway processes over one worker pool (default 1; "auto": one per CPU)')
     s.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     s.add_argument("--progress", choices=["auto", "bar", "lines", "off"])
 
@@ -90,6 +92,11 @@ def _serve_overrides(a: argparse.Namespace) -> tuple[dict[str, dict[str, Any]], 
         v = getattr(a, flag)
         if v is not None:
             o[section][key] = v
+    if a.processes is not None:
+        try:
+            o["server"]["processes"] = a.processes if a.processes == "auto" else int(a.processes)
+        except ValueError:
+            problems.append(f"--processes: {a.processes!r} is not a number or \"auto\"")
     if a.no_tls:
         o["server"]["tls_port"] = -1
     if (a.worker_url or a.worker_dns) and a.workers is None:
@@ -139,12 +146,32 @@ def main(argv: list[str] | None = None) -> int:
     except SettingsError as e:
         print(e, file=sys.stderr)
         return 2
+    from .multiproc.process import from_environ
+
+    process = from_environ()  # started by a supervisor of several gateway processes
+    if process is None and settings.server.process_count() > 1:
+        from .multiproc.supervisor import run_processes
+
+        return run_processes(settings, argv, settings.server.process_count())
     from .serve import serve_forever
 
     def again() -> Any:  # the same file, environment and flags (SIGHUP, or the file changed)
-        return load_settings(a.config, overrides=overrides)
+        fresh = load_settings(a.config, overrides=overrides)
+        return fresh if process is None else _one_of_several(fresh, process.redis_url)
 
-    return serve_forever(settings, (again, a.config))
+    if process is not None:
+        settings = _one_of_several(settings, process.redis_url)
+    return serve_forever(settings, (again, a.config), process)
+
+
+def _one_of_several(settings: Any, redis_url: str) -> Any:
+    """A gateway process's settings: its supervisor runs the local workers (the process connects to
+    them); the supervisor's local store holds the shared limits unless ``redis_url`` names one."""
+    adm = settings.admission
+    return dataclasses.replace(
+        settings, workers=dataclasses.replace(settings.workers, local=0),
+        models=[dataclasses.replace(m, local=0) for m in settings.models],
+        admission=dataclasses.replace(adm, redis_url=adm.redis_url or redis_url))
 
 
 def _to_toml(d: dict[str, Any]) -> str:

@@ -27,6 +27,8 @@ import sys
 from collections.abc import Callable
 from typing import TextIO
 
+from prometheus_client import generate_latest
+
 from . import clock
 from .admission.metrics import AdmissionCollector
 from .admission.setup import build_admission
@@ -37,7 +39,9 @@ from .grpc.native_server import NativeServer
 from .http.listeners import Listener
 from .http.quic_listener import QuicListener, start_quic_listener
 from .http.quic_settings import alt_svc as alt_svc_header
+from .http.ticket_dir import SharedTickets
 from .http.tls import SELF_SIGNED_CERT, SELF_SIGNED_KEY
+from .multiproc.process import GatewayProcess
 from .observability.counters import GatewayCounters
 from .observability.logs import ACCESS_LOGGER, configure_logging
 from .observability.metrics import GatewayMetrics
@@ -84,8 +88,11 @@ def _say(out: TextIO, text: str) -> None:
 
 
 async def run_gateway(settings: Settings, *, out: TextIO | None = None,
-                      stop: asyncio.Event | None = None, reload: Reload | None = None) -> int:
-    """Serve until SIGTERM/SIGINT (or ``stop`` is set); return the exit status."""
+                      stop: asyncio.Event | None = None, reload: Reload | None = None,
+                      process: GatewayProcess | None = None) -> int:
+    """Serve until SIGTERM/SIGINT (or ``stop`` is set); return the exit status. ``process``: this is
+    one gateway process of several (gateway/multiproc): inherited sockets, shared state, its workers
+    named by the supervisor."""
     from .http.common import HttpLimits
     from .http.listeners import ListenerSpec, start_listener
     from .http.tls import load_or_create_tls
@@ -93,6 +100,8 @@ async def run_gateway(settings: Settings, *, out: TextIO | None = None,
     out = out if out is not None else sys.stdout
     loop = asyncio.get_running_loop()
     metrics = GatewayMetrics()
+    if process is not None:
+        metrics.merge = process.merged  # /metrics: the whole gateway
     pool = ModelPool(retries=settings.api.retries, policy=settings.routing.build(), health=settings.routing.health())
     metrics.registry.register(HealthCollector(pool))
     served = settings.served()
@@ -127,7 +136,7 @@ async def run_gateway(settings: Settings, *, out: TextIO | None = None,
         ctx, fingerprint = load_or_create_tls(srv.tls_cert or None, srv.tls_key or None, state_dir(settings))
         alt_svc: tuple[tuple[bytes, bytes], ...] = ()
         if settings.quic.port >= 0:  # HTTP/3 first, so the TLS listener can advertise its port
-            quic = await _start_quic(app, settings)
+            quic = await _start_quic(app, settings, process)
             servers.append(quic)
             _say(out, f"listening on {quic.url} (h3, UDP)")
             alt_svc = (alt_svc_header(quic.address[1]),)
@@ -153,9 +162,14 @@ async def run_gateway(settings: Settings, *, out: TextIO | None = None,
     sweeper = asyncio.create_task((cycles := CycleSweeper()).run())  # a burst's garbage cycles do not outlive it
     metrics.registry.register(GatewayCounters(next((s for s in servers if isinstance(s, QuicListener)), None), cycles,
                                               supervisor))  # 0-RTT, tickets, GC sweeps, workers by model
+    if process is not None:  # the supervisor's workers, as it names them; this process's figures for the others
+        watches_of_process = [asyncio.create_task(process.follow(supervisor.add_remote, supervisor.remove_remote)),
+                              asyncio.create_task(process.publish_metrics(lambda: generate_latest(metrics.registry)))]
     watches = [asyncio.create_task(watch_workers(spec, supervisor.add_remote, supervisor.remove_remote,
                                                  interval=settings.discovery.interval))
                for spec in settings.discovery.worker_dns]  # workers behind a DNS name (Kubernetes)
+    if process is not None:
+        watches += watches_of_process
 
     stop = stop if stop is not None else asyncio.Event()
     deadline = [settings.shutdown.drain_timeout]
@@ -196,6 +210,8 @@ async def run_gateway(settings: Settings, *, out: TextIO | None = None,
     watch_task = asyncio.create_task(reloader.watch()) if reloader is not None and reloader.path else None
 
     async def announce_ready() -> None:
+        if process is not None and process.first_workers is not None:
+            await process.first_workers.wait()  # until the supervisor names a worker, there is none to wait for
         if await supervisor.wait_ready():
             _say(out, f"ready ({pool.ready_workers()} worker(s): {', '.join(pool.models())})")
 
@@ -261,13 +277,15 @@ async def _drain(app: App, servers: list[Listener], native: NativeServer | None,
     await asyncio.gather(*(s.close() for s in servers), return_exceptions=True)
 
 
-async def _start_quic(app: App, settings: Settings) -> QuicListener:
-    """The HTTP/3 listener on UDP, with the TLS listener's certificate (self-signed: made by now)."""
+async def _start_quic(app: App, settings: Settings, process: GatewayProcess | None) -> QuicListener:
+    """The HTTP/3 listener on UDP, with the TLS listener's certificate (self-signed: made by now);
+    several processes seal and claim their session tickets in one shared store."""
     srv = settings.server
     cert = srv.tls_cert or str(state_dir(settings) / SELF_SIGNED_CERT)
     key = srv.tls_key or str(state_dir(settings) / SELF_SIGNED_KEY)
+    shared = SharedTickets(process.secret, os.path.join(process.runtime, "tickets")) if process is not None else None
     return await start_quic_listener(app.handle, srv.host, settings.quic.port, cert, key, settings.quic,
-                                     on_event=app.on_http_event, streams_body=app.streams_body)
+                                     on_event=app.on_http_event, streams_body=app.streams_body, shared=shared)
 
 
 def _hostport(host: str, port: int) -> str:
@@ -279,7 +297,7 @@ Reload = tuple[Callable[[], Settings], str | None]
 file to watch for changes (None: SIGHUP only)."""
 
 
-def serve_forever(settings: Settings, reload: Reload | None = None) -> int:
+def serve_forever(settings: Settings, reload: Reload | None = None, process: GatewayProcess | None = None) -> int:
     """Run :func:`run_gateway` on uvloop (unless ``server.uvloop = false``)."""
     configure_logging(settings.log.level, settings.log.format)  # text/JSON; level and format reach the workers
     logging.getLogger(ACCESS_LOGGER).setLevel(logging.INFO if settings.log.access_log else logging.WARNING)
@@ -287,8 +305,8 @@ def serve_forever(settings: Settings, reload: Reload | None = None) -> int:
         if settings.server.uvloop:
             import uvloop
 
-            return uvloop.run(run_gateway(settings, reload=reload))
-        return asyncio.run(run_gateway(settings, reload=reload))
+            return uvloop.run(run_gateway(settings, reload=reload, process=process))
+        return asyncio.run(run_gateway(settings, reload=reload, process=process))
     except OSError as e:  # the usual one: a port already in use
         print(f"quicserve: cannot start: {e}", file=sys.stderr)
         return 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 __all__ = ["ServerSettings", "ShutdownSettings"]
@@ -18,6 +19,13 @@ class ServerSettings:
     uvloop: bool = True
     unix_socket: str = ""  # also serve HTTP/1.1 + h2c on this Unix socket path ("" = none)
     reuse_port: bool = False  # SO_REUSEPORT: several gateway processes on one port (one per core)
+    processes: int | str = 1  # gateway processes over one worker pool (gateway/multiproc); "auto" = one per CPU
+
+    def process_count(self) -> int:
+        """How many gateway processes ``processes`` asks for ("auto": the CPUs this process may run on)."""
+        if self.processes == "auto":
+            return max(1, len(os.sched_getaffinity(0)))
+        return int(self.processes)
 
     def _validate(self, p: list[str]) -> None:
         if not (0 <= self.port <= 65535):
@@ -28,6 +36,8 @@ class ServerSettings:
             p.append("server.tls_cert and server.tls_key must be given together")
         if not self.host:
             p.append("server.host: must not be empty")
+        if self.processes != "auto" and not (isinstance(self.processes, int) and 1 <= self.processes <= 256):
+            p.append(f"server.processes: {self.processes!r} is not a process count (1..256) or \"auto\"")
 
 
 @dataclass(frozen=True, slots=True)

@@ -137,8 +137,11 @@ def _coerce(value: Any, t: Any, where: str, p: list[str]) -> Any:
             p.append(f"{where}: expected {_type_name(t)}, got {value!r}")
             return None
         return list(value)
-    if isinstance(t, types.UnionType):
-        raise TypeError("unions are not used in settings")
+    if isinstance(t, types.UnionType):  # scalars only (server.processes: a count or "auto")
+        if isinstance(value, typing.get_args(t)) and not isinstance(value, bool):
+            return value
+        p.append(f"{where}: expected {' or '.join(a.__name__ for a in typing.get_args(t))}, got {value!r}")
+        return None
     if t is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if t is int and isinstance(value, bool) or not isinstance(value, t):

@@ -23,6 +23,7 @@ from typing import Literal, Protocol
 from gateway.http.common import EventHook, HttpLimits, ServerState
 from gateway.http.h1 import H1Protocol
 from gateway.http.types import Entrance, StreamsBody
+from gateway.multiproc import inherited
 
 __all__ = ["ListenerSpec", "Listener", "StreamListener", "start_listener"]
 
@@ -81,8 +82,10 @@ class Listener(Protocol):
 class StreamListener:
     """A listening stream socket (TCP, TLS or Unix). Create with :func:`start_listener`."""
 
-    def __init__(self, spec: ListenerSpec, server: asyncio.Server, state: ServerState) -> None:
+    def __init__(self, spec: ListenerSpec, server: asyncio.Server, state: ServerState, *,
+                 owns_path: bool = True) -> None:
         self.spec = spec
+        self._owns_path = owns_path  # an inherited Unix socket's file is the supervisor's to remove
         self._server = server
         self._state = state
         name = server.sockets[0].getsockname()
@@ -142,7 +145,7 @@ class StreamListener:
         # cancellation must not hang shutdown)
         await self.wait_idle(1.0)
         await self._server.wait_closed()
-        if self.spec.kind == "unix":
+        if self.spec.kind == "unix" and self._owns_path:
             with contextlib.suppress(OSError):
                 if stat.S_ISSOCK(os.stat(self.spec.path).st_mode):
                     os.unlink(self.spec.path)
@@ -165,8 +168,14 @@ async def start_listener(
         return H1Protocol(state, tls=tls)
 
     loop = asyncio.get_running_loop()
+    # a gateway process of several (gateway/multiproc) serves the socket its supervisor bound
+    sock = inherited.take("unix", spec.path) if spec.kind == "unix" else inherited.take("tcp", spec.port)
     if spec.kind == "unix":
-        server = await loop.create_unix_server(factory, spec.path, backlog=spec.backlog)
+        server = await (loop.create_unix_server(factory, sock=sock, backlog=spec.backlog) if sock is not None
+                        else loop.create_unix_server(factory, spec.path, backlog=spec.backlog))
+    elif sock is not None:
+        server = await loop.create_server(factory, sock=sock, ssl=spec.ssl, backlog=spec.backlog,
+                                          ssl_handshake_timeout=state.limits.header_timeout if tls else None)
     else:
         server = await loop.create_server(
             factory,
@@ -180,4 +189,4 @@ async def start_listener(
         for sock in server.sockets:
             if sock.family in (socket.AF_INET, socket.AF_INET6):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    return StreamListener(spec, server, state)
+    return StreamListener(spec, server, state, owns_path=sock is None)

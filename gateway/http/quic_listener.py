@@ -25,7 +25,9 @@ from gateway.http.h3 import protocol_factory
 from gateway.http.h3_state import H3ServerState
 from gateway.http.quic_settings import QuicSettings
 from gateway.http.quic_tickets import TicketStore
+from gateway.http.ticket_dir import SharedTickets
 from gateway.http.types import Entrance, StreamsBody
+from gateway.multiproc import inherited
 
 from .. import clock
 
@@ -112,16 +114,18 @@ class QuicListener:
 
 async def start_quic_listener(entrance: Entrance, host: str, port: int, certfile: str, keyfile: str,
                               settings: QuicSettings | None = None, on_event: EventHook | None = None,
-                              streams_body: StreamsBody | None = None) -> QuicListener:
+                              streams_body: StreamsBody | None = None,
+                              shared: SharedTickets | None = None) -> QuicListener:
     """Bind UDP ``host:port`` (0 picks a free port) and serve HTTP/3 into ``entrance``; ``on_event``
     hears of requests the adapter answered itself (App.on_http_event: metrics); ``streams_body``
-    picks the requests whose body the entrance reads as it arrives."""
+    picks the requests whose body the entrance reads as it arrives; ``shared``: the session-ticket
+    keys and single-use store of every gateway process on this host (gateway/multiproc)."""
     settings = settings or QuicSettings()
     config = QuicConfiguration(is_client=False, alpn_protocols=H3_ALPN, idle_timeout=settings.idle_timeout)
     config.load_cert_chain(certfile, keyfile)
     state = H3ServerState(entrance, settings, on_event, streams_body)
     tickets = TicketStore(lifetime=settings.ticket_lifetime, rotation=settings.ticket_key_rotation,
-                          capacity=settings.max_tickets, single_use=settings.replay_protection)
+                          capacity=settings.max_tickets, single_use=settings.replay_protection, shared=shared)
 
     def issue(ticket: SessionTicket) -> None:
         tickets.issue(ticket, clock.wall())
@@ -132,7 +136,9 @@ async def start_quic_listener(entrance: Entrance, host: str, port: int, certfile
     server = _Server(configuration=config, create_protocol=protocol_factory(state),
                      session_ticket_fetcher=take, session_ticket_handler=issue, retry=settings.retry)
     loop = asyncio.get_running_loop()
-    transport, _ = await loop.create_datagram_endpoint(lambda: server, local_addr=(host, port))
+    sock = inherited.take("udp", port)  # one of several processes: the supervisor's socket, steered to us
+    transport, _ = await (loop.create_datagram_endpoint(lambda: server, sock=sock) if sock is not None
+                          else loop.create_datagram_endpoint(lambda: server, local_addr=(host, port)))
     return QuicListener(server, transport, state, tickets)
 
 

@@ -4,12 +4,25 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["QuicSettings", "DEFAULT_EARLY_DATA_ROUTES", "early_data_safe", "alt_svc"]
+__all__ = ["QuicSettings", "DEFAULT_EARLY_DATA_ROUTES", "GENERATION_ROUTES", "early_data_safe", "alt_svc"]
 
-# Requests a replayed 0-RTT flight may repeat without harm (RFC 8470 5.1: safe,
-# idempotent, no side effect). Generation is not among them: a replay would run
-# (and bill) the completion twice. "PATH/*" matches every path below PATH.
-DEFAULT_EARLY_DATA_ROUTES = ("GET /v1/models", "GET /v1/models/*", "GET /healthz", "GET /readyz")
+# Requests that may run from 0-RTT data (only while replay_protection is on; otherwise every early
+# request gets 425). "PATH/*" matches every path below PATH.
+#
+# The safe ones (RFC 8470 5.1: idempotent, no side effect), and generation. Generation is not
+# idempotent -- a replayed flight would run (and bill) the completion again -- so it runs from early
+# data only because no flight can be replayed into a second run: RFC 9001 9.2 leaves anti-replay
+# to the server and names single-use tickets as a way (RFC 8446 8.1); ours are claimed once, in the
+# one store of every process that can open them (gateway/http/quic_tickets.py: the process's own
+# with one process, the directory the processes of a host share under [server] processes, their
+# keys derived from one secret; a ticket issued elsewhere does not open here, whatever its key was:
+# the client does a full handshake). So an early request runs at most once per flight the client
+# sent: the guarantee of a 1-RTT request whose answer was lost (an attacker who drops the client's
+# flight and replays it loses the client's own, and a client that retries then is retrying a
+# request, as over TCP). What early data still lacks is the client's proof of address; bounded per
+# connection by max_early_data and, as every request, by admission.
+GENERATION_ROUTES = ("POST /v1/chat/completions", "POST /v1/completions")
+DEFAULT_EARLY_DATA_ROUTES = ("GET /v1/models", "GET /v1/models/*", "GET /healthz", "GET /readyz", *GENERATION_ROUTES)
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,12 +18,17 @@ for the state by identity. :class:`TicketStore` is both callbacks' state:
   falls back to a full handshake and the replayed 0-RTT packets cannot even be
   decrypted (RFC 8446 8.1, RFC 9001 9.2).
 
-Shared between gateway processes (not built: one process per host today). The
-blobs are self-describing (key id, nonce, ciphertext), so the dict can be any
-key-value store with expiry (Redis ``SET key blob EX lifetime``). The single-use
-claim must then be atomic in that store (``SET used:<key> 1 NX EX lifetime``,
-or ``GETDEL`` of the blob), and the ticket keys shared by every process (read
-from a file or a KMS, rotated by one writer); nothing else changes.
+Shared between gateway processes: the blobs are self-describing (key id, nonce,
+ciphertext), so the dict can be any key-value store with expiry; the single-use
+claim must then be atomic in that store, and the ticket keys shared by every
+process that can open a ticket. With ``shared`` (:class:`~gateway.http.ticket_dir.SharedTickets`,
+the processes of one host under ``[server] processes``) the keys are derived from
+one secret per rotation period (the key id is the period) and the blobs live in a
+directory, claimed by an atomic rename; nothing else changes. Across hosts the same
+would be Redis (``SET key blob EX lifetime``, claimed by ``GETDEL``) and a key
+from a KMS (not built). Either way a ticket opens only where its single use is
+claimed in the one store of everyone holding its key: the ground 0-RTT generation
+stands on (:mod:`gateway.http.h3_state`).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from aioquic.tls import CipherSuite, SessionTicket
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from gateway.http.replay import SingleUseStore
+from gateway.http.ticket_dir import SharedTickets
 
 __all__ = ["TicketStore"]
 
@@ -57,7 +63,9 @@ def _dt(ts: float) -> datetime.datetime:
 class TicketStore:
     """In-memory session-ticket store (see the module docstring for the shared design)."""
 
-    def __init__(self, *, lifetime: float, rotation: float, capacity: int, single_use: bool) -> None:
+    def __init__(self, *, lifetime: float, rotation: float, capacity: int, single_use: bool,
+                 shared: SharedTickets | None = None) -> None:
+        self.shared = shared
         self.lifetime = lifetime
         self.rotation = rotation
         self.capacity = capacity
@@ -82,15 +90,24 @@ class TicketStore:
         ])
         nonce = os.urandom(12)
         blob = key_id.to_bytes(4, "big") + nonce + cipher.encrypt(nonce, state, lookup)
+        self.issued += 1
+        if self.shared is not None:
+            self.shared.put(lookup, now + self.lifetime, blob, now, self.capacity)
+            return
         while len(self._blobs) >= self.capacity:
             self._blobs.popitem(last=False)  # the oldest client does a full handshake
         self._blobs[lookup] = (now + self.lifetime, blob)
-        self.issued += 1
 
     def take(self, identity: bytes, now: float) -> SessionTicket | None:
         """The state of a presented ticket, or None (aioquic ``session_ticket_fetcher``)."""
         self._expire(now)
         lookup = hashlib.sha256(identity).digest()
+        if self.shared is not None:  # the claim is the rename: one process of all gets it
+            entry = self.shared.claim(lookup) if self.single_use else self.shared.get(lookup)
+            ticket = self._open(identity, lookup, entry, now)
+            self.resumed += ticket is not None
+            self.refused += ticket is None
+            return ticket
         entry = self._blobs.pop(lookup, None) if self.single_use else self._blobs.get(lookup)
         ticket = self._open(identity, lookup, entry, now)
         if ticket is None or (self.single_use and not self.used.claim(lookup, entry[0] if entry else now, now)):
@@ -104,11 +121,15 @@ class TicketStore:
         if entry is None or entry[0] <= now:
             return None
         blob = entry[1]
-        key = self._keys.get(int.from_bytes(blob[:4], "big"))
-        if key is None:
+        kid = int.from_bytes(blob[:4], "big")
+        if self.shared is not None:  # a period's key opens its tickets while they can live
+            cipher = self.shared.key(kid) if (kid + 1) * self.rotation + self.lifetime > now else None
+        else:
+            cipher = key[1] if (key := self._keys.get(kid)) is not None else None
+        if cipher is None:
             return None  # sealed under a key that has been dropped
         try:
-            state = msgpack.unpackb(key[1].decrypt(blob[4:16], blob[16:], lookup))
+            state = msgpack.unpackb(cipher.decrypt(blob[4:16], blob[16:], lookup))
         except Exception:  # cryptography's InvalidTag: tampered or wrong key
             return None
         age_add, suite, not_after, not_before, secret, server_name, max_early, exts, _issued = state
@@ -119,6 +140,9 @@ class TicketStore:
         )
 
     def _current_key(self, now: float) -> tuple[int, AESGCM]:
+        if self.shared is not None:
+            period = int(now // self.rotation)
+            return period, self.shared.key(period)
         key = self._keys.get(self._key_id)
         if key is None or now - key[0] >= self.rotation:
             self._key_id += 1

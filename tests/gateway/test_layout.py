@@ -170,7 +170,8 @@ def test_no_capability_is_found_with_getattr() -> None:
     assert not found, f"declare these in a type instead: {found}"
 
 
-SETTINGS_IMPORTERS = {"gateway.cli", "gateway.serve", "gateway.reload"}  # the entry points (serve's reload)
+SETTINGS_IMPORTERS = {"gateway.cli", "gateway.serve", "gateway.reload",  # the entry points (serve's reload)
+                      "gateway.multiproc.supervisor"}  # and the supervisor of several gateway processes
 
 
 def test_only_the_entry_points_import_the_settings_collector() -> None:

@@ -99,7 +99,8 @@ def test_alt_svc_and_early_data_routes() -> None:
     assert early_data_safe(routes, "GET", "/v1/models") and early_data_safe(routes, "HEAD", "/healthz")
     assert early_data_safe(routes, "GET", "/v1/models/tiny")
     assert not early_data_safe(routes, "GET", "/v1/models/")  # "/*" needs a name after the slash
-    assert not early_data_safe(routes, "POST", "/v1/chat/completions")
+    assert early_data_safe(routes, "POST", "/v1/chat/completions")  # generation: single-use tickets (#33)
+    assert not early_data_safe(routes, "GET", "/metrics")
     assert not early_data_safe(routes, "POST", "/v1/models")
     problems: list[str] = []
     QuicSettings(early_data_routes=["post /x", "GET x"], port=70000, max_streams=0)._validate(problems)
