@@ -1,10 +1,11 @@
 """Llama-family model configuration, read from a Hugging Face ``config.json``.
 
 Only what the forward pass needs is kept; anything we cannot honour (biases,
-unknown RoPE scaling types) is refused with a clear :class:`ConfigError`
-rather than silently producing wrong logits. Which architecture a
-``config.json`` names (``model_type``) is the registry's question
-(:mod:`inference.model.registry`); Llama and Mistral read their fields here.
+unknown RoPE scaling types, a sliding window on some layers only) is refused
+with a clear :class:`ConfigError` rather than silently producing wrong logits.
+Which architecture a ``config.json`` names (``model_type``) is the registry's
+question (:mod:`inference.model.registry`); Llama, Mistral and Qwen read their
+fields here.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["ConfigError", "LlamaConfig", "RopeScaling", "TINY_CONFIG"]
+__all__ = ["ConfigError", "LlamaConfig", "RopeScaling", "TINY_CONFIG", "effective_window", "layer_window"]
 
 class ConfigError(ValueError):
     """The model configuration is invalid or uses a feature we do not implement."""
@@ -45,6 +46,8 @@ class LlamaConfig:
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default=())
+    # Sliding-window attention: a query sees its last this many keys, itself included (None: all of them).
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -56,6 +59,8 @@ class LlamaConfig:
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ConfigError(f"sliding_window must be positive or None, got {self.sliding_window}")
 
     @property
     def num_params(self) -> int:
@@ -131,6 +136,33 @@ class LlamaConfig:
                     original_max_position_embeddings=rs.original_max_position_embeddings,
                 )
         return d
+
+
+def effective_window(window: int | None, max_position_embeddings: int) -> int | None:
+    """The window that hides keys: None when it is at least the longest context (it then hides none)."""
+    return window if window is not None and window < max_position_embeddings else None
+
+
+def layer_window(d: dict[str, Any]) -> int | None:
+    """The sliding window of every layer of a Qwen-style ``config.json``: ``layer_types`` when given
+    (transformers >= 4.55), else ``use_sliding_window`` with ``sliding_window`` on the layers from
+    ``max_window_layers`` on. A window on some layers only is a :class:`ConfigError` (the KV cache and
+    the kernels apply one window to every layer)."""
+    window = d.get("sliding_window")
+    types = d.get("layer_types")
+    if types is None:
+        if not d.get("use_sliding_window") or window is None:
+            return None
+        first = int(d.get("max_window_layers", 0))
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(int(d["num_hidden_layers"]))]
+    kinds = set(types)
+    if kinds == {"full_attention"}:
+        return None
+    if kinds != {"sliding_attention"}:
+        raise ConfigError(f"a sliding window on some layers only is not supported (layer_types: {sorted(kinds)})")
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        raise ConfigError(f"sliding_window must be a positive integer, got {window!r}")
+    return window
 
 
 def _as_ids(value: Any) -> tuple[int, ...]:

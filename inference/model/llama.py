@@ -33,8 +33,8 @@ from inference.kernels.projections import linear, rms_norm
 from inference.kernels.rope import rotate_half
 from inference.model.config import LlamaConfig
 
-__all__ = ["Llama", "Params", "param_shapes", "rope_inv_freq", "random_hf_tensors", "prefill_forward",
-           "decode_forward", "mixed_forward"]
+__all__ = ["Llama", "Params", "param_shapes", "rope_inv_freq", "random_hf_tensors", "qkv_extras",
+           "prefill_forward", "decode_forward", "mixed_forward"]
 
 Array = jax.Array
 Params = dict[str, Any]  # {"embed", "layers": [ {...}, ...], "norm", "lm_head"?}
@@ -228,10 +228,25 @@ def _mlp(x: Array, lp: dict[str, Any], cfg: LlamaConfig, ks: KernelSet, live: Ar
     return _residual_linear(x, gate_up, lp, "w_down", live, ks, swiglu=True)
 
 
+def qkv_extras(qkv: Array, lp: dict[str, Any], cfg: LlamaConfig) -> Array:
+    """What a variant adds to a layer's fused q|k|v projection, by the layer's parameters: a bias
+    (``bqkv``: Qwen2), an RMSNorm over each query head and key head (``q_norm``, ``k_norm``: Qwen3)."""
+    if "bqkv" in lp:
+        qkv = qkv + lp["bqkv"].astype(qkv.dtype)
+    if "q_norm" in lp:
+        hq, kv, d, lead = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, qkv.shape[:-1]
+        q = rms_norm(qkv[..., : hq * d].reshape(*lead, hq, d), lp["q_norm"], cfg.rms_norm_eps)
+        k = rms_norm(qkv[..., hq * d: (hq + kv) * d].reshape(*lead, kv, d), lp["k_norm"], cfg.rms_norm_eps)
+        qkv = jnp.concatenate([q.reshape(*lead, -1), k.reshape(*lead, -1), qkv[..., (hq + kv) * d:]], axis=-1)
+    return qkv
+
+
 def _attention_inputs(x: Array, lp: dict[str, Any], cfg: LlamaConfig, ks: KernelSet, rope: Any, slots: Array,
                       kc: LayerKV, vc: LayerKV, live: Array | None) -> tuple[Array, LayerKV, LayerKV]:
     """One layer's rotated queries, and its caches with the new tokens' K/V written at ``slots``."""
-    qkv = _norm_linear(x, lp["attn_norm"], cfg.rms_norm_eps, lp, "wqkv", live, ks)
+    if ks.window != cfg.sliding_window:  # at trace time: a kernel set built for another window
+        raise ValueError(f"the kernel set's attention has window {ks.window}, the model {cfg.sliding_window}")
+    qkv = qkv_extras(_norm_linear(x, lp["attn_norm"], cfg.rms_norm_eps, lp, "wqkv", live, ks), lp, cfg)
     return ks.rope_write(qkv, rope, slots, kc, vc, heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads)
 
 
@@ -354,11 +369,12 @@ def calibrate(params: Params, tokens: np.ndarray, quantize: Callable[[Any, Array
     for lp in params["layers"]:
         h = rms_norm(x, lp["attn_norm"], eps)
         lp = {**lp, "wqkv_t": quantize(lp["wqkv_t"], h)}
-        qkv = proj(h, lp["wqkv_t"])
+        qkv = qkv_extras(proj(h, lp["wqkv_t"]), lp, cfg)
         q = rotate_half(qkv[..., : hq * d].reshape(b, t, hq, d), positions, inv_freq)
         k = rotate_half(qkv[..., hq * d: (hq + kv) * d].reshape(b, t, kv, d), positions, inv_freq)
         v = qkv[..., (hq + kv) * d:].reshape(b, t, kv, d)
-        o = reference.prefill_attention(q, k, v, zeros, lens, scale=d ** -0.5).reshape(b, t, -1)
+        o = reference.prefill_attention(q, k, v, zeros, lens, scale=d ** -0.5, window=cfg.sliding_window)
+        o = o.reshape(b, t, -1)
         lp["wo_t"] = quantize(lp["wo_t"], o)
         x = x + proj(o, lp["wo_t"])
         h = rms_norm(x, lp["mlp_norm"], eps)

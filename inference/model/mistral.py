@@ -2,11 +2,13 @@
 
 Mistral's checkpoints use Llama's tensor names and layer (GQA attention,
 SwiGLU MLP, RMSNorm, ``rotate_half`` RoPE); what differs is its
-configuration. Its sliding-window attention (``sliding_window``: a token sees
-at most that many keys, itself included) is served exactly by capping the
-context at the window: no sequence then holds a key the window would hide.
-Mistral-7B-v0.1 (window 4096) serves 4096 tokens; v0.2 and later (no window)
-their full context.
+configuration, above all its sliding-window attention (``sliding_window``: a
+token sees at most that many keys, itself included). The window goes into
+the configuration (:attr:`LlamaConfig.sliding_window`), from which the runner
+builds its kernel set's attention (:func:`inference.kernels.kernel_set.build_kernels`)
+and the engine its KV cache, which releases the blocks that fall out of
+every window. Mistral-7B-v0.1 (window 4096) thus serves its whole 32k
+context; v0.2 and later have no window.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
-from inference.model.config import ConfigError, LlamaConfig
+from inference.model.config import ConfigError, LlamaConfig, effective_window
 from inference.model.llama import Llama
 
 __all__ = ["Mistral"]
@@ -28,17 +30,15 @@ class Mistral(Llama):
 
     model_type: ClassVar[str] = "mistral"
     hf_architecture: ClassVar[str] = "MistralForCausalLM"
-    sliding_window: int | None = None
+    sliding_window: int | None = None  # as config.json says it (the config holds the one that hides keys)
 
     @classmethod
     def from_hf(cls, d: dict[str, Any]) -> Mistral:
         cfg = LlamaConfig.from_hf(d)
         window = d.get("sliding_window", _HF_DEFAULT_WINDOW)
-        if window is None:
-            return cls(cfg)
-        if not isinstance(window, int) or window < 1:
+        if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
             raise ConfigError(f"sliding_window must be a positive integer or null, got {window!r}")
-        return cls(replace(cfg, max_position_embeddings=min(cfg.max_position_embeddings, window)), window)
+        return cls(replace(cfg, sliding_window=effective_window(window, cfg.max_position_embeddings)), window)
 
     def hf_config(self) -> dict[str, Any]:
         return {**Llama.hf_config(self), "sliding_window": self.sliding_window}

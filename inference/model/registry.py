@@ -11,9 +11,9 @@ through ``map_projections`` and ``calibrate`` (GPTQ: :mod:`inference.model.calib
 Nothing outside an architecture's own file knows its parameter names or layers.
 
 Adding an architecture is one file (a class with these members; a variant of
-an existing one subclasses it, as :class:`~inference.model.mistral.Mistral`
-does :class:`~inference.model.llama.Llama`), one line in :data:`ARCHITECTURES`,
-and a parity test against transformers (docs/ARCHITECTURE.md has the recipe).
+an existing one subclasses it, as :class:`~inference.model.mistral.Mistral` and
+:mod:`~inference.model.qwen`'s do :class:`~inference.model.llama.Llama`), one line in
+:data:`ARCHITECTURES`, and a parity test against transformers (docs/ARCHITECTURE.md has the recipe).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from inference.kernels.paged_cache import KVCache
 from inference.model.config import ConfigError
 from inference.model.llama import Llama
 from inference.model.mistral import Mistral
+from inference.model.qwen import Qwen2, Qwen3
 
 __all__ = ["ModelConfig", "Model", "ARCHITECTURES", "DEFAULT_MODEL_TYPE", "model_from_hf"]
 
@@ -52,6 +53,10 @@ class ModelConfig(Protocol):
     def max_position_embeddings(self) -> int: ...
     @property
     def eos_token_ids(self) -> tuple[int, ...]: ...
+    @property
+    def sliding_window(self) -> int | None:
+        """A query sees its last this many keys (None: all): the kernel set's window, the KV cache's."""
+        ...
 
 
 class Model(Protocol):
@@ -115,6 +120,8 @@ class Model(Protocol):
 ARCHITECTURES: Mapping[str, Callable[[dict[str, Any]], Model]] = {
     Llama.model_type: Llama.from_hf,
     Mistral.model_type: Mistral.from_hf,
+    Qwen2.model_type: Qwen2.from_hf,
+    Qwen3.model_type: Qwen3.from_hf,
 }
 DEFAULT_MODEL_TYPE = "llama"  # a config.json without "model_type" (older Llama exports)
 

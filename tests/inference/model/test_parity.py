@@ -26,6 +26,8 @@ pytestmark = pytest.mark.slow
 HF_CLASSES = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
 }
 BASE = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, max_position_embeddings=256, initializer_range=0.1)
@@ -35,9 +37,17 @@ CONFIGS = {  # name: (model_type, config)
                                                       "high_freq_factor": 4.0,
                                                       "original_max_position_embeddings": 32})),
     "mha-tied": ("llama", dict(BASE, num_key_value_heads=4, tie_word_embeddings=True, rope_theta=10000.0)),
-    # a window wider than every sequence here: ours serves up to it (the context is capped at the window)
+    # a window wider than every sequence here, and one that most prompts and generations here outgrow
     "mistral-gqa-window": ("mistral", dict(BASE, num_key_value_heads=2, tie_word_embeddings=False,
                                            rope_theta=1000000.0, sliding_window=64)),
+    "mistral-window-7": ("mistral", dict(BASE, num_key_value_heads=2, tie_word_embeddings=True, sliding_window=7)),
+    # q|k|v biases; tied and untied heads
+    "qwen2-gqa-tied": ("qwen2", dict(BASE, num_key_value_heads=2, tie_word_embeddings=True, rope_theta=1000000.0)),
+    "qwen2-mha-untied": ("qwen2", dict(BASE, num_key_value_heads=4, tie_word_embeddings=False)),
+    # per-head q/k norms, a head_dim that is not hidden_size / heads
+    "qwen3-gqa-tied": ("qwen3", dict(BASE, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True,
+                                     rope_theta=1000000.0)),
+    "qwen3-untied": ("qwen3", dict(BASE, num_key_value_heads=1, tie_word_embeddings=False)),
 }
 GREEDY = SamplingParams(temperature=0.0, top_logprobs=5)
 ATOL = 2e-4
@@ -65,6 +75,10 @@ def model(request, tmp_path_factory):
     model_type, config = CONFIGS[request.param]
     config_class, model_class = HF_CLASSES[model_type]
     hf = model_class(config_class(**config)).eval()
+    with torch.no_grad():  # transformers makes norms ones and biases zeros, which would hide a missing one
+        for name, p in hf.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.copy_(torch.randn_like(p) * 0.1 + (0.0 if name.endswith("bias") else 1.0))
     path = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(path, safe_serialization=True)
     runner = JaxRunner.load(str(path), block_size=4, num_blocks=128, max_batch=4, max_prefill_batch=4)
