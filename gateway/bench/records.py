@@ -121,12 +121,13 @@ def _usage(doc: dict[str, object], rec: Record) -> bool:
 class SSEReader:
     """Feed it an OpenAI server-sent event stream in any split, with the time of each piece."""
 
-    __slots__ = ("rec", "buf", "done", "chunks", "has_usage")
+    __slots__ = ("rec", "buf", "done", "finished", "chunks", "has_usage")
 
     def __init__(self, rec: Record) -> None:
         self.rec = rec
         self.buf = b""
-        self.done = False
+        self.done = False  # data: [DONE]
+        self.finished = False  # a choice with a finish_reason (some servers send no [DONE] after it)
         self.chunks = 0
         self.has_usage = False
 
@@ -158,6 +159,7 @@ class SSEReader:
             choices = doc.get("choices")
             if choices:
                 c = choices[0]
+                self.finished = self.finished or bool(c.get("finish_reason"))
                 text = c.get("text") if "text" in c else (c.get("delta") or {}).get("content")
                 if text:
                     self.chunks += 1
@@ -168,8 +170,8 @@ class SSEReader:
         """The response ended at ``t``."""
         rec = self.rec
         rec.end = t
-        if not self.done:
-            rec.fail("incomplete_stream", "the stream ended without data: [DONE]")
+        if not (self.done or self.finished):
+            rec.fail("incomplete_stream", "the stream ended without a finish_reason or data: [DONE]")
         if not self.has_usage:
             rec.output_tokens = self.chunks
 

@@ -152,6 +152,21 @@ def test_grpc_web_body_cut_before_its_trailer_frame_is_incomplete() -> None:
     assert rec.error == "incomplete_stream" and rec.end == 2.0
 
 
+def test_a_stream_that_finished_without_done_is_complete() -> None:
+    """Some servers (transformers serve) end with a finish_reason and usage, and no data: [DONE]."""
+    rec = Record(0, 0.0)
+    r = SSEReader(rec)
+    r.feed(b'data: {"choices":[{"text":"a","index":0}]}\n\n'
+           b'data: {"choices":[{"text":"","index":0,"finish_reason":"length"}]}\n\n', 1.0)
+    r.finish(2.0)
+    assert not rec.error and rec.output_tokens == 1
+    cut = Record(1, 0.0)
+    r = SSEReader(cut)
+    r.feed(b'data: {"choices":[{"text":"a","index":0,"finish_reason":null}]}\n\n', 1.0)
+    r.finish(2.0)
+    assert cut.error == "incomplete_stream"
+
+
 def test_sse_error_event_is_an_error_kind() -> None:
     rec = Record(0, 0.0)
     r = SSEReader(rec)
