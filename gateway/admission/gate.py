@@ -155,14 +155,18 @@ class Admission:
         if plain and st is not None and st.outstanding < self._plain_bound:  # the shedder admits: take() plain
             rates = self._rates
             if rates is None:
-                self.shedder.enter_plain(st, now)
-                return Grant(key_id, priority, (), None, model, None, prompt, rec)
-            tokens = prompt + g.params.max_tokens
-            fast = self.limits.fast(key_id, address, model, req.path, tokens, now)  # the usual case, compiled
-            if fast is None:  # not it (nothing taken): the rate check decides -- or refuses, nothing held
-                fast = rates.take((key_id, address, model, req.path), tokens, now)
-            self.shedder.enter_plain(st, now)  # the shedder's slot last: it cannot refuse
-            return Grant(key_id, priority, fast[0], fast[1], model, None, prompt, rec)
+                grant = Grant(key_id, priority, (), None, model, None, prompt, rec)
+            else:
+                tokens = prompt + g.params.max_tokens
+                fast = self.limits.fast(key_id, address, model, req.path, tokens, now)  # the usual case, compiled
+                if fast is None:  # not it (nothing taken): the rate check decides -- or refuses, nothing held
+                    fast = rates.take((key_id, address, model, req.path), tokens, now)
+                grant = Grant(key_id, priority, fast[0], fast[1], model, None, prompt, rec)
+            # the shedder's slot last (it cannot refuse): LoadShedder.enter_plain, written out
+            if st.outstanding == 0:
+                st.estimator.busy_since = now
+            st.outstanding += 1
+            return grant
         return self.admit(AdmissionContext(authorization, address, model, req.path, prompt, g.params.max_tokens,
                                            deadline, hint, req.headers), now)
 

@@ -35,7 +35,8 @@ DEFAULT_PRIORITY = 1  # the class of a request without a key
 
 class WaitEstimator:
     """EWMA of the busy-period time between completions of one pool. Its busy period is public:
-    :meth:`LoadShedder.enter_plain` (admission's fast path) writes :meth:`started` out on it."""
+    :meth:`LoadShedder.enter_plain` (and admission's fast path, which writes that out) sets it as
+    :meth:`started` would."""
 
     __slots__ = ("alpha", "gap", "_last", "busy_since")
 
@@ -99,7 +100,7 @@ class LoadShedder:
         self.classes = classes
         self.headroom = headroom
         self.max_pools = max_pools
-        self.pools: dict[str, Pool] = {}  # read by Admission.admit_call's plain case (then enter_plain)
+        self.pools: dict[str, Pool] = {}  # read by Admission.admit_call's plain case (enter_plain, written out)
         self._per_key: dict[str, int] = {}
         self.shed = 0  # refusals, for a counter
         self.shed_by: dict[tuple[int, str], int] = {}  # (class, reason) -> refusals, on /metrics
@@ -154,7 +155,7 @@ class LoadShedder:
     def enter_plain(self, st: Pool, now: float) -> None:
         """Take a slot in ``st`` in :meth:`take`'s plain case, which the caller saw hold: an existing
         pool holding fewer than ``bound(0)``, a request with no deadline and no key cap (no check can
-        refuse it). Admission's fast path takes its slot with this."""
+        refuse it). Admission's fast path (``Admission.admit_call``) writes this out."""
         if st.outstanding == 0:  # WaitEstimator.started, written out (once per request)
             st.estimator.busy_since = now
         st.outstanding += 1

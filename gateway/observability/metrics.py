@@ -21,7 +21,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from transport.common.stats_series import STATS_SERIES
 
-__all__ = ["GatewayMetrics", "FastHistogram", "CONTENT_TYPE_LATEST"]
+__all__ = ["GatewayMetrics", "Series", "FastHistogram", "CONTENT_TYPE_LATEST"]
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 TPOT_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
@@ -49,6 +49,21 @@ class FastHistogram:
         return out
 
 
+class Series:
+    """One (route, model)'s request figures: counts by (status, protocol), the latency histograms,
+    the completion tokens. The pipeline adds to them once or twice per request (one dictionary
+    lookup by string each time); the collector reads them when scraped."""
+
+    __slots__ = ("requests", "e2e", "ttft", "tpot", "output_tokens")
+
+    def __init__(self) -> None:
+        self.requests: dict[tuple[int, str], int] = {}
+        self.e2e = FastHistogram(LATENCY_BUCKETS)
+        self.ttft = FastHistogram(LATENCY_BUCKETS)  # rendered once it holds an observation
+        self.tpot = FastHistogram(TPOT_BUCKETS)
+        self.output_tokens = 0
+
+
 class GatewayMetrics:
     """Request counts by route/status/protocol, TTFT, TPOT, e2e latency, in-flight."""
 
@@ -58,11 +73,7 @@ class GatewayMetrics:
         r = self.registry
         # every request series is labelled by model: a configured or announced name, "" for routes
         # that name none (bounded: the pool canonicalises names and refuses unknown ones)
-        self.requests: dict[tuple[str, str, str, str], int] = {}  # (route, status, protocol, model)
-        self.ttft: dict[tuple[str, str], FastHistogram] = {}  # (route, model)
-        self.tpot: dict[tuple[str, str], FastHistogram] = {}
-        self.e2e: dict[tuple[str, str], FastHistogram] = {}
-        self.output_tokens: dict[tuple[str, str], int] = {}
+        self.series: dict[str, dict[str, Series]] = {}  # route -> model -> its figures (string keys only)
         self.route_leaves: dict[tuple[str, str], int] = {}  # (routing rule leaf, model) -> requests
         self.shadows: dict[tuple[str, str, str], int] = {}  # (leaf, shadow model, ok|failed|skipped) -> copies
         self.in_flight = 0
@@ -81,15 +92,27 @@ class GatewayMetrics:
                                   registry=r)
         r.register(_RequestCollector(self))
 
+    def of(self, route: str, model: str) -> Series:
+        """The figures of requests to ``route`` for ``model`` (created on first use)."""
+        by_model = self.series.get(route)
+        if by_model is None:
+            by_model = self.series[route] = {}
+        s = by_model.get(model)
+        if s is None:
+            s = by_model[model] = Series()
+        return s
+
     def request_done(self, route: str, status: int, protocol: str, seconds: float, model: str = "") -> None:
-        key = (route, str(status), protocol, model)
-        req = self.requests
+        by_model = self.series.get(route)
+        s = by_model.get(model) if by_model is not None else None
+        if s is None:
+            s = self.of(route, model)
+        key = (status, protocol)
+        req = s.requests
         req[key] = req.get(key, 0) + 1
-        hk = (route, model)
-        h = self.e2e.get(hk)
-        if h is None:
-            h = self.e2e[hk] = FastHistogram(LATENCY_BUCKETS)
-        h.observe(seconds)
+        h = s.e2e  # FastHistogram.observe, written out (here and in tokens: once per request each)
+        h.counts[bisect_left(h.bounds, seconds)] += 1
+        h.sum += seconds
 
     def tokens(self, route: str, model: str, ttft: float | None, tpot: float | None, n: int) -> None:
         """One generation finished: first-token latency, mean inter-token time, count.
@@ -99,18 +122,24 @@ class GatewayMetrics:
         piece arrives once the request ends, so this is the first token's time at the earliest
         the gateway can know it), and its ``tpot`` is None.
         """
-        key = (route, model)
+        by_model = self.series.get(route)
+        s = by_model.get(model) if by_model is not None else None
+        if s is None:
+            s = self.of(route, model)
         if ttft is not None:
-            h = self.ttft.get(key)
-            if h is None:
-                h = self.ttft[key] = FastHistogram(LATENCY_BUCKETS)
-            h.observe(ttft)
+            h = s.ttft
+            h.counts[bisect_left(h.bounds, ttft)] += 1
+            h.sum += ttft
         if tpot is not None:
-            h = self.tpot.get(key)
-            if h is None:
-                h = self.tpot[key] = FastHistogram(TPOT_BUCKETS)
-            h.observe(tpot)
-        self.output_tokens[key] = self.output_tokens.get(key, 0) + n
+            h = s.tpot
+            h.counts[bisect_left(h.bounds, tpot)] += 1
+            h.sum += tpot
+        s.output_tokens += n
+
+    def count(self, route: str, status: int, protocol: str, model: str = "") -> int:
+        """Requests to ``route`` for ``model`` that ended with ``status`` over ``protocol`` (tests, diagnostics)."""
+        s = self.series.get(route, {}).get(model)
+        return 0 if s is None else s.requests.get((status, protocol), 0)
 
     def routed(self, leaf: str, model: str) -> None:
         """A routing rule's leaf sent a request to ``model`` (bounded: the configured leaves and models)."""
@@ -143,14 +172,17 @@ class _RequestCollector:
 
     def collect(self) -> Iterator[Metric]:
         m = self.m
+        series = sorted((route, model, s) for route, by_model in m.series.items() for model, s in by_model.items())
         req = CounterMetricFamily("quicserve_requests", "HTTP requests handled",
                                   labels=["route", "status", "protocol", "model"])
-        for (route, status, proto, model), n in sorted(m.requests.items()):
-            req.add_metric([route, status, proto, model], n)
+        for route, model, s in series:
+            for (status, proto), n in sorted(s.requests.items()):
+                req.add_metric([route, str(status), proto, model], n)
         yield req
         tok = CounterMetricFamily("quicserve_output_tokens", "Completion tokens sent", labels=["route", "model"])
-        for (route, model), n in sorted(m.output_tokens.items()):
-            tok.add_metric([route, model], n)
+        for route, model, s in series:
+            if s.output_tokens or any(s.ttft.counts):  # a generation finished here
+                tok.add_metric([route, model], s.output_tokens)
         yield tok
         leaves = CounterMetricFamily("quicserve_route_decisions", "Requests sent by a routing rule's leaf to a model",
                                      labels=["leaf", "model"])
@@ -163,15 +195,17 @@ class _RequestCollector:
             shadows.add_metric(list(key), n)
         yield shadows
         yield GaugeMetricFamily("quicserve_requests_in_flight", "Requests being handled", value=m.in_flight)
-        for name, doc, hists in (
-            ("quicserve_time_to_first_token_seconds", "Request arrival to first token", m.ttft),
+        for name, doc, attr in (
+            ("quicserve_time_to_first_token_seconds", "Request arrival to first token", "ttft"),
             ("quicserve_time_per_output_token_seconds", "Mean time between output tokens after the first, per request",
-             m.tpot),
-            ("quicserve_request_duration_seconds", "Request arrival to last byte", m.e2e),
+             "tpot"),
+            ("quicserve_request_duration_seconds", "Request arrival to last byte", "e2e"),
         ):
             fam = HistogramMetricFamily(name, doc, labels=["route", "model"])
-            for (route, model), h in sorted(hists.items()):
-                fam.add_metric([route, model], h.cumulative(), h.sum)
+            for route, model, s in series:
+                h: FastHistogram = getattr(s, attr)
+                if any(h.counts):  # a series that never observed one is not rendered
+                    fam.add_metric([route, model], h.cumulative(), h.sum)
             yield fam
 
 

@@ -78,9 +78,9 @@ async def test_unary_collects_over_the_real_transport(echo: tuple[App, EchoWorke
     assert body["choices"][0]["message"]["content"] == expected_text(40)  # type: ignore[index]
     assert body["choices"][0]["finish_reason"] == "length"  # type: ignore[index]
     assert body["usage"]["completion_tokens"] == 40  # type: ignore[index]
-    # delivered whole (Submit.buffered): tokens are counted, no TTFT is claimed
-    assert "/v1/chat/completions" not in app.metrics.ttft
-    assert app.metrics.output_tokens["/v1/chat/completions", "tiny"] == 40
+    # delivered whole (Submit.buffered): tokens counted; TTFT when the transport saw the first token, no TPOT
+    s = app.metrics.of("/v1/chat/completions", "tiny")
+    assert s.output_tokens == 40 and sum(s.ttft.counts) == 1 and not any(s.tpot.counts)
 
 
 @pytest.mark.parametrize("refuse_every", [0, 3])
