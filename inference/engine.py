@@ -125,7 +125,8 @@ class Engine:
         self.config = config
         self.window: BatchWindow = window if window is not None else FixedWindow(0.0)
         self.kv = KVCache(
-            runner.num_blocks, runner.block_size, enable_prefix_cache=config.enable_prefix_cache
+            runner.num_blocks, runner.block_size, enable_prefix_cache=config.enable_prefix_cache,
+            window=runner.sliding_window,
         )
         # A lone sequence must always fit in the cache, so cap the context there.
         self.max_model_len = min(runner.max_model_len, runner.num_blocks * runner.block_size)
@@ -407,6 +408,7 @@ class Engine:
                 continue
             s.num_computed = work.start_pos + len(work.token_ids)
             self.kv.register(s.seq_id, s.tokens, s.num_computed)
+            self.kv.release_out_of_window(s.seq_id, s.num_computed)
             if s.num_computed < len(s.tokens):
                 continue  # a chunk short of the prompt's end: its sample is not a token of the request
             delta, reason = s.accept(out, self.max_model_len)

@@ -15,6 +15,13 @@ Allocation takes from ``_free`` first, then evicts the least recently used
 evictable block (dropping its hash). A block with ref >= 1 is never handed out.
 Only full blocks are shared, and a sequence only ever writes into its own
 last, partial block, so shared blocks are immutable.
+
+With a sliding ``window`` (the model attends to a query's last ``window``
+keys), :meth:`KVCache.release_out_of_window` gives back a sequence's blocks
+that lie wholly before the window of its next query: no later step reads them.
+Its table keeps its length (positions still index it); the released entries
+name the first block it still holds, so a kernel that reads one in passing
+reads finite values it then masks.
 """
 
 from __future__ import annotations
@@ -36,22 +43,25 @@ class Allocation:
 
 
 class _SeqBlocks:
-    __slots__ = ("blocks", "hashes")
+    __slots__ = ("blocks", "hashes", "released")
 
     def __init__(self) -> None:
         self.blocks: list[int] = []
         self.hashes: list[int] = []  # chain hashes of the leading full, registered blocks
+        self.released = 0  # leading blocks given back (out of the window); their entries name blocks[released]
 
 
 class KVCache:
     """Block allocator with reference counts, prefix hashing and LRU eviction."""
 
-    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_cache: bool = True) -> None:
-        if num_blocks < 1 or block_size < 1:
-            raise ValueError("num_blocks and block_size must be >= 1")
+    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_cache: bool = True,
+                 window: int | None = None) -> None:
+        if num_blocks < 1 or block_size < 1 or (window is not None and window < 1):
+            raise ValueError("num_blocks, block_size and window must be >= 1")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_cache = enable_prefix_cache
+        self.window = window
         self._ref = [0] * num_blocks
         self._hash_of: list[int | None] = [None] * num_blocks
         self._cached: dict[int, int] = {}  # chain hash -> block id
@@ -63,6 +73,7 @@ class KVCache:
         self.queried_tokens = 0
         self.hit_tokens = 0
         self.evictions = 0
+        self.window_releases = 0  # blocks given back because they fell out of a sliding window
 
     # -- queries -----------------------------------------------------------
     @property
@@ -185,20 +196,41 @@ class KVCache:
             sb.hashes.append(h)
             parent = h
 
+    def release_out_of_window(self, seq_id: int, num_computed: int) -> int:
+        """With a sliding window, give back the blocks of ``seq_id`` that lie wholly before the window of
+        its next query (position ``num_computed``: it sees ``num_computed - window + 1`` on); how many.
+        Call after :meth:`register` (a released block keeps its prefix-cache entry)."""
+        if self.window is None:
+            return 0
+        sb = self._seqs[seq_id]
+        keep = min(max(num_computed - self.window + 1, 0) // self.block_size, len(sb.blocks) - 1)
+        if keep <= sb.released:
+            return 0
+        for b in sb.blocks[sb.released : keep]:
+            self._release(b)
+        n = keep - sb.released
+        sb.blocks[:keep] = [sb.blocks[keep]] * keep
+        sb.released = keep
+        self.window_releases += n
+        return n
+
     def free(self, seq_id: int) -> None:
         """Release a sequence's blocks (cached ones stay reusable until evicted)."""
         sb = self._seqs.pop(seq_id, None)
         if sb is None:
             return
         # Release the tail first so LRU eviction takes deep blocks before roots.
-        for b in reversed(sb.blocks):
-            self._ref[b] -= 1
-            assert self._ref[b] >= 0, "block reference count went negative"
-            if self._ref[b] == 0:
-                if self._hash_of[b] is not None:
-                    self._evictable[b] = None
-                else:
-                    self._free.append(b)
+        for b in reversed(sb.blocks[sb.released :]):
+            self._release(b)
+
+    def _release(self, b: int) -> None:
+        self._ref[b] -= 1
+        assert self._ref[b] >= 0, "block reference count went negative"
+        if self._ref[b] == 0:
+            if self._hash_of[b] is not None:
+                self._evictable[b] = None
+            else:
+                self._free.append(b)
 
     def _acquire(self, b: int) -> None:
         if self._ref[b] == 0:
@@ -234,7 +266,8 @@ class KVCache:
         """Raise AssertionError if the bookkeeping is inconsistent (tests)."""
         refs = [0] * self.num_blocks
         for sb in self._seqs.values():
-            for b in sb.blocks:
+            assert all(b == sb.blocks[sb.released] for b in sb.blocks[: sb.released]), "a released entry moved"
+            for b in sb.blocks[sb.released :]:
                 refs[b] += 1
         assert refs == self._ref, "reference counts disagree with block tables"
         free = set(self._free)

@@ -97,6 +97,7 @@ class ModelRunner(Protocol):
     num_blocks: int
     max_model_len: int
     eos_token_ids: tuple[int, ...]
+    sliding_window: int | None  # the model's (a query sees its last this many keys): the KV cache frees the rest
 
     def execute(self, plan: StepPlan) -> list[SeqOutput]:
         """Run prefills then decodes; one output per SeqWork, prefills first."""

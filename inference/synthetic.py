@@ -187,6 +187,7 @@ class SyntheticRunner:
         self.num_blocks = num_blocks
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
+        self.sliding_window: int | None = None
         self.cost = cost if cost is not None else SyntheticCost()
         self.faults = faults if faults is not None else SyntheticFaults()
         self._sleep = sleep

@@ -244,6 +244,7 @@ class MeasuredCostRunner:
     def __init__(self, table: Table, prefill_batch: int, overlap: bool = True) -> None:
         self.block_size, self.num_blocks, self.max_model_len = 16, 4096, 1024
         self.eos_token_ids: tuple[int, ...] = (257,)
+        self.sliding_window: int | None = None
         self.dec, self.pre, _ = table
         self.overlap = overlaps(table) if overlap else {}
         self.buckets = Buckets(max_batch=MAX_BATCH, max_model_len=self.max_model_len,

@@ -20,6 +20,7 @@ class ScriptedRunner:
         self.num_blocks = num_blocks
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
+        self.sliding_window: int | None = None
         self.plans: list[StepPlan] = []
 
     def execute(self, plan: StepPlan) -> list[SeqOutput]:
