@@ -95,8 +95,7 @@ class App:
         self.api_settings = api or ApiSettings()
         self.openai = OpenAIApi(self.api_settings, validate)
         self.deadlines = DeadlineSweeper()
-        self.calls = CallContext(self.deadlines, self.api_settings.request_timeout, self.metrics.tokens,
-                                 self.api_settings.write_timeout)
+        self.calls = CallContext(self.deadlines, self.api_settings.request_timeout, self.api_settings.write_timeout)
         self.generations = Generations(pool, self.metrics, self.calls, admission, tracer, access_log, rules, identify,
                                        rollouts)
         self.rollouts = rollouts

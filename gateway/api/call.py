@@ -41,7 +41,7 @@ from .writers import JsonWriter, Writer
 if TYPE_CHECKING:
     from .deadlines import DeadlineSweeper
 
-__all__ = ["GenerationCall", "CallContext"]
+__all__ = ["GenerationCall", "CallContext", "WHOLE", "PUSH", "PULL"]
 
 log = logging.getLogger("quicserve.api")
 _perf = clock.now  # the request clock (gateway/clock.py): t0, admission's now, latencies
@@ -51,23 +51,21 @@ _FROM_TRANSPORT = clock.OFFSET
 
 EndHook = Callable[["GenerationCall", int, int], None]
 """(the call, status, completion tokens): its owner reads ``route``, ``t0``, ``t_first`` (perf_counter
-time of the first token, or 0.0) and its own ``ticket`` from the call."""
+time of the first token, or 0.0), ``mode`` (WHOLE: the tokens came at once, no time per token) and its
+own ``ticket`` from the call; a status of 200 is a finished generation, every other an error."""
 
-_WHOLE, _PUSH, _PULL = 0, 1, 2  # how the call reads its stream (module docstring)
+WHOLE, PUSH, PULL = 0, 1, 2  # how the call reads its stream (module docstring); its ``mode``
 
 
 class CallContext:
-    """What every call of one app shares: the deadline sweeper, the timeout, the token metrics."""
+    """What every call of one app shares: the deadline sweeper, the timeouts."""
 
-    __slots__ = ("deadlines", "timeout", "write_timeout", "observe")
+    __slots__ = ("deadlines", "timeout", "write_timeout")
 
-    def __init__(self, deadlines: DeadlineSweeper, timeout: float,
-                 observe: Callable[[str, str, float | None, float | None, int], None],
-                 write_timeout: float = 60.0) -> None:
+    def __init__(self, deadlines: DeadlineSweeper, timeout: float, write_timeout: float = 60.0) -> None:
         self.deadlines = deadlines
         self.timeout = timeout
         self.write_timeout = write_timeout  # a client that reads nothing this long is cut off
-        self.observe = observe  # (route, model, ttft, tpot, completion tokens)
 
     def timeout_error(self, timeout: float) -> APIError:
         return APIError(504, f"The request did not finish within {timeout:g} s.", "server_error", None,
@@ -78,7 +76,7 @@ class GenerationCall:
     """One generation request (the :class:`~gateway.http.types.Call` the pipeline hands back)."""
 
     __slots__ = ("_ctx", "_routed", "routed", "_w", "_sink", "route", "t0", "t_first", "ticket", "_on_end", "_done",
-                 "_started", "_ended", "_starting", "_held", "_held_final", "_resumer", "_mode", "_fut", "_timeout",
+                 "_started", "_ended", "_starting", "_held", "_held_final", "_resumer", "mode", "_fut", "_timeout",
                  "_text", "_send_nowait", "_headers")
     # set where they are first needed (see __init__)
     _starting: bool  # inside start(): done() is deferred to the next loop iteration
@@ -108,7 +106,7 @@ class GenerationCall:
         self._started = False  # response head sent (streams)
         self._ended = False
         self._resumer: asyncio.Task[None] | None = None  # the coroutine of a client that is not reading
-        self._mode = _PULL if logprobs else _PUSH if writer.streaming else _WHOLE
+        self.mode = PULL if logprobs else PUSH if writer.streaming else WHOLE
         self._timeout = ctx.timeout if timeout is None else min(timeout, ctx.timeout)
         self._headers = writer.headers if not headers else [*writer.headers, *headers]  # + x-ratelimit-*
 
@@ -128,10 +126,10 @@ class GenerationCall:
         """Read the current stream (again, after a retry) in this call's mode."""
         stream = self._routed.stream
         assert stream is not None
-        mode = self._mode
-        if mode == _WHOLE:
+        mode = self.mode
+        if mode == WHOLE:
             fut: asyncio.Future[Any] = stream.collect()
-        elif mode == _PULL:
+        elif mode == PULL:
             self._pull_events()
             return
         else:
@@ -139,7 +137,7 @@ class GenerationCall:
             self._send_nowait = self._sink.send_nowait
             fut = stream.listen(self._on_text)
         self._fut = fut  # what the call waits on now; others are stale
-        fut.add_done_callback(self._collected if mode == _WHOLE else self._listened)
+        fut.add_done_callback(self._collected if mode == WHOLE else self._listened)
 
     def _collected(self, fut: asyncio.Future[Any]) -> None:
         if self._ended or fut is not self._fut or fut.cancelled():
@@ -157,7 +155,6 @@ class GenerationCall:
                 self._fail(from_wire_code(fin.code, fin.message))
                 return
             n = fin.completion_tokens
-            self._ctx.observe(self.route, self._routed.model, self.t_first - self.t0 if t else None, None, n)
             w = self._w
             assert isinstance(w, JsonWriter)
             self._sink.respond(200, self._headers, w.whole(res.text, fin))
@@ -261,7 +258,7 @@ class GenerationCall:
             final, self._held_final = self._held_final, None
             if final is not None:
                 self._final(final)
-            elif self._mode == _PULL:
+            elif self.mode == PULL:
                 self._pull_events()
             else:
                 self._read()
@@ -273,9 +270,6 @@ class GenerationCall:
             if not self._started and not self.t_first:
                 self._open()  # a finish with no token
             n = ev.completion_tokens
-            if self.t_first:
-                tpot = (_perf() - self.t_first) / (n - 1) if n > 1 else None
-                self._ctx.observe(self.route, self._routed.model, self.t_first - self.t0, tpot, n)
             w = self._w
             body = w.finish(ev)
             if w.streaming:
@@ -378,7 +372,7 @@ class GenerationCall:
         self._ctx.deadlines.discard(self)
         routed = self._routed
         routed.close()  # leaves the waiting set; a worker request still open is cancelled
-        if self._mode == _PUSH:
+        if self.mode == PUSH:
             stream = routed.stream
             if stream is not None:
                 stream.unlisten()

@@ -31,7 +31,7 @@ from ..routing.pool import ModelPool
 from ..routing.rollout import Rollouts
 from ..routing.routed import RoutedStream
 from ..routing.rules import RuleTree, Shadow
-from .call import CallContext, GenerationCall
+from .call import WHOLE, CallContext, GenerationCall
 from .params import GenerationRequest
 from .route_facts import Identify, RouteFacts
 from .writers import Writer
@@ -207,15 +207,19 @@ class Generations:
         metrics.in_flight -= 1
         now = _perf()
         req, g, grant, span = call.ticket
-        metrics.request_done(call.route, status, req.protocol, now - call.t0, g.model)
-        self.pool.outcome(call.routed.conn, g.model, status, call.t_first - call.t0 if call.t_first else None, now)
+        t_first = call.t_first
+        ttft = t_first - call.t0 if t_first else None
+        if status == 200:  # finished: its tokens, and their pace if they came one step at a time
+            tpot = (now - t_first) / (tokens - 1) if tokens > 1 and t_first and call.mode != WHOLE else None
+            metrics.request_done(call.route, 200, req.protocol, now - call.t0, g.model, ttft, tpot, tokens)
+        else:
+            metrics.request_done(call.route, status, req.protocol, now - call.t0, g.model)
+        self.pool.outcome(call.routed.conn, g.model, status, ttft, now)
         admission = self.admission
         if grant is not _NO_GRANT and admission is not None:
             admission.release(grant, tokens, now)
         if g.rollout is not None:
-            t_first = call.t_first
-            g.rollout.observe(g.model, status, t_first - call.t0 if t_first else None,
-                              (now - t_first) / (tokens - 1) if t_first and tokens > 1 else None)
+            g.rollout.observe(g.model, status, ttft, (now - t_first) / (tokens - 1) if t_first and tokens > 1 else None)
         if span is not None or self.access_log:
             _observed(req, g.model, span, self.access_log, status, tokens, call.t0, call.t_first, now, route=g.route)
 

@@ -102,7 +102,16 @@ class GatewayMetrics:
             s = by_model[model] = Series()
         return s
 
-    def request_done(self, route: str, status: int, protocol: str, seconds: float, model: str = "") -> None:
+    def request_done(self, route: str, status: int, protocol: str, seconds: float, model: str = "",
+                     ttft: float | None = None, tpot: float | None = None, tokens: int = 0) -> None:
+        """One request ended (``seconds`` after it arrived); a finished generation also gives its first
+        token's latency, its mean time per output token after the first and its completion tokens.
+
+        A non-streaming response is delivered by the worker in one piece (``Submit.buffered``): its
+        ``ttft`` is when the transport saw its first token (the worker stamps nothing; the piece
+        arrives once the request ends, so this is the first token's time at the earliest the gateway
+        can know it), and its ``tpot`` is None.
+        """
         by_model = self.series.get(route)
         s = by_model.get(model) if by_model is not None else None
         if s is None:
@@ -110,31 +119,19 @@ class GatewayMetrics:
         key = (status, protocol)
         req = s.requests
         req[key] = req.get(key, 0) + 1
-        h = s.e2e  # FastHistogram.observe, written out (here and in tokens: once per request each)
+        h = s.e2e  # FastHistogram.observe, written out (once per request for each)
         h.counts[bisect_left(h.bounds, seconds)] += 1
         h.sum += seconds
-
-    def tokens(self, route: str, model: str, ttft: float | None, tpot: float | None, n: int) -> None:
-        """One generation finished: first-token latency, mean inter-token time, count.
-
-        A non-streaming response is delivered by the worker in one piece (``Submit.buffered``):
-        its ``ttft`` is when the transport saw its first token (the worker stamps nothing; the
-        piece arrives once the request ends, so this is the first token's time at the earliest
-        the gateway can know it), and its ``tpot`` is None.
-        """
-        by_model = self.series.get(route)
-        s = by_model.get(model) if by_model is not None else None
-        if s is None:
-            s = self.of(route, model)
         if ttft is not None:
             h = s.ttft
             h.counts[bisect_left(h.bounds, ttft)] += 1
             h.sum += ttft
-        if tpot is not None:
-            h = s.tpot
-            h.counts[bisect_left(h.bounds, tpot)] += 1
-            h.sum += tpot
-        s.output_tokens += n
+            if tpot is not None:
+                h = s.tpot
+                h.counts[bisect_left(h.bounds, tpot)] += 1
+                h.sum += tpot
+        if tokens:
+            s.output_tokens += tokens
 
     def count(self, route: str, status: int, protocol: str, model: str = "") -> int:
         """Requests to ``route`` for ``model`` that ended with ``status`` over ``protocol`` (tests, diagnostics)."""
