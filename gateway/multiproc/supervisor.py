@@ -35,7 +35,7 @@ import orjson
 
 from ..http.tls import load_or_create_tls
 from ..observability.metrics import GatewayMetrics
-from ..observability.progress import ProgressDisplay
+from ..observability.systemd import SystemdNotifier, required_models
 from ..routing.pool import ModelPool
 from ..settings import Settings, state_dir
 from ..workers.process import Backoff, child_setup
@@ -90,6 +90,7 @@ class GatewayProcesses:
         self.store = LocalStore(settings, self.runtime)
         self.pool = _PublishingPool(self._publish)
         self.workers: WorkerSupervisor | None = None
+        self.notifier = SystemdNotifier.from_environ()  # and out of the environment the processes inherit
 
     def _say(self, text: str) -> None:
         self.out.write(f"quicserve: {text}\n")
@@ -196,6 +197,8 @@ class GatewayProcesses:
         stop = asyncio.Event()
 
         def on_stop(sig: signal.Signals) -> None:
+            if not self.stopping:
+                self.notifier.stopping()
             self.stopping = True
             self._signal_all(sig)  # a second one reaches them too: they skip what is left of the drain
             stop.set()
@@ -209,9 +212,13 @@ class GatewayProcesses:
             s = self.settings
             models = [m.worker_settings() for m in s.served()] if s.models else [s.workers]
             models = [replace(m, remote=[]) for m in models]  # remote workers: each process connects itself
-            self.workers = WorkerSupervisor(models, self.pool, GatewayMetrics(), ProgressDisplay(s.log.progress),
-                                            connect=self._connect)
+            self.workers = WorkerSupervisor(models, self.pool, GatewayMetrics(),
+                                            self.notifier.progress_display(s.log.progress), connect=self._connect)
             self.workers.start()
+            # systemd hears the supervisor alone (the processes do not inherit NOTIFY_SOCKET): ready once
+            # every process is, watchdog pings from this loop
+            self.notifier.start(required_models(*models),
+                                lambda: self.pool.models() if all(p.ready for p in self.procs) else ())
             self._say(f"{self.n} gateway processes over one worker pool (runtime {self.runtime})")
             tasks = [asyncio.create_task(self._run_one(p)) for p in self.procs]
             await stop.wait()
@@ -226,6 +233,7 @@ class GatewayProcesses:
             if self.workers is not None:
                 await self.workers.stop()
             await self.store.stop()
+            await self.notifier.close()
             self.groups.close()
             shutil.rmtree(self.runtime, ignore_errors=True)
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):

@@ -428,3 +428,41 @@ def test_sigterm_drains_every_process(tmp_path_factory: pytest.TempPathFactory) 
             s.close()
     finally:
         stop_gateway(gw)
+
+
+def test_systemd_hears_the_supervisor_alone(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Under a Type=notify unit (NotifyAccess=main): READY=1 from the supervisor's pid once every
+    process serves, no datagram from a gateway process, STOPPING=1 on SIGTERM."""
+    state = tmp_path_factory.mktemp("notify")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(str(state / "notify"))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)  # each datagram says who sent it
+    sock.settimeout(60)
+    senders: set[int] = set()
+
+    def receive() -> dict[str, str]:
+        data, anc, _, _ = sock.recvmsg(4096, socket.CMSG_SPACE(12))
+        senders.update(int.from_bytes(d[:4], "little") for level, kind, d in anc
+                       if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS)
+        return dict(line.split("=", 1) for line in data.decode().splitlines() if "=" in line)
+
+    os.environ["NOTIFY_SOCKET"] = str(state / "notify")  # start_gateway passes this environment on
+    try:
+        gw = start_gateway(state, "--processes", "2", "--no-tls", "--quic-port", "-1", "--grpc-port", "-1")
+    finally:
+        del os.environ["NOTIFY_SOCKET"]
+    try:
+        fleet = fleet_of(gw, 2)
+        fields: dict[str, str] = {}
+        while "READY" not in fields:
+            fields = receive()
+        assert fields["MAINPID"] == str(gw.proc.pid) and "tiny" in fields["STATUS"]
+        assert httpx.get(f"http://127.0.0.1:{fleet.ports['http']}/readyz").status_code == 200
+        gw.proc.send_signal(15)
+        while "STOPPING" not in fields:
+            fields = receive()
+        assert gw.proc.wait(30) == 0
+        assert senders == {gw.proc.pid}
+    finally:
+        stop_gateway(gw)
+        sock.close()
