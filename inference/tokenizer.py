@@ -78,13 +78,20 @@ def _raise_exception(message: str) -> None:  # the template's own error hook
     raise TokenizerError(f"chat template: {message}")
 
 
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+            sort_keys: bool = False) -> str:
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
 @functools.lru_cache(maxsize=32)
 def _compiled(template: str) -> Any:
     """The template compiled once per text (the tiny template: compiling ~1.2 ms, rendering ~20 µs)."""
     from jinja2 import TemplateError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    # As transformers renders them: break/continue, and a tojson that does not escape HTML (Qwen's tools).
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     try:
