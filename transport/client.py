@@ -77,7 +77,8 @@ class ClientConnection:
             raise ConnectionClosed("connection to worker is closed")
         self.core.submit(submit, window(submit))  # a whole result (Submit.buffered): credit does not apply
         p = submit.params
-        stream = ClientStream(self, submit.request_id, bool(p.logprobs or p.top_logprobs), self.history.position)
+        h = self.history  # its position (ReceivedLog.position, written out): the stream's mark
+        stream = ClientStream(self, submit.request_id, bool(p.logprobs or p.top_logprobs), h.base + len(h.batches))
         streams = self._streams
         if not streams:
             self._idle.clear()
@@ -137,8 +138,11 @@ class ClientConnection:
                 if not streams:
                     self._idle.set()
             elif t is TokensReceived:
-                deliver_tokens(streams, ev.batch, self.grant_batch)  # type: ignore[union-attr]
-                if self.history.add(ev.batch):  # type: ignore[union-attr]
+                batch = ev.batch  # type: ignore[union-attr]
+                deliver_tokens(streams, batch, self.grant_batch)
+                kept = self.history.batches  # ReceivedLog.add, written out (once per engine step)
+                kept.append(batch)
+                if len(kept) >= self.history.trim_at:
                     self.history.trim([s.mark for s in streams.values()])
             elif isinstance(ev, StatsReceived):
                 self.latest_stats = ev.stats

@@ -31,12 +31,12 @@ MAX_BATCHES = 4096  # engine steps of history at most (a few minutes of a busy w
 class ReceivedLog:
     """The token batches one connection received, from its oldest open stream's submit on."""
 
-    __slots__ = ("batches", "base", "_trim_at", "_index")
+    __slots__ = ("batches", "base", "trim_at", "_index")
 
     def __init__(self) -> None:
         self.batches: list[TokenBatch] = []
         self.base = 0  # the position of batches[0] (positions count every batch ever added)
-        self._trim_at = TRIM_EVERY
+        self.trim_at = TRIM_EVERY  # trim once this many are kept (the connection's receive path reads it)
         self._index: dict[int, list[tuple[int, int, int, int]]] | None = None  # frozen_slice's
 
     @property
@@ -45,9 +45,10 @@ class ReceivedLog:
         return self.base + len(self.batches)
 
     def add(self, batch: TokenBatch) -> bool:
-        """Keep one received batch; True when it is time to :meth:`trim`."""
+        """Keep one received batch; True when it is time to :meth:`trim`. (The connection's receive
+        path writes this out: an append and a length check per engine step.)"""
         self.batches.append(batch)
-        return len(self.batches) >= self._trim_at
+        return len(self.batches) >= self.trim_at
 
     def trim(self, marks: Iterable[int]) -> None:
         """Forget the batches before the oldest of ``marks`` (the open streams'), and any beyond
@@ -57,7 +58,7 @@ class ReceivedLog:
         if cut > 0:
             del self.batches[:cut]
             self.base += cut
-        self._trim_at = len(self.batches) + TRIM_EVERY
+        self.trim_at = len(self.batches) + TRIM_EVERY
 
     def slice(self, rid: int, mark: int) -> Received | None:
         """What stream ``rid``, opened at ``mark``, received: its entries in the batches since
