@@ -27,6 +27,12 @@ class Exchange:
         """The reader of a response with this HTTP status."""
         return self.body_reader(rec) if status == 200 else ErrorReader(rec, status)
 
+    def head(self, scheme: str, authority: str, base_path: str = "") -> list[tuple[bytes, bytes]]:
+        """The request's header block for HTTP/2 and HTTP/3 (pseudo-headers first)."""
+        return [(b":method", b"POST"), (b":scheme", scheme.encode()), (b":authority", authority.encode()),
+                (b":path", (base_path.rstrip("/") + self.path).encode()),
+                *((k.encode(), v.encode()) for k, v in self.headers)]
+
 
 def _auth(api_key: str) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {api_key}"),) if api_key else ()

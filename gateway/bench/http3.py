@@ -26,6 +26,7 @@ from aioquic.quic.events import ConnectionTerminated, QuicEvent, StreamReset
 
 from .exchange import Exchange
 from .records import BodyReader, Record, settled
+from .turns import InTurn
 
 __all__ = ["HTTP3Sender"]
 
@@ -136,48 +137,31 @@ class HTTP3Sender:
         self.host, self.port = u.hostname or "127.0.0.1", u.port or 443
         self.exchange, self.timeout, self.now = exchange, timeout, now
         self.insecure, self.cacert = insecure, cacert
-        authority = f"{self.host}:{self.port}".encode()
-        self.head = [(b":method", b"POST"), (b":scheme", b"https"), (b":authority", authority),
-                     (b":path", (u.path.rstrip("/") + exchange.path).encode()),
-                     *((k.encode(), v.encode()) for k, v in exchange.headers)]
-        self.n = max(1, connections)
-        self.conns: list[_H3Conn] = []
-        self.turn = 0
+        self.head = exchange.head("https", f"{self.host}:{self.port}", u.path)
         self._stack = AsyncExitStack()
-        self._lock = asyncio.Lock()
+        self.pool: InTurn[_H3Conn] = InTurn(connections, self._connect)
 
     def prepare(self, body: bytes) -> bytes:
         return body
 
-    async def _conn(self) -> _H3Conn:
-        self.turn += 1
-        i = self.turn % self.n
-        if i < len(self.conns) and not self.conns[i].closed:
-            return self.conns[i]
-        async with self._lock:
-            if i < len(self.conns) and not self.conns[i].closed:
-                return self.conns[i]
-            cfg = _quic_config(self.host, insecure=self.insecure, cacert=self.cacert,
-                               idle_timeout=max(60.0, self.timeout))
-            conn = await self._stack.enter_async_context(
-                connect(self.host, self.port, configuration=cfg, create_protocol=_H3Conn))
-            assert isinstance(conn, _H3Conn)
-            conn.exchange, conn.now = self.exchange, self.now
-            if i < len(self.conns):
-                self.conns[i] = conn
-            else:
-                self.conns.append(conn)
-            return conn
+    async def _connect(self) -> _H3Conn:
+        cfg = _quic_config(self.host, insecure=self.insecure, cacert=self.cacert,
+                           idle_timeout=max(60.0, self.timeout))
+        conn = await self._stack.enter_async_context(
+            connect(self.host, self.port, configuration=cfg, create_protocol=_H3Conn))
+        assert isinstance(conn, _H3Conn)
+        conn.exchange, conn.now = self.exchange, self.now
+        return conn
 
     async def send(self, payload: bytes, rec: Record) -> None:
         conn: _H3Conn | None = None
         with settled(rec, self.now, self.timeout):
             async with asyncio.timeout(self.timeout):
-                conn = await self._conn()
+                conn = await self.pool.take()
                 await conn.request(self.head, payload, rec)
         if rec.error == "timeout" and conn is not None:
             conn.forget(rec)
 
     async def close(self) -> None:
         await self._stack.aclose()
-        self.conns.clear()
+        self.pool.conns.clear()
