@@ -2,9 +2,9 @@
 
 Each process counts what it served, so its counters, histograms and amounts in flight add up
 across processes; some series are facts every process reports alike (a worker's own Stats, the
-workers configured, a replica's breaker, a rollout's state): those are taken once (the largest
-value, the freshest for the worker's own monotone counters). ``_created`` samples keep the
-earliest.
+workers configured, a replica's breaker, a rollout's state): those are taken once, from the
+first exposition that has them (the scraped process's own, live: the freshest). ``_created``
+samples keep the earliest.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def merge_expositions(texts: Iterable[bytes]) -> bytes:
                 elif s.name.endswith("_created"):
                     acc[key] = min(old, s.value)
                 else:
-                    acc[key] = max(old, s.value) if once else old + s.value
+                    acc[key] = old if once else old + s.value
     for name, fam in families.items():
         for (sample, labels), value in values[name].items():
             fam.add_sample(sample, dict(labels), value)

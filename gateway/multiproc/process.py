@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import os
 import socket
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,7 +29,9 @@ from .metrics_merge import merge_expositions
 __all__ = ["PROCESS_ENV", "GatewayProcess", "from_environ"]
 
 PROCESS_ENV = "QUICSERVE_PROCESS"
-SNAPSHOT_EVERY = 1.0  # seconds between this process's metrics snapshots (how stale another's view is)
+SNAPSHOT_EVERY = 1.0  # seconds between a busy process's metrics snapshots (how stale another's view is)
+SNAPSHOT_IDLE = 15.0  # ... an idle one's
+SCRAPED_WITHIN = 120.0  # seconds after the last /metrics scrape that snapshots are still written
 
 
 @dataclass(slots=True)
@@ -81,17 +84,42 @@ class GatewayProcess:
         return os.path.join(self.runtime, f"metrics-{index}.prom")
 
     async def publish_metrics(self, render: Callable[[], bytes]) -> None:
-        """Write this process's own exposition every :data:`SNAPSHOT_EVERY` seconds (atomically)."""
+        """Keep this process's own exposition where the others read it (written atomically).
+
+        Only while someone reads ``/metrics`` (a scrape within :data:`SCRAPED_WITHIN` seconds: the
+        scraped process touches a marker) and only what moved: every :data:`SNAPSHOT_EVERY`
+        seconds if this process did any work since (its CPU time went on), else every
+        :data:`SNAPSHOT_IDLE` seconds. So a gateway nobody scrapes writes nothing, an idle process
+        costs a ``stat`` a second, and a scrape sees the others as of a second ago (the first scrape
+        after a quiet spell: as of their last snapshot, counters late by that, never wrong in sign).
+        """
         path, tmp = self.snapshot_path(self.index), self.snapshot_path(self.index) + ".tmp"
+        marker = os.path.join(self.runtime, "scraped")
+        loop = asyncio.get_running_loop()
+        published, cpu = -SNAPSHOT_IDLE, -1.0
         while True:
+            await asyncio.sleep(SNAPSHOT_EVERY)
+            now, used = loop.time(), time.process_time()
+            try:
+                wanted = time.time() - os.stat(marker).st_mtime < SCRAPED_WITHIN
+            except OSError:
+                wanted = False
+            if not wanted or (used - cpu < 0.002 and now - published < SNAPSHOT_IDLE):
+                continue
             with contextlib.suppress(OSError):
                 with open(tmp, "wb") as f:
                     f.write(render())
                 os.replace(tmp, path)
-            await asyncio.sleep(SNAPSHOT_EVERY)
+            published, cpu = now, time.process_time()
 
     def merged(self, own: bytes) -> bytes:
-        """This process's exposition (``own``, live) with the others' latest snapshots: the gateway."""
+        """This process's exposition (``own``, live, first: the freshest view of what every process
+        reports alike) with the others' latest snapshots: the gateway."""
+        marker = os.path.join(self.runtime, "scraped")
+        with contextlib.suppress(OSError):
+            with open(marker, "ab"):
+                pass
+            os.utime(marker)  # the others: someone reads /metrics, keep snapshots coming
         texts = [own]
         for i in range(self.of):
             if i != self.index:

@@ -128,10 +128,9 @@ def test_a_quic_connection_migrated_20_times_keeps_its_streams(fleet: Fleet) -> 
                     assert resp.status == 200, f"after move {i + 1}"
                 await asyncio.wait_for(long.done.wait(), 30)
                 assert long.status == 200 and not long.reset
-                events = [e for e in long.body.split(b"\n\n") if e.startswith(b"data: {")]
-                usage = orjson.loads(events[-1][6:]).get("usage") or {}
-                text = b"".join(e for e in events)
-                assert b'"finish_reason":"length"' in text and usage.get("completion_tokens", 200) == 200
+                chunks = [orjson.loads(e[6:]) for e in long.body.split(b"\n\n") if e.startswith(b"data: {")]
+                text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+                assert len(text) == 200 and chunks[-1]["choices"][0]["finish_reason"] == "length"  # a char a token
         finally:
             relay.close()
 
@@ -329,6 +328,35 @@ def test_sighup_reloads_every_process(limited: tuple[Fleet, str]) -> None:
     until(every_connection_admits_beta, 10, "every process to know the new key")
 
 
+def test_a_restarted_worker_reaches_every_process(limited: tuple[Fleet, str]) -> None:
+    """The supervisor restarts a worker that died (on a new port); every process is told the new
+    URL and serves from it."""
+    fleet, _ = limited
+    (worker,) = _children_of_supervisor(fleet) - set(fleet.pids.values()) - _redis_of(fleet)
+    os.kill(worker, 9)
+
+    def every_process_generates() -> bool:
+        for _ in range(12):  # new connections: every process
+            with httpx.Client(headers={"authorization": "Bearer sk-alpha"}) as c:
+                r = c.post(f"http://127.0.0.1:{fleet.ports['http']}/v1/chat/completions",
+                           json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+                if r.status_code != 200:
+                    return False
+        return True
+
+    until(lambda: worker not in _children_of_supervisor(fleet), 10, "the worker to be gone")
+    until(every_process_generates, 60, "every process to serve from the restarted worker")
+
+
+def _redis_of(fleet: Fleet) -> set[int]:
+    out = set()
+    for pid in _children_of_supervisor(fleet):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"redis-server" in f.read():
+                out.add(pid)
+    return out
+
+
 def test_killing_one_process_loses_only_its_connections(limited: tuple[Fleet, str]) -> None:
     fleet, _ = limited
     port = fleet.ports["http"]
@@ -350,6 +378,7 @@ def test_killing_one_process_loses_only_its_connections(limited: tuple[Fleet, st
             assert _h1_get(s) == 200  # the others' did not notice
         s.close()
     assert _children_of_supervisor(fleet) - {fleet.pids[victim]} == worker_pids - {old_pid}  # the worker stayed
+    assert len(worker_pids - set(fleet.pids.values()) - {old_pid}) == 2  # (and the local store)
     until(lambda: _h1_get_fresh(port) == 200, 15)
 
 

@@ -76,7 +76,7 @@ def test_merged_metrics_add_shares_and_take_shared_facts_once() -> None:
     text = merge_expositions([one, two]).decode()
     assert 'quicserve_requests_total{route="/x"} 7.0' in text
     assert "quicserve_requests_in_flight 2.0" in text
-    assert 'quicserve_worker_steps_total{worker="w"} 104.0' in text  # the worker's own: taken once
+    assert 'quicserve_worker_steps_total{worker="w"} 100.0' in text  # the worker's own: once, the first's
     assert 'quicserve_worker_in_flight{worker="w"} 4.0' in text  # each process's requests on it: added
 
 
