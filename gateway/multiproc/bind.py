@@ -43,6 +43,7 @@ class ListenerGroups:
     n: int
     ports: dict[str, int] = field(default_factory=dict)  # "port", "tls_port", "quic_port", "grpc_port"
     unix_path: str = ""
+    warnings: list[str] = field(default_factory=list)
     _groups: list[tuple[str, int | str, list[socket.socket]]] = field(default_factory=list)
 
     def bind(self, name: str, kind: str, host: str, port: int) -> int:
@@ -51,7 +52,11 @@ class ListenerGroups:
         self.ports[name] = bound
         self._groups.append((kind, bound, socks))
         if kind == "udp" and self.n > 1:
-            attach_steering(socks[0], self.n)
+            try:
+                attach_steering(socks[0], self.n)
+            except OSError as e:  # a kernel (or sandbox) without classic BPF on reuseport groups
+                self.warnings.append(f"QUIC is not steered by connection ID ({e}): a connection whose "
+                                     "address changes may reach another process and be lost")
         return bound
 
     def bind_unix(self, path: str, backlog: int = 1024) -> None:

@@ -33,7 +33,8 @@ class LocalStore:
 
     def __init__(self, settings: Any, runtime: str) -> None:
         adm = settings.admission
-        self.wanted = bool(adm.enabled and not adm.redis_url)
+        # rate rules in the settings, or keys whose records may carry their own (a reload may add them)
+        self.wanted = bool(adm.enabled and not adm.redis_url and (adm.limits or adm.keys or adm.keys_file))
         self.path = os.path.join(runtime, "redis.sock")
         self.url = ""
         self.warning = ""
@@ -46,7 +47,6 @@ class LocalStore:
         if exe is None:
             self.warning = ("admission: no redis-server on this host: each gateway process applies the rate "
                             "limits alone (set [admission] redis_url to share them)")
-            log.warning("%s", self.warning)
             return
         self._proc = await asyncio.create_subprocess_exec(
             exe, "--port", "0", "--unixsocket", self.path, "--unixsocketperm", "700", "--save", "",

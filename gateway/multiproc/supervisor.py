@@ -209,6 +209,9 @@ class GatewayProcesses:
         try:
             self.bind()
             await self.store.start()
+            for warning in [*self.groups.warnings, *([self.store.warning] if self.store.warning else [])]:
+                log.warning("%s", warning)
+                self._say(warning)
             s = self.settings
             models = [m.worker_settings() for m in s.served()] if s.models else [s.workers]
             models = [replace(m, remote=[]) for m in models]  # remote workers: each process connects itself

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
 import socket
 from collections.abc import Iterator
 
@@ -279,6 +280,7 @@ def _key_line(name: str) -> str:
     return orjson.dumps({"id": name, "sha256": hashlib.sha256(f"sk-{name}".encode()).hexdigest()}).decode() + "\n"
 
 
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="the local store is a redis-server")
 def test_rate_limits_hold_across_processes(limited: tuple[Fleet, str]) -> None:
     """A client over the limit (12 connections, spread over the 3 processes, 800 requests against
     200 a minute) is admitted the limit, counted across processes in their local store: never more,
