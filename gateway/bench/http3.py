@@ -3,7 +3,8 @@
 A few QUIC connections (``https://host:port``, UDP), each carrying many requests as streams;
 a request takes the next connection in turn. Each request is its HEADERS and one DATA frame
 queued on the H3 core; the datagrams go out once per loop iteration for all the requests
-queued in it. Every H3 event of a response is time-stamped as it is handed over: the pieces of
+queued in it, and so do the ACKs for all the datagrams received in it (aioquic's own protocol
+sends one a datagram: a streamed run cost 1.45x the client CPU a token). Every H3 event of a response is time-stamped as it is handed over: the pieces of
 one datagram batch share (almost) one time, as the user would see them.
 """
 
@@ -15,13 +16,14 @@ import urllib.parse
 from collections.abc import Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from aioquic.asyncio.client import connect
 from aioquic.asyncio.protocol import QuicConnectionProtocol
 from aioquic.h3.connection import H3_ALPN, H3Connection
 from aioquic.h3.events import DataReceived, H3Event, HeadersReceived
 from aioquic.quic.configuration import QuicConfiguration
+from aioquic.quic.connection import NetworkAddress
 from aioquic.quic.events import ConnectionTerminated, QuicEvent, StreamReset
 
 from .exchange import Exchange
@@ -75,6 +77,14 @@ class _H3Conn(QuicConnectionProtocol):
     def _send(self) -> None:
         self._flush = None
         self.transmit()
+
+    def datagram_received(self, data: bytes | str, addr: NetworkAddress) -> None:
+        # As aioquic's, but what answers (ACKs above all) goes out once per loop turn for all the
+        # datagrams received in it, not a datagram (and a system call) for each.
+        self._quic.receive_datagram(cast(bytes, data), addr, now=self._loop.time())
+        self._process_events()
+        if self._flush is None:
+            self._flush = self._loop.call_soon(self._send)
 
     def quic_event_received(self, event: QuicEvent) -> None:
         if isinstance(event, ConnectionTerminated):
