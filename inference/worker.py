@@ -93,6 +93,27 @@ def _progress(stage: str, done: int, total: int, message: str) -> None:
     emit({"event": "progress", "stage": stage, "done": done, "total": total, "message": message})
 
 
+def _jax_runner(args: argparse.Namespace) -> Any:
+    """The model's runner as the options say, loaded and compiled (every process of a distributed one)."""
+    from .model.jax_runner import JaxRunner  # JAX only on this path
+
+    runner = JaxRunner.load(args.model, dtype=args.dtype, block_size=args.block_size,
+                            num_blocks=args.num_blocks or JAX_NUM_BLOCKS, max_batch=args.max_batch,
+                            max_model_len=args.max_model_len or None, attention=args.attention,
+                            max_prefill_batch=args.max_prefill_batch,
+                            max_prefill_tokens=args.max_prefill_tokens, kv_cache_dtype=args.kv_cache_dtype,
+                            weight_dtype=args.weight_dtype, weight_quant_method=args.weight_quant_method,
+                            step_tokens=args.step_tokens, tensor_parallel=args.tensor_parallel,
+                            progress=_progress)  # fmt: skip
+    log.info("KV cache %s: %.1f bytes per token (%.1f in the model dtype), %d blocks of %d tokens",
+             args.kv_cache_dtype, runner.kv_bytes_per_token, runner.float_kv_bytes_per_token,
+             runner.num_blocks, runner.block_size)
+    log.info("weights %s (%s): %d bytes (%d in the model dtype)", args.weight_dtype,
+             args.weight_quant_method, runner.weight_bytes, runner.float_weight_bytes)
+    runner.warmup(progress=_progress)
+    return runner
+
+
 def build_service(args: argparse.Namespace) -> WorkerService:
     """Load the runner and tokenizer and wire them to an engine."""
     tokenizer: Tokenizer
@@ -107,22 +128,8 @@ def build_service(args: argparse.Namespace) -> WorkerService:
         served = args.served_name or args.model
         _progress("load", 1, 1, "synthetic engine (no model)")
     else:
-        from .model.jax_runner import JaxRunner  # JAX only on this path
-
         tokenizer = load_tokenizer(args.model)
-        runner = JaxRunner.load(args.model, dtype=args.dtype, block_size=args.block_size,
-                                num_blocks=args.num_blocks or JAX_NUM_BLOCKS, max_batch=args.max_batch,
-                                max_model_len=args.max_model_len or None, attention=args.attention,
-                                max_prefill_batch=args.max_prefill_batch,
-                                max_prefill_tokens=args.max_prefill_tokens, kv_cache_dtype=args.kv_cache_dtype,
-                                weight_dtype=args.weight_dtype, weight_quant_method=args.weight_quant_method,
-                                step_tokens=args.step_tokens, progress=_progress)  # fmt: skip
-        log.info("KV cache %s: %.1f bytes per token (%.1f in the model dtype), %d blocks of %d tokens",
-                 args.kv_cache_dtype, runner.kv_bytes_per_token, runner.float_kv_bytes_per_token,
-                 runner.num_blocks, runner.block_size)
-        log.info("weights %s (%s): %d bytes (%d in the model dtype)", args.weight_dtype,
-                 args.weight_quant_method, runner.weight_bytes, runner.float_weight_bytes)
-        runner.warmup(progress=_progress)
+        runner = _jax_runner(args)
         if isinstance(args.batch_window, AdaptiveWindow):  # its step-cost model sees the runner's real shapes
             args.batch_window.calls = bucket_calls(runner.buckets)
         served = args.served_name or (args.model if args.model == "tiny" else Path(args.model).name)
@@ -216,13 +223,31 @@ def main(argv: list[str]) -> int:
             log.info("pinned to CPUs %s", sorted(args.cpus))
         except (OSError, AttributeError) as exc:
             return _fatal(f"cannot pin to CPUs {sorted(args.cpus)}: {exc}")
+    if args.distributed_processes > 1:  # one model over several processes' devices (inference/model/multihost.py)
+        from .model import multihost
+
+        multihost.initialize(args.distributed_coordinator, args.distributed_processes, args.distributed_process_id)
+        if args.distributed_process_id > 0:  # a follower: no transport, the leader's steps
+            try:
+                runner = _jax_runner(args)
+            except (ValueError, OSError) as exc:
+                return _fatal(f"cannot load {args.model!r}: {exc}")
+            emit({"event": "following", "process": args.distributed_process_id})
+            multihost.follow(runner)
+            return 0
     try:
         service = build_service(args)
     except (ValueError, OSError) as exc:
         return _fatal(f"cannot load {args.model!r}: {exc}")
     import uvloop
 
-    return uvloop.run(_serve(args, service))
+    if args.distributed_processes == 1:
+        return uvloop.run(_serve(args, service))
+    service.engine.runner.broadcast = multihost.send_plan
+    try:
+        return uvloop.run(_serve(args, service))
+    finally:
+        multihost.send_plan(None)  # the followers stop with the leader
 
 
 if __name__ == "__main__":

@@ -123,24 +123,33 @@ class Buckets:
                      if b == 1 or b * t <= self.max_prefill_tokens)
 
     @property
-    def mixed_shapes(self) -> tuple[tuple[int, int], ...]:
-        """The prefill buckets that also compile as a mixed pass with the decodes (chunked prefill: a step's
-        first prefill group of chunks of at most ``max_chunk`` tokens; none when chunking is off).
-
-        The decode rows of a mixed pass are padded to the largest decode bucket, so the chunk sizes alone
-        multiply the shapes: padded decode rows cost little (the native matmul and attention skip them,
-        and an accelerator reads the weights once for any few rows)."""
+    def mixed_lengths(self) -> tuple[int, ...]:
+        """Chunk lengths a mixed pass compiles for: powers of two (and the top) up to the bucket of
+        ``max_chunk`` (none when chunking is off). Coarser than the prefill grid: each length is a
+        shape per prefill batch, and the chunks of a long prompt, the ones that matter, are ``max_chunk``
+        less a few decodes, which the top bucket holds with little padding."""
         top = self._chunk_bucket
-        return tuple((b, t) for b, t in self.prefill_shapes if t <= top)
+        return tuple(sorted({min(pow2_ceil(t), top) for t in self.prefill_lengths if t <= top}))
+
+    @property
+    def mixed_shapes(self) -> tuple[tuple[int, int], ...]:
+        """The (batch, tokens) shapes of the mixed pass: the decodes (padded to the largest decode bucket,
+        which the native matmul and attention skip and an accelerator reads the weights once for)
+        with a step's first prefill group of chunks."""
+        return tuple((b, t) for t in self.mixed_lengths for b in self.prefill_batches
+                     if b == 1 or b * t <= self.max_prefill_tokens)
 
     @property
     def _chunk_bucket(self) -> int:
         """The prefill length bucket a chunk of ``max_chunk`` tokens is padded to (0: chunking off)."""
         return _bucket(self.prefill_lengths, min(self.max_chunk, self.max_model_len)) if self.max_chunk > 0 else 0
 
-    def mixes(self, decodes: int, b: int, t: int) -> bool:
-        """Whether ``decodes`` decode rows and a ``(b, t)`` prefill group run as one mixed pass."""
-        return decodes <= self.max_batch and t <= self._chunk_bucket
+    def mixed_shape(self, decodes: int, b: int, t: int) -> tuple[int, int] | None:
+        """The mixed pass for ``decodes`` decode rows and a ``(b, t)`` prefill group, or None (not mixed)."""
+        if decodes > self.max_batch or t > self._chunk_bucket:
+            return None
+        shape = (b, _bucket(self.mixed_lengths, t))
+        return shape if shape in self.mixed_shapes else None
 
     @property
     def sample_batches(self) -> tuple[int, ...]:

@@ -44,12 +44,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from inference.kernels.kernel_set import KernelSet, build_kernels
 from inference.kernels.paged_cache import KVCache, init_kv_cache, kv_bytes_per_token
 from inference.kernels.quant import quantize_weight_t
 from inference.model.buckets import Buckets
 from inference.model.registry import Model
+from inference.model.tensor_parallel import Layout, ShardedModel, make_mesh, place, shard_params
 from inference.runner import SeqFault, SeqOutput, SeqWork, StepPlan
 from inference.sampling import MAX_TOP_LOGPROBS, SamplingBatch, sample, sample_masked
 from inference.weights import LoadedModel, load_model
@@ -140,7 +142,7 @@ class JaxRunner:
                  max_prefill_batch: int = _D.max_prefill_batch, max_prefill_tokens: int = _D.max_prefill_tokens,
                  kv_cache_dtype: str = _D.kv_cache_dtype, weight_dtype: str = _D.weight_dtype,
                  weight_quant_method: str = _D.weight_quant_method, kernels: KernelSet | None = None,
-                 step_tokens: int = _D.step_tokens) -> None:
+                 step_tokens: int = _D.step_tokens, tensor_parallel: int = _D.tensor_parallel) -> None:
         if block_size < 1 or num_blocks < 1 or max_batch < 1:
             raise ValueError("block_size, num_blocks and max_batch must be >= 1")
         if kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -185,15 +187,29 @@ class JaxRunner:
             self._params = quantize_projections_gptq(self.model, self._params, weight_dtype)
         elif weight_dtype != "auto":
             self._params = self.model.map_projections(self._params, partial(quantize_weight_t, kind=weight_dtype))
-        elif kernels.pack is not None:
+        elif kernels.pack is not None and tensor_parallel == 1:  # the native matmul's panels are one device's
             self._params = self.model.map_projections(self._params, kernels.pack)
         self.weight_bytes: int = weight_bytes(self._params)
         self.kv_cache_dtype = kv_cache_dtype
-        shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
+        lay = Layout.of(cfg, tensor_parallel)  # a model that cannot split this many ways: ValueError
+        self.tensor_parallel = tensor_parallel
+        shape = (cfg.num_hidden_layers, lay.cache_kv_heads, cfg.head_dim)
         self.kv_bytes_per_token: float = kv_bytes_per_token(*shape, block_size, dtype, kv_quant)
         self.float_kv_bytes_per_token: float = kv_bytes_per_token(*shape, block_size, dtype)
         self._cache: KVCache = init_kv_cache(*shape, num_blocks, block_size, dtype, kv_quant)
-        spec = partial(jax.tree.map, lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype))
+        self._step_model: Any = self.model  # what the steps call: the model, or it sharded over a mesh
+        self._replicated: NamedSharding | None = None  # where a step's outputs live (None: one device)
+        # Across processes (inference.model.multihost): the leader hands each plan to the followers first.
+        self.broadcast: Callable[[StepPlan], None] | None = None
+        if tensor_parallel > 1:
+            mesh = make_mesh(tensor_parallel)
+            self._params, specs = shard_params(self._params, lay, mesh)
+            self._step_model = ShardedModel.of(self.model, lay, mesh, specs, self._cache)
+            self._replicated = NamedSharding(mesh, PartitionSpec())
+            self._cache = place(self._cache, self._step_model.cache_specs, mesh)
+        sharded = tensor_parallel > 1
+        spec = partial(jax.tree.map, lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                                                    sharding=a.sharding if sharded else None))
         self._params_spec, self._cache_spec = spec(self._params), spec(self._cache)
         self._execs: dict[Key, Any] = {}  # shape key -> compiled executable
         self._lock = threading.Lock()
@@ -207,7 +223,7 @@ class JaxRunner:
              max_prefill_batch: int = _D.max_prefill_batch, max_prefill_tokens: int = _D.max_prefill_tokens,
              kv_cache_dtype: str = _D.kv_cache_dtype, weight_dtype: str = _D.weight_dtype,
              weight_quant_method: str = _D.weight_quant_method, kernels: KernelSet | None = None,
-             step_tokens: int = _D.step_tokens) -> JaxRunner:
+             step_tokens: int = _D.step_tokens, tensor_parallel: int = _D.tensor_parallel) -> JaxRunner:
         """Load ``"tiny"`` or a local HF checkpoint directory and allocate the KV cache."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
@@ -215,7 +231,8 @@ class JaxRunner:
         return cls(loaded, block_size=block_size, num_blocks=num_blocks, max_batch=max_batch,
                    max_model_len=max_model_len, attention=attention, max_prefill_batch=max_prefill_batch,
                    max_prefill_tokens=max_prefill_tokens, kv_cache_dtype=kv_cache_dtype, weight_dtype=weight_dtype,
-                   weight_quant_method=weight_quant_method, kernels=kernels, step_tokens=step_tokens)
+                   weight_quant_method=weight_quant_method, kernels=kernels, step_tokens=step_tokens,
+                   tensor_parallel=tensor_parallel)
 
     @property
     def compile_count(self) -> int:
@@ -245,6 +262,8 @@ class JaxRunner:
 
     def execute(self, plan: StepPlan) -> list[SeqOutput]:
         """Run prefills then decodes; one output per SeqWork, prefills first."""
+        if self.broadcast is not None:
+            self.broadcast(plan)
         self._guide_faults = {}
         pending = self._dispatch(plan, sample=True)
         # The top-n arrays come back only for groups where some row asked for them.
@@ -289,12 +308,12 @@ class JaxRunner:
         for group in self.buckets.group_prefills([len(w.token_ids) for w in prefills]):
             works = [prefills[i] for i in group]
             b, t = self.buckets.prefill_shape(len(works), max(len(w.token_ids) for w in works))
-            if decodes and self.buckets.mixes(len(decodes), b, t) and not any(
-                    w.guide is not None for w in (*decodes, *works)):
+            mixed = self.buckets.mixed_shape(len(decodes), b, t) if decodes else None
+            if mixed and not any(w.guide is not None for w in (*decodes, *works)):
                 # chunked prefill: the decodes ride in the first prefill group's pass
                 d = self.buckets.decode_batches[-1]  # the mixed pass's decode rows, padding included
                 rows = [*enumerate(decodes), *((d + i, w) for i, w in enumerate(works))]
-                pending.append((rows, self._mixed(decodes, works, b, t, sample=sample)))
+                pending.append((rows, self._mixed(decodes, works, *mixed, sample=sample)))
                 decodes = []
                 continue
             logits = self._prefill_logits(works, b, t)
@@ -349,7 +368,8 @@ class JaxRunner:
         tables = i32((b, self._max_blocks_per_seq))
         t0 = time.perf_counter()
         if kind == "sample":
-            lowered = jax.jit(sample).lower(jax.ShapeDtypeStruct((b, self.config.vocab_size), jnp.float32),
+            lowered = jax.jit(sample).lower(jax.ShapeDtypeStruct((b, self.config.vocab_size), jnp.float32,
+                                                                 sharding=self._replicated),
                                             *self._sampling_spec(b))
         elif kind == "sample_masked":  # structured output: compiled on first use, per row count
             lowered = jax.jit(sample_masked).lower(jax.ShapeDtypeStruct((b, self.config.vocab_size), jnp.float32),
@@ -357,20 +377,20 @@ class JaxRunner:
                                                    *self._sampling_spec(b))
         elif kind in ("mixed", "mixed_logits"):  # decodes padded to the largest decode bucket, a prefill group
             d = self.buckets.decode_batches[-1]
-            fn = partial(_mixed_step, model=self.model, kernels=self.kernels, block_size=self.block_size)
+            fn = partial(_mixed_step, model=self._step_model, kernels=self.kernels, block_size=self.block_size)
             lowered = jax.jit(fn, donate_argnums=(1,)).lower(
                 self._params_spec, self._cache_spec, i32((d,)), i32((d,)), i32((d, self._max_blocks_per_seq)),
                 jax.ShapeDtypeStruct((d,), jnp.bool_), *self._prefill_spec(b, t),
                 *(self._sampling_spec(d + b) if kind == "mixed" else ()))
         elif kind in ("decode", "decode_logits"):  # with sampling in the executable, or logits out
             sampled = kind == "decode"
-            fn = partial(_decode_sample_step if sampled else _decode_step, model=self.model, kernels=self.kernels,
+            fn = partial(_decode_sample_step if sampled else _decode_step, model=self._step_model, kernels=self.kernels,
                          block_size=self.block_size)
             lowered = jax.jit(fn, donate_argnums=(1,)).lower(
                 self._params_spec, self._cache_spec, i32((b,)), i32((b,)), tables, jax.ShapeDtypeStruct((b,), jnp.bool_),
                 *(self._sampling_spec(b) if sampled else ()))
         else:
-            fn = partial(_prefill_step, model=self.model, kernels=self.kernels, rows=self.buckets.sample_rows(b))
+            fn = partial(_prefill_step, model=self._step_model, kernels=self.kernels, rows=self.buckets.sample_rows(b))
             lowered = jax.jit(fn, donate_argnums=(1,)).lower(self._params_spec, self._cache_spec,
                                                              *self._prefill_spec(b, t))
         exe = lowered.compile()

@@ -97,6 +97,18 @@ class WorkerOptions:
     step_tokens: int = _opt(256, "tokens one engine step carries: the running sequences' decodes first, the rest "
                                  "filled with chunks of prompts (several prompts' chunks allowed); 0 = no chunking "
                                  "(a prompt prefills whole; one longer than max_prefill_tokens alone)")
+    # Tensor parallelism (inference/model/tensor_parallel.py): the mesh is this many of the worker's devices
+    # (on CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N makes N); across hosts, with the
+    # distributed_* options, the devices of every process.
+    tensor_parallel: int = _opt(1, "devices the model is split over (the mesh's tp axis): attention heads, MLP "
+                                   "columns and the KV cache's heads; 1 = one device")
+    distributed_coordinator: str = _opt("", "HOST:PORT of process 0's jax.distributed coordinator: with "
+                                            "distributed_processes > 1 the model spans every process's devices "
+                                            "(tensor_parallel counts them all); '' = one process")
+    distributed_processes: int = _opt(1, "worker processes (one per host) the model spans; process 0 serves the "
+                                         "transport and runs the engine, the others follow its steps")
+    distributed_process_id: int = _opt(0, "this worker process's rank among distributed_processes (0 = the one "
+                                          "the gateway talks to)")
     max_model_len: int = _opt(0, "context length in tokens (0 = the model's, capped by the KV cache)")
     block_size: int = _opt(16, "tokens per KV-cache block (the prefix cache shares whole blocks)")
     num_blocks: int = _opt(0, f"KV-cache blocks (0 = {JAX_NUM_BLOCKS} for jax, {SYNTHETIC_NUM_BLOCKS} for synthetic)")
@@ -161,7 +173,8 @@ class WorkerOptions:
 
 _FIELDS = dataclasses.fields(WorkerOptions)
 _DEFAULTS = WorkerOptions()
-_AT_LEAST_ONE = ("max_batch", "max_prefill_batch", "max_prefill_tokens", "block_size")
+_AT_LEAST_ONE = ("max_batch", "max_prefill_batch", "max_prefill_tokens", "block_size", "tensor_parallel",
+                 "distributed_processes")
 _SYNTHETIC_TIMES = ("synthetic_step_ms", "synthetic_step_ms_per_seq", "synthetic_prefill_us_per_token")
 _SYNTHETIC_RATES = ("synthetic_error_rate", "synthetic_hang_rate", "synthetic_step_fail_rate")
 
@@ -213,6 +226,7 @@ def option_problems(o: WorkerOptions) -> list[tuple[str, str]]:
     for k in ("max_model_len", "num_blocks"):
         if getattr(o, k) < 0:
             p.append((k, f"must be >= 0 (0 = default), got {getattr(o, k)}"))
+    p += _distributed_problems(o)
     if o.step_tokens < 0:
         p.append(("step_tokens", f"must be >= 0 (0 = no chunked prefill), got {o.step_tokens}"))
     blocks = o.num_blocks or (SYNTHETIC_NUM_BLOCKS if o.engine == "synthetic" else JAX_NUM_BLOCKS)
@@ -244,6 +258,21 @@ def option_problems(o: WorkerOptions) -> list[tuple[str, str]]:
         except ValueError as exc:
             p.append(("metrics_listen", str(exc)))
     return p + _security_problems(o)
+
+
+def _distributed_problems(o: WorkerOptions) -> list[tuple[str, str]]:
+    p: list[tuple[str, str]] = []
+    if not 0 <= o.distributed_process_id < max(1, o.distributed_processes):
+        p.append(("distributed_process_id", f"must be in 0..{o.distributed_processes - 1}, got "
+                                            f"{o.distributed_process_id}"))
+    if o.distributed_processes > 1:
+        if o.engine != "jax":
+            p.append(("distributed_processes", "only the jax engine spans processes"))
+        try:
+            parse_host_port(o.distributed_coordinator)
+        except ValueError as exc:
+            p.append(("distributed_coordinator", f"needed with distributed_processes > 1: {exc}"))
+    return p
 
 
 def _security_problems(o: WorkerOptions) -> list[tuple[str, str]]:

@@ -159,3 +159,16 @@ def test_every_group_fits_a_bucket_and_covers_each_prefill_once(lengths, max_pre
     for g in groups:
         bb, t = b.prefill_shape(len(g), max(lengths[i] for i in g))
         assert (bb, t) in b.prefill_shapes and bb >= len(g) and t >= max(lengths[i] for i in g)
+
+
+def test_chunked_prefill_compiles_a_mixed_pass_per_power_of_two_chunk() -> None:
+    """step_tokens 256: chunk groups of up to 256 tokens a row run mixed with the decodes, padded to
+    16, 32, 64, 128 or 256 (ten more shapes for prefill pairs); none without chunking, and a group
+    longer than a chunk runs on its own."""
+    b = Buckets(max_batch=32, max_model_len=1024, max_prefill_batch=2, max_chunk=256)
+    assert b.mixed_lengths == (16, 32, 64, 128, 256) and len(b.mixed_shapes) == 10
+    assert b.num_shapes == Buckets(max_batch=32, max_model_len=1024, max_prefill_batch=2).num_shapes + 10
+    assert b.mixed_shape(16, 1, 256) == (1, 256) and b.mixed_shape(3, 2, 24) == (2, 32)
+    assert b.mixed_shape(3, 1, 320) is None and b.mixed_shape(33, 1, 16) is None
+    assert Buckets(max_batch=32, max_model_len=1024).mixed_shape(3, 1, 16) is None
+    assert Buckets(max_batch=8, max_model_len=100, max_chunk=256).mixed_lengths == (16, 32, 64, 100)
