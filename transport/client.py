@@ -60,6 +60,7 @@ class ClientConnection:
         self._idle.set()
         self.history = ReceivedLog()  # what a stream that ends in an error had received (failover)
         self._lost: set[int] = set()  # the streams open when the connection ended (their part is in history)
+        self._resumable = 0  # open streams that may resume elsewhere (not buffered): history is kept for them
         # Consumed tokens are handed to the core in batches of this size; the core
         # itself grants Credit at half a window, so this sends exactly the same frames.
         self.grant_batch = max(1, core.local_hello.initial_credit // 2)
@@ -77,8 +78,13 @@ class ClientConnection:
             raise ConnectionClosed("connection to worker is closed")
         self.core.submit(submit, window(submit))  # a whole result (Submit.buffered): credit does not apply
         p = submit.params
-        h = self.history  # its position (ReceivedLog.position, written out): the stream's mark
-        stream = ClientStream(self, submit.request_id, bool(p.logprobs or p.top_logprobs), h.base + len(h.batches))
+        if submit.buffered:  # a whole result starts over if lost: no mark, nothing kept for it
+            mark = -1
+        else:  # the log's position (ReceivedLog.position, written out): the stream's mark
+            h = self.history
+            mark = h.base + len(h.batches)
+            self._resumable += 1
+        stream = ClientStream(self, submit.request_id, bool(p.logprobs or p.top_logprobs), mark)
         streams = self._streams
         if not streams:
             self._idle.clear()
@@ -129,21 +135,26 @@ class ClientConnection:
                 res = ev.result  # type: ignore[union-attr]
                 st = streams.pop(res.request_id, None)
                 if st is not None:
-                    if type(res) is Error and res.code != _CANCELLED:
-                        if self.core.closed:  # history no longer changes: read later, if asked
-                            self._lost.add(st.request_id)
-                        else:  # history moves on: keep its part now
-                            st._received = self.history.slice(st.request_id, st.mark)
+                    if st.mark >= 0:
+                        if type(res) is Error and res.code != _CANCELLED:
+                            if self.core.closed:  # history no longer changes: read later, if asked
+                                self._lost.add(st.request_id)
+                            else:  # history moves on: keep its part now
+                                st._received = self.history.slice(st.request_id, st.mark)
+                        self._resumable -= 1
+                        if not self._resumable and not self.core.closed:
+                            self.history.forget()
                     st._end(res)
                 if not streams:
                     self._idle.set()
             elif t is TokensReceived:
                 batch = ev.batch  # type: ignore[union-attr]
                 deliver_tokens(streams, batch, self.grant_batch)
-                kept = self.history.batches  # ReceivedLog.add, written out (once per engine step)
-                kept.append(batch)
-                if len(kept) >= self.history.trim_at:
-                    self.history.trim([s.mark for s in streams.values()])
+                if self._resumable:  # ReceivedLog.add, written out (once per engine step)
+                    kept = self.history.batches
+                    kept.append(batch)
+                    if len(kept) >= self.history.trim_at:
+                        self.history.trim([s.mark for s in streams.values() if s.mark >= 0])
             elif isinstance(ev, StatsReceived):
                 self.latest_stats = ev.stats
             elif isinstance(ev, PeerHello):

@@ -10,7 +10,11 @@ lives (:meth:`ReceivedLog.slice`; the log moves on), or, when the connection die
 log, which no longer changes (:meth:`ReceivedLog.frozen_slice`: one pass indexes it for every
 stream that asks). Every ``TRIM_EVERY`` batches the log forgets those older than its oldest open
 stream, and it keeps ``MAX_BATCHES`` at most: a stream older than that has no history (it cannot
-resume; its error is its answer, as before). Sans-I/O: the connection calls it.
+resume; its error is its answer, as before). The connection keeps batches only while a stream
+that can resume is open (a whole result, ``Submit.buffered``, starts over instead: it has no mark)
+and forgets them all when the last such stream ends, so a connection of whole results keeps
+nothing and one of streams keeps about what its open streams received (nothing outlives a burst
+for the garbage collector to find). Sans-I/O: the connection calls it.
 """
 
 from __future__ import annotations
@@ -49,6 +53,12 @@ class ReceivedLog:
         path writes this out: an append and a length check per engine step.)"""
         self.batches.append(batch)
         return len(self.batches) >= self.trim_at
+
+    def forget(self) -> None:
+        """No open stream can resume: nothing kept is needed (positions go on counting)."""
+        self.base += len(self.batches)
+        self.batches.clear()
+        self.trim_at = TRIM_EVERY
 
     def trim(self, marks: Iterable[int]) -> None:
         """Forget the batches before the oldest of ``marks`` (the open streams'), and any beyond
