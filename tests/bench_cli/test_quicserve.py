@@ -155,3 +155,17 @@ def test_cli_sweep_in_two_processes_with_plots_and_compare(gw: Gateway, tmp_path
     assert sum(1 for line in table if line.startswith("rate 150/s")) == 6  # 4 medians + 2 throughputs
     assert any("median TTFT (ms)" in line and "[" in line for line in table)
     _image_checks(tmp_path / "cmp.png", (1100, 800))
+
+
+def test_client_cost_bench_reports_its_rows(gw: Gateway, capsys: pytest.CaptureFixture[str]) -> None:
+    """The client-cost bench (README: the client's cost) runs and reports each row; how fast is not
+    checked here (it depends on the machine), only that each row was measured, without errors."""
+    from tests.bench_cli.client_cost import CASES, measure
+
+    urls = {"http": gw.http, "grpc": _url(gw, "grpc", False), "h3": _url(gw, "h3", True)}
+    measure(urls, 0.2, False, ["http1", "grpc-web"])  # the others cost more time than they would show
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
+    assert [(r[0], r[1], int(r[2])) for r in rows] == [(p, m[2:], n) for p, m, n in CASES if p in ("http1", "grpc-web")]
+    for r in rows:
+        assert len(r) == 9 and r[8] in ("yes", "NO"), r  # no errors column
+        assert float(r[3].replace(",", "")) > 0 and float(r[7].replace(",", "")) > 0, r
