@@ -35,7 +35,7 @@ def _version(dist: str) -> str | None:
 def environment() -> dict[str, object]:
     return {"python": sys.version.split()[0], "implementation": platform.python_implementation(),
             "platform": platform.platform(), "machine": platform.machine(), "hostname": socket.gethostname(),
-            "cpus": os.cpu_count(), "quicserve": _version("quicserve"), "httpx": _version("httpx"),
+            "cpus": os.cpu_count(), "quicserve": _version("quicserve"), "aioquic": _version("aioquic"),
             "h2": _version("h2"), "grpcio": _version("grpcio"), "argv": sys.argv}
 
 
