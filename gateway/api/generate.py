@@ -210,7 +210,7 @@ class Generations:
         t_first = call.t_first
         ttft = t_first - call.t0 if t_first else None
         if status == 200:  # finished: its tokens, and their pace if they came one step at a time
-            tpot = (now - t_first) / (tokens - 1) if tokens > 1 and t_first and call.mode != WHOLE else None
+            tpot = (now - t_first) / (tokens - 1) if call.mode != WHOLE and tokens > 1 and t_first else None
             metrics.request_done(call.route, 200, req.protocol, now - call.t0, g.model, ttft, tpot, tokens)
         else:
             metrics.request_done(call.route, status, req.protocol, now - call.t0, g.model)
