@@ -21,6 +21,20 @@ N = 1. The processes' own timers (the metrics snapshot each writes every second,
 sweeper) run at wall-clock rate while valgrind slows requests about 50x, so they weigh about 50
 times more per request here than natively; the table gives the figure with them, and "net": less
 what the same processes count idle over as long (measured just before).
+
+Last measured (2-core VM shared with other jobs, load average ~17)::
+
+    --callgrind --duration 15: instructions per request, every gateway process together
+      N=1 chat 16 tok      637 requests     342,856            net   332,726
+      N=1 stream 16 tok    553 requests   1,280,549            net 1,268,849
+      N=2 chat 16 tok      993 requests     345,839 (1.009x)   net   331,684 (0.997x)
+      N=2 stream 16 tok    377 requests   1,228,022 (0.959x)   net 1,190,526 (0.938x)
+    (before the snapshots were written only while /metrics is read, N=2 was 3.6x raw: each
+    process rendered its exposition every second, 10M instructions under valgrind)
+
+    --processes 1,2,1,2 --duration 5 (c=64; the load generator and the worker on the same 2 CPUs):
+      N=1 630, N=2 613, N=1 980, N=2 972 requests/s -- alike: two cores hold no room for a second
+      gateway process here; run it where the gateway can have cores of its own.
 """
 
 from __future__ import annotations
