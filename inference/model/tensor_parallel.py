@@ -40,7 +40,7 @@ from inference.kernels.paged_cache import KVCache
 from inference.kernels.quant import QuantizedWeightT
 from inference.model.registry import Model
 
-__all__ = ["AXIS", "Layout", "make_mesh", "qkv_rows", "gate_up_rows", "shard_params", "place", "cache_specs",
+__all__ = ["AXIS", "Layout", "make_mesh", "qkv_rows", "gate_up_rows", "reorder", "param_specs", "shard_params", "place", "cache_specs",
            "ShardedModel"]
 
 AXIS = "tp"
@@ -138,18 +138,30 @@ def _spec(path: tuple[Any, ...], leaf: Any) -> P:
     name = next((k for k in reversed(keys) if isinstance(k, str) and (k in _ROWS + _COLS or k == "bqkv")), None)
     scale = keys[-1] == "scale"
     if name in _ROWS or name == "bqkv":
-        return P(AXIS) if scale or leaf.ndim == 1 else P(AXIS, None)
+        return P(AXIS) if scale or len(leaf.shape) == 1 else P(AXIS, None)
     if name in _COLS:
         return P() if scale else P(None, AXIS)
     return P()
 
 
-def shard_params(params: Params, lay: Layout, mesh: Mesh) -> tuple[Params, Any]:
-    """Serving parameters reordered for ``lay`` and placed on ``mesh``; and their PartitionSpecs."""
+def reorder(params: Params, lay: Layout) -> tuple[Params, Any]:
+    """Serving parameters with the split projections' rows in device order (:func:`qkv_rows`,
+    :func:`gate_up_rows`), and the PartitionSpec of every array (traceable: ``jax.eval_shape`` gives the
+    abstract parameters a mesh step lowers with)."""
     rows = {"wqkv_t": qkv_rows(lay), "bqkv": qkv_rows(lay), "w_gate_up_t": gate_up_rows(lay)}
     layers = [{k: _take_rows(v, rows[k]) if k in rows else v for k, v in lp.items()} for lp in params["layers"]]
     params = {**params, "layers": layers}
-    specs = jax.tree_util.tree_map_with_path(_spec, params)
+    return params, param_specs(params)
+
+
+def param_specs(params: Params) -> Any:
+    """Each parameter's PartitionSpec over the ``"tp"`` axis (arrays or their abstract shapes)."""
+    return jax.tree_util.tree_map_with_path(_spec, params)
+
+
+def shard_params(params: Params, lay: Layout, mesh: Mesh) -> tuple[Params, Any]:
+    """Serving parameters reordered for ``lay`` and placed on ``mesh``; and their PartitionSpecs."""
+    params, specs = reorder(params, lay)
     return place(params, specs, mesh), specs
 
 

@@ -17,6 +17,13 @@ Prints, per shape:
            divided by time) of the Pallas kernel and of the XLA paged reference
            (gather + einsum), against ``--peak-tbs`` (H200 ~4.3 TB/s), for
            bf16, int8 and fp8 caches.
+  chunked prefill: a small Llama through the runner with the platform's kernel set: a prompt in
+           chunks that start mid-sequence, each in one mixed pass with other sequences' decodes,
+           against the whole prompt and the decodes alone (logits checked), and the times of a
+           decode step, a chunk alone and the mixed pass (no target);
+  sharded step: the same model's decode and prefill under ``shard_map`` over every local device
+           (tensor parallelism: heads and MLP columns split, one psum per projection pair),
+           checked against the unsharded steps, and timed (no target).
 Targets (printed as MET / MISSED): prefill >= 60% of peak, decode >= 70% of
 bandwidth, both faster than XLA. Every kernel is first checked against XLA
 on the benchmark's own inputs; a mismatch exits 1.
@@ -53,6 +60,7 @@ from inference.kernels.pallas import (  # noqa: E402
 )
 from inference.kernels.quant import QMAX, code_dtype, kv_read_bytes, quantize_weight, quantized_matmul  # noqa: E402
 from inference.kernels.quant_matmul import MatmulBlocks, pallas_quantized_matmul  # noqa: E402
+from tests.bench import gpu_model_steps  # noqa: E402
 
 __all__ = ["main"]
 
@@ -277,6 +285,10 @@ def _run(args: argparse.Namespace) -> int:
         if bench.out_of_time():
             break
         bench.weight_matmul(*shape, dtype)
+    for step in (gpu_model_steps.chunked_prefill, gpu_model_steps.sharded_step):
+        if bench.out_of_time():
+            break
+        step(bench, dtype)
 
     met = sum(ok for _, ok in bench.results)
     print(f"\nsummary: {met}/{len(bench.results)} targets met in {time.monotonic() - bench.start:.0f} s")

@@ -80,3 +80,23 @@ def test_tp2_and_tp4_give_tp1s_greedy_tokens(hf_checkpoint: Path) -> None:
         for tp, tokens in by_tp.items():
             assert tokens == one, f"{case}: TP={tp} differs from TP=1"
         assert len(by_tp) >= 2
+
+
+@pytest.mark.slow
+def test_sharded_steps_lower_for_a_cuda_mesh_and_a_tpu_mesh() -> None:
+    """Decode, prefill and mixed steps at TP = 4 (bf16, int8 weights, int8 KV) lower for CUDA and TPU
+    with the platform's kernels, two all-reduces a layer and none of the native CPU kernels; where
+    libtpu is installed (``make test``'s .venv/libtpu) the TPU ones compile on a v5e 2x2 too."""
+    libtpu = ROOT / ".venv" / "libtpu"
+    compile_tpu = libtpu.is_dir()
+    path = os.pathsep.join([str(libtpu), str(ROOT)] if compile_tpu else [str(ROOT)])
+    env = {**os.environ, **FOUR_CPUS, "PYTHONPATH": path}
+    argv = [sys.executable, "-m", "tests.inference.model.mesh_lowering", *(["--compile-tpu"] if compile_tpu else [])]
+    proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines()]
+    lowered = [r for r in rows if "devices" in r]
+    assert len(lowered) == 2 * 3 * 3
+    for r in lowered:
+        assert r["devices"] == 4 and r["all_reduces"] == 2 * 2 and r["kernels"] >= 1 and r["native"] == 0, r
+    assert len([r for r in rows if r.get("compiled")]) == (9 if compile_tpu else 0)
