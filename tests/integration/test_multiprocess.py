@@ -202,16 +202,44 @@ def test_0rtt_generation_on_a_ticket_another_process_issued(fleet: Fleet) -> Non
           5, "process 1 to count the early request")
 
 
+def _retargeted(datagram: bytes, process: int) -> bytes:
+    """The client's Initial datagram under another DCID, one naming ``process``: what an attacker
+    can do (Initial keys derive from the DCID, which anyone can read) to take a recorded ClientHello,
+    ticket and all, to another gateway process. Coalesced packets after it (0-RTT, under the old
+    DCID, which the attacker cannot re-protect) ride along unchanged."""
+    from aioquic._buffer import Buffer
+    from aioquic.quic.crypto import CryptoPair
+    from aioquic.quic.packet import pull_quic_header
+
+    buf = Buffer(data=datagram)
+    header = pull_quic_header(buf, host_cid_length=8)
+    assert header.version is not None
+    old, new = header.destination_cid, bytes([7, process]) + os.urandom(len(header.destination_cid) - 2)
+    server, client = CryptoPair(), CryptoPair()
+    server.setup_initial(old, is_client=False, version=header.version)
+    client.setup_initial(new, is_client=True, version=header.version)
+    packet = datagram[:header.packet_length]
+    plain_header, payload, number = server.decrypt_packet(packet, buf.tell(), 0)
+    assert plain_header[6:6 + len(old)] == old
+    plain_header = plain_header[:6] + new + plain_header[6 + len(old):]
+    return client.encrypt_packet(plain_header, payload, number) + datagram[header.packet_length:]
+
+
 def test_a_replayed_first_flight_never_runs_the_request_again(fleet: Fleet) -> None:
     """The client's first flight (Initial with the ticket + the chat completion in 0-RTT), recorded
-    and sent again from 16 other source ports, while its connection is open and after it closed:
-    the worker ran the request once (its own step counter), every copy was refused."""
+    and sent again from 16 other source ports -- while its connection is open and after it closed
+    -- and its Initial retargeted at every other process: the worker ran the request once (its own
+    step counter), and each other process refused the ticket (claimed by the first)."""
     port = fleet.ports["quic"]
 
     def worker_sequences() -> float:
         text = httpx.get(f"http://127.0.0.1:{fleet.ports['http']}/metrics").text
         return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                    if line.startswith("quicserve_worker_step_sequences_total"))
+
+    def refused(index: int) -> float:
+        return fleet.figures(index).get(("quicserve_quic_session_tickets_presented_total",
+                                         (("outcome", "refused"),)), 0.0)
 
     async def replay(flight: list[bytes]) -> None:
         loop = asyncio.get_running_loop()
@@ -223,13 +251,16 @@ def test_a_replayed_first_flight_never_runs_the_request_again(fleet: Fleet) -> N
             await asyncio.sleep(0.02)
             transport.close()
 
+    others = [j for j in range(fleet.n) if j != 1]
+    before = {j: refused(j) for j in others}
+
     async def run() -> tuple[float, float, float]:
         ticket, _ = await _ticket_from(port, 0)
         relay = await UdpRelay.start(("127.0.0.1", port), Link())
         relay.record = []
         base = worker_sequences()
         try:
-            with _client_cids_naming(1):
+            with _client_cids_naming(1):  # the first flight goes to process 1
                 async with h3_connect(relay.address[1], ticket=ticket, wait_connected=False) as client:
                     resp = client.start("POST", CHAT, chat_body(4), JSON)
                     await asyncio.wait_for(resp.done.wait(), 15)
@@ -241,6 +272,8 @@ def test_a_replayed_first_flight_never_runs_the_request_again(fleet: Fleet) -> N
                     await replay(flight)  # the connection is open
             await asyncio.sleep(0.3)
             await replay(flight)  # and closed
+            initials = [d for d in flight if d[0] & 0x30 == 0x00 and d[6:14] == flight[0][6:14]]  # the first flight's
+            await replay([_retargeted(d, j) for j in others for d in initials] + flight)  # at the others
             await asyncio.sleep(1.5)
             return base, once, worker_sequences()
         finally:
@@ -248,6 +281,7 @@ def test_a_replayed_first_flight_never_runs_the_request_again(fleet: Fleet) -> N
 
     base, once, after = asyncio.run(run())
     assert once > base and after == once, (base, once, after)
+    until(lambda: all(refused(j) > before[j] for j in others), 5, "every other process to refuse the ticket")
 
 
 @pytest.fixture(scope="module")
