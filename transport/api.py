@@ -29,7 +29,7 @@ from array import array
 from collections.abc import Callable, Sequence
 from typing import NamedTuple, Protocol
 
-from .messages import Error, Finish, Hello, Stats, Submit, TokenBatch, TokenEntry
+from .messages import Error, Finish, Hello, KvEvents, Stats, Submit, TokenBatch, TokenEntry
 
 __all__ = ["RequestStream", "WorkerConnection", "ServerConnection", "WorkerHandler", "Server", "StreamEvent",
            "Collected", "Received"]
@@ -121,6 +121,11 @@ class WorkerConnection(Protocol):
         """Send Goodbye, wait for in-flight streams to end (up to timeout)."""
         ...
 
+    def subscribe_kv(self, listener: Callable[[KvEvents], None]) -> None:
+        """Only to a worker whose Hello lists ``"kv_events"``: its whole prefix cache, then every
+        change, each batch to ``listener`` (again: a resync)."""
+        ...
+
     async def close(self) -> None: ...
 
     async def wait_closed(self) -> None: ...
@@ -140,6 +145,10 @@ class ServerConnection(Protocol):
     def send_error(self, error: Error) -> None: ...
 
     def send_stats(self, stats: Stats) -> None: ...
+
+    def send_kv_events(self, events: KvEvents) -> None:
+        """Only after :meth:`WorkerHandler.on_kv_subscribe` for this connection."""
+        ...
 
     def credit(self, request_id: int) -> int:
         """Tokens the worker may still send for this request (flow control)."""
@@ -161,6 +170,11 @@ class WorkerHandler(Protocol):
 
     def on_disconnect(self, conn: ServerConnection, open_requests: Sequence[int]) -> None:
         """Peer gone: the worker cancels these requests (no sends needed)."""
+        ...
+
+    def on_kv_subscribe(self, conn: ServerConnection) -> None:
+        """The gateway asks for the prefix cache's changes (only if our Hello lists ``"kv_events"``):
+        send the whole set now, then every change."""
         ...
 
 

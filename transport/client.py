@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 
 from .api import Received, RequestStream, WorkerConnection
 from .client_stream import ClientStream, Collected, deliver_tokens
@@ -22,13 +23,14 @@ from .flow import (
     Event,
     FlowConnection,
     GoodbyeReceived,
+    KvEventsReceived,
     PeerHello,
     RequestEnded,
     StatsReceived,
     TokensReceived,
 )
 from .hold import window
-from .messages import Error, ErrorCode, Hello, Stats, Submit
+from .messages import Error, ErrorCode, Hello, KvEvents, Stats, Submit
 from .psk import read_key_file
 from .received import ReceivedLog
 from .security import NO_SECURITY, TlsContexts, TransportSecurity
@@ -64,6 +66,14 @@ class ClientConnection:
         # Consumed tokens are handed to the core in batches of this size; the core
         # itself grants Credit at half a window, so this sends exactly the same frames.
         self.grant_batch = max(1, core.local_hello.initial_credit // 2)
+        self.kv_listener: Callable[[KvEvents], None] | None = None  # who reads the worker's KV events
+
+    def subscribe_kv(self, listener: Callable[[KvEvents], None]) -> None:
+        """Ask the worker (its Hello lists ``"kv_events"``) for its whole prefix cache, then every
+        change, each batch to ``listener``; again: a resync."""
+        self.kv_listener = listener
+        self.core.subscribe_kv()
+        self.endpoint.flush_soon()
 
     # --- WorkerConnection --------------------------------------------------------------------
 
@@ -155,6 +165,9 @@ class ClientConnection:
                     kept.append(batch)
                     if len(kept) >= self.history.trim_at:
                         self.history.trim([s.mark for s in streams.values() if s.mark >= 0])
+            elif t is KvEventsReceived:
+                if self.kv_listener is not None:
+                    self.kv_listener(ev.events)  # type: ignore[union-attr]
             elif isinstance(ev, StatsReceived):
                 self.latest_stats = ev.stats
             elif isinstance(ev, PeerHello):

@@ -38,6 +38,11 @@ calls :meth:`handle_timer`. No sockets, no asyncio.
 * A SUBMIT whose body does not decode (:class:`~transport.wire.SubmitRejected`)
   fails that request alone: the worker core answers ERROR ``INVALID_REQUEST``
   for it and reports :class:`SubmitRefused`; its other requests go on.
+* KV events (the worker's Hello lists ``"kv_events"``): the gateway's
+  :meth:`subscribe_kv` sends KV_SUBSCRIBE (again for a resync); from then on
+  the worker may :meth:`send_kv_events` and the gateway reports each batch as
+  :class:`KvEventsReceived`. Unasked KV_EVENTS, or KV_SUBSCRIBE to a worker
+  without the capability, are protocol errors.
 * GOODBYE: the sender is draining. A worker that said GOODBYE answers new
   SUBMITs with ``SHUTTING_DOWN``; a gateway that received one refuses to
   submit (``ConnectionClosed``).
@@ -59,6 +64,8 @@ from .messages import (
     Finish,
     Goodbye,
     Hello,
+    KvEvents,
+    KvSubscribe,
     Message,
     Ping,
     Pong,
@@ -89,8 +96,13 @@ __all__ = [
     "StatsReceived",
     "GoodbyeReceived",
     "ConnectionEnded",
+    "KvSubscribed",
+    "KvEventsReceived",
     "Event",
+    "KV_EVENTS",
 ]
+
+KV_EVENTS = "kv_events"  # the Hello capability of a worker that publishes its prefix cache's changes
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,6 +173,18 @@ class ConnectionEnded:
     open_requests: tuple[int, ...]
 
 
+@dataclass(frozen=True, slots=True)
+class KvSubscribed:
+    """Worker: the gateway asks for the whole prefix cache now, then every change (a resync too)."""
+
+
+@dataclass(slots=True)  # not frozen: one per engine step
+class KvEventsReceived:
+    """Gateway: a batch of the worker's prefix-cache changes (it subscribed)."""
+
+    events: KvEvents
+
+
 Event = (
     PeerHello
     | SubmitReceived
@@ -172,6 +196,8 @@ Event = (
     | StatsReceived
     | GoodbyeReceived
     | ConnectionEnded
+    | KvSubscribed
+    | KvEventsReceived
 )
 
 
@@ -232,6 +258,7 @@ class FlowConnection:
         self._credit: dict[int, int] = {}  # worker: open requests -> remaining credit
         self._psk = PskHandshake(psk, role, nonce) if psk is not None else None
         self._peer_role = ""
+        self.kv_subscribed = False  # gateway: it sent KV_SUBSCRIBE; worker: it received one
         if self._psk is None:
             self._send(self.local_hello)
         else:  # the challenge: nothing about us until the peer proved the key
@@ -383,6 +410,17 @@ class FlowConnection:
             req.window += req.unacked
             req.unacked = 0
 
+    def subscribe_kv(self) -> None:
+        """Ask the worker for its whole prefix cache, then every change (again: a resync). Only to a
+        worker whose Hello lists :data:`KV_EVENTS`."""
+        self._need("gateway")
+        if self.closed:
+            return
+        if self.peer_hello is None or KV_EVENTS not in self.peer_hello.capabilities:
+            raise ValueError("the worker does not publish KV events")
+        self.kv_subscribed = True
+        self._send(KvSubscribe())
+
     # --- worker side -------------------------------------------------------------------------
 
     def credit(self, request_id: int) -> int:
@@ -428,6 +466,14 @@ class FlowConnection:
         self._need("worker")
         if not self.closed:
             self._send(stats)
+
+    def send_kv_events(self, events: KvEvents) -> None:
+        """A batch of the prefix cache's changes, to a gateway that subscribed."""
+        self._need("worker")
+        if not self.kv_subscribed:
+            raise ValueError("KV events for a gateway that did not subscribe")
+        if not self.closed:
+            self._send(events)
 
     def _end_worker_request(self, msg: Finish | Error) -> None:
         self._need("worker")
@@ -559,6 +605,8 @@ class FlowConnection:
             events.append(TokensReceived(msg))
         elif isinstance(msg, Stats):
             events.append(StatsReceived(msg))
+        elif isinstance(msg, KvEvents) and self.kv_subscribed:
+            events.append(KvEventsReceived(msg))
         else:
             name = "Submit" if isinstance(msg, SubmitRejected) else type(msg).__name__
             events.extend(self._fail(f"a worker may not send {name}"))
@@ -584,5 +632,8 @@ class FlowConnection:
                 self._credit[msg.request_id] = old + msg.tokens
                 if old == 0:
                     events.append(CreditResumed(msg.request_id, old + msg.tokens))
+        elif isinstance(msg, KvSubscribe) and KV_EVENTS in self.local_hello.capabilities:
+            self.kv_subscribed = True
+            events.append(KvSubscribed())
         else:
             events.extend(self._fail(f"a gateway may not send {type(msg).__name__}"))

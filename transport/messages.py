@@ -11,8 +11,8 @@ dataclass's ``__init__`` sets each field through ``object.__setattr__`` and
 costs about four times as much. Treat them as immutable all the same.
 
 Direction:
-  gateway -> worker: Hello, Submit, Cancel, Credit, Ping, Pong, Goodbye
-  worker -> gateway: Hello, TokenBatch, Finish, Error, Stats, Ping, Pong, Goodbye
+  gateway -> worker: Hello, Submit, Cancel, Credit, Ping, Pong, Goodbye, KvSubscribe
+  worker -> gateway: Hello, TokenBatch, Finish, Error, Stats, Ping, Pong, Goodbye, KvEvents
   both, with a pre-shared key: Hello (challenge), Auth, then Hello (full)
 
 Every request (identified by a ``request_id`` the gateway assigns, unique per
@@ -47,6 +47,8 @@ __all__ = [
     "Pong",
     "Goodbye",
     "Auth",
+    "KvEvents",
+    "KvSubscribe",
     "Message",
 ]
 
@@ -130,6 +132,8 @@ class Hello:
     # Pre-shared-key authentication (transport.psk): the sender's fresh nonce in its *challenge* Hello,
     # which says nothing else about it; b"" in a full Hello and when no key is configured.
     challenge: bytes = b""
+    # The worker's KV-cache epoch (KvEvents): new at every start or cache reset; 0 = not told.
+    kv_epoch: int = 0
 
 
 @dataclass(slots=True)  # not frozen: built per request/step (module docstring)
@@ -300,6 +304,10 @@ class Stats:
     step_sequences: int = 0  # sequences those steps carried (prefills + decodes)
     preemptions: int = 0
     batch_window_s: float = 0.0  # the batch window in effect now (the adaptive one moves with load)
+    # KV events (optional trailing fields, both or neither; 0s: not told): the cache's epoch and the
+    # sequence number of the last KvEvents batch published before these stats (a gap: resubscribe).
+    kv_epoch: int = 0
+    kv_seq: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -327,4 +335,27 @@ class Goodbye:
     reason: str = ""
 
 
-Message = Hello | Submit | Cancel | Credit | TokenBatch | Finish | Error | Stats | Ping | Pong | Goodbye | Auth
+@dataclass(slots=True)  # not frozen: one per engine step
+class KvEvents:
+    """The prefix-cache blocks a worker gained (``stored``) and lost (``evicted``) since its previous
+    batch, by their :mod:`transport.common.prefix` chain hashes (u64 arrays, ``'Q'``); the two are
+    disjoint (a block's last change wins). ``seq`` numbers the batches of one ``epoch`` (the worker's
+    cache: new at a restart or cache reset). ``full``: ``stored`` is the whole cache, which replaces
+    whatever the receiver held for this worker (the answer to :class:`KvSubscribe`), at ``seq``;
+    the next batch is ``seq + 1``. Sent only to a gateway that subscribed, by a worker whose Hello
+    lists the ``"kv_events"`` capability."""
+
+    epoch: int
+    seq: int
+    stored: array[int]  # 'Q'
+    evicted: array[int] = field(default_factory=lambda: array("Q"))
+    full: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class KvSubscribe:
+    """Gateway: send me your whole prefix cache now (a full :class:`KvEvents`), then every change.
+    Sent again after a gap in ``seq`` or a new epoch (a resync)."""
+
+
+Message = Hello | Submit | Cancel | Credit | TokenBatch | Finish | Error | Stats | Ping | Pong | Goodbye | Auth | KvEvents | KvSubscribe

@@ -26,12 +26,13 @@ from .flow import (
     CreditResumed,
     Event,
     FlowConnection,
+    KvSubscribed,
     PeerHello,
     SubmitReceived,
     SubmitRefused,
 )
 from .hold import ResultHold
-from .messages import Error, ErrorCode, Finish, Hello, Stats, TokenBatch
+from .messages import Error, ErrorCode, Finish, Hello, KvEvents, Stats, TokenBatch
 from .security import NO_SECURITY, PskKeys, TlsContexts, TransportSecurity
 from .select import choose
 from .tcp import SessionFactory, listen_stream
@@ -72,6 +73,10 @@ class ServerConnectionImpl:
         self.hold.send_stats(stats)
         self.endpoint.flush_soon()
 
+    def send_kv_events(self, events: KvEvents) -> None:
+        self.core.send_kv_events(events)
+        self.endpoint.flush_soon()
+
     def credit(self, request_id: int) -> int:
         return self.core.credit(request_id)
 
@@ -106,6 +111,8 @@ class ServerConnectionImpl:
                 log.warning("request %d refused, its SUBMIT did not decode: %s", ev.request_id, ev.reason)
             elif isinstance(ev, CreditResumed):
                 h.on_credit(self, ev.request_id, ev.available)
+            elif isinstance(ev, KvSubscribed):
+                h.on_kv_subscribe(self)
             elif isinstance(ev, PeerHello):
                 self.peer_hello = ev.hello
             elif isinstance(ev, ConnectionEnded):

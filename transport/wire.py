@@ -27,7 +27,8 @@ type   name       request_id  body
                               block_size, max_model_len, model_id,
                               prefix_hash (absent: 0, 0, 0, 0, "", ""),
                               then optionally challenge (bin, 0 or 32
-                              bytes; absent: empty)]
+                              bytes; absent: empty), then optionally
+                              kv_epoch (u64; absent: 0)]
 2      SUBMIT     rid (>0)    msgpack [model, params, prompt|nil,
                               prompt_token_ids (bin, u32 LE)|nil, messages|nil,
                               deadline_ms, priority, trace|nil, return_text,
@@ -51,12 +52,29 @@ type   name       request_id  body
                               kv_blocks_total, prefix_hit_rate,
                               prefix_hashes (bin, u64 LE), tokens_per_s,
                               (optional, all or none:) steps, step_seconds,
-                              step_sequences, preemptions, batch_window_s]
+                              step_sequences, preemptions, batch_window_s,
+                              (optional, both or none:) kv_epoch, kv_seq]
 9      PING       0           u64 nonce
 10     PONG       0           u64 nonce
 11     GOODBYE    0           UTF-8 reason
 12     AUTH       0           32 bytes: HMAC-SHA256 proof of the pre-shared key
+13     KV_EVENTS  0           flags bit 0 FULL; u64 epoch, u64 seq, u32 n,
+                              u64 stored[n], u64 evicted[rest of the body]
+                              (:mod:`transport.wire_kv`)
+14     KV_SUBSCRIBE 0         empty
 =====  =========  ==========  ==================================================
+
+KV events: a worker whose HELLO lists the capability ``"kv_events"`` publishes
+its prefix cache's changes (blocks by their :mod:`transport.common.prefix`
+chain hash) to a gateway that sent KV_SUBSCRIBE: first a FULL frame (every
+cached hash, at the current ``seq``), then one frame per engine step that
+changed the cache, ``seq`` one more each time, ``stored`` and ``evicted``
+disjoint. ``epoch`` (also in HELLO and STATS) names the cache: a new one (a
+restart, a cache reset) empties the receiver's view of that worker. A gap in
+``seq`` (or a STATS ``kv_seq`` past the last frame seen) is answered with
+KV_SUBSCRIBE again (a resync). A gateway never sends KV_SUBSCRIBE to a worker
+without the capability, and a worker never sends KV_EVENTS unasked, so either
+side may predate them.
 
 Pre-shared key (:mod:`transport.psk`): a side configured with one opens with a
 *challenge* HELLO (its role, a 32-byte nonce in ``challenge``, and nothing that
@@ -177,6 +195,8 @@ from .messages import (
     FinishReason,
     Goodbye,
     Hello,
+    KvEvents,
+    KvSubscribe,
     Message,
     Ping,
     Pong,
@@ -198,6 +218,7 @@ from .wire_control import (
     submit_body,
     unpack_fields,
 )
+from .wire_kv import decode_kv_events, encode_kv_events
 from .wire_tokens import (
     TOKEN_FLAG_MASK,
     StreamOptions,
@@ -233,6 +254,7 @@ CHALLENGE_SIZE = 32  # bytes of a HELLO challenge and of an AUTH proof (HMAC-SHA
 _TLS_RECORD = 0x16  # a TLS handshake record's first byte, where our version byte would be
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
+_U64_MAX = (1 << 64) - 1
 _FINISH_REASONS = {int(r): r for r in FinishReason}
 _unpackb = msgpack.unpackb  # its defaults are our settings: raw=False, strict_map_key, use_list
 assert array("Q").itemsize == 8
@@ -251,6 +273,8 @@ class FrameType(enum.IntEnum):
     PONG = 10
     GOODBYE = 11
     AUTH = 12
+    KV_EVENTS = 13
+    KV_SUBSCRIBE = 14
 
 
 @dataclass(frozen=True, slots=True)
@@ -326,6 +350,8 @@ class FrameEncoder:
                     msg.step_sequences,
                     msg.preemptions,
                     float(msg.batch_window_s),
+                    msg.kv_epoch,
+                    msg.kv_seq,
                 ]
             )
             return self._frame(FrameType.STATS, 0, body)
@@ -346,6 +372,7 @@ class FrameEncoder:
                     msg.model_id,
                     msg.prefix_hash,
                     msg.challenge,
+                    msg.kv_epoch,
                 ]
             )
             return self._frame(FrameType.HELLO, 0, body)
@@ -355,6 +382,11 @@ class FrameEncoder:
             return self._frame(FrameType.AUTH, 0, msg.proof)
         if isinstance(msg, Goodbye):
             return self._frame(FrameType.GOODBYE, 0, msg.reason.encode())
+        if isinstance(msg, KvEvents):
+            flags, body = encode_kv_events(msg)
+            return self._frame(FrameType.KV_EVENTS, 0, body, flags)
+        if isinstance(msg, KvSubscribe):
+            return self._frame(FrameType.KV_SUBSCRIBE, 0, b"")
         raise TypeError(f"not a wire message: {type(msg).__name__}")
 
 
@@ -436,6 +468,10 @@ class FrameDecoder:
             if rid:
                 raise WireError("TOKENS: request id must be 0")
             return self._tokens.decode(flags, body)
+        if ftype == FrameType.KV_EVENTS:  # its flags: decode_kv_events checks them
+            if rid:
+                raise WireError("KV_EVENTS: request id must be 0")
+            return decode_kv_events(flags, body)
         if flags:
             raise WireError(f"frame type {ftype}: flags must be 0, got {flags:#x}")
         if ftype in _RID_FRAMES:
@@ -500,10 +536,14 @@ class FrameDecoder:
             )
             if len(f.items) == 7:
                 return stats  # a worker that predates the engine counters
-            if len(f.items) < 12:
-                raise WireError("STATS: the engine counters (7..11) come all together or not at all")
-            return replace(stats, steps=f.integer(7), step_seconds=f.number(8), step_sequences=f.integer(9),
-                           preemptions=f.integer(10), batch_window_s=f.number(11))
+            if len(f.items) < 12 or len(f.items) == 13:
+                raise WireError("STATS: the engine counters (7..11) and the KV-event fields (12, 13) come all "
+                                "together or not at all")
+            stats = replace(stats, steps=f.integer(7), step_seconds=f.number(8), step_sequences=f.integer(9),
+                            preemptions=f.integer(10), batch_window_s=f.number(11))
+            if len(f.items) == 12:
+                return stats  # a worker that predates KV events
+            return replace(stats, kv_epoch=f.integer(12, 0, _U64_MAX), kv_seq=f.integer(13, 0, _U64_MAX))
         if ftype == FrameType.HELLO:
             f = unpack_fields(body, "HELLO", 7)
             hello = Hello(
@@ -526,11 +566,17 @@ class FrameDecoder:
                 if type(challenge) is not bytes or len(challenge) not in (0, CHALLENGE_SIZE):
                     raise WireError(f"HELLO: field 13 must be empty or {CHALLENGE_SIZE} bytes")
                 hello = replace(hello, challenge=challenge)
+            if len(f.items) > 14:
+                hello = replace(hello, kv_epoch=f.integer(14, 0, _U64_MAX))
             return hello
         if ftype == FrameType.AUTH:
             if len(body) != CHALLENGE_SIZE:
                 raise WireError(f"AUTH: body must be {CHALLENGE_SIZE} bytes")
             return Auth(bytes(body))
+        if ftype == FrameType.KV_SUBSCRIBE:
+            if len(body):
+                raise WireError("KV_SUBSCRIBE: body must be empty")
+            return KvSubscribe()
         if ftype == FrameType.GOODBYE:
             try:
                 return Goodbye(bytes(body).decode())
