@@ -74,6 +74,8 @@ class KVCache:
         self.hit_tokens = 0
         self.evictions = 0
         self.window_releases = 0  # blocks given back because they fell out of a sliding window
+        # KV events (inference.kv_events): hashes cached or dropped since the last take_changes, when tracked
+        self.changes: dict[int, None] | None = None
 
     # -- queries -----------------------------------------------------------
     @property
@@ -190,6 +192,8 @@ class KVCache:
                 self._cached[h] = b
                 self._hash_of[b] = h
                 self._tokens_of[b] = chunk
+                if self.changes is not None:
+                    self.changes[h] = None
             if i == 0 and h in self._cached:
                 self._roots[h] = None
                 self._roots.move_to_end(h)
@@ -248,10 +252,26 @@ class KVCache:
                 self._roots.pop(h, None)
                 self._hash_of[b] = None
                 self._tokens_of.pop(b, None)
+                if self.changes is not None:
+                    self.changes[h] = None
             self.evictions += 1
         assert self._ref[b] == 0, "handed out a block in use"
         self._ref[b] = 1
         return b
+
+    def take_changes(self) -> tuple[list[int], list[int]]:
+        """(cached, dropped): the hashes whose presence changed since the last call, as they are now
+        (disjoint; a hash cached then dropped counts once). Tracking is on while ``changes`` is a dict."""
+        changed = self.changes
+        if not changed:
+            return [], []
+        self.changes = {}
+        cached = self._cached
+        return [h for h in changed if h in cached], [h for h in changed if h not in cached]
+
+    def cached_hashes(self) -> list[int]:
+        """Every hash the prefix cache holds now."""
+        return list(self._cached)
 
     def prefix_hashes(self, limit: int = 32) -> tuple[int, ...]:
         """Hashes of cached chain roots (first blocks), newest first."""
