@@ -10,7 +10,8 @@ connection for all its requests, then a ``Finish``/``Error`` per ended
 request. A request whose credit reaches 0 (its client is not reading) is
 paused off the engine's batch until the gateway grants more; past the
 engine's ``stall_timeout`` it ends with a TIMEOUT error. Stats go to every
-connection every ``stats_interval``.
+connection every ``stats_interval``. A gateway that subscribes to KV events
+(:mod:`inference.kv_events`) gets the prefix cache's changes after every step.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from transport.messages import Error, ErrorCode, Finish, FinishReason, Hello, St
 
 from .engine import Delta, Engine, EngineError, EngineEvent, Failed, Finished
 from .guided import GuideCompiles
+from .kv_events import KvPublisher
 from .tokenizer import Tokenizer, TokenizerError
 from .tracing import WorkerTracer
 
@@ -101,15 +103,17 @@ class WorkerService:
         # The Stats last sent, for the worker's own /metrics (read from its HTTP thread: one reference swap).
         self.last_stats: Stats | None = None
         self.grammars = GuideCompiles(self)  # structured output's compiles, off the loop and the step
+        self.kv_events = KvPublisher(engine.kv)  # the prefix cache's changes, to gateways that subscribe
 
     # -- WorkerHandler ------------------------------------------------------
     def hello(self) -> Hello:
         """Who we are and what we can hold: the gateway sizes and routes by these."""
         eng = self.engine
+        caps = ("logprobs", "text", "chat", "continuation") + (("kv_events",) if self.kv_events.capable else ())
         return Hello(role="worker", identity=self.identity, models=(self.served_name,),
-                     capabilities=("logprobs", "text", "chat", "continuation"), max_batch=eng.config.max_batch,
+                     capabilities=caps, max_batch=eng.config.max_batch,
                      kv_blocks=eng.kv.num_blocks, block_size=eng.kv.block_size, max_model_len=eng.max_model_len,
-                     model_id=self.model_id, prefix_hash=eng.kv.hash_scheme)  # fmt: skip
+                     model_id=self.model_id, prefix_hash=eng.kv.hash_scheme, kv_epoch=self.kv_events.epoch)  # fmt: skip
 
     def _key(self, conn: ServerConnection) -> int:
         cid = self._conn_no.get(id(conn))
@@ -206,7 +210,11 @@ class WorkerService:
         self.engine.resume((self._key(conn), request_id))
         self._wake.set()
 
+    def on_kv_subscribe(self, conn: ServerConnection) -> None:
+        self.kv_events.subscribe(conn)
+
     def on_disconnect(self, conn: ServerConnection, open_requests: Sequence[int]) -> None:
+        self.kv_events.unsubscribe(conn)
         cid = self._conn_no.pop(id(conn), None)
         if cid is None:
             return
@@ -252,6 +260,7 @@ class WorkerService:
                     log.exception("engine step failed")
                     events = list(self.engine.abort_all(ErrorCode.INTERNAL, f"engine step failed: {exc}"))
                 self._dispatch(events)
+                self.kv_events.publish()
                 await asyncio.sleep(0)
         finally:
             stats.cancel()
@@ -324,9 +333,11 @@ class WorkerService:
         win = self._tokens_window = [(t, n) for t, n in self._tokens_window if now - t <= 5.0]
         span = now - win[0][0] if len(win) > 1 else 0.0
         rate = sum(n for _, n in win) / span if span > 0 else 0.0
+        self.kv_events.publish()  # so that kv_seq names a batch already sent
         return Stats(eng.num_waiting, eng.num_running, eng.kv.num_free, eng.kv.num_blocks,
                      eng.kv.hit_rate, eng.kv.prefix_hashes(), rate, eng.steps, eng.step_seconds,
-                     eng.step_sequences, eng.num_preemptions, eng.window.window)  # fmt: skip
+                     eng.step_sequences, eng.num_preemptions, eng.window.window,
+                     kv_epoch=self.kv_events.epoch, kv_seq=self.kv_events.seq)  # fmt: skip
 
     async def _stats_loop(self) -> None:
         while True:

@@ -28,7 +28,9 @@ named by :mod:`transport.common.prefix`'s hash chain, LRU-evicted) hands the run
 only the uncached rest. Its capacity is the KV cache, ``num_blocks`` (8 bytes a
 token here, so set it freely). So a request's TTFT is its queueing plus one
 step whose prefill term is ``uncached prompt tokens * prefill cost``, and its
-usage reports the cached part (``prompt_tokens_details.cached_tokens``).
+usage reports the cached part (``prompt_tokens_details.cached_tokens``). Being
+the engine's own cache, it publishes the same KV events as a model's
+(:mod:`inference.kv_events`), so a gateway routing by cache sees it exactly.
 
 Faults (:class:`SyntheticFaults`), drawn from ``synthetic_fault_seed`` by a
 counter-based hash of the sequence id (engine arrival order) or the step
