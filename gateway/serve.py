@@ -41,6 +41,7 @@ from .http.quic_listener import QuicListener, start_quic_listener
 from .http.quic_settings import alt_svc as alt_svc_header
 from .http.ticket_dir import SharedTickets
 from .http.tls import SELF_SIGNED_CERT, SELF_SIGNED_KEY
+from .multiproc.key_slots import KeySlots, share_key_caps
 from .multiproc.process import GatewayProcess
 from .observability.counters import GatewayCounters
 from .observability.logs import ACCESS_LOGGER, configure_logging
@@ -109,6 +110,9 @@ async def run_gateway(settings: Settings, *, out: TextIO | None = None,
         pool.configure((m.name, m.aliases) for m in served)
         pool.fallbacks.update((m.name, m.fallback) for m in served if m.fallback)
     adm = build_admission(settings.admission, settings.server.host)
+    if process is not None and adm.stage is not None:  # keys' concurrency caps count every process's requests
+        share_key_caps(adm.stage.admission, KeySlots(os.path.join(process.runtime, "key-slots"), process.index,
+                                                     process.of))
     if adm.stage is not None:
         metrics.registry.register(AdmissionCollector(adm.stage.admission, adm.leases))
     if adm.warning:

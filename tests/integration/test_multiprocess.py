@@ -291,12 +291,13 @@ def limited(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Fleet, s
 
     state = tmp_path_factory.mktemp("limited")
     keys = state / "keys.jsonl"
-    keys.write_text(_key_line("alpha"))
+    keys.write_text(_key_line("alpha") + _key_line("gamma", max_concurrency=2))
     gw = serve_config(state, f'''
 [server]
 processes = 3
 [workers]
 engine = "synthetic"
+synthetic_step_ms = 10.0
 [admission]
 keys_file = "{keys}"
 keys_check_interval = 3600.0
@@ -308,10 +309,31 @@ limits = ["route=/v1/completions requests 200/1m"]
         assert stop_gateway(gw) == 0
 
 
-def _key_line(name: str) -> str:
+def _key_line(name: str, **record: int) -> str:
     import hashlib
 
-    return orjson.dumps({"id": name, "sha256": hashlib.sha256(f"sk-{name}".encode()).hexdigest()}).decode() + "\n"
+    return orjson.dumps({"id": name, "sha256": hashlib.sha256(f"sk-{name}".encode()).hexdigest(),
+                         **record}).decode() + "\n"
+
+
+def test_a_keys_concurrency_cap_holds_across_processes(limited: tuple[Fleet, str]) -> None:
+    """A key allowed 2 requests at once sends 8 long streams on 8 connections (over the 3 processes):
+    2 run, 6 get 429, whichever process each reached; once they end, 2 run again."""
+    fleet, _ = limited
+
+    async def burst() -> list[int]:
+        async def one() -> int:
+            async with httpx.AsyncClient(headers={"authorization": "Bearer sk-gamma"}, timeout=30) as c:
+                r = await c.post(f"http://127.0.0.1:{fleet.ports['http']}/v1/chat/completions",
+                                 json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                                       "max_tokens": 300, "stream": True})
+                return r.status_code
+
+        return list(await asyncio.gather(*(one() for _ in range(8))))
+
+    for _ in range(2):
+        codes = asyncio.run(burst())
+        assert sorted(codes) == [200] * 2 + [429] * 6, codes
 
 
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="the local store is a redis-server")

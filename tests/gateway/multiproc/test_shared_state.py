@@ -94,3 +94,28 @@ def test_processes_setting_refused(bad: str, tmp_path: Path) -> None:
     cfg.write_text(f"[server]\nprocesses = {bad}\n")
     with pytest.raises(SettingsError, match="server.processes"):
         load_settings(str(cfg))
+
+
+def test_key_slots_cap_across_processes_and_forget_a_dead_ones(tmp_path: Path) -> None:
+    from gateway.multiproc.key_slots import KeySlots
+
+    path = str(tmp_path / "slots")
+    a, b = KeySlots(path, 0, 2, slots=64), KeySlots(path, 1, 2, slots=64)
+    assert a.acquire("k", 2) and b.acquire("k", 2)
+    assert a.acquire("k", 2) is False and b.acquire("k", 2) is False  # 2 held, whichever process asks
+    assert a.acquire("other", 1) and a.held("k") == 2
+    b.release("k")
+    assert a.acquire("k", 2) and a.held("k") == 2
+    KeySlots(path, 0, 2, slots=64)  # process 0 died and was started again: its places went with it
+    assert b.held("k") == 0 and b.held("other") == 0
+    assert b.acquire("k", 1)
+
+
+def test_key_slots_full_window_refuses_rather_than_evicts(tmp_path: Path) -> None:
+    from gateway.multiproc.key_slots import WINDOW, KeySlots
+
+    s = KeySlots(str(tmp_path / "slots"), 0, 1, slots=WINDOW)  # one window: every key shares it
+    assert all(s.acquire(f"k{i}", 1) for i in range(WINDOW))
+    assert s.acquire("one more", 1) is None
+    s.release("k0")
+    assert s.acquire("one more", 1) is True
