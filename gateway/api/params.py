@@ -31,6 +31,8 @@ from transport.messages import SamplingParams, Submit
 from ..admission.schema import builtin_validator
 from ..errors import APIError
 from ..routing.rollout import Rollout
+from .structured import chat_constraint, completion_constraint, with_constraint
+from .tools import ToolSetup
 
 __all__ = ["GenerationRequest", "parse_json_body", "parse_chat", "parse_completion", "ROLES"]
 
@@ -57,6 +59,7 @@ class GenerationRequest:
     prompt_tokens: int = -1  # the prompt-size estimate, once worked out (prompt_estimate); -1: not yet
     route: str = ""  # the routing rule (leaf) that chose the model; "" = none did
     rollout: Rollout | None = None  # the gray release that placed it (it reports its end there)
+    tools: ToolSetup | None = None  # chat tools: the writers read tool calls out of the text (gateway.api.tools)
 
     def prompt_estimate(self) -> int:
         """Prompt tokens, estimated without a tokenizer (about 4 bytes of text a token); worked out
@@ -204,7 +207,7 @@ def _common(d: dict[str, Any], max_tokens_limit: int, default_max: int,
         stream, include_usage, user, logprobs, top_n
 
 
-_CHAT_RARE = frozenset({"tools", "tool_choice", "response_format"})
+_CHAT_RARE = frozenset({"tools", "tool_choice", "response_format", "structured_outputs"})
 
 _PARAMS_CACHE: dict[tuple[Any, ...], SamplingParams] = {}
 _PARAMS_CACHE_MAX = 4096
@@ -238,9 +241,19 @@ def _content_text(content: Any, i: int) -> str:
     return "".join(parts)
 
 
+_TOOL_KEYS = ("tool_calls", "tool_call_id", "name")
+
+
 def _messages(d: dict[str, Any]) -> tuple[dict[str, Any], ...]:
-    return tuple({"role": m["role"], "content": _content_text(m.get("content"), i)}
-                 for i, m in enumerate(d["messages"]))
+    out = []
+    for i, m in enumerate(d["messages"]):
+        msg = {"role": m["role"], "content": _content_text(m.get("content"), i)}
+        if len(m) > 2:  # a tool call, a tool's result or a name: the chat template renders them
+            for key in _TOOL_KEYS:
+                if key in m:
+                    msg[key] = m[key]
+        out.append(msg)
+    return tuple(out)
 
 
 _CHAT_SCHEMA = builtin_validator("/v1/chat/completions")
@@ -258,19 +271,16 @@ def parse_chat(body: bytes | dict[str, Any], *, default_max_tokens: int, max_tok
     model, params, stream, include_usage, user, logprobs, top_n = _common(
         d, max_tokens_limit, default_max_tokens, chat=True)
     messages = _messages(d)
+    tools = None
     if not _CHAT_RARE.isdisjoint(d):
-        for key in ("tools", "tool_choice"):
-            v = d.get(key)
-            if v not in (None, [], "none"):
-                raise _bad(f"'{key}' (tool calling) is not supported by this server.", key,
-                           "unsupported_parameter")
-        rf = d.get("response_format")
-        if rf is not None and rf != {"type": "text"}:
-            raise _bad("Only response_format {\"type\": \"text\"} is supported.", "response_format",
-                       "unsupported_parameter")
+        constraint = chat_constraint(d)
+        params, tools = with_constraint(params, constraint), constraint[2]
     tier = d.get("service_tier")
-    return GenerationRequest(True, model, params, stream, include_usage, None, None, messages, logprobs,
-                             top_n, user, deadline_ms, tier if type(tier) is str else None)
+    g = GenerationRequest(True, model, params, stream, include_usage, None, None, messages, logprobs,
+                          top_n, user, deadline_ms, tier if type(tier) is str else None)
+    if tools is not None and tools.parse:
+        g.tools = tools
+    return g
 
 
 def parse_completion(body: bytes | dict[str, Any], *, default_max_tokens: int, max_tokens_limit: int,
@@ -303,5 +313,7 @@ def parse_completion(body: bytes | dict[str, Any], *, default_max_tokens: int, m
         raise _bad("'best_of' > 1 is not supported by this server.", "best_of", "unsupported_parameter")
     if d.get("suffix") not in (None, ""):
         raise _bad("'suffix' is not supported by this server.", "suffix", "unsupported_parameter")
+    if d.get("structured_outputs"):
+        params = with_constraint(params, completion_constraint(d))
     return GenerationRequest(False, model, params, stream, include_usage, text, ids, None, logprobs, top_n,
                              user, deadline_ms)

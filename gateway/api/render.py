@@ -110,8 +110,10 @@ def completion_logprobs(ev: TokenEntry, top_n: int, acc: dict[str, list[Any]], o
     return offset
 
 
-def response_body(chat: bool, model: str, text: str, fin: Finish, logprobs: Any) -> bytes:
-    """A whole (non-streamed) chat.completion / text_completion body; ``logprobs`` None when not asked for.
+def response_body(chat: bool, model: str, text: str, fin: Finish, logprobs: Any,
+                  tool_calls: list[dict[str, Any]] | None = None) -> bytes:
+    """A whole (non-streamed) chat.completion / text_completion body; ``logprobs`` None when not asked for;
+    ``tool_calls`` (chat with tools): the calls read out of the text, which is then the content around them.
     (Once per non-streaming request: new_id, finish_reason and usage_dict are written out inline.)"""
     reason = _REASONS.get(fin.reason, "stop")
     p, n = fin.prompt_tokens, fin.completion_tokens
@@ -125,6 +127,13 @@ def response_body(chat: bool, model: str, text: str, fin: Finish, logprobs: Any)
                          "logprobs": logprobs, "finish_reason": reason}],
             "usage": usage, "system_fingerprint": None,
         }
+        if tool_calls is not None:
+            choice = body["choices"][0]
+            choice["message"]["content"] = text if text.strip() or not tool_calls else None
+            if tool_calls:
+                choice["message"]["tool_calls"] = tool_calls
+                if fin.reason == FinishReason.STOP:
+                    choice["finish_reason"] = "tool_calls"
     else:
         body = {
             "id": f"cmpl-{_PREFIX}{next(_counter):x}", "object": "text_completion", "created": int(clock.wall()),
@@ -161,6 +170,11 @@ class ChunkTemplate:
 
     def content(self, text: str) -> bytes:
         return self.head + orjson.dumps(text) + self.tail
+
+    def delta(self, delta: dict[str, Any]) -> bytes:
+        """A chat chunk whose delta is ``delta`` (tool calls: gateway.api.tool_writers)."""
+        return (self.head[: -len(b'{"content":')] + orjson.dumps(delta) + b',"logprobs":null,"finish_reason":null}]'
+                + self.usage_null + b"}\n\n")
 
     def content_with_logprobs(self, text: str, logprobs: Any) -> bytes:
         lp = orjson.dumps({"content": logprobs} if self.chat else logprobs)

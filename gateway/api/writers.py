@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 import orjson
 
-from transport.messages import Finish, TokenEntry
+from transport.messages import Finish, FinishReason, TokenEntry
 
 from ..errors import APIError, Headers, render_http, render_sse
 from .params import GenerationRequest
@@ -33,8 +33,9 @@ from .render import (
     new_id,
     response_body,
 )
+from .tools import ToolCallParser
 
-__all__ = ["Writer", "JsonWriter", "SseWriter", "writer_for"]
+__all__ = ["Writer", "JsonWriter", "SseWriter", "ToolJsonWriter", "ToolSseWriter", "writer_for"]
 
 _dumps = orjson.dumps
 
@@ -177,6 +178,66 @@ class SseWriter(_OpenAIWriter):
         return out + DONE
 
 
+class ToolJsonWriter(JsonWriter):
+    """A whole chat response whose text may hold tool calls (:mod:`gateway.api.tools`): they go in the
+    message's ``tool_calls``, the text around them is its content; ``finish_reason`` ``tool_calls``
+    when the answer ended by itself with calls."""
+
+    __slots__ = ()
+
+    def whole(self, text: bytes, fin: Finish) -> bytes:
+        g = self.g
+        parser = ToolCallParser()
+        parser.feed(text.decode("utf-8", "replace"), final=True)
+        calls = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                 for c in parser.calls]
+        lps = {"content": self._lps or []} if g.logprobs else None
+        return response_body(True, g.model, "".join(parser.content), fin, lps, calls)
+
+
+class ToolSseWriter(SseWriter):
+    """A streamed chat whose text may hold tool calls, streamed as OpenAI streams them: a chunk opening
+    each call (``index``, ``id``, ``type``, ``function.name``, empty ``arguments``), then chunks of
+    ``function.arguments`` as the model writes them."""
+
+    __slots__ = ("_parser",)
+
+    def __init__(self, g: GenerationRequest) -> None:
+        super().__init__(g)
+        self._parser = ToolCallParser()
+
+    def _chunks(self, events: list[tuple[Any, ...]]) -> bytes:
+        tpl = self._tpl
+        out = b""
+        for ev in events:
+            if ev[0] == "content":
+                out += tpl.content(ev[1])
+            elif ev[0] == "call":
+                _, index, cid, name = ev
+                out += tpl.delta({"tool_calls": [{"index": index, "id": cid, "type": "function",
+                                                  "function": {"name": name, "arguments": ""}}]})
+            else:
+                out += tpl.delta({"tool_calls": [{"index": ev[1], "function": {"arguments": ev[2]}}]})
+        return out
+
+    def text(self, delta: bytes) -> bytes:
+        return self._chunks(self._parser.feed(delta.decode("utf-8", "replace")))
+
+    def entries(self, events: list[TokenEntry]) -> bytes:
+        return self.text(b"".join(bytes(ev.text) for ev in events))  # (a tool answer's logprobs: not streamed)
+
+    def finish(self, fin: Finish) -> bytes:
+        tpl = self._tpl
+        out = self._chunks(self._parser.feed("", final=True))
+        reason = "tool_calls" if self._parser.calls and fin.reason == FinishReason.STOP else finish_reason(fin)
+        out += tpl.finish(reason)
+        if self.g.include_usage:
+            out += tpl.usage(fin)
+        return out + DONE
+
+
 def writer_for(g: GenerationRequest) -> JsonWriter | SseWriter:
+    if g.tools is not None:  # a chat with tools whose calls are read back (tool_choice other than none)
+        return ToolSseWriter(g) if g.stream else ToolJsonWriter(g)
     return SseWriter(g) if g.stream else JsonWriter(g)
 

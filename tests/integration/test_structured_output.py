@@ -1,0 +1,247 @@
+"""Structured output and tools through the real thing: `quicserve serve --engine jax` (its defaults:
+the tiny random-weight model in a worker process) and the official openai SDK, sync and async,
+streamed and not.
+
+The model's weights are random: whatever it finishes is valid only because decoding was masked.
+tests/integration/json_schemas.json holds the schemas (nested objects, bounded arrays, enums,
+anyOf, $ref, string formats, patterns; made for this test): every answer that ends by itself must
+validate (jsonschema, formats checked), answered as response_format json_schema and as the
+arguments of a tool call under tool_choice "required".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import openai
+import pytest
+
+from tests.integration.test_gateway_e2e import Gateway, start_gateway, stop_gateway
+
+pytest.importorskip("jax")
+pytest.importorskip("llguidance")
+
+SCHEMAS: list[dict[str, Any]] = json.loads((Path(__file__).parent / "json_schemas.json").read_text())
+MAX_TOKENS = 200
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                            "unit": {"enum": ["c", "f"]}},
+           "required": ["city", "unit"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather now",
+                                           "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "parameters": {
+             "type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}}, "required": ["zone"],
+             "additionalProperties": False}}}]
+USER = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    g = start_gateway(tmp_path_factory.mktemp("state"), "--engine", "jax", "--log-level", "error")
+    yield g
+    assert stop_gateway(g) == 0
+
+
+def validator(schema: dict[str, Any]) -> jsonschema.protocols.Validator:
+    cls = jsonschema.validators.validator_for(schema)
+    return cls(schema, format_checker=cls.FORMAT_CHECKER)  # type: ignore[no-any-return]
+
+
+def as_parameters(schema: dict[str, Any]) -> dict[str, Any]:
+    """A tool's parameters are an object: other schemas go in as its one property."""
+    if schema.get("type") == "object":
+        return schema
+    defs = schema.get("$defs")
+    inner = {k: v for k, v in schema.items() if k != "$defs"}
+    wrapped: dict[str, Any] = {"type": "object", "properties": {"value": inner}, "required": ["value"],
+                               "additionalProperties": False}
+    if defs:
+        wrapped["$defs"] = defs
+    return wrapped
+
+
+async def _each(gw: Gateway, make: Any) -> list[Any]:
+    client = openai.AsyncOpenAI(base_url=gw.http + "/v1", api_key="x", max_retries=0, timeout=600)
+    sem = asyncio.Semaphore(32)
+
+    async def one(i: int, entry: dict[str, Any]) -> Any:
+        async with sem:
+            return await client.chat.completions.create(**make(i, entry))
+
+    try:
+        return list(await asyncio.gather(*(one(i, e) for i, e in enumerate(SCHEMAS))))
+    finally:
+        await client.close()
+
+
+def test_every_finished_answer_is_valid_for_its_schema(gw: Gateway) -> None:
+    assert len(SCHEMAS) >= 100
+
+    def make(i: int, e: dict[str, Any]) -> dict[str, Any]:
+        return dict(model="tiny", messages=[{"role": "user", "content": e["prompt"]}], max_tokens=MAX_TOKENS, seed=i,
+                    response_format={"type": "json_schema",
+                                     "json_schema": {"name": e["name"], "schema": e["schema"], "strict": True}})
+
+    answers = asyncio.run(_each(gw, make))
+    finished = 0
+    for e, r in zip(SCHEMAS, answers, strict=True):
+        choice = r.choices[0]
+        assert choice.finish_reason in ("stop", "length")
+        if choice.finish_reason == "stop":
+            finished += 1
+            validator(e["schema"]).validate(json.loads(choice.message.content))
+    print(f"{finished} of {len(SCHEMAS)} finished by themselves, all valid")
+    assert finished >= len(SCHEMAS) // 2
+
+
+def test_every_finished_tool_call_is_valid_for_its_parameters(gw: Gateway) -> None:
+    def make(i: int, e: dict[str, Any]) -> dict[str, Any]:
+        tool = {"type": "function", "function": {"name": "answer", "parameters": as_parameters(e["schema"])}}
+        return dict(model="tiny", messages=[{"role": "user", "content": e["prompt"]}], max_tokens=MAX_TOKENS, seed=i,
+                    tools=[tool], tool_choice="required", parallel_tool_calls=False)
+
+    answers = asyncio.run(_each(gw, make))
+    finished = 0
+    for e, r in zip(SCHEMAS, answers, strict=True):
+        choice = r.choices[0]
+        if choice.finish_reason == "length":
+            continue
+        finished += 1
+        assert choice.finish_reason == "tool_calls"
+        (call,) = choice.message.tool_calls
+        assert call.type == "function" and call.function.name == "answer" and call.id.startswith("call_")
+        validator(as_parameters(e["schema"])).validate(json.loads(call.function.arguments))
+    print(f"{finished} of {len(SCHEMAS)} tool calls finished by themselves, all valid")
+    assert finished >= len(SCHEMAS) // 2
+
+
+def test_json_object_and_json_schema_sync_and_async_streamed_and_not(gw: Gateway) -> None:
+    with openai.OpenAI(base_url=gw.http + "/v1", api_key="x", max_retries=0) as client:
+        r = client.chat.completions.create(model="tiny", messages=USER, max_tokens=MAX_TOKENS, seed=1,
+                                           response_format={"type": "json_object"})
+        if r.choices[0].finish_reason == "stop":
+            assert isinstance(json.loads(r.choices[0].message.content or ""), dict)
+        fmt = {"type": "json_schema", "json_schema": {"name": "weather", "schema": WEATHER, "strict": True}}
+        whole = client.chat.completions.create(model="tiny", messages=USER, max_tokens=MAX_TOKENS, seed=7,
+                                               temperature=0, response_format=fmt)
+        streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+            model="tiny", messages=USER, max_tokens=MAX_TOKENS, seed=7, temperature=0, response_format=fmt,
+            stream=True) if c.choices)
+    assert whole.choices[0].finish_reason == "stop"
+    assert streamed == whole.choices[0].message.content
+    validator(WEATHER).validate(json.loads(streamed))
+
+    async def async_side() -> None:
+        client = openai.AsyncOpenAI(base_url=gw.http + "/v1", api_key="x", max_retries=0)
+        r = await client.chat.completions.create(model="tiny", messages=USER, max_tokens=MAX_TOKENS, seed=7,
+                                                 temperature=0, response_format=fmt)
+        assert r.choices[0].message.content == streamed
+        text = ""
+        async for c in await client.chat.completions.create(model="tiny", messages=USER, max_tokens=MAX_TOKENS,
+                                                            seed=7, temperature=0, response_format=fmt, stream=True):
+            text += c.choices[0].delta.content or "" if c.choices else ""
+        assert text == streamed
+        await client.close()
+
+    asyncio.run(async_side())
+
+
+def test_regex_choice_and_grammar_extensions_on_both_routes(gw: Gateway) -> None:
+    with openai.OpenAI(base_url=gw.http + "/v1", api_key="x", max_retries=0) as client:
+        r = client.completions.create(model="tiny", prompt="Code: ", max_tokens=40, seed=2,
+                                      extra_body={"structured_outputs": {"regex": "[A-Z]{3}-[0-9]{2}"}})
+        assert r.choices[0].finish_reason == "stop"
+        assert len(r.choices[0].text) == 6 and r.choices[0].text[3] == "-"
+        r = client.chat.completions.create(model="tiny", messages=USER, max_tokens=20, seed=3,
+                                           extra_body={"structured_outputs": {"choice": ["sunny", "rainy"]}})
+        assert r.choices[0].message.content in ("sunny", "rainy")
+        text = "".join(c.choices[0].text for c in client.completions.create(
+            model="tiny", prompt="x", max_tokens=40, seed=4, stream=True,
+            extra_body={"structured_outputs": {"grammar": 'start: "ab" | "cd" ("!")?'}}))
+        assert text in ("ab", "cd", "cd!")
+
+
+def test_tool_choice_required_named_and_none_sync_and_async(gw: Gateway) -> None:
+    kw: dict[str, Any] = dict(model="tiny", messages=USER, max_tokens=MAX_TOKENS, temperature=0, seed=5, tools=TOOLS)
+    with openai.OpenAI(base_url=gw.http + "/v1", api_key="x", max_retries=0) as client:
+        named = client.chat.completions.create(**kw, tool_choice={"type": "function",
+                                                                  "function": {"name": "get_time"}})
+        (call,) = named.choices[0].message.tool_calls or []
+        assert call.function.name == "get_time" and named.choices[0].finish_reason == "tool_calls"
+        assert json.loads(call.function.arguments)["zone"] in ("utc", "cet")
+        assert named.choices[0].message.content is None
+        required = client.chat.completions.create(**kw, tool_choice="required")
+        calls = required.choices[0].message.tool_calls or []
+        assert calls and all(c.function.name in ("get_weather", "get_time") for c in calls)
+        assert len({c.id for c in calls}) == len(calls)
+        none = client.chat.completions.create(**kw, tool_choice="none", max_completion_tokens=8)
+        assert none.choices[0].message.tool_calls is None and none.choices[0].message.content is not None
+
+    async def async_required() -> None:
+        client = openai.AsyncOpenAI(base_url=gw.http + "/v1", api_key="x", max_retries=0)
+        r = await client.chat.completions.create(**kw, tool_choice="required")
+        assert [(c.function.name, c.function.arguments) for c in r.choices[0].message.tool_calls or []] == \
+            [(c.function.name, c.function.arguments) for c in calls]
+        await client.close()
+
+    asyncio.run(async_required())
+
+
+def test_a_streamed_tool_call_reassembles_to_the_unstreamed_one(gw: Gateway) -> None:
+    kw: dict[str, Any] = dict(model="tiny", messages=USER, max_tokens=MAX_TOKENS, temperature=0, seed=11, tools=TOOLS,
+                              tool_choice="required")
+    with openai.OpenAI(base_url=gw.http + "/v1", api_key="x", max_retries=0) as client:
+        whole = client.chat.completions.create(**kw)
+        calls: dict[int, dict[str, str]] = {}
+        reason = None
+        chunks = 0
+        for chunk in client.chat.completions.create(**kw, stream=True):
+            if not chunk.choices:
+                continue
+            delta = chunk.choices[0].delta
+            reason = chunk.choices[0].finish_reason or reason
+            for tc in delta.tool_calls or []:
+                chunks += 1
+                acc = calls.setdefault(tc.index, {"id": "", "name": "", "arguments": ""})
+                acc["id"] += tc.id or ""
+                acc["name"] += tc.function.name or "" if tc.function else ""
+                acc["arguments"] += tc.function.arguments or "" if tc.function else ""
+    expected = [(c.function.name, c.function.arguments) for c in whole.choices[0].message.tool_calls or []]
+    assert expected and [(calls[i]["name"], calls[i]["arguments"]) for i in sorted(calls)] == expected
+    assert chunks > len(expected)  # the arguments came in pieces, as OpenAI streams them
+    assert reason == "tool_calls" == whole.choices[0].finish_reason
+
+
+def test_tool_results_go_back_into_the_template(gw: Gateway) -> None:
+    """The prompt the worker counted is exactly the tiny template's rendering of the tools, the
+    assistant's call and the tool's result (one byte a token, plus <s>)."""
+    from inference.tokenizer import ByteTokenizer
+
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                             "arguments": '{"city": "Paris", "unit": "c"}'}}
+    messages = [*USER, {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "21 degrees"}]
+    with openai.OpenAI(base_url=gw.http + "/v1", api_key="x", max_retries=0) as client:
+        r = client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, max_tokens=4)  # type: ignore
+    rendered = ByteTokenizer().encode_chat(messages, tools=TOOLS)
+    assert r.usage is not None and r.usage.prompt_tokens == len(rendered)
+    assert b"21 degrees" in bytes(t for t in rendered if t < 256)
+
+
+def test_a_schema_that_cannot_be_enforced_is_a_400_naming_why_and_the_server_goes_on(gw: Gateway) -> None:
+    deep = '{"type": "object", "properties": {"a": ' * 250 + "{}" + "}}" * 250
+    with openai.OpenAI(base_url=gw.http + "/v1", api_key="x", max_retries=0) as client:
+        for schema, words in ((json.loads(deep), "too complex"), ({"type": "array", "uniqueItems": True},
+                                                                  "uniqueItems")):
+            for stream in (False, True):
+                with pytest.raises(openai.BadRequestError) as ei:
+                    client.chat.completions.create(model="tiny", messages=USER, max_tokens=8, stream=stream,
+                                                   response_format={"type": "json_schema",
+                                                                    "json_schema": {"name": "x", "schema": schema}})
+                assert words in str(ei.value)
+        r = client.chat.completions.create(model="tiny", messages=USER, max_tokens=4)
+        assert r.choices[0].finish_reason in ("stop", "length")
