@@ -6,10 +6,12 @@ index keeps one map ``hash -> bitmask of replicas holding it`` and, per replica,
 replica's hashes in LRU order. A prompt's longest cached prefix on every replica is one walk
 down its chain, and-ing the masks until none is left (:meth:`CacheIndex.longest_prefixes`).
 
-Events are what workers will publish (:class:`BlocksStored`, :class:`BlocksEvicted`,
-:class:`ReplicaReset` on a restart or cache reset); here the simulator feeds them. Memory is
-bounded by ``capacity`` blocks per replica: a replica that reports more than it can hold
-(or an event lost on the way) costs its least recently stored entries, never the index's
+Events are what workers publish (:class:`BlocksStored`, :class:`BlocksEvicted`,
+:class:`ReplicaReset` on a restart or cache reset); the simulator feeds them, and in the gateway
+:mod:`gateway.routing.cache_feed` does from each connection's KV events, one slot per replica
+(:meth:`CacheIndex.add_replica`; a freed slot is reused). Memory is bounded by each slot's
+capacity in blocks (a worker's KV cache size, capped): a replica that reports more than it can
+hold (or an event lost on the way) costs its least recently stored entries, never the index's
 bound. The same class models an LRU prefix cache: :meth:`store` returns what it evicted, which
 is the event a worker would send, and the approximate (event-less) policy keeps its guesses
 in one.
@@ -57,18 +59,39 @@ class CacheIndex:
     """Per replica, the block hashes it holds (LRU, at most ``capacity`` each); longest cached
     prefix of a chain per replica in one walk."""
 
-    __slots__ = ("capacity", "_holders", "_lru")
+    __slots__ = ("capacity", "_holders", "_lru", "_cap", "_unused")
 
-    def __init__(self, replicas: int, capacity: int) -> None:
-        if replicas < 1 or capacity < 1:
-            raise ValueError("replicas and capacity must be >= 1")
+    def __init__(self, replicas: int = 0, capacity: int = 1) -> None:
+        if replicas < 0 or capacity < 1:
+            raise ValueError("replicas must be >= 0 and capacity >= 1")
         self.capacity = capacity
         self._holders: dict[int, int] = {}  # hash -> bitmask of replicas
         self._lru: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(replicas)]
+        self._cap = [capacity] * replicas  # per slot
+        self._unused: list[int] = []  # slots given back, reused first
 
     @property
     def replicas(self) -> int:
+        """Slots (including unused ones)."""
         return len(self._lru)
+
+    def add_replica(self, capacity: int) -> int:
+        """A slot for one more replica holding at most ``capacity`` blocks (empty)."""
+        if capacity < 1:
+            raise ValueError("capacity must be >= 1")
+        if self._unused:
+            slot = self._unused.pop()
+            self._cap[slot] = capacity
+            return slot
+        self._lru.append(OrderedDict())
+        self._cap.append(capacity)
+        return len(self._lru) - 1
+
+    def remove_replica(self, slot: int) -> None:
+        """The replica is gone: its entries now, its slot for the next one."""
+        self.reset(slot)
+        if slot not in self._unused:
+            self._unused.append(slot)
 
     def __len__(self) -> int:
         """Distinct hashes held anywhere (the map's size)."""
@@ -103,7 +126,8 @@ class CacheIndex:
                 lru[h] = None
                 holders[h] = holders.get(h, 0) | bit
         evicted: list[int] = []
-        while len(lru) > self.capacity:
+        cap = self._cap[replica]
+        while len(lru) > cap:
             h, _ = lru.popitem(last=False)
             self._drop(h, bit)
             evicted.append(h)

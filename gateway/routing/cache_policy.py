@@ -44,6 +44,7 @@ class ReplicaLoad(NamedTuple):
     queued: int = 0  # of those, waiting for their prefill
     queued_tokens: int = 0  # prefill tokens still to compute, queued requests' and the running chunk's
     running: int = 0  # sequences decoding
+    inflight_tokens: int = 0  # prompt tokens of the requests in flight (the balance the bench measures)
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,14 +167,22 @@ class CostBased:
         self.index, self.cost, self.bound = index, cost, bound
         self.name = "cost_based" if bound == 1.3 else f"cost_based(bound={bound})"
 
-    def estimates(self, req: CacheRequest, loads: Sequence[ReplicaLoad]) -> list[float]:
-        """Estimated seconds to first token per replica."""
-        cached = self.index.longest_prefixes(req.chain)
+    def estimates(self, req: CacheRequest, loads: Sequence[ReplicaLoad], cached: Sequence[int] | None = None
+                  ) -> list[float]:
+        """Estimated seconds to first token per replica (``cached``: its held blocks of the chain,
+        from the index when not given)."""
+        if cached is None:
+            cached = self.index.longest_prefixes(req.chain)
         return [self.cost.prefill_wait_s(x.queued_tokens + max(0, req.prompt_tokens - c * req.block_size), x.running)
                 for x, c in zip(loads, cached, strict=True)]
 
     def choose(self, req: CacheRequest, loads: Sequence[ReplicaLoad]) -> int:
-        est = self.estimates(req, loads)
+        return self.pick(req, loads, None)
+
+    def pick(self, req: CacheRequest, loads: Sequence[ReplicaLoad], cached: Sequence[int] | None) -> int:
+        """:meth:`choose` with each replica's held blocks of the chain given (the gateway's pool
+        numbers replicas its own way)."""
+        est = self.estimates(req, loads, cached)
         cap = self.bound * (sum(x.in_flight for x in loads) + 1) / len(loads)
         cap = math.ceil(cap) if cap < math.inf else cap
         return min(range(len(est)), key=lambda r: (loads[r].in_flight + 1 > cap, est[r], _load_score(loads[r])))

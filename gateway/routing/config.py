@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .cache_aware import CacheAware
+from .cache_policy import CostModel
 from .health import HealthSettings
 from .policy import POLICIES, PrefixAffinity, RoutingPolicy
 
@@ -14,6 +16,11 @@ __all__ = ["RoutingSettings"]
 class RoutingSettings:
     policy: str = "least_loaded"  # a name in gateway.routing.policy.POLICIES
     prefix_slack: int = 4  # prefix_affinity: how much busier (requests) a cache hit may be than the idlest
+    # cache_aware: a replica takes at most this times the mean requests in flight (+1), however cheap its hit
+    cache_load_bound: float = 1.3
+    cache_prefill_us_per_token: float = 100.0  # cache_aware's cost model: a prefill token's time on a replica
+    cache_step_ms: float = 15.0  # ... and a step's fixed time (a chunk of prefill or a decode)
+    cache_index_blocks: int = 1 << 20  # cache_aware: blocks the index keeps per replica at most (memory bound)
     eject_consecutive: int = 5  # failures in a row that eject a replica
     eject_error_rate: float = 0.5  # ... or this share failed of its last 20 (with 10 at least)
     eject_seconds: float = 5.0  # first ejection; times the times ejected, up to 60
@@ -30,6 +37,10 @@ class RoutingSettings:
             p.append(f"routing.policy: {self.policy!r} is not one of {', '.join(sorted(POLICIES))}")
         if self.prefix_slack < 0:
             p.append("routing.prefix_slack: must be >= 0")
+        if not self.cache_load_bound >= 1 or not self.cache_prefill_us_per_token > 0 or not self.cache_step_ms >= 0:
+            p.append("routing.cache_load_bound must be >= 1, cache_prefill_us_per_token > 0, cache_step_ms >= 0")
+        if self.cache_index_blocks < 1:
+            p.append("routing.cache_index_blocks: must be >= 1")
         for name in ("eject_consecutive", "retry_budget_floor", "heal_min_requests"):
             if getattr(self, name) < 1:
                 p.append(f"routing.{name}: must be >= 1")
@@ -48,4 +59,7 @@ class RoutingSettings:
 
     def build(self) -> RoutingPolicy:
         cls = POLICIES[self.policy]
+        if cls is CacheAware:
+            cost = CostModel(prefill_s=self.cache_prefill_us_per_token / 1e6, decode_s=self.cache_step_ms / 1e3)
+            return CacheAware(cost, self.cache_load_bound, self.cache_index_blocks)
         return PrefixAffinity(self.prefix_slack) if cls is PrefixAffinity else cls()

@@ -10,6 +10,8 @@ raises HTTP errors and never does I/O; the pool turns "none" into a
 
 A policy that reads ``prefix_hashes`` says so (``uses_prefix_hashes = True``):
 only then does its pool tokenize prompts (:class:`~gateway.routing.prefix.PrefixHasher`).
+``cache_aware`` (:mod:`gateway.routing.cache_aware`) also keeps an exact index of the replicas'
+prefix caches from their KV events, which its pool feeds.
 
 Adding a policy: a class with ``choose`` and ``uses_prefix_hashes`` in this
 module (or one it imports), and a name for it in :data:`POLICIES` (``[routing]
@@ -22,6 +24,8 @@ from collections.abc import Callable, Sequence
 from typing import ClassVar, NamedTuple, Protocol
 
 from transport.api import WorkerConnection
+
+from .cache_aware import CacheAware
 
 __all__ = ["RouteRequest", "Describe", "model_only", "RoutingPolicy", "LeastLoaded", "PrefixAffinity", "load_score",
            "POLICIES"]
@@ -112,4 +116,5 @@ class PrefixAffinity:
         return best
 
 
-POLICIES: dict[str, type[RoutingPolicy]] = {"least_loaded": LeastLoaded, "prefix_affinity": PrefixAffinity}
+POLICIES: dict[str, type[RoutingPolicy]] = {"least_loaded": LeastLoaded, "prefix_affinity": PrefixAffinity,
+                                             "cache_aware": CacheAware}

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable
 from transport.api import WorkerConnection
 
 from .. import clock
+from .cache_aware import CacheAware
 from .errors import UnknownModel
 from .health import Health, HealthSettings, RetryBudget
 from .policy import Describe, LeastLoaded, RouteRequest, RoutingPolicy, model_only
@@ -41,6 +42,10 @@ class ModelPool:
         self.active: Callable[[], int] = lambda: 0  # requests in flight (the app's count): the budget's base
         # prompt -> block hashes, only for a policy that reads them (tokenizing is not free)
         self.prefix: PrefixHasher | None = PrefixHasher() if self.policy.uses_prefix_hashes else None
+        # cache_aware: its index, fed from the KV events of the replicas added here
+        self.feed = self.policy.feed if isinstance(self.policy, CacheAware) else None
+        if self.feed is not None:
+            self.prefix = PrefixHasher(CacheAware.hash_blocks)
         self.retries = retries
         self.on_retry = on_retry
         self._by_model: dict[str, list[WorkerConnection]] = {}
@@ -87,12 +92,16 @@ class ModelPool:
             conns = self._by_model.setdefault(name, [])
             if conn not in conns:
                 conns.append(conn)
+        if self.feed is not None:
+            self.feed.attach(conn)
         for name in names:
             self.rebalance(name, conn)
 
     def remove(self, conn: WorkerConnection) -> None:
         self.unstarted.pop(conn, None)
         self.health.forget(conn)
+        if self.feed is not None:
+            self.feed.detach(conn)  # its cache's entries go at once (a restart is a new connection)
         for name in list(self._by_model):
             conns = self._by_model[name]
             if conn in conns:

@@ -20,17 +20,80 @@ gateway imports: it has no JAX (``tests/gateway/test_no_jax.py``).
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import sys
+from array import array
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from transport.api import WorkerConnection
-from transport.common.prefix import PREFIX_HASH_SCHEME, chain_hashes
+from transport.common.prefix import PREFIX_HASH_SCHEME
 from transport.messages import Submit
 
 from .policy import RouteRequest
 
-__all__ = ["PrefixHasher", "PromptTokenizer", "prompt_token_ids"]
+__all__ = ["PrefixHasher", "PromptTokenizer", "prompt_token_ids", "ChainMemo"]
+
+_BIG_ENDIAN = sys.byteorder == "big"
+_Edge = tuple[tuple[int, ...], dict[bytes, Any]]  # (the chain hashes of an edge's blocks, the node below)
+
+
+class ChainMemo:
+    """:func:`transport.common.prefix.chain_hashes`, fast for prefixes seen before.
+
+    How it works: a trie whose edges are ``edge_blocks`` blocks of token bytes (u32 LE, the
+    scheme's) and carry those blocks' chain hashes. A prompt walks down it one dict lookup per
+    edge while its bytes match a path seen before (a shared system prompt, a document, a
+    conversation's history), then hashes the rest (BLAKE2b per block, as the scheme does) and
+    adds its whole edges. Bounded: at ``max_edges`` the trie starts over empty."""
+
+    __slots__ = ("edge_blocks", "max_edges", "edges", "_roots")
+
+    def __init__(self, edge_blocks: int = 4, max_edges: int = 1 << 16) -> None:
+        self.edge_blocks = edge_blocks
+        self.max_edges = max_edges
+        self.edges = 0
+        self._roots: dict[int, dict[bytes, Any]] = {}  # block size -> trie
+
+    def chain(self, ids: Sequence[int], block_size: int, limit: int) -> tuple[int, ...]:
+        n = min(len(ids) // block_size, limit)
+        if n <= 0:
+            return ()
+        a = array("I", ids[: n * block_size] if len(ids) > n * block_size else ids)
+        if _BIG_ENDIAN:
+            a.byteswap()
+        buf = a.tobytes()
+        blk = 4 * block_size
+        step = blk * self.edge_blocks
+        if self.edges >= self.max_edges:
+            self._roots.clear()
+            self.edges = 0
+        node = self._roots.setdefault(block_size, {})
+        out: list[int] = []
+        pos, whole = 0, (n // self.edge_blocks) * step
+        while pos < whole:
+            edge: _Edge | None = node.get(buf[pos : pos + step])
+            if edge is None:
+                break
+            out += edge[0]
+            node = edge[1]
+            pos += step
+        parent = (out[-1] if out else 0).to_bytes(8, "little")
+        blake2b, from_bytes, start = hashlib.blake2b, int.from_bytes, len(out)
+        for o in range(pos, n * blk, blk):
+            h = blake2b(parent, digest_size=8)
+            h.update(buf[o : o + blk])
+            parent = h.digest()
+            out.append(from_bytes(parent, "little"))
+            done = o + blk
+            if done <= whole and not done % step:  # an edge complete: remember it
+                child: dict[bytes, Any] = {}
+                node[buf[done - step : done]] = (tuple(out[len(out) - self.edge_blocks :]), child)
+                node = child
+                self.edges += 1
+        del start
+        return tuple(out)
 
 log = logging.getLogger("quicserve.routing")
 
@@ -65,6 +128,7 @@ class PrefixHasher:
         self.limit = limit  # blocks hashed from the start of the prompt
         self._load = load
         self._tokenizers: dict[str, PromptTokenizer | None] = {}
+        self.memo = ChainMemo()
 
     def tokenizer(self, model_id: str) -> PromptTokenizer | None:
         if model_id in self._tokenizers:
@@ -98,4 +162,4 @@ class PrefixHasher:
             ids = prompt_token_ids(tok, make_submit(0))
         except Exception:  # noqa: BLE001 (a prompt the template refuses: the worker says why)
             return req
-        return req._replace(prompt_tokens=len(ids), prefix_hashes=chain_hashes(ids, hello.block_size, self.limit))
+        return req._replace(prompt_tokens=len(ids), prefix_hashes=self.memo.chain(ids, hello.block_size, self.limit))

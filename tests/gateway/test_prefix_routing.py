@@ -174,7 +174,7 @@ def test_routing_settings_are_checked() -> None:
     assert isinstance(built, PrefixAffinity) and built.slack == 7
     problems: list[str] = []
     RoutingSettings(policy="round_robin", prefix_slack=-1)._validate(problems)
-    assert problems == ["routing.policy: 'round_robin' is not one of least_loaded, prefix_affinity",
+    assert problems == ["routing.policy: 'round_robin' is not one of cache_aware, least_loaded, prefix_affinity",
                         "routing.prefix_slack: must be >= 0"]
     with pytest.raises(SettingsError, match="routing.policy"):
         load_settings(None, environ={"QUICSERVE_ROUTING__POLICY": "random"})
