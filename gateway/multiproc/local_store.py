@@ -10,7 +10,9 @@ process with ``redis_url`` (none on the request path; a renewal per lease). A sh
 would need a second implementation of the window and the bucket, cross-process locking on every
 request (the request path takes no lock today) and its own accuracy argument, for a gain of one
 Unix-socket round trip per lease, off the request path. Without ``redis-server`` on the host the
-processes limit alone (each the whole limit) and the supervisor says so at start.
+processes limit alone (each the whole limit) and the supervisor says so at start. (Keys'
+concurrency caps are the other way round: a cap is taken and given back by every request of the
+key, exactly, so they are counted in shared memory, :mod:`.key_slots`, not through a round trip.)
 """
 
 from __future__ import annotations
