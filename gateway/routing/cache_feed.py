@@ -59,6 +59,8 @@ class CacheFeed:
     def detach(self, conn: WorkerConnection) -> None:
         st = self._slots.pop(conn, None)
         if st is not None:
+            log.info("cache index: %s left, its %d blocks dropped", conn.peer_hello.identity,
+                     self.index.blocks(st.slot))
             self.index.remove_replica(st.slot)
 
     def slots(self, replicas: Sequence[WorkerConnection]) -> list[int]:
@@ -86,6 +88,7 @@ class CacheFeed:
             index.reset(st.slot)
             index.store(st.slot, ev.stored)
             st.epoch, st.seq, st.synced = ev.epoch, ev.seq, True
+            log.info("cache index: %s (epoch %x) holds %d blocks", conn.peer_hello.identity, ev.epoch, len(ev.stored))
             return
         if ev.epoch != st.epoch:  # the cache was reset since: nothing it held before is there
             self._new_epoch(conn, st, ev.epoch)
