@@ -27,11 +27,11 @@ from __future__ import annotations
 import asyncio
 from array import array
 from collections.abc import Callable, Sequence
-from typing import NamedTuple, Protocol
+from typing import NamedTuple, Protocol, runtime_checkable
 
 from .messages import Error, Finish, Hello, KvEvents, Stats, Submit, TokenBatch, TokenEntry
 
-__all__ = ["RequestStream", "WorkerConnection", "ServerConnection", "WorkerHandler", "Server", "StreamEvent",
+__all__ = ["RequestStream", "WorkerConnection", "KvEventSource", "ServerConnection", "WorkerHandler", "Server", "StreamEvent",
            "Collected", "Received"]
 
 StreamEvent = TokenEntry | Finish | Error
@@ -121,14 +121,20 @@ class WorkerConnection(Protocol):
         """Send Goodbye, wait for in-flight streams to end (up to timeout)."""
         ...
 
+    async def close(self) -> None: ...
+
+    async def wait_closed(self) -> None: ...
+
+
+@runtime_checkable
+class KvEventSource(Protocol):
+    """A :class:`WorkerConnection` that can subscribe to the worker's KV events (the transport's
+    client connection; an optional capability, so other connection types need not have it)."""
+
     def subscribe_kv(self, listener: Callable[[KvEvents], None]) -> None:
         """Only to a worker whose Hello lists ``"kv_events"``: its whole prefix cache, then every
         change, each batch to ``listener`` (again: a resync)."""
         ...
-
-    async def close(self) -> None: ...
-
-    async def wait_closed(self) -> None: ...
 
 
 class ServerConnection(Protocol):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from transport.api import WorkerConnection
+from transport.api import KvEventSource, WorkerConnection
 from transport.flow import KV_EVENTS
 from transport.messages import KvEvents, Stats
 
@@ -49,7 +49,8 @@ class CacheFeed:
 
     def attach(self, conn: WorkerConnection) -> None:
         hello = conn.peer_hello
-        if KV_EVENTS not in hello.capabilities or conn in self._slots or conn.closed:
+        if KV_EVENTS not in hello.capabilities or conn in self._slots or conn.closed or not isinstance(
+                conn, KvEventSource):
             return
         st = self._slots[conn] = _Slot(self.index.add_replica(min(hello.kv_blocks or self.max_blocks,
                                                                   self.max_blocks)), hello.kv_epoch)
@@ -123,5 +124,5 @@ class CacheFeed:
     def _resync(self, conn: WorkerConnection, st: _Slot) -> None:
         self.resyncs += 1
         st.synced = False
-        if not conn.closed:
+        if not conn.closed and isinstance(conn, KvEventSource):
             conn.subscribe_kv(lambda ev: self.on_events(conn, ev))
