@@ -13,6 +13,7 @@ import contextlib
 import os
 import shutil
 import socket
+import time
 from collections.abc import Iterator
 
 import grpc
@@ -232,10 +233,21 @@ def test_a_replayed_first_flight_never_runs_the_request_again(fleet: Fleet) -> N
     step counter), and each other process refused the ticket (claimed by the first)."""
     port = fleet.ports["quic"]
 
-    def worker_sequences() -> float:
+    def read_sequences() -> float:
         text = httpx.get(f"http://127.0.0.1:{fleet.ports['http']}/metrics").text
         return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                    if line.startswith("quicserve_worker_step_sequences_total"))
+
+    def worker_sequences() -> float:
+        """The worker's count once its reports (every 0.5 s) stop moving: the same twice, 1.2 s apart."""
+        last = read_sequences()
+        for _ in range(20):
+            time.sleep(1.2)
+            now = read_sequences()
+            if now == last:
+                return now
+            last = now
+        raise AssertionError("the worker's step count never settled")
 
     def refused(index: int) -> float:
         return fleet.figures(index).get(("quicserve_quic_session_tickets_presented_total",
@@ -267,14 +279,12 @@ def test_a_replayed_first_flight_never_runs_the_request_again(fleet: Fleet) -> N
                     assert client.early_data_accepted is True and resp.status == 200
                     flight = [d for d in relay.record if d[0] & 0x80 and (d[0] & 0x30) in (0x00, 0x10)]
                     assert flight, "no Initial / 0-RTT datagrams recorded"
-                    await asyncio.sleep(0.5)
                     once = worker_sequences()
                     await replay(flight)  # the connection is open
             await asyncio.sleep(0.3)
             await replay(flight)  # and closed
             initials = [d for d in flight if d[0] & 0x30 == 0x00 and d[6:14] == flight[0][6:14]]  # the first flight's
             await replay([_retargeted(d, j) for j in others for d in initials] + flight)  # at the others
-            await asyncio.sleep(1.5)
             return base, once, worker_sequences()
         finally:
             relay.close()
