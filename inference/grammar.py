@@ -31,6 +31,7 @@ schemas: the gateway's tool-call grammars), ``choice`` (a JSON array of strings:
 from __future__ import annotations
 
 import json
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -203,12 +204,24 @@ class Guide:
 
 
 _EXECUTOR: llg.LLExecutor | None = None
+# llguidance's thread pool only pays where cores are many: handing 32 small masks to other threads
+# cost 1.7 ms a step on a 2-core machine against 0.2-0.7 ms computing them here, one after another.
+_PARALLEL = len(os.sched_getaffinity(0)) >= 8 if hasattr(os, "sched_getaffinity") else False
 
 
 def fill_masks(rows: Sequence[tuple[Guide, int]], masks: np.ndarray) -> None:
     """Write the next-token bit mask of each (guide, row) into ``masks[row]`` (int32 [B, words],
-    C-contiguous; the other rows are left as they are). Runs llguidance's thread pool, GIL released."""
+    C-contiguous; the other rows are left as they are), GIL released: on this thread, or
+    llguidance's pool on a machine with many cores."""
     global _EXECUTOR
-    if _EXECUTOR is None:
-        _EXECUTOR = llg.LLExecutor()
-    fill_next_token_bitmask_par(_EXECUTOR, [(g.matcher, row) for g, row in rows], masks)
+    if _PARALLEL and len(rows) >= 4:
+        if _EXECUTOR is None:
+            _EXECUTOR = llg.LLExecutor()
+        fill_next_token_bitmask_par(_EXECUTOR, [(g.matcher, row) for g, row in rows], masks)
+        return
+    if not masks.flags["C_CONTIGUOUS"] or masks.dtype != np.int32:
+        raise ValueError("masks must be a C-contiguous int32 array")
+    nbytes = masks.shape[1] * 4
+    base = masks.ctypes.data
+    for g, row in rows:
+        g.matcher.unsafe_compute_mask_ptr(base + row * nbytes, nbytes)
