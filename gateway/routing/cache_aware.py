@@ -38,7 +38,7 @@ class _Described(Protocol):  # policy.RouteRequest (which imports this module: n
 class CacheAware:
     """Least estimated TTFT from the exact cache index, under a bounded load (see the module)."""
 
-    __slots__ = ("index", "feed", "core", "cost", "unhashed", "_now", "_backlog", "_tokens")
+    __slots__ = ("index", "feed", "core", "cost", "unhashed", "_now", "_backlog")
     uses_prefix_hashes: ClassVar[bool] = True
     hash_blocks: ClassVar[int] = 4096  # prompt blocks hashed (64k tokens at 16 a block)
 
@@ -51,7 +51,6 @@ class CacheAware:
         self.unhashed = 0  # requests routed by load alone: no prompt hashes
         self._now = now
         self._backlog: dict[int, tuple[float, float]] = {}  # slot -> (prefill tokens still queued, as of when)
-        self._tokens: dict[int, float] = {}  # slot -> mean prompt tokens of its requests (EWMA)
 
     def choose(self, req: _Described, replicas: Sequence[WorkerConnection]) -> WorkerConnection | None:
         if not replicas:
@@ -72,13 +71,10 @@ class CacheAware:
             queued, seen = self._backlog.get(slot, (0.0, now))
             queued = max(0.0, queued - (now - seen) * rate)
             n = c.in_flight if s is None else max(c.in_flight, s.running + s.queue_depth)
-            loads.append(ReplicaLoad(n, 0 if s is None else s.queue_depth, int(queued), 0 if s is None else s.running,
-                                     int(n * self._tokens.get(slot, req.prompt_tokens))))
+            loads.append(ReplicaLoad(n, 0 if s is None else s.queue_depth, int(queued), 0 if s is None else s.running))
         bs = replicas[0].peer_hello.block_size or 1
         r = self.core.pick(CacheRequest(chain, req.prompt_tokens, bs), loads, cached)
         slot = slots[r]
         if slot >= 0:
             self._backlog[slot] = (loads[r].queued_tokens + max(0, req.prompt_tokens - cached[r] * bs), now)
-            mean = self._tokens.get(slot)
-            self._tokens[slot] = req.prompt_tokens if mean is None else mean + 0.1 * (req.prompt_tokens - mean)
         return replicas[r]

@@ -44,7 +44,6 @@ class ReplicaLoad(NamedTuple):
     queued: int = 0  # of those, waiting for their prefill
     queued_tokens: int = 0  # prefill tokens still to compute, queued requests' and the running chunk's
     running: int = 0  # sequences decoding
-    inflight_tokens: int = 0  # prompt tokens of the requests in flight (the balance the bench measures)
 
 
 @dataclass(frozen=True, slots=True)
