@@ -17,6 +17,9 @@ def test_gpu_benchmark_smoke(capsys: pytest.CaptureFixture[str]) -> None:
     for label in ("float32", "int8", "fp8"):
         assert f"page16 {label}" in out
     assert "TFLOP/s" in out and "TB/s" in out and "targets met" in out
+    # the whole-model checks (tests/bench/gpu_model_steps.py): chunked prefill's mixed pass, a sharded step
+    assert "check mixed pass: the decodes' logits" in out and "check chunked prompt" in out
+    assert "check TP=1 prefill logits" in out and "check TP=1 decode logits" in out
 
 
 def test_cpu_levels_benchmark_smoke(capsys: pytest.CaptureFixture[str]) -> None:
