@@ -48,7 +48,7 @@ from inference.kernels.autotune import Autotuner
 from inference.kernels.paged_cache import LayerKV
 from inference.kernels.quant import quantized_matmul
 
-__all__ = ["ATTENTION", "KernelSet", "build_kernels", "current_platform"]
+__all__ = ["ATTENTION", "KernelSet", "build_kernels", "current_platform", "current_devices"]
 
 log = logging.getLogger(__name__)
 ATTENTION = ("auto", "pallas", "native", "xla", "reference")
@@ -83,6 +83,11 @@ class KernelSet:
 def current_platform() -> str:
     """The platform JAX runs on here: "cpu", "gpu" or "tpu" (inference/ asks nowhere else)."""
     return jax.default_backend()
+
+
+def current_devices() -> list[Any]:
+    """The devices a worker's mesh may span: every process's, once ``jax.distributed`` has joined them."""
+    return list(jax.devices())
 
 
 def build_kernels(attention: str = "auto", *, dtype: Any = jnp.float32, kv_quant: str | None = None,

@@ -35,7 +35,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from inference.kernels.kernel_set import KernelSet
+from inference.kernels.kernel_set import KernelSet, current_devices
 from inference.kernels.paged_cache import KVCache
 from inference.kernels.quant import QuantizedWeightT
 from inference.model.registry import Model
@@ -97,9 +97,10 @@ class Layout:
                                    intermediate_size=self.intermediate // self.tp)
 
 
-def make_mesh(tp: int, devices: Sequence[Any] | None = None) -> Mesh:
-    """A one-axis mesh of the first ``tp`` devices (every process's, after ``jax.distributed``)."""
-    devs = list(devices if devices is not None else jax.devices())
+def make_mesh(tp: int, pool: Sequence[Any] | None = None) -> Mesh:
+    """A one-axis mesh of the first ``tp`` devices of ``pool`` (default: every process's, after
+    ``jax.distributed``)."""
+    devs = list(pool if pool is not None else current_devices())
     if tp > len(devs):
         raise ValueError(f"tensor_parallel={tp} needs {tp} devices, {len(devs)} present")
     return Mesh(np.array(devs[:tp]), (AXIS,))
