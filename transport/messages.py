@@ -134,6 +134,9 @@ class Hello:
     challenge: bytes = b""
     # The worker's KV-cache epoch (KvEvents): new at every start or cache reset; 0 = not told.
     kv_epoch: int = 0
+    # Seconds the worker's start-up took, by phase: (load, compile, warm-up); () = not told. The gateway
+    # keeps a distribution of them per model (elastic pools size their cold-start horizon from it).
+    startup: tuple[float, ...] = ()
 
 
 @dataclass(slots=True)  # not frozen: built per request/step (module docstring)

@@ -28,7 +28,9 @@ type   name       request_id  body
                               prefix_hash (absent: 0, 0, 0, 0, "", ""),
                               then optionally challenge (bin, 0 or 32
                               bytes; absent: empty), then optionally
-                              kv_epoch (u64; absent: 0)]
+                              kv_epoch (u64; absent: 0), then optionally
+                              startup: [] or [load, compile, warm-up]
+                              seconds (absent: [])]
 2      SUBMIT     rid (>0)    msgpack [model, params, prompt|nil,
                               prompt_token_ids (bin, u32 LE)|nil, messages|nil,
                               deadline_ms, priority, trace|nil, return_text,
@@ -177,6 +179,7 @@ connection carries on.
 from __future__ import annotations
 
 import enum
+import math
 import struct
 from array import array
 from dataclasses import dataclass, replace
@@ -258,6 +261,14 @@ _U64_MAX = (1 << 64) - 1
 _FINISH_REASONS = {int(r): r for r in FinishReason}
 _unpackb = msgpack.unpackb  # its defaults are our settings: raw=False, strict_map_key, use_list
 assert array("Q").itemsize == 8
+
+
+def _startup(v: object) -> tuple[float, ...]:
+    """HELLO field 15: a worker's start-up phases, [] or three finite seconds >= 0."""
+    if not isinstance(v, list) or len(v) not in (0, 3) or not all(
+            type(x) in (int, float) and 0 <= x < math.inf for x in v):
+        raise WireError("HELLO: field 15 must be [] or [load, compile, warm-up] seconds")
+    return tuple(float(x) for x in v)
 
 
 class FrameType(enum.IntEnum):
@@ -373,6 +384,7 @@ class FrameEncoder:
                     msg.prefix_hash,
                     msg.challenge,
                     msg.kv_epoch,
+                    [float(x) for x in msg.startup],
                 ]
             )
             return self._frame(FrameType.HELLO, 0, body)
@@ -559,6 +571,8 @@ class FrameDecoder:
                 hello = replace(hello, challenge=challenge)
             if len(f.items) > 14:
                 hello = replace(hello, kv_epoch=f.integer(14, 0, _U64_MAX))
+            if len(f.items) > 15:
+                hello = replace(hello, startup=_startup(f.items[15]))
             return hello
         if ftype == FrameType.AUTH:
             if len(body) != CHALLENGE_SIZE:
