@@ -104,6 +104,7 @@ class WorkerService:
         self.last_stats: Stats | None = None
         self.grammars = GuideCompiles(self)  # structured output's compiles, off the loop and the step
         self.kv_events = KvPublisher(engine.kv)  # the prefix cache's changes, to gateways that subscribe
+        self.startup: tuple[float, ...] = ()  # seconds of (load, compile, warm-up), set by the worker once it serves
 
     # -- WorkerHandler ------------------------------------------------------
     def hello(self) -> Hello:
@@ -113,7 +114,8 @@ class WorkerService:
         return Hello(role="worker", identity=self.identity, models=(self.served_name,),
                      capabilities=caps, max_batch=eng.config.max_batch,
                      kv_blocks=eng.kv.num_blocks, block_size=eng.kv.block_size, max_model_len=eng.max_model_len,
-                     model_id=self.model_id, prefix_hash=eng.kv.hash_scheme, kv_epoch=self.kv_events.epoch)  # fmt: skip
+                     model_id=self.model_id, prefix_hash=eng.kv.hash_scheme, kv_epoch=self.kv_events.epoch,
+                     startup=self.startup)  # fmt: skip
 
     def _key(self, conn: ServerConnection) -> int:
         cid = self._conn_no.get(id(conn))

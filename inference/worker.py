@@ -3,7 +3,8 @@
 Stdout carries JSON lines for the supervisor (nothing else is printed there):
 ``{"event":"progress","stage":"load|compile","done":i,"total":n,"message":...}``
 while loading and compiling, then exactly one
-``{"event":"ready","url":...,"models":[...]}`` once the transport is bound,
+``{"event":"ready","url":...,"models":[...],"startup":{"load":s,"compile":s,"warmup":s}}`` once the
+transport is bound (``startup``: the seconds of each start-up phase, also in its Hello),
 or, when the options are bad or cannot run, one ``{"event":"fatal","message":...}``
 before exit status 2 (usage) or 78 (``EXIT_CONFIG``): the supervisor reports it
 once and does not restart the worker. Logs go to stderr. ``--engine synthetic`` runs the scheduler over the
@@ -20,6 +21,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -30,6 +32,7 @@ from transport.common.worker_options import (
     SYNTHETIC_MAX_MODEL_LEN,
     SYNTHETIC_NUM_BLOCKS,
     add_flags,
+    compilation_cache_dir,
     flag_name,
     option_problems,
     options_from,
@@ -46,6 +49,7 @@ __all__ = ["main", "parse_args", "parse_cpus", "numa_cpus", "build_service"]
 
 log = logging.getLogger("inference.worker")
 DRAIN_TIMEOUT = 30.0
+_STARTED = time.perf_counter()  # about when the process started: this module loads first
 
 
 def numa_cpus(node: int, sysfs: Path = Path("/sys/devices/system/node")) -> set[int]:
@@ -95,7 +99,13 @@ def _progress(stage: str, done: int, total: int, message: str) -> None:
 
 def _jax_runner(args: argparse.Namespace) -> Any:
     """The model's runner as the options say, loaded and compiled (every process of a distributed one)."""
+    from .model import compile_cache
     from .model.jax_runner import JaxRunner  # JAX only on this path
+
+    cache = compilation_cache_dir(args.compilation_cache, _served_name(args))
+    if cache is not None:  # before the first compilation (loading the tiny model's weights compiles)
+        compile_cache.enable(cache)
+        log.info("compilation cache in %s", cache)
 
     runner = JaxRunner.load(args.model, dtype=args.dtype, block_size=args.block_size,
                             num_blocks=args.num_blocks or JAX_NUM_BLOCKS, max_batch=args.max_batch,
@@ -110,8 +120,23 @@ def _jax_runner(args: argparse.Namespace) -> Any:
              runner.num_blocks, runner.block_size)
     log.info("weights %s (%s): %d bytes (%d in the model dtype)", args.weight_dtype,
              args.weight_quant_method, runner.weight_bytes, runner.float_weight_bytes)
+    args.loaded_at = time.perf_counter()
     runner.warmup(progress=_progress)
+    args.compiled_at = time.perf_counter()
     return runner
+
+
+def _served_name(args: argparse.Namespace) -> str:
+    return str(args.served_name or (args.model if args.model == "tiny" else Path(args.model).name))
+
+
+def startup_phases(args: argparse.Namespace, now: float) -> tuple[float, float, float]:
+    """Seconds of (load, compile, warm-up) from the process's start to ``now``: loading covers the
+    imports, the weights and the KV cache; compiling, the shapes (0 for the synthetic engine, which
+    has none); warming up, the rest until it serves (the engine, the transport bound)."""
+    loaded = getattr(args, "loaded_at", now)
+    compiled = getattr(args, "compiled_at", loaded)
+    return loaded - _STARTED, compiled - loaded, now - compiled
 
 
 def build_service(args: argparse.Namespace) -> WorkerService:
@@ -126,13 +151,16 @@ def build_service(args: argparse.Namespace) -> WorkerService:
                                       verify=False)  # fmt: skip
         tokenizer = ByteTokenizer()
         served = args.served_name or args.model
+        if args.synthetic_startup_ms:  # a model's cold start, imitated (elastic pools' tests)
+            time.sleep(args.synthetic_startup_ms / 1e3)
+        args.loaded_at = time.perf_counter()
         _progress("load", 1, 1, "synthetic engine (no model)")
     else:
         tokenizer = load_tokenizer(args.model)
         runner = _jax_runner(args)
         if isinstance(args.batch_window, AdaptiveWindow):  # its step-cost model sees the runner's real shapes
             args.batch_window.calls = bucket_calls(runner.buckets)
-        served = args.served_name or (args.model if args.model == "tiny" else Path(args.model).name)
+        served = _served_name(args)
     cfg = EngineConfig(max_batch=args.max_batch, max_prefill_tokens=args.max_prefill_tokens,
                        prefill_batch=args.max_prefill_batch, enable_prefix_cache=args.prefix_cache,
                        stall_timeout=args.stall_timeout, step_tokens=args.step_tokens)  # fmt: skip
@@ -150,6 +178,7 @@ async def _serve(args: argparse.Namespace, service: WorkerService) -> int:
     from transport.security import security_of
     from transport.server import serve
 
+    service.startup = startup_phases(args, time.perf_counter())  # in its Hello and the ready event
     try:  # TLS files or a key that do not load: a restart would not help (transport/security.py)
         server = await serve(args.listen, service, identity=service.identity, security=security_of(args))
     except SecurityConfigError as exc:
@@ -159,7 +188,8 @@ async def _serve(args: argparse.Namespace, service: WorkerService) -> int:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    ready: dict[str, Any] = {"event": "ready", "url": server.address, "models": [service.served_name]}
+    ready: dict[str, Any] = {"event": "ready", "url": server.address, "models": [service.served_name],
+                             "startup": dict(zip(("load", "compile", "warmup"), service.startup, strict=True))}
     if args.metrics_listen:
         from .metrics_http import serve_metrics
 

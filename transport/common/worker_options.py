@@ -19,7 +19,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from ..security import security_of
@@ -48,6 +50,8 @@ __all__ = [
     "options_from",
     "to_flags",
     "flag_name",
+    "compilation_cache_dir",
+    "DEFAULT_STATE_DIR",
 ]
 
 ENGINES = ("jax", "synthetic")
@@ -127,6 +131,13 @@ class WorkerOptions:
         "rtn", "how weight_dtype picks the codes: 'rtn' rounds to nearest; 'gptq' calibrates on the model's own "
         "activations and feeds each column's rounding error into the columns not yet quantized (slower start)",
         WEIGHT_QUANT_METHODS)
+    # JAX's persistent compilation cache (inference/model/compile_cache.py): tiny model, first start
+    # vs a restart over its cache, tests/bench/bench_cold_start.py.
+    compilation_cache: str = _opt("auto", "directory of JAX's persistent compilation cache, shared by the replicas "
+                                          "of a model: a restart loads its compiled shapes instead of compiling "
+                                          "them ('auto' = compilation-cache/<served name> in the state directory: "
+                                          "the gateway's for its local workers, else ~/.local/state/quicserve; "
+                                          "'' = off)")
     attention: str = _opt("auto", "kernels: auto (Pallas on GPU and TPU, the native kernels on CPU), pallas, native, "
                                   "xla (jnp, any platform) or reference (the ground truth, slow)", ATTENTION_BACKENDS)
     batch_window: str = _opt("adaptive", "how long admission waits to batch prompts: adaptive | fixed:<ms>")
@@ -142,6 +153,8 @@ class WorkerOptions:
     synthetic_prefill_us_per_token: float = _opt(0.0, "synthetic engine only: more sleep per prompt token a step "
                                                       "prefills (tokens the prefix cache holds cost nothing)")
     synthetic_slowdown: float = _opt(1.0, "synthetic engine only: factor on every modelled time")
+    synthetic_startup_ms: float = _opt(0.0, "synthetic engine only: sleep at start-up before serving, imitating a "
+                                            "model's load and compile (a cold start, for elastic pools)")
     synthetic_error_rate: float = _opt(0.0, "synthetic engine only: share of requests that end with an injected "
                                             "INTERNAL error")
     synthetic_hang_rate: float = _opt(0.0, "synthetic engine only: share of requests that stop producing tokens "
@@ -175,8 +188,23 @@ _FIELDS = dataclasses.fields(WorkerOptions)
 _DEFAULTS = WorkerOptions()
 _AT_LEAST_ONE = ("max_batch", "max_prefill_batch", "max_prefill_tokens", "block_size", "tensor_parallel",
                  "distributed_processes")
-_SYNTHETIC_TIMES = ("synthetic_step_ms", "synthetic_step_ms_per_seq", "synthetic_prefill_us_per_token")
+_SYNTHETIC_TIMES = ("synthetic_step_ms", "synthetic_step_ms_per_seq", "synthetic_prefill_us_per_token",
+                    "synthetic_startup_ms")
 _SYNTHETIC_RATES = ("synthetic_error_rate", "synthetic_hang_rate", "synthetic_step_fail_rate")
+
+
+DEFAULT_STATE_DIR = "~/.local/state/quicserve"  # the gateway's default [server] state_dir
+
+
+def compilation_cache_dir(setting: str, served_name: str, state_dir: str = DEFAULT_STATE_DIR) -> Path | None:
+    """The directory the ``compilation_cache`` option names: ``"auto"`` is
+    ``<state_dir>/compilation-cache/<served_name>``, ``""`` is off (None), anything else a path."""
+    if not setting:
+        return None
+    if setting != "auto":
+        return Path(setting).expanduser()
+    key = re.sub(r"[^A-Za-z0-9._-]+", "_", served_name).strip("._") or "model"
+    return Path(state_dir).expanduser() / "compilation-cache" / key
 
 
 def parse_cpus(spec: str) -> set[int]:
