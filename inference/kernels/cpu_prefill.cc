@@ -259,6 +259,8 @@ struct Work {
 // position t0 + i / g, head kvh * g + i % g, so the key limits never decrease with i up to the
 // last real query (padding queries come last): the vectors a key tile reaches are a suffix of
 // the real ones, and only those (from the enclosing kLanes group on) are computed.
+// kWindowed: the call has a sliding window (compiled apart, so the loops without one are as before).
+template <bool kWindowed>
 void one_chunk(const Call& call, int64_t b, int64_t kvh, int64_t t0, int64_t t1, Work& w) {
   const int64_t g = call.h / call.kv, d = call.d;
   const int64_t rows = (t1 - t0) * g;
@@ -271,12 +273,12 @@ void one_chunk(const Call& call, int64_t b, int64_t kvh, int64_t t0, int64_t t1,
   w.reserve(rp, d);
   std::fill(w.qt, w.qt + rp * d, 0.0f);
   std::fill(w.lim.begin(), w.lim.end(), 0);
-  std::fill(w.low.begin(), w.low.end(), 0);
+  if (kWindowed) std::fill(w.low.begin(), w.low.end(), 0);
   int64_t real = 0, reach = 0;  // real query vectors (a prefix), keys the last of them sees
   for (int64_t i = 0; i < rows; ++i) {
     const int64_t pos = off + t0 + i / g;
     w.lim[i] = static_cast<int32_t>(pos < kv_len ? std::max<int64_t>(pos + 1, 0) : 0);
-    if (call.window > 0) w.low[i] = static_cast<int32_t>(std::max<int64_t>(pos + 1 - call.window, 0));
+    if (kWindowed) w.low[i] = static_cast<int32_t>(std::max<int64_t>(pos + 1 - call.window, 0));
     if (w.lim[i] > 0) real = i + 1, reach = w.lim[i];
   }
   const float* q0 = call.q + ((b * call.t + t0) * call.h + kvh * g) * d;
@@ -290,7 +292,7 @@ void one_chunk(const Call& call, int64_t b, int64_t kvh, int64_t t0, int64_t t1,
   std::fill(w.mx, w.mx + rp, kNoMax);
   std::fill(w.den, w.den + rp, 0.0f);
   int64_t first = 0;  // first query vector that sees the current tile
-  for (int64_t c0 = w.low[0] / kKeyTile * kKeyTile; c0 < reach; c0 += kKeyTile) {
+  for (int64_t c0 = kWindowed ? w.low[0] / kKeyTile * kKeyTile : 0; c0 < reach; c0 += kKeyTile) {
     const int64_t n = std::min(kKeyTile, reach - c0);
     while (w.lim[first] <= c0) ++first;
     const int64_t f = first / kLanes * kLanes;
@@ -305,7 +307,7 @@ void one_chunk(const Call& call, int64_t b, int64_t kvh, int64_t t0, int64_t t1,
       float* sc = w.s + c * rp;
       const int32_t key = static_cast<int32_t>(c0 + c);
       for (int64_t r = f; r < rp; ++r) {
-        sc[r] = key < lim[r] && key >= low[r] ? sc[r] : std::numeric_limits<float>::lowest();
+        sc[r] = key < lim[r] && (!kWindowed || key >= low[r]) ? sc[r] : std::numeric_limits<float>::lowest();
         mx[r] = std::max(mx[r], sc[r]);
       }
     }
@@ -352,7 +354,11 @@ ffi::Error PrefillImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffe
     thread_local Work work;
     const int64_t tile = tiles - 1 - chunk / per_tile;
     const int64_t b = chunk % per_tile / call.kv, kvh = chunk % call.kv;
-    one_chunk(call, b, kvh, tile * tq, std::min(call.t, (tile + 1) * tq), work);
+    if (call.window > 0) {
+      one_chunk<true>(call, b, kvh, tile * tq, std::min(call.t, (tile + 1) * tq), work);
+    } else {
+      one_chunk<false>(call, b, kvh, tile * tq, std::min(call.t, (tile + 1) * tq), work);
+    }
   });
   return ffi::Error::Success();
 }
