@@ -39,7 +39,7 @@ Progress = Callable[[str, int, int, str], None]
 
 
 def _config(d: dict[str, Any]) -> LlamaConfig:
-    cfg = LlamaConfig.from_hf(d)
+    cfg = LlamaConfig.from_hf(d)  # attention_bias: Qwen3's puts one on o_proj too, refused there
     return replace(cfg, sliding_window=effective_window(layer_window(d), cfg.max_position_embeddings))
 
 
@@ -72,7 +72,8 @@ class Qwen2(Llama):
 
     @classmethod
     def from_hf(cls, d: dict[str, Any]) -> Qwen2:
-        return cls(_config(d))
+        # transformers' Qwen2 biases q, k and v whatever attention_bias says (and o never)
+        return cls(_config({k: v for k, v in d.items() if k != "attention_bias"}))
 
     def hf_config(self) -> dict[str, Any]:
         out = {**Llama.hf_config(self), **_window_fields(self.config)}
@@ -112,7 +113,7 @@ class Qwen3(Llama):
 
     @classmethod
     def from_hf(cls, d: dict[str, Any]) -> Qwen3:
-        return cls(_config(d))  # attention_bias (on o_proj too) is refused there
+        return cls(_config(d))
 
     def hf_config(self) -> dict[str, Any]:
         return {**Llama.hf_config(self), **_window_fields(self.config)}

@@ -27,6 +27,9 @@ def test_model_type_picks_the_architecture() -> None:
     assert type(model_from_hf(dict(SMALL, model_type="mistral"))) is Mistral
     assert type(model_from_hf(dict(SMALL, model_type="qwen2"))) is Qwen2
     assert type(model_from_hf(dict(SMALL, model_type="qwen3"))) is Qwen3
+    assert model_from_hf(dict(SMALL, model_type="qwen2", attention_bias=True)) == Qwen2.from_hf(SMALL)  # always
+    with pytest.raises(ConfigError, match="attention_bias"):  # Qwen3's would bias o_proj as well
+        model_from_hf(dict(SMALL, model_type="qwen3", attention_bias=True))
     assert type(model_from_hf(SMALL)) is Llama  # no model_type: an older Llama export
     with pytest.raises(ConfigError, match=r"unsupported model_type 'gpt2'; expected one of "
                                           r"\['llama', 'mistral', 'qwen2', 'qwen3'\]"):
