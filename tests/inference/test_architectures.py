@@ -18,9 +18,12 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from inference.engine import Engine, EngineConfig  # noqa: E402
+from inference.kernels.kernel_set import build_kernels  # noqa: E402
+from inference.kernels.paged_cache import init_kv_cache  # noqa: E402
 from inference.model.jax_runner import JaxRunner  # noqa: E402
 from inference.runner import SeqWork, StepPlan  # noqa: E402
 from inference.tokenizer import load_tokenizer  # noqa: E402
+from inference.weights import load_model  # noqa: E402
 from tests.inference.doubles import Collector, run_until_done  # noqa: E402
 from tests.integration.hf_checkpoints import write_checkpoint  # noqa: E402
 from transport.messages import SamplingParams  # noqa: E402
@@ -88,3 +91,17 @@ def test_every_cpu_kernel_set_applies_the_window(mistral, attention: str) -> Non
         plan = StepPlan(prefills=(), decodes=(SeqWork(0, [nxt], len(seq), table, SamplingParams(temperature=0.0),
                                                       0, step + 1),))
         seq = seq + [nxt]
+
+
+def test_a_kernel_set_without_the_window_is_refused(mistral) -> None:
+    """Neither the runner nor the model runs a windowed model on attention over the whole context."""
+    _, path = mistral
+    loaded = load_model(str(path))
+    with pytest.raises(ValueError, match=r"window None; this runner is float32 with float, window 8"):
+        JaxRunner(loaded, kernels=build_kernels("native"))
+    model, whole = loaded.model, build_kernels("xla")
+    cache = init_kv_cache(2, 2, 16, 4, 4, np.float32)
+    one = np.zeros((1, 1), np.int32)
+    with pytest.raises(ValueError, match="the kernel set's attention has window None, the model 8"):
+        model.prefill(model.serving_params(loaded.params), cache, one, one, one, one, one[0], one[0] + 1, one[0],
+                      kernels=whole)
