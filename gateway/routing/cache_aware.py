@@ -22,7 +22,7 @@ from transport.api import WorkerConnection
 from .. import clock
 from .cache_feed import CacheFeed
 from .cache_index import CacheIndex
-from .cache_policy import CacheRequest, CostBased, CostModel, ReplicaLoad
+from .cache_policy import CostBased, CostModel
 
 __all__ = ["CacheAware"]
 
@@ -58,23 +58,39 @@ class CacheAware:
         slots = self.feed.slots(replicas)
         chain = req.prefix_hashes
         if chain:
-            held = self.index.longest_prefixes(chain)
-            cached = [held[s] if s >= 0 else 0 for s in slots]
+            held = self.index.held_prefixes(chain)
         else:
             self.unhashed += 1
-            cached = [0] * len(replicas)
+            held = [0] * self.index.replicas
         now = self._now()
         rate = 1.0 / self.cost.prefill_s  # prefill tokens a second a replica computes
-        loads = []
+        backlog, wait = self._backlog, self.cost.prefill_wait_s
+        prompt, bs = req.prompt_tokens, replicas[0].peer_hello.block_size or 1
+        n: list[int] = []
+        est: list[float] = []
+        scores: list[int] = []
+        todo: list[int] = []  # prefill tokens queued there, this one's uncached ones included
         for c, slot in zip(replicas, slots, strict=True):
             s = c.latest_stats
-            queued, seen = self._backlog.get(slot, (0.0, now))
-            queued = max(0.0, queued - (now - seen) * rate)
-            n = c.in_flight if s is None else max(c.in_flight, s.running + s.queue_depth)
-            loads.append(ReplicaLoad(n, 0 if s is None else s.queue_depth, int(queued), 0 if s is None else s.running))
-        bs = replicas[0].peer_hello.block_size or 1
-        r = self.core.pick(CacheRequest(chain, req.prompt_tokens, bs), loads, cached)
-        slot = slots[r]
-        if slot >= 0:
-            self._backlog[slot] = (loads[r].queued_tokens + max(0, req.prompt_tokens - cached[r] * bs), now)
+            tokens = prompt - held[slot] * bs if slot >= 0 else prompt
+            if tokens < 0:
+                tokens = 0
+            b = backlog.get(slot)
+            if b is not None and (q := int(b[0] - (now - b[1]) * rate)) > 0:
+                tokens += q
+            k = c.in_flight
+            if s is None:
+                n.append(k)
+                est.append(wait(tokens, 0))
+                scores.append(k)
+            else:
+                if s.running + s.queue_depth > k:
+                    k = s.running + s.queue_depth
+                n.append(k)
+                est.append(wait(tokens, s.running))
+                scores.append(k + s.queue_depth)
+            todo.append(tokens)
+        r = self.core.pick(n, est, scores)
+        if slots[r] >= 0:
+            backlog[slots[r]] = (todo[r], now)
         return replicas[r]

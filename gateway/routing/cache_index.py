@@ -23,7 +23,7 @@ chain, as in vLLM's free queue: evicting a root would orphan every block below i
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass
 
 __all__ = ["BlocksStored", "BlocksEvicted", "ReplicaReset", "CacheEvent", "CacheIndex"]
@@ -179,6 +179,43 @@ class CacheIndex:
         for r in range(n):
             if alive >> r & 1:
                 out[r] = len(chain)
+        return out
+
+    @property
+    def held(self) -> Container[int]:
+        """Every hash some replica holds (read-only: a membership test)."""
+        return self._holders
+
+    def held_prefixes(self, chain: Sequence[int]) -> list[int]:
+        """:meth:`longest_prefixes` in O(log n) lookups per distinct holder set along ``chain``, for a
+        cache that holds a block's parent whenever it holds the block: an LRU one that frees a
+        sequence's blocks tail first (:mod:`inference.kv_cache`, and this index's own order). Then
+        the set of holders only shrinks along a chain, and a binary search finds each place it does.
+        (A hole in a replica's chain, which such a cache never makes, may count the blocks past it.)"""
+        out = [0] * len(self._lru)
+        get = self._holders.get
+        last = len(chain) - 1
+        lo = 0
+        alive = get(chain[0], 0) if chain else 0
+        while alive:
+            if get(chain[last], 0) & alive == alive:
+                lo = last
+            else:  # alive all hold block lo, not all hold block hi: the last block they all hold
+                hi = last
+                while hi - lo > 1:
+                    mid = (lo + hi) >> 1
+                    if get(chain[mid], 0) & alive == alive:
+                        lo = mid
+                    else:
+                        hi = mid
+            lo += 1
+            rest = alive & get(chain[lo], 0) if lo <= last else 0
+            gone = alive & ~rest
+            while gone:
+                bit = gone & -gone
+                out[bit.bit_length() - 1] = lo
+                gone ^= bit
+            alive = rest
         return out
 
     def longest_prefix(self, replica: int, chain: Sequence[int]) -> int:

@@ -171,17 +171,21 @@ class CostBased:
         """Estimated seconds to first token per replica (``cached``: its held blocks of the chain,
         from the index when not given)."""
         if cached is None:
-            cached = self.index.longest_prefixes(req.chain)
-        return [self.cost.prefill_wait_s(x.queued_tokens + max(0, req.prompt_tokens - c * req.block_size), x.running)
-                for x, c in zip(loads, cached, strict=True)]
+            cached = self.index.held_prefixes(req.chain)
+        wait, p, bs = self.cost.prefill_wait_s, req.prompt_tokens, req.block_size
+        return [wait(x.queued_tokens + max(0, p - c * bs), x.running) for x, c in zip(loads, cached, strict=True)]
 
     def choose(self, req: CacheRequest, loads: Sequence[ReplicaLoad]) -> int:
-        return self.pick(req, loads, None)
+        return self.pick([x.in_flight for x in loads], self.estimates(req, loads), [_load_score(x) for x in loads])
 
-    def pick(self, req: CacheRequest, loads: Sequence[ReplicaLoad], cached: Sequence[int] | None) -> int:
-        """:meth:`choose` with each replica's held blocks of the chain given (the gateway's pool
-        numbers replicas its own way)."""
-        est = self.estimates(req, loads, cached)
-        cap = self.bound * (sum(x.in_flight for x in loads) + 1) / len(loads)
+    def pick(self, in_flight: Sequence[int], estimates: Sequence[float], scores: Sequence[int]) -> int:
+        """The replica of least estimate among those under the bound, then of least score (in-flight
+        requests plus queued ones); the first of equals. One entry per replica in each list."""
+        cap = self.bound * (sum(in_flight) + 1) / len(in_flight)
         cap = math.ceil(cap) if cap < math.inf else cap
-        return min(range(len(est)), key=lambda r: (loads[r].in_flight + 1 > cap, est[r], _load_score(loads[r])))
+        best, best_key = 0, (True, math.inf, 0)
+        for r, n in enumerate(in_flight):
+            key = (n + 1 > cap, estimates[r], scores[r])
+            if key < best_key:
+                best, best_key = r, key
+        return best

@@ -44,8 +44,8 @@ class ModelPool:
         self.prefix: PrefixHasher | None = PrefixHasher() if self.policy.uses_prefix_hashes else None
         # cache_aware: its index, fed from the KV events of the replicas added here
         self.feed = self.policy.feed if isinstance(self.policy, CacheAware) else None
-        if self.feed is not None:
-            self.prefix = PrefixHasher(CacheAware.hash_blocks)
+        if isinstance(self.policy, CacheAware):  # hashes only as far as some replica holds the prompt
+            self.prefix = PrefixHasher(CacheAware.hash_blocks, held=self.policy.index.held)
         self.retries = retries
         self.on_retry = on_retry
         self._by_model: dict[str, list[WorkerConnection]] = {}

@@ -9,91 +9,32 @@ worker does (``inference.service``: ``prompt`` -> ``encode``, ``messages`` ->
 them with the replica's ``Hello.block_size`` when its ``Hello.prefix_hash``
 names the scheme this gateway computes.
 
-Only the pool of a policy that asks for hashes has a hasher: tokenizing costs
-tens of µs per request (a chat template render plus the tokenizer), which
-least-loaded routing does not pay. Tokenizers are loaded on first sight of a
-worker's ``Hello.model_id`` (``"tiny"`` or a checkpoint directory, which must
-be readable here: a remote worker's model that this host lacks gets no hashes,
-once logged). ``inference.tokenizer`` is the one module of ``inference`` the
+Only the pool of a policy that asks for hashes has a hasher: tokenizing and hashing cost
+µs per request (a chat template render plus the tokenizer, then the chain through
+:class:`~gateway.routing.chain_memo.ChainMemo`), which least-loaded routing does not pay. The
+chain is hashed from u32le bytes: token ids packed once, the byte tokenizer's straight from the
+text; with ``held`` (cache_aware's index) it stops after the first block no replica holds.
+Tokenizers are loaded on first sight of a worker's ``Hello.model_id`` (``"tiny"`` or a
+checkpoint directory, which must be readable here: a remote worker's model that this host
+lacks gets no hashes, once logged). ``inference.tokenizer`` is the one module of ``inference`` the
 gateway imports: it has no JAX (``tests/gateway/test_no_jax.py``).
 """
 
 from __future__ import annotations
 
-import hashlib
+import json
 import logging
-import sys
-from array import array
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Container, Mapping, Sequence
 from typing import Any, Protocol
 
 from transport.api import WorkerConnection
 from transport.common.prefix import PREFIX_HASH_SCHEME
 from transport.messages import Submit
 
+from .chain_memo import ChainMemo, u32le
 from .policy import RouteRequest
 
 __all__ = ["PrefixHasher", "PromptTokenizer", "prompt_token_ids", "ChainMemo"]
-
-_BIG_ENDIAN = sys.byteorder == "big"
-_Edge = tuple[tuple[int, ...], dict[bytes, Any]]  # (the chain hashes of an edge's blocks, the node below)
-
-
-class ChainMemo:
-    """:func:`transport.common.prefix.chain_hashes`, fast for prefixes seen before.
-
-    How it works: a trie whose edges are ``edge_blocks`` blocks of token bytes (u32 LE, the
-    scheme's) and carry those blocks' chain hashes. A prompt walks down it one dict lookup per
-    edge while its bytes match a path seen before (a shared system prompt, a document, a
-    conversation's history), then hashes the rest (BLAKE2b per block, as the scheme does) and
-    adds its whole edges. Bounded: at ``max_edges`` the trie starts over empty."""
-
-    __slots__ = ("edge_blocks", "max_edges", "edges", "_roots")
-
-    def __init__(self, edge_blocks: int = 4, max_edges: int = 1 << 16) -> None:
-        self.edge_blocks = edge_blocks
-        self.max_edges = max_edges
-        self.edges = 0
-        self._roots: dict[int, dict[bytes, Any]] = {}  # block size -> trie
-
-    def chain(self, ids: Sequence[int], block_size: int, limit: int) -> tuple[int, ...]:
-        n = min(len(ids) // block_size, limit)
-        if n <= 0:
-            return ()
-        a = array("I", ids[: n * block_size] if len(ids) > n * block_size else ids)
-        if _BIG_ENDIAN:
-            a.byteswap()
-        buf = a.tobytes()
-        blk = 4 * block_size
-        step = blk * self.edge_blocks
-        if self.edges >= self.max_edges:
-            self._roots.clear()
-            self.edges = 0
-        node = self._roots.setdefault(block_size, {})
-        out: list[int] = []
-        pos, whole = 0, (n // self.edge_blocks) * step
-        while pos < whole:
-            edge: _Edge | None = node.get(buf[pos : pos + step])
-            if edge is None:
-                break
-            out += edge[0]
-            node = edge[1]
-            pos += step
-        parent = (out[-1] if out else 0).to_bytes(8, "little")
-        blake2b, from_bytes, start = hashlib.blake2b, int.from_bytes, len(out)
-        for o in range(pos, n * blk, blk):
-            h = blake2b(parent, digest_size=8)
-            h.update(buf[o : o + blk])
-            parent = h.digest()
-            out.append(from_bytes(parent, "little"))
-            done = o + blk
-            if done <= whole and not done % step:  # an edge complete: remember it
-                child: dict[bytes, Any] = {}
-                node[buf[done - step : done]] = (tuple(out[len(out) - self.edge_blocks :]), child)
-                node = child
-                self.edges += 1
-        del start
-        return tuple(out)
 
 log = logging.getLogger("quicserve.routing")
 
@@ -101,16 +42,57 @@ log = logging.getLogger("quicserve.routing")
 class PromptTokenizer(Protocol):
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
-    def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> list[int]: ...
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                    tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]: ...
+
+
+def _tools(submit: Submit) -> Any:
+    return json.loads(submit.params.tools) if submit.params.tools else None
 
 
 def prompt_token_ids(tokenizer: PromptTokenizer, submit: Submit) -> Sequence[int]:
-    """The prompt's token ids as the worker computes them from ``submit``."""
+    """The prompt's token ids as the worker computes them from ``submit`` (``inference.service``)."""
     if submit.prompt_token_ids is not None:
         return submit.prompt_token_ids
     if submit.prompt is not None:
         return tokenizer.encode(submit.prompt)
-    return tokenizer.encode_chat(submit.messages or ())
+    return tokenizer.encode_chat(submit.messages or (), tools=_tools(submit))
+
+
+class _Ids:
+    """A prompt's token ids as u32le bytes (what the hash chain reads): the tokenizer's ids, packed."""
+
+    __slots__ = ("tok",)
+
+    def __init__(self, tok: PromptTokenizer) -> None:
+        self.tok = tok
+
+    def u32le(self, submit: Submit) -> bytes:
+        ids = submit.prompt_token_ids
+        return u32le(ids) if ids is not None else self.encode(submit)
+
+    def encode(self, submit: Submit) -> bytes:
+        """A text or chat prompt's ids."""
+        return u32le(prompt_token_ids(self.tok, submit))
+
+
+class _ByteLevel(_Ids):
+    """The byte tokenizer's (``"tiny"``): its ids are ``encode("")`` (the BOS) then the text's UTF-8
+    bytes, so the bytes come from the text in C (Latin-1 maps a byte to the code point of its
+    value, UTF-32 writes that as a u32), never a list of ints."""
+
+    __slots__ = ("_bos", "_render")
+
+    def __init__(self, tok: PromptTokenizer, render: Callable[..., str]) -> None:
+        super().__init__(tok)
+        self._bos = u32le(tok.encode(""))
+        self._render = render  # its apply_chat_template
+
+    def encode(self, submit: Submit) -> bytes:
+        text = submit.prompt
+        if text is None:
+            text = self._render(submit.messages or (), True, tools=_tools(submit))
+        return self._bos + text.encode().decode("latin-1").encode("utf-32-le")
 
 
 def _load(model_id: str) -> PromptTokenizer:
@@ -120,27 +102,40 @@ def _load(model_id: str) -> PromptTokenizer:
     return tok
 
 
+def _ids_of(tok: PromptTokenizer) -> _Ids:
+    from inference.tokenizer import ByteTokenizer  # (loaded already: _load's module)
+
+    return _ByteLevel(tok, tok.apply_chat_template) if isinstance(tok, ByteTokenizer) else _Ids(tok)
+
+
 class PrefixHasher:
     """Fills ``RouteRequest.prefix_hashes`` (and the exact ``prompt_tokens``) for a pool whose
-    policy reads them."""
+    policy reads them; with ``held`` (the hashes some replica holds: ``cache_aware``'s index),
+    the chain stops after the first block not in it (no replica could serve what follows)."""
 
-    def __init__(self, limit: int = 64, load: Callable[[str], PromptTokenizer] = _load) -> None:
+    def __init__(self, limit: int = 64, load: Callable[[str], PromptTokenizer] = _load,
+                 held: Container[int] | None = None) -> None:
         self.limit = limit  # blocks hashed from the start of the prompt
+        self.held = held
         self._load = load
-        self._tokenizers: dict[str, PromptTokenizer | None] = {}
+        self._tokenizers: dict[str, _Ids | None] = {}
         self.memo = ChainMemo()
 
     def tokenizer(self, model_id: str) -> PromptTokenizer | None:
+        ids = self._ids(model_id)
+        return None if ids is None else ids.tok
+
+    def _ids(self, model_id: str) -> _Ids | None:
         if model_id in self._tokenizers:
             return self._tokenizers[model_id]
-        tok: PromptTokenizer | None
+        ids: _Ids | None
         try:
-            tok = self._load(model_id)
+            ids = _ids_of(self._load(model_id))
         except Exception as e:  # noqa: BLE001 (a bad or absent checkpoint: route without hashes)
             log.warning("no prefix hashes for model %r: its tokenizer cannot be loaded here (%s)", model_id, e)
-            tok = None
-        self._tokenizers[model_id] = tok
-        return tok
+            ids = None
+        self._tokenizers[model_id] = ids
+        return ids
 
     def annotate(self, req: RouteRequest, make_submit: Callable[[int], Submit],
                  replicas: Sequence[WorkerConnection]) -> RouteRequest:
@@ -155,11 +150,12 @@ class PrefixHasher:
                 break
         else:
             return req
-        tok = self.tokenizer(hello.model_id)
-        if tok is None:
+        ids = self._tokenizers.get(hello.model_id) or self._ids(hello.model_id)
+        if ids is None:
             return req
         try:
-            ids = prompt_token_ids(tok, make_submit(0))
-        except Exception:  # noqa: BLE001 (a prompt the template refuses: the worker says why)
+            buf = ids.u32le(make_submit(0))
+        except Exception:  # noqa: BLE001 (a prompt the template refuses, an id out of u32: the worker says why)
             return req
-        return req._replace(prompt_tokens=len(ids), prefix_hashes=self.memo.chain(ids, hello.block_size, self.limit))
+        return req._replace(prompt_tokens=len(buf) >> 2,
+                            prefix_hashes=self.memo.chain_bytes(buf, hello.block_size, self.limit, self.held))
