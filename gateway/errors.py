@@ -107,7 +107,7 @@ _WIRE = {
 
 def from_wire_code(code: int, message: str) -> APIError:
     status, typ, c = _WIRE.get(int(code), (500, "server_error", "internal_error"))
-    return APIError(status, message, typ, None, c)
+    return APIError(status, message, typ, None, c, retry_after=1.0 if status == 503 else None)  # retryable: say when
 
 
 def from_routing(e: RoutingError) -> APIError:

@@ -55,6 +55,7 @@ from .routing.rollout import Rollouts
 from .routing.rollout_runner import STATE_FILE, RolloutCollector, load_rollouts, run_rollouts
 from .settings import Settings, state_dir
 from .workers.discovery import watch_workers
+from .workers.elastic_pool import ElasticPools, pool_class
 from .workers.healing import heal_forever
 from .workers.supervisor import WorkerSupervisor
 
@@ -103,9 +104,12 @@ async def run_gateway(settings: Settings, *, out: TextIO | None = None,
     metrics = GatewayMetrics()
     if process is not None:
         metrics.merge = process.merged  # /metrics: the whole gateway
-    pool = ModelPool(retries=settings.api.retries, policy=settings.routing.build(), health=settings.routing.health())
-    metrics.registry.register(HealthCollector(pool))
     served = settings.served()
+    model_workers = [m.worker_settings() for m in served] if settings.models else [settings.workers]
+    elastic = process is None and any(w.elastic for w in model_workers)  # one process: its own elastic pools
+    pool = (pool_class(model_workers) if elastic else ModelPool)(
+        retries=settings.api.retries, policy=settings.routing.build(), health=settings.routing.health())
+    metrics.registry.register(HealthCollector(pool))
     if settings.models:  # configured names answer 404/503 before their workers are up
         pool.configure((m.name, m.aliases) for m in served)
         pool.fallbacks.update((m.name, m.fallback) for m in served if m.fallback)
@@ -157,10 +161,11 @@ async def run_gateway(settings: Settings, *, out: TextIO | None = None,
         _say(out, f"listening on grpc://{_hostport(settings.grpc.host or srv.host, native.port)} (gRPC, h2c)")
 
     notifier = SystemdNotifier.from_environ()  # systemd hook: READY/STATUS/STOPPING + watchdog pings
-    model_workers = [m.worker_settings() for m in served] if settings.models else [settings.workers]
-    supervisor = WorkerSupervisor(model_workers, pool, metrics, notifier.progress_display(settings.log.progress))
+    supervisor = WorkerSupervisor(model_workers, pool, metrics, notifier.progress_display(settings.log.progress),
+                                  state_dir=srv.state_dir)
     app.worker_failure = lambda: supervisor.failure
     supervisor.start()
+    pools = ElasticPools.start(model_workers, supervisor, pool, metrics, settings.shutdown.drain_timeout)
     notifier.start(required_models(*model_workers), pool.models)
     tune_gc()
     sweeper = asyncio.create_task((cycles := CycleSweeper()).run())  # a burst's garbage cycles do not outlive it
@@ -227,6 +232,8 @@ async def run_gateway(settings: Settings, *, out: TextIO | None = None,
         sweeper.cancel()
         rollout_task.cancel()
         heal_task.cancel()
+        if pools is not None:
+            pools.stop()
         if watch_task is not None:
             watch_task.cancel()
         for w in watches:

@@ -24,6 +24,23 @@ class WorkersSettings(WorkerOptions):
     stop_timeout: float = 10.0
     heartbeat_interval: float = 1.0
     dead_after: float = 5.0
+    # An elastic pool of local replicas (gateway/workers/elastic_pool.py), on with max_replicas > 0: it
+    # starts `local` of them (within min..max) and scales between min_replicas and max_replicas.
+    max_replicas: int = 0  # 0 = a fixed pool of `local` workers
+    min_replicas: int = 1  # 0 = scale to zero when idle: the next request waits while one starts
+    queue_budget: float = 0.5  # seconds a request should wait for a slot, at most (what scaling aims at)
+    scale_in_after: float = 30.0  # seconds of unneeded capacity (of no request, to go to zero) before a drain
+    waiting_room: int = 256  # requests that may wait while a pool with no replica starts one
+    waiting_timeout: float = 60.0  # ...each for this long at most (503 + Retry-After when a start would take longer)
+
+    @property
+    def elastic(self) -> bool:
+        return self.max_replicas > 0
+
+    @property
+    def initial_replicas(self) -> int:
+        """Local workers started with the pool."""
+        return min(self.max_replicas, max(self.min_replicas, self.local)) if self.elastic else self.local
 
     def _validate(self, p: list[str]) -> None:
         p += [f"workers.{key}: {why}" for key, why in option_problems(self)]
@@ -41,6 +58,14 @@ class WorkersSettings(WorkerOptions):
                 p.append(f"workers.{name}: must be > 0")
         if self.restart_backoff_max < self.restart_backoff_initial:
             p.append("workers.restart_backoff_max: must be >= restart_backoff_initial")
+        if self.max_replicas < 0 or self.min_replicas < 0 or self.min_replicas > max(self.max_replicas, 1):
+            p.append("workers.min_replicas, max_replicas: need 0 <= min_replicas <= max_replicas (max_replicas 0: "
+                     "no elastic pool)")
+        for name in ("queue_budget", "scale_in_after", "waiting_timeout"):
+            if not getattr(self, name) > 0:
+                p.append(f"workers.{name}: must be > 0")
+        if self.waiting_room < 0:
+            p.append("workers.waiting_room: must be >= 0")
 
 
 # Keys of a [[models]] entry's own (the rest of [workers] comes in its `workers` sub-table).

@@ -204,6 +204,8 @@ class ElasticController:
         self._last_arrival: float | None = None
         self._recent: deque[tuple[float, int]] = deque()  # (t, need): decreasing need, within idle_s
         self._window_start: float | None = None  # since when no replica was started
+        self.last_need = 0  # replicas the last decision called for (the scaling signal, exported)
+        self.last_demand = 0.0  # requests/s it provisioned for
 
     def observe_arrival(self, now: float, n: int = 1) -> None:
         self.rate.add(now, n)
@@ -227,17 +229,19 @@ class ElasticController:
         lim = self.limits
         idle = self._last_arrival is None or now - self._last_arrival >= lim.idle_s
         if idle and view.queued == 0:
-            want = 0
+            want, self.last_demand = 0, 0.0
         elif self._late is not None:
-            want = max(1, replicas_for(self.demand_rps(now, view), view.capacity_rps, view.slots,
-                                       lim.queue_budget_s, self._late, lim.max_replicas))
+            self.last_demand = demand = self.demand_rps(now, view)
+            want = max(1, replicas_for(demand, view.capacity_rps, view.slots, lim.queue_budget_s, self._late,
+                                       lim.max_replicas))
         else:
             per_replica = view.capacity_rps * lim.target_utilisation
-            want = max(1, math.ceil(self.demand_rps(now, view) / per_replica - 1e-9))
+            self.last_demand = demand = self.demand_rps(now, view)
+            want = max(1, math.ceil(demand / per_replica - 1e-9))
         return min(lim.max_replicas, max(lim.min_replicas, want))
 
     def decide(self, now: float, view: PoolView) -> Decision:
-        need = self.needed(now, view)
+        self.last_need = need = self.needed(now, view)
         serving = view.serving
         have = len(serving) + view.starting
         while self._recent and self._recent[-1][1] <= need:  # a sliding-window maximum of the need

@@ -10,9 +10,10 @@ import logging
 from .. import clock
 from ..routing.health import to_heal
 from ..routing.pool import ModelPool
+from .process import terminate
 from .supervisor import LocalWorker, WorkerSupervisor
 
-__all__ = ["heal_forever"]
+__all__ = ["heal_forever", "heal"]
 
 log = logging.getLogger("quicserve.workers")
 
@@ -45,9 +46,27 @@ async def _heal(supervisor: WorkerSupervisor, worker: LocalWorker, why: str, tim
     """Restart one replica; its pool may lose another only once this one is serving again."""
     try:
         old = worker.conn
-        await supervisor.heal(worker, why, timeout)
+        await heal(supervisor, worker, why, timeout)
         deadline = clock.now() + max(60.0, worker.ws.ready_timeout)
         while (worker.conn is None or worker.conn is old) and clock.now() < deadline and not worker.stopping:
             await asyncio.sleep(0.1)
     finally:
         busy.difference_update(models)
+
+
+async def heal(supervisor: WorkerSupervisor, worker: LocalWorker, why: str, timeout: float) -> None:
+    """Drain ``worker`` (out of the pool; its requests in flight finish, up to ``timeout``) and
+    restart it: its process is stopped and started again by its loop."""
+    conn = worker.conn
+    if conn is None or worker.proc is None:
+        return
+    log.warning("healing: %s %s; draining and restarting it", worker.name, why)
+    supervisor.progress.note(worker.name, f"{why}; restarting it")
+    supervisor.pool.remove(conn)
+    deadline = asyncio.get_running_loop().time() + timeout
+    while conn.in_flight and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.05)
+    proc = worker.proc
+    if proc is not None and proc.returncode is None:
+        await terminate(proc, worker.ws.stop_timeout)  # its loop sees it exit and starts it again
+    supervisor.healed += 1

@@ -9,9 +9,9 @@ import dataclasses
 import signal
 import sys
 
-from transport.common.worker_options import to_flags
+from transport.common.worker_options import compilation_cache_dir, to_flags
 
-from .config import WorkersSettings
+from .config import WorkersSettings, served_name_of
 
 __all__ = ["Backoff", "WorkerUnusable", "worker_command", "child_setup", "terminate", "STABLE_AFTER"]
 
@@ -37,13 +37,18 @@ class WorkerUnusable(RuntimeError):
     """A worker exited before ready with a status that a restart cannot fix (bad options)."""
 
 
-def worker_command(ws: WorkersSettings, index: int) -> list[str]:
+def worker_command(ws: WorkersSettings, index: int, state_dir: str | None = None) -> list[str]:
     """argv of local worker ``index`` (runs this interpreter, so venvs just work): the typed
-    ``[workers]`` options as ``quicserve worker`` flags."""
+    ``[workers]`` options as ``quicserve worker`` flags; ``compilation_cache = "auto"`` is the model's
+    directory in the gateway's ``state_dir`` (when given), which its replicas share."""
     listen = ws.listen
     if listen.startswith("unix://") and index:
         listen = f"{listen}-{index}"
-    return [sys.executable, "-m", "gateway.cli", "worker", *to_flags(dataclasses.replace(ws, listen=listen))]
+    cache = ws.compilation_cache
+    if cache == "auto" and state_dir is not None:
+        cache = str(compilation_cache_dir(cache, served_name_of(ws), state_dir))
+    opts = dataclasses.replace(ws, listen=listen, compilation_cache=cache)
+    return [sys.executable, "-m", "gateway.cli", "worker", *to_flags(opts)]
 
 
 def child_setup() -> None:  # runs in the child between fork and exec

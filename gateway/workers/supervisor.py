@@ -13,7 +13,10 @@ worker is reported once, stays down, and :attr:`WorkerSupervisor.failure` says
 why (the worker's ``fatal`` event names the bad option). Remote
 workers (by URL) get the same treatment minus the process. :meth:`stop` takes
 every worker out of the pool, closes connections, SIGTERMs the children and
-SIGKILLs any that outlive ``stop_timeout``.
+SIGKILLs any that outlive ``stop_timeout``. Every start-up is logged per model
+(:class:`~gateway.workers.startup.StartupLog`: spawn to ready as measured here, the phases the worker
+reports); :meth:`WorkerSupervisor.start_replica` and :meth:`WorkerSupervisor.retire` are how an
+elastic pool (:mod:`gateway.workers.elastic_pool`) grows and shrinks a model's local replicas.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from ..observability.progress import ProgressDisplay
 from ..routing.pool import ModelPool
 from .config import WorkersSettings
 from .process import Backoff, WorkerUnusable, child_setup, terminate, worker_command
+from .startup import PHASES, StartupLog
 
 __all__ = ["Backoff", "WorkerSupervisor", "LocalWorker", "RemoteWorker", "WorkerUnusable", "worker_command",
            "Connector"]
@@ -100,7 +104,10 @@ class _Worker:
             log.warning("%s %s; restarting in %.1f s", self.name, why, delay)
             await asyncio.sleep(delay)
 
-    async def attach(self, url: str, models: Sequence[str] | None) -> WorkerConnection:
+    async def attach(self, url: str, models: Sequence[str] | None, started: float | None = None,
+                     phases: Sequence[float] = ()) -> WorkerConnection:
+        """Connect to the worker at ``url`` and add it to the pool (``started``: when a local one was
+        spawned, on the request clock; ``phases``: its start-up as its ready event told it)."""
         ws = self.ws
         try:  # the [workers] transport_* keys: TLS, the pre-shared key, default deny (transport/security.py)
             conn = await self.sup.connect(url, identity=self.sup.identity, timeout=ws.connect_timeout,
@@ -111,6 +118,13 @@ class _Worker:
         self.conn = conn
         served = list(models) if models else list(conn.peer_hello.models)
         self.sup.pool.add(conn, served)
+        model = served[0] if served else ""
+        if started is not None:
+            self.sup.startup.ready(model, clock.now() - started, phases or conn.peer_hello.startup)
+        else:
+            self.sup.startup.reported(model, conn.peer_hello.startup)
+        for hook in self.sup.on_ready:
+            hook(self, conn)
         self.sup.progress.note(self.name, f"ready at {url} serving {', '.join(served)}")
         self.ready_once.set()
         self.sup.changed.set()
@@ -141,6 +155,7 @@ class LocalWorker(_Worker):
 
     async def run_once(self) -> None:
         ws = self.ws
+        started = clock.now()
         self.proc = proc = await asyncio.create_subprocess_exec(
             *self.argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, limit=1 << 20,
             start_new_session=True, preexec_fn=child_setup)
@@ -158,7 +173,9 @@ class LocalWorker(_Worker):
             raise RuntimeError(f"exited with status {rc} before it was ready")
         reader = asyncio.create_task(self._read_rest(proc.stdout))
         try:
-            conn = await self.attach(str(ready["url"]), ready.get("models"))
+            told = ready.get("startup")
+            phases = [float(told.get(p, 0.0)) for p in PHASES] if isinstance(told, dict) else []
+            conn = await self.attach(str(ready["url"]), ready.get("models"), started, phases)
             waits = [asyncio.ensure_future(proc.wait()), asyncio.ensure_future(conn.wait_closed())]
             try:
                 await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
@@ -230,7 +247,7 @@ class WorkerSupervisor:
 
     def __init__(self, models: WorkersSettings | Sequence[WorkersSettings], pool: ModelPool, metrics: GatewayMetrics,
                  progress: ProgressDisplay | None = None, *, connect: Connector | None = None,
-                 commands: Sequence[list[str]] | None = None) -> None:
+                 commands: Sequence[list[str]] | None = None, state_dir: str | None = None) -> None:
         specs = [models] if isinstance(models, WorkersSettings) else list(models)
         self.ws = ws = specs[0]  # the first model's (discovered workers are supervised with these)
         self.pool = pool
@@ -240,15 +257,32 @@ class WorkerSupervisor:
         self.identity = f"gateway@{os.uname().nodename}:{os.getpid()}"
         self.changed = asyncio.Event()  # a worker became ready or stopped for good
         self.healed = 0  # replicas restarted by self-healing
+        self.state_dir = state_dir  # where local workers keep their compilation caches (None: their default)
+        self.startup = StartupLog()
+        metrics.registry.register(self.startup)
+        self.on_ready: list[Callable[[_Worker, WorkerConnection], None]] = []  # a worker joined the pool
         self.workers: list[_Worker] = []
+        self._next_index = 0  # local workers numbered across models, never reused (unix:// paths stay apart)
+        self.may_start_empty = any(s.elastic and not s.initial_replicas and not s.remote for s in specs)
         if commands is not None:
             self.workers += [LocalWorker(self, ws, i, c) for i, c in enumerate(commands)]
+            self._next_index = len(commands)
         else:
-            for spec in specs:  # local workers numbered across models (unix:// listen paths stay apart)
-                for _ in range(spec.local):
-                    i = len(self.workers)
-                    self.workers.append(LocalWorker(self, spec, i, worker_command(spec, i)))
+            for spec in specs:
+                self.workers += [self._local(spec) for _ in range(spec.initial_replicas)]
         self.workers += [RemoteWorker(self, spec, u) for spec in specs for u in spec.remote]
+
+    def _local(self, ws: WorkersSettings) -> LocalWorker:
+        i = self._next_index
+        self._next_index += 1
+        return LocalWorker(self, ws, i, worker_command(ws, i, self.state_dir))
+
+    def start_replica(self, ws: WorkersSettings) -> LocalWorker:
+        """One more local worker of the model ``ws`` describes, started now (an elastic pool's scale-out)."""
+        w = self._local(ws)
+        self.workers.append(w)
+        w.task = asyncio.create_task(w.loop(), name=f"supervise {w.name}")
+        return w
 
     def start(self) -> None:
         for w in self.workers:
@@ -256,10 +290,7 @@ class WorkerSupervisor:
 
     def add_model(self, ws: WorkersSettings) -> list[_Worker]:
         """Start the workers of a model added by a reload (``ws``: its [workers] settings)."""
-        new: list[_Worker] = []
-        for _ in range(ws.local):
-            i = len(self.workers) + len(new)
-            new.append(LocalWorker(self, ws, i, worker_command(ws, i)))
+        new: list[_Worker] = [self._local(ws) for _ in range(ws.initial_replicas)]
         new += [RemoteWorker(self, ws, u) for u in ws.remote]
         for w in new:
             self.workers.append(w)
@@ -268,23 +299,6 @@ class WorkerSupervisor:
 
     def worker_of(self, conn: WorkerConnection) -> _Worker | None:
         return next((w for w in self.workers if w.conn is conn), None)
-
-    async def heal(self, worker: _Worker, why: str, timeout: float) -> None:
-        """Drain ``worker`` (out of the pool; its requests in flight finish, up to ``timeout``) and
-        restart it: a local one's process is stopped and started again by its loop."""
-        conn = worker.conn
-        if conn is None or not isinstance(worker, LocalWorker) or worker.proc is None:
-            return
-        log.warning("healing: %s %s; draining and restarting it", worker.name, why)
-        self.progress.note(worker.name, f"{why}; restarting it")
-        self.pool.remove(conn)
-        deadline = asyncio.get_running_loop().time() + timeout
-        while conn.in_flight and asyncio.get_running_loop().time() < deadline:
-            await asyncio.sleep(0.05)
-        proc = worker.proc
-        if proc is not None and proc.returncode is None:
-            await terminate(proc, worker.ws.stop_timeout)  # its loop sees it exit and starts it again
-        self.healed += 1
 
     def of_model(self, name: str) -> list[_Worker]:
         """The configured workers serving ``name`` (its [workers] served name)."""
@@ -343,6 +357,8 @@ class WorkerSupervisor:
         """True once one (or every) worker has been ready at least once; False at the timeout, or
         as soon as too many workers have stopped for good (:attr:`failure`) for that to happen."""
         need = len(self.workers) if all_workers else 1
+        if not self.workers and self.may_start_empty:
+            return True  # an elastic pool at zero serves by starting a replica when a request comes
         try:
             async with asyncio.timeout(timeout):
                 while self.workers:

@@ -1,0 +1,154 @@
+"""Elastic local pools through a real ``quicserve serve`` (#35): synthetic workers whose start-up takes
+a configured time (``synthetic_startup_ms``, a cold start imitated), real HTTP clients.
+
+- a burst scales the pool out before any request waited past its budget, and back in afterwards;
+- with ``min_replicas = 0`` the pool goes to zero when idle and comes back for the next requests:
+  none fails, and the first one's wait is about one cold start (the start-up the gateway measured).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from tests.integration.test_gateway_e2e import REPO, Gateway, stop_gateway, wait_ready
+
+STARTUP_MS = 600  # each worker's imitated cold start
+STEP_MS = 20  # a synthetic engine step
+
+
+def _config(**workers: object) -> str:
+    base: dict[str, object] = {"engine": "synthetic", "synthetic_startup_ms": STARTUP_MS,
+                               "synthetic_step_ms": STEP_MS, "scale_in_after": 1.5}
+    base.update(workers)
+    return "[workers]\n" + "".join(f"{k} = {v!r}\n".replace("'", '"') for k, v in base.items())
+
+
+def serve_config(state: Path, config: str) -> Gateway:
+    """``quicserve serve`` on ``config``, its log (and progress lines) in ``state``/log.txt."""
+    (state / "config.toml").write_text(config)
+    cmd = [sys.executable, "-m", "gateway.cli", "serve", "--config", str(state / "config.toml"), "--port", "0",
+           "--no-tls", "--grpc-port", "-1", "--quic-port", "-1", "--state-dir", str(state), "--progress", "lines",
+           "--log-level", "info"]
+    with open(state / "log.txt", "w") as log:
+        return wait_ready(subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=log, text=True,
+                                           env={**os.environ, "QUICSERVE_SHUTDOWN__GRACE_PERIOD": "0"}))
+
+
+def _metric(gw: Gateway, name: str, **labels: str) -> float:
+    text = httpx.get(gw.http + "/metrics").text
+    want = "".join(f'(?=[^}}]*{k}="{v}")' for k, v in labels.items())
+    m = re.search(rf"^{name}{{{want}[^}}]*}} (\S+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def _wait_for(gw: Gateway, name: str, value: float, timeout: float, **labels: str) -> float:
+    """Seconds until the metric reads ``value`` (fails at ``timeout``)."""
+    t0 = time.monotonic()
+    while (v := _metric(gw, name, **labels)) != value:
+        assert time.monotonic() - t0 < timeout, f"{name}{labels} stayed {v}, not {value}"
+        time.sleep(0.05)
+    return time.monotonic() - t0
+
+
+async def _request(client: httpx.AsyncClient, gw: Gateway, max_tokens: int) -> tuple[int, float, float]:
+    """(status, seconds to the first streamed token, seconds in all)."""
+    t0 = time.monotonic()
+    first = 0.0
+    body = {"model": "tiny", "prompt": "elastic", "max_tokens": max_tokens, "stream": True}
+    async with client.stream("POST", gw.http + "/v1/completions", json=body) as r:
+        async for line in r.aiter_lines():
+            if line.startswith("data: {") and not first:
+                first = time.monotonic() - t0
+    return r.status_code, first, time.monotonic() - t0
+
+
+def test_a_burst_scales_out_before_any_request_passes_its_budget_then_back_in(tmp_path: Path) -> None:
+    budget = 2.0
+    gw = serve_config(tmp_path, _config(local=1, min_replicas=1, max_replicas=4, max_batch=4, queue_budget=budget))
+    try:
+        assert _metric(gw, "quicserve_pool_replicas", state="ready") == 1
+
+        async def burst() -> tuple[list[tuple[float, int, float, float]], float]:
+            """Every request's (sent at, status, first-token wait, total) and when the first scale-out
+            showed on /metrics: a ramp to ~4x one replica's capacity (4 slots, ~16 steps a request:
+            ~10 req/s), then off."""
+            async with httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=200)) as client:
+                t0 = time.monotonic()
+                scaled = [math.inf]
+
+                async def watch() -> None:
+                    while True:
+                        text = (await client.get(gw.http + "/metrics")).text
+                        if re.search(r'^quicserve_pool_scale_events_total{direction="out"[^}]*} [1-9]', text, re.M):
+                            scaled[0] = time.monotonic() - t0
+                            return
+                        await asyncio.sleep(0.05)
+
+                watcher = asyncio.create_task(watch())
+
+                async def one() -> tuple[float, int, float, float]:
+                    sent = time.monotonic() - t0
+                    return (sent, *await _request(client, gw, 14))
+
+                tasks = []
+                for i in range(120):
+                    tasks.append(asyncio.create_task(one()))
+                    await asyncio.sleep(1 / min(45.0, 6.0 + i))
+                results = await asyncio.gather(*tasks)
+                await asyncio.wait_for(watcher, 5)
+                return results, scaled[0]
+
+        results, scaled_at = asyncio.run(burst())
+        assert [s for _, s, _, _ in results] == [200] * len(results)
+        worst = max(first for _, _, first, _ in results)
+        passed = min((sent + budget for sent, _, first, _ in results if first > budget), default=math.inf)
+        print(f"burst: {len(results)} requests, first scale-out seen {scaled_at:.2f} s in, worst first-token wait "
+              f"{worst:.2f} s (budget {budget} s), "
+              f"{_metric(gw, 'quicserve_pool_scale_events_total', direction='out'):.0f} replica(s) started")
+        assert scaled_at < passed, f"no scale-out before a request passed its budget at {passed:.2f} s"
+        _wait_for(gw, "quicserve_pool_replicas", 1, timeout=20, state="ready")  # back in, to the floor
+        assert _metric(gw, "quicserve_pool_scale_events_total", direction="in") >= 1
+    finally:
+        stop_gateway(gw)
+
+
+def test_scale_to_zero_and_back_without_a_failed_request(tmp_path: Path) -> None:
+    gw = serve_config(tmp_path, _config(local=1, min_replicas=0, max_replicas=2, max_batch=4))
+    try:
+        assert httpx.post(gw.http + "/v1/completions", json={"model": "tiny", "prompt": "x",
+                                                              "max_tokens": 2}).status_code == 200
+        _wait_for(gw, "quicserve_pool_replicas", 0, timeout=20, state="ready")  # idle: to zero
+        _wait_for(gw, "quicserve_pool_replicas", 0, timeout=20, state="draining")
+        assert _metric(gw, "quicserve_pool_scale_events_total", direction="in") >= 1
+
+        async def wake() -> list[tuple[int, float, float]]:
+            async with httpx.AsyncClient(timeout=30) as client:
+                first = asyncio.create_task(_request(client, gw, 4))
+                await asyncio.sleep(0.1)
+                rest = [asyncio.create_task(_request(client, gw, 4)) for _ in range(5)]
+                return await asyncio.gather(first, *rest)
+
+        results = asyncio.run(wake())
+        assert [s for s, _, _ in results] == [200] * 6
+        cold = (_metric(gw, "quicserve_worker_startup_seconds_sum", model="tiny")
+                / _metric(gw, "quicserve_worker_startup_seconds_count", model="tiny"))
+        waited = results[0][1]
+        print(f"from zero: the first request waited {waited:.2f} s; a cold start measured {cold:.2f} s")
+        # about one cold start: at least the worker's own start-up, at most its measured start plus a
+        # tick of the pool's loop and a few engine steps
+        assert STARTUP_MS / 1e3 <= waited <= 2 * cold + 0.5, (waited, cold)
+        assert _metric(gw, "quicserve_waiting_room_timeouts_total", model="tiny") == 0
+    finally:
+        stop_gateway(gw)
+    log = (tmp_path / "log.txt").read_text()
+    assert "elastic tiny: a request waits for a replica to start" in log
+    assert re.search(r"elastic tiny: worker-\d+ ready: \d+ waiting request\(s\) sent to it", log)
