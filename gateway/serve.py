@@ -165,7 +165,8 @@ async def run_gateway(settings: Settings, *, out: TextIO | None = None,
                                   state_dir=srv.state_dir)
     app.worker_failure = lambda: supervisor.failure
     supervisor.start()
-    pools = ElasticPools.start(model_workers, supervisor, pool, metrics, settings.shutdown.drain_timeout)
+    pools = ElasticPools.start(model_workers, supervisor, pool, metrics, settings.shutdown.drain_timeout,
+                               advisory=bool(settings.discovery.worker_dns))  # Kubernetes scales those workers
     notifier.start(required_models(*model_workers), pool.models)
     tune_gc()
     sweeper = asyncio.create_task((cycles := CycleSweeper()).run())  # a burst's garbage cycles do not outlive it

@@ -104,8 +104,11 @@ def _jax_runner(args: argparse.Namespace) -> Any:
 
     cache = compilation_cache_dir(args.compilation_cache, _served_name(args))
     if cache is not None:  # before the first compilation (loading the tiny model's weights compiles)
-        compile_cache.enable(cache)
-        log.info("compilation cache in %s", cache)
+        try:
+            compile_cache.enable(cache)
+            log.info("compilation cache in %s", cache)
+        except OSError as exc:  # e.g. a read-only home: a slower start, not a failed one
+            log.warning("no compilation cache (%s): every start compiles", exc)
 
     runner = JaxRunner.load(args.model, dtype=args.dtype, block_size=args.block_size,
                             num_blocks=args.num_blocks or JAX_NUM_BLOCKS, max_batch=args.max_batch,

@@ -15,7 +15,9 @@ from dataclasses import dataclass
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-__all__ = ["ElasticCollector", "PoolFigures"]
+__all__ = ["DESIRED_REPLICAS", "ElasticCollector", "PoolFigures"]
+
+DESIRED_REPLICAS = "quicserve_pool_desired_replicas"  # the scaling signal (config/k8s/base/worker-autoscaling.yaml)
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +42,7 @@ class PoolFigures:
 
 # (name, help, the PoolFigures field); every gauge is labelled by model
 _GAUGES = (
-    ("quicserve_pool_desired_replicas", "Replicas the elastic pool's controller calls for now (the scaling signal)",
+    (DESIRED_REPLICAS, "Replicas the elastic pool's controller calls for now (the scaling signal)",
      "desired"),
     ("quicserve_pool_queue_wait_budget_ratio", "The oldest queued request's wait over the queue budget (>= 1: past "
      "it)", "wait_ratio"),

@@ -83,13 +83,13 @@ class ElasticPool:
     """One model's elastic pool (see the module's docstring)."""
 
     def __init__(self, ws: WorkersSettings, supervisor: WorkerSupervisor, pool: ElasticModelPool,
-                 drain_timeout: float) -> None:
+                 drain_timeout: float, advisory: bool = False) -> None:
         self.name = name = served_name_of(ws)
         self.ws = ws
         self.sup = supervisor
         self.pool = pool
         self.drain_timeout = drain_timeout
-        self.acts = not ws.remote  # local replicas are started and stopped here; remote ones only counted
+        self.acts = not (advisory or ws.remote)  # local replicas started and stopped here; else only counted
         limits = PoolLimits(ws.min_replicas, ws.max_replicas, ws.queue_budget, ws.scale_in_after)
         self.controller = ElasticController(limits, StartupTimes())
         self.room = pool.rooms[name] = WaitingRoom(name, ws.waiting_room, ws.waiting_timeout, clock.now,
@@ -257,11 +257,12 @@ class ElasticPools:
 
     @classmethod
     def start(cls, models: Sequence[WorkersSettings], supervisor: WorkerSupervisor, pool: ModelPool,
-              metrics: GatewayMetrics, drain_timeout: float) -> ElasticPools | None:
-        """The pools of the elastic ``models`` ticking (None when there are none)."""
+              metrics: GatewayMetrics, drain_timeout: float, advisory: bool = False) -> ElasticPools | None:
+        """The pools of the elastic ``models`` ticking (None when there are none); ``advisory``: workers
+        are found by DNS, so no pool starts or stops any (each exports what it calls for)."""
         if not isinstance(pool, ElasticModelPool):
             return None
-        self = cls([ElasticPool(ws, supervisor, pool, drain_timeout) for ws in models if ws.elastic])
+        self = cls([ElasticPool(ws, supervisor, pool, drain_timeout, advisory) for ws in models if ws.elastic])
         metrics.registry.register(ElasticCollector(lambda: [p.figures() for p in self.pools]))
         self._task = asyncio.create_task(self.run(), name="elastic pools")
         return self
