@@ -10,6 +10,7 @@ import math
 import os
 import re
 import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +22,7 @@ import orjson
 from gateway.grpc.quicserve.v1 import quicserve_pb2 as pb
 from tests.integration.test_gateway_e2e import Gateway
 
-__all__ = ["Load", "Outcome", "across", "busiest", "gaps_at", "local_workers", "p99", "run_load"]
+__all__ = ["Load", "Outcome", "across", "busiest", "gaps_at", "step_seconds", "local_workers", "p99", "run_load"]
 
 GENERATE = "/quicserve.v1.Inference/Generate"
 
@@ -49,6 +50,14 @@ class Outcome:
     times: dict[str, list[float]] = field(default_factory=dict)  # arrival of each chunk (streams)
     bad: list[str] = field(default_factory=list)  # requests that did not end properly, and why
     killed_at: float = 0.0  # time.monotonic() of the kill (0: none)
+    started_at: float = field(default_factory=time.monotonic)
+
+    def timeline(self) -> str:
+        """When the kill came, against the streams' first and last chunks (seconds from the start)."""
+        firsts = [t[0] - self.started_at for t in self.times.values() if t]
+        lasts = [t[-1] - self.started_at for t in self.times.values() if t]
+        return (f"kill at {self.killed_at - self.started_at:.2f} s; first chunks {min(firsts):.2f}-{max(firsts):.2f} s, "
+                f"last {min(lasts):.2f}-{max(lasts):.2f} s")
 
 
 def local_workers(g: Gateway) -> list[int]:
@@ -117,42 +126,66 @@ async def _grpc(ch: grpc.aio.Channel, load: Load, i: int, out: Outcome) -> None:
     out.texts[f"grpc {i}"] = "".join(text)
 
 
-async def busiest(url: str, pids: list[int]) -> int:
-    """Of ``pids``, the worker with the most requests open (``quicserve_worker_in_flight``, whose
-    label is the worker's identity, ``worker@host:pid``)."""
+def busiest(metrics: str, pids: list[int]) -> tuple[int, float]:
+    """Of ``pids``, the worker with the most requests open, and how many all have: from
+    ``quicserve_worker_in_flight`` in the ``/metrics`` text (labelled ``worker@host:pid``)."""
     open_: dict[int, float] = {}
-    async with httpx.AsyncClient(base_url=url) as c:  # its own connection: the load's are all busy
-        text = (await c.get("/metrics")).text
-    for line in text.splitlines():
+    for line in metrics.splitlines():
         if m := re.match(r'quicserve_worker_in_flight\{worker="[^"]*:(\d+)"\} (\S+)', line):
             open_[int(m.group(1))] = float(m.group(2))
-    return max(pids, key=lambda p: open_.get(p, 0.0))
+    return max(pids, key=lambda p: open_.get(p, 0.0)), sum(open_.values())
 
 
-async def run_load(g: Gateway, grpc_target: str | None, load: Load, kill_at: int | None = None) -> Outcome:
-    """Run ``load`` once; with ``kill_at``, kill -9 one local worker once nine SSE streams in ten
-    have that many chunks (tokens): the killed worker's streams are then mid-way."""
+def step_seconds(metrics: str) -> float:
+    """The workers' mean engine step time so far (their Stats counters on the gateway's /metrics)."""
+    def total(name: str) -> float:
+        return sum(float(x.rsplit(" ", 1)[1]) for x in metrics.splitlines() if x.startswith(name + "{"))
+    return total("quicserve_worker_step_seconds_total") / max(1.0, total("quicserve_worker_steps_total"))
+
+
+class _Killer(threading.Thread):
+    """Off the load's event loop (whose clients see chunks later than the workers make them: 100
+    streams of a fast model keep this process busy), on its own connection: polls /metrics until
+    the load's requests are all placed, then ``after`` seconds later kills -9 the worker holding
+    the most of them."""
+
+    def __init__(self, g: Gateway, requests: int, after: float, out: Outcome) -> None:
+        super().__init__(daemon=True)
+        self.g, self.requests, self.after, self.out = g, requests, after, out
+
+    def run(self) -> None:
+        pids = local_workers(self.g)
+        with httpx.Client(base_url=self.g.http, timeout=10) as m:
+            while True:
+                pid, open_ = busiest(m.get("/metrics").text, pids)
+                if open_ >= 0.9 * self.requests:
+                    break
+                time.sleep(0.002)
+        time.sleep(self.after)
+        os.kill(pid, signal.SIGKILL)
+        self.out.killed_at = time.monotonic()
+
+
+async def run_load(g: Gateway, grpc_target: str | None, load: Load, kill_after: float | None = None) -> Outcome:
+    """Run ``load`` once; with ``kill_after``, kill -9 the worker holding the most of its requests
+    that many seconds after they are all placed."""
     out = Outcome()
     counts = [0] * load.streams
-
-    async def killer() -> None:
-        assert kill_at is not None
-        while sum(n >= kill_at for n in counts) < 0.9 * len(counts):
-            await asyncio.sleep(0.002)
-        os.kill(await busiest(g.http, local_workers(g)), signal.SIGKILL)
-        out.killed_at = time.monotonic()
-
+    killer = None
+    if kill_after is not None:
+        killer = _Killer(g, load.streams + load.wholes + load.grpc_streams, kill_after, out)
+        killer.start()
     limits = httpx.Limits(max_connections=load.streams + load.wholes)
     async with httpx.AsyncClient(base_url=g.http, timeout=120, limits=limits) as c:
         jobs = [_sse(c, load, i, out, counts) for i in range(load.streams)]
         jobs += [_whole(c, load, i, out) for i in range(load.wholes)]
-        if kill_at is not None:
-            jobs.append(killer())
         if grpc_target is not None and load.grpc_streams:
             async with grpc.aio.insecure_channel(grpc_target) as ch:
                 await asyncio.gather(*jobs, *(_grpc(ch, load, i, out) for i in range(load.grpc_streams)))
         else:
             await asyncio.gather(*jobs)
+    if killer is not None:
+        killer.join(10)
     return out
 
 
@@ -166,13 +199,17 @@ def across(out: Outcome) -> tuple[int, int, int]:
 
 
 def gaps_at(out: Outcome) -> list[float]:
-    """Per stream that had a piece before the kill and one after: the wait between them."""
+    """Per stream not over by the kill: the longest wait for its next chunk from its last chunk
+    before the kill (from the kill, if it had shown none yet) on. The client may see chunks a
+    dying worker sent after the kill (it reads behind), so the failover's pause is the longest
+    wait, not the first."""
     gaps = []
     for times in out.times.values():
-        before = [t for t in times if t <= out.killed_at]
         after = [t for t in times if t > out.killed_at]
-        if before and after:
-            gaps.append(after[0] - before[-1])
+        if after:
+            before = [t for t in times if t <= out.killed_at]
+            points = [before[-1] if before else out.killed_at, *after]
+            gaps.append(max(b - a for a, b in zip(points, points[1:], strict=False)))
     return gaps
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.integration.failover_load import Load, across, gaps_at, local_workers, p99, run_load
+from tests.integration.failover_load import Load, across, gaps_at, local_workers, p99, run_load, step_seconds
 from tests.integration.serve_process import serve_config
 from tests.integration.test_gateway_e2e import Gateway, stop_gateway
 
@@ -41,22 +41,26 @@ def _metric(g: Gateway, name: str) -> float:
 
 
 def _failover(g: Gateway, load: Load, kill_at: int, label: str) -> list[float]:
-    """The load undisturbed, then again with a worker killed: the same texts; returns the gaps."""
+    """The load undisturbed, then again with a worker killed ``kill_at`` engine steps (their mean
+    time measured in the undisturbed run) after the requests were placed -- its prompts' prefills,
+    then ~20 tokens: the same texts; returns the gaps."""
     target = _ready(g)
     calm = asyncio.run(run_load(g, target, load))
     assert not calm.bad, calm.bad[:5]
-    hit = asyncio.run(run_load(g, target, load, kill_at=kill_at))
+    step = step_seconds(httpx.get(g.http + "/metrics").text)
+    hit = asyncio.run(run_load(g, target, load, kill_after=kill_at * step))
     assert not hit.bad, f"{len(hit.bad)} requests did not complete: {hit.bad[:5]}"
     assert hit.killed_at
     differ = [k for k in calm.texts if calm.texts[k] != hit.texts.get(k)]
     assert not differ, f"{len(differ)} texts differ from the undisturbed run's, e.g. {differ[:3]}"
     assert len(hit.texts) == load.streams + load.wholes + load.grpc_streams
     gaps = gaps_at(hit)
+    assert gaps, f"no stream was mid-way at the kill: {across(hit)}; {hit.timeline()}"
     failovers = _metric(g, "quicserve_stream_failovers_total")
     done, mid, later = across(hit)
     print(f"{label}: at the kill {done} streams had ended, {mid} were mid-way, {later} had not begun; "
-          f"{failovers:g} failovers, {_metric(g, 'quicserve_replica_ejections_total'):g} ejections; gap after the kill p50 {statistics.median(gaps):.3f} s, "
-          f"p99 {p99(gaps):.3f} s, max {max(gaps):.3f} s")
+          f"{failovers:g} failovers (engine step {step * 1e3:.1f} ms); gap after the kill p50 {statistics.median(gaps):.3f} s, "
+          f"p99 {p99(gaps):.3f} s, max {max(gaps):.3f} s ({hit.timeline()})")
     assert failovers >= 1
     return gaps
 
@@ -78,7 +82,7 @@ def test_streams_survive_a_killed_synthetic_worker(tmp_path: Path) -> None:
     """Greedy and seeded SSE streams, whole responses and gRPC streams: all the same as undisturbed."""
     g = serve_config(tmp_path, SYNTHETIC, models=("m",), args=ARGS)
     try:
-        gaps = _failover(g, Load("m", streams=100, wholes=10, grpc_streams=10, seeded=True), 20, "synthetic")
+        gaps = _failover(g, Load("m", streams=100, wholes=10, grpc_streams=10, seeded=True), 22, "synthetic")
     finally:
         assert stop_gateway(g) == 0
     assert p99(gaps) <= 2.0
@@ -110,7 +114,7 @@ def test_streams_survive_a_killed_jax_worker_byte_for_byte(tmp_path: Path) -> No
     pytest.importorskip("jax")
     g = serve_config(tmp_path, JAX, models=("tiny",), args=ARGS)
     try:
-        gaps = _failover(g, Load("tiny", streams=100), 20, "jax tiny")
+        gaps = _failover(g, Load("tiny", streams=100), 28, "jax tiny")
     finally:
         assert stop_gateway(g) == 0
     assert p99(gaps) <= 2.0
