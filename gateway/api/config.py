@@ -12,7 +12,7 @@ class ApiSettings:
     default_max_tokens: int = 256  # when the request gives none
     max_tokens_limit: int = 4096  # larger requests get a 400
     request_timeout: float = 600.0  # whole request, seconds
-    retries: int = 1  # resubmits on another worker if one dies before the first token
+    retries: int = 1  # resubmits on another worker if one dies before the first token (after it: resumes there)
     write_timeout: float = 60.0  # a streaming client that reads nothing this long is cut off
 
     def _validate(self, p: list[str]) -> None:

@@ -66,7 +66,7 @@ class Replicas(Protocol):
 
 
     def failed(self, conn: WorkerConnection | None, model: str) -> None:
-        """``conn`` failed a request before its first token (its breaker counts it)."""
+        """``conn`` failed a request (before its first token, or lost it mid-stream): its breaker counts it."""
         ...
 
 
