@@ -43,7 +43,7 @@ class Replica(ScriptedWorkerConnection):
 
     def received(self, rid: int, mark: int) -> Received | None:
         ids = self.got.get(rid, [])
-        return Received(array("I", ids), len(ids)) if self.closed else None
+        return Received(array("I", ids), len(ids)) if self.closed or self.error_after else None
 
     def submit(self, submit: Submit) -> ScriptedStream:
         if self.closed:
@@ -126,6 +126,19 @@ async def test_a_stream_whose_replica_dies_goes_on_from_another(body: dict[str, 
     if "stream_options" in body:
         assert ev[-2]["usage"]["completion_tokens"] == 8  # type: ignore[index]
     assert app.pool.budget.failovers == 1
+
+
+@pytest.mark.parametrize("code", [ErrorCode.SHUTTING_DOWN, ErrorCode.INTERNAL], ids=["drained", "failed step"])
+async def test_a_stream_its_live_replica_gives_up_on_goes_on_from_another(code: ErrorCode) -> None:
+    """The replica lives on but ends the stream: drained (its drain timed out) or a failed engine
+    step (budgeted like a retry)."""
+    a, b = Replica(error_after=(4, code)), Replica()
+    app = app_of(a, b)
+    s = await call(app, req("/v1/chat/completions", {**CHAT, "stream": True}), RecordingSink())
+    ev = sse_events(s.body)
+    assert text_of(ev) == "abcdefgh" and ev[-1] == "[DONE]"
+    assert bytes(b.submits[0].continuation.token_ids) == b"abcd"  # type: ignore[union-attr]
+    assert app.pool.budget.failovers == 1 and app.pool.budget.in_flight == 0  # its budget token given back
 
 
 async def test_a_whole_response_starts_over_on_another_replica() -> None:
