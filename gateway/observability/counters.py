@@ -20,6 +20,7 @@ Admission's and Redis's counters have their own collector (:mod:`gateway.admissi
   remote, and discovered), ``..._connected{model}``: of them, attached to the pool now,
   ``..._failed{model}``: stopped for good (bad options). Configured against connected: the
   replicas down (``model``: the name the settings serve, as the request series name it).
+* ``[routing] policy = "cache_aware"``'s counters: :mod:`gateway.routing.cache_metrics`.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from ..routing.cache_metrics import cache_routing_metrics
 from ..workers.config import served_name_of
 
 if TYPE_CHECKING:
@@ -61,6 +63,7 @@ class GatewayCounters:
                                       "collections freed", value=s.collected)
         if self.supervisor is not None:
             yield from _workers(self.supervisor)
+            yield from cache_routing_metrics(self.supervisor.pool)
 
 
 def _quic(q: QuicListener) -> Iterator[Metric]:

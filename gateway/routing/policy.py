@@ -27,8 +27,8 @@ from transport.api import WorkerConnection
 
 from .cache_aware import CacheAware
 
-__all__ = ["RouteRequest", "Describe", "model_only", "RoutingPolicy", "LeastLoaded", "PrefixAffinity", "load_score",
-           "POLICIES"]
+__all__ = ["RouteRequest", "Describe", "model_only", "RoutingPolicy", "LeastLoaded", "RoundRobin", "PrefixAffinity",
+           "load_score", "POLICIES"]
 
 
 class RouteRequest(NamedTuple):
@@ -86,6 +86,20 @@ class LeastLoaded:
         return best
 
 
+class RoundRobin:
+    """Each replica in turn, whatever its load or cache (a baseline to measure the others by)."""
+
+    __slots__ = ("_next",)
+    uses_prefix_hashes: ClassVar[bool] = False
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def choose(self, req: RouteRequest, replicas: Sequence[WorkerConnection]) -> WorkerConnection | None:
+        self._next += 1
+        return replicas[self._next % len(replicas)] if replicas else None
+
+
 class PrefixAffinity:
     """The replica that reports the prompt's first block in its cache (``Stats.prefix_hashes``: the
     roots of a worker's cached chains, newest first), the least loaded of those, unless it is
@@ -117,4 +131,4 @@ class PrefixAffinity:
 
 
 POLICIES: dict[str, type[RoutingPolicy]] = {"least_loaded": LeastLoaded, "prefix_affinity": PrefixAffinity,
-                                             "cache_aware": CacheAware}
+                                             "cache_aware": CacheAware, "round_robin": RoundRobin}

@@ -111,42 +111,65 @@ class _Replica:
 
 def simulate(trace: Sequence[TraceRequest], make_policy: Callable[[CacheIndex], CachePolicy], *,
              replicas: int = 4, capacity: int, cost: CostModel, block_size: int,
-             sample_s: float = 0.1) -> SimResult:
+             sample_s: float = 0.1, measure_from: int = 0, gateways: int = 1, stats_s: float = 0.0) -> SimResult:
     """Run ``trace`` through the policy ``make_policy(index)`` builds (the index is exact: fed
-    the replicas' stored/evicted events)."""
+    the replicas' stored/evicted events); figures over the requests from ``measure_from`` on (the
+    ones before: a warm-up).
+
+    ``gateways`` > 1: request ``i`` goes through gateway ``i % gateways``, each with its own policy
+    and its own index, fed the same events. ``stats_s`` > 0: a gateway sees each replica's load as
+    its Stats every ``stats_s`` said it, plus what this gateway sent there since (else the truth)."""
     truth = CacheIndex(replicas, capacity)
-    index = CacheIndex(replicas, capacity)
-    policy = make_policy(index)
+    indexes = [CacheIndex(replicas, capacity) for _ in range(gateways)]
+    routers = [make_policy(ix) for ix in indexes]
     ttft = [math.nan] * len(trace)
     reps = [_Replica(cost, ttft, trace) for _ in range(replicas)]
     counts = [0] * replicas
     hit = total = 0
     samples: list[float] = []
     next_sample = sample_s
+    stats: list[ReplicaLoad] = [ReplicaLoad()] * replicas
+    since = [[(0, 0)] * replicas for _ in range(gateways)]  # per gateway and replica: (requests, tokens) sent since
+    next_stats = 0.0
     for rid, req in enumerate(trace):
         while next_sample <= req.t:
             for rep in reps:
                 rep.advance(next_sample)
             tok = [rep.inflight_tokens for rep in reps]
-            if sum(tok):
+            if sum(tok) and rid >= measure_from:
                 samples.append(max(tok) * replicas / sum(tok))
             next_sample += sample_s
         for rep in reps:
             rep.advance(req.t)
-        r = policy.choose(CacheRequest(req.chain, req.prompt_tokens, block_size), [rep.load() for rep in reps])
+        g = rid % gateways
+        if stats_s > 0:
+            if req.t >= next_stats:
+                stats = [rep.load() for rep in reps]
+                since = [[(0, 0)] * replicas for _ in range(gateways)]
+                next_stats = req.t + stats_s
+            loads = [ReplicaLoad(x.in_flight + n, x.queued + n, x.queued_tokens + t, x.running)
+                     for x, (n, t) in zip(stats, since[g], strict=True)]
+        else:
+            loads = [rep.load() for rep in reps]
+        r = routers[g].choose(CacheRequest(req.chain, req.prompt_tokens, block_size), loads)
         cached = min(truth.longest_prefix(r, req.chain) * block_size, req.prompt_tokens - 1)
         evicted = truth.store(r, req.chain)
-        index.apply(BlocksStored(r, req.chain))
-        if evicted:
-            index.apply(BlocksEvicted(r, tuple(evicted)))
+        for index in indexes:
+            index.apply(BlocksStored(r, req.chain))
+            if evicted:
+                index.apply(BlocksEvicted(r, tuple(evicted)))
         reps[r].submit(rid, req.prompt_tokens - cached)
-        counts[r] += 1
-        hit += cached
-        total += req.prompt_tokens
+        if stats_s > 0:
+            n, t = since[g][r]
+            since[g][r] = (n + 1, t + req.prompt_tokens - cached)
+        if rid >= measure_from:
+            counts[r] += 1
+            hit += cached
+            total += req.prompt_tokens
     for rep in reps:
         _drain(rep)
-    done = [x for x in ttft if not math.isnan(x)]
-    return SimResult(policy.name, hit / max(1, total), percentile(done, 50), percentile(done, 90),
+    done = [x for x in ttft[measure_from:] if not math.isnan(x)]
+    return SimResult(routers[0].name, hit / max(1, total), percentile(done, 50), percentile(done, 90),
                      max(counts) * replicas / max(1, sum(counts)), percentile(samples, 99), tuple(counts))
 
 
@@ -155,12 +178,15 @@ def _drain(rep: _Replica) -> None:
         rep.advance(rep.clock + 60.0)
 
 
-def oracle_hit_rate(trace: Sequence[TraceRequest], capacity: int, block_size: int) -> float:
-    """The hit rate of one ideal LRU cache of ``capacity`` blocks seeing the whole trace."""
+def oracle_hit_rate(trace: Sequence[TraceRequest], capacity: int, block_size: int, measure_from: int = 0) -> float:
+    """The hit rate of one ideal LRU cache of ``capacity`` blocks seeing the whole trace (over the
+    requests from ``measure_from`` on)."""
     cache = CacheIndex(1, capacity)
     hit = total = 0
-    for req in trace:
-        hit += min(cache.longest_prefix(0, req.chain) * block_size, req.prompt_tokens - 1)
+    for i, req in enumerate(trace):
+        cached = min(cache.longest_prefix(0, req.chain) * block_size, req.prompt_tokens - 1)
         cache.store(0, req.chain)
-        total += req.prompt_tokens
+        if i >= measure_from:
+            hit += cached
+            total += req.prompt_tokens
     return hit / max(1, total)

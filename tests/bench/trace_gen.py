@@ -9,14 +9,19 @@ A trace is a list of :class:`TraceRequest` in arrival order. Each prompt is
   documents), fixed for the trace; ``common_tokens`` > 0 puts one prompt shared by every tenant
   before it (so the first block no longer names the tenant).
 - each request adds a fresh query of ``query_tokens`` (uniform in [q/2, 3q/2]).
-- a request opens a multi-turn session with probability ``multi_turn``; a session has up to
-  ``max_turns`` turns, each one later by ``think_s`` (exponential), its prompt the previous
-  prompt, the previous answer (``output_tokens``) and a new query: sessions grow.
+- a request opens a multi-turn session with probability ``multi_turn``; a session has
+  ``max_turns`` turns (``turns_uniform``: uniform in [1, ``max_turns``]; ``conversations`` > 0:
+  no more sessions than that, every one to its last turn), each one later by ``think_s``
+  (exponential), its prompt the previous prompt, the previous answer (``output_tokens``) and a
+  new query: sessions grow.
 - arrivals are Poisson at ``rate`` per second, or ``bursty``: the rate switches between
   ``burst_factor`` times and ``1/burst_factor`` times ``rate`` every ``burst_s`` on average.
 
-Tokens are random u32s from the seed; chains are :func:`transport.common.prefix.block_hash` chains
-with ``block_size`` tokens per block (a shared prefix is hashed once and extended).
+Tokens are random u32s from the seed (``vocab`` <= 256: random bytes modulo it, ids a byte-level
+tokenizer takes, for a live run; ``keep_tokens`` keeps each prompt's in
+:attr:`TraceRequest.tokens`); chains are :func:`transport.common.prefix.block_hash` chains with
+``block_size`` tokens per block (a shared prefix is hashed once and extended). :func:`warmup` is
+one request per tenant, to run before a trace.
 :func:`context_demand_blocks` is the working set a fleet cache should hold (every tenant's
 context, and the common prefix), to size caches as a share of it.
 """
@@ -31,7 +36,7 @@ from dataclasses import dataclass, field
 
 from transport.common.prefix import ROOT_HASH, block_hash
 
-__all__ = ["TraceSpec", "TraceRequest", "generate", "context_demand_blocks"]
+__all__ = ["TraceSpec", "TraceRequest", "generate", "warmup", "context_demand_blocks"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +58,10 @@ class TraceSpec:
     burst_s: float = 10.0
     block_size: int = 16
     seed: int = 0
+    vocab: int = 1 << 32  # or at most 256
+    keep_tokens: bool = False
+    conversations: int = 0  # > 0: start no more sessions than this, and end the trace with their last turns
+    turns_uniform: bool = False  # a session's turns uniform in [1, max_turns] (else max_turns)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +73,7 @@ class TraceRequest:
     prompt_tokens: int
     output_tokens: int
     chain: tuple[int, ...] = field(repr=False)
+    tokens: array[int] | None = field(default=None, repr=False)  # the prompt (TraceSpec.keep_tokens)
 
 
 def context_demand_blocks(spec: TraceSpec) -> int:
@@ -94,7 +104,9 @@ class _Chain:
         return out
 
 
-def _tokens(rng: random.Random, n: int) -> array[int]:
+def _tokens(rng: random.Random, n: int, vocab: int = 1 << 32) -> array[int]:
+    if vocab < 1 << 32:
+        return array("I", list(rng.randbytes(n)) if vocab == 256 else [b % vocab for b in rng.randbytes(n)])
     a = array("I")
     a.frombytes(rng.randbytes(4 * n))
     return a
@@ -117,14 +129,33 @@ def _arrivals(spec: TraceSpec, rng: random.Random) -> list[float]:
     return out
 
 
-def generate(spec: TraceSpec) -> list[TraceRequest]:
-    """The trace for ``spec`` (the same list for the same spec)."""
+def _contexts(spec: TraceSpec) -> tuple[random.Random, list[_Chain]]:
     if spec.arrivals not in ("poisson", "bursty"):
         raise ValueError(f"arrivals must be 'poisson' or 'bursty', not {spec.arrivals!r}")
+    if not (1 <= spec.vocab <= 256 or spec.vocab == 1 << 32):
+        raise ValueError("vocab must be in [1, 256] or 2**32")
     rng = random.Random(spec.seed)
-    bs = spec.block_size
-    common = _Chain(bs).extend(_tokens(rng, spec.common_tokens))
-    contexts = [common.extend(_tokens(rng, spec.context_tokens)) for _ in range(spec.tenants)]
+    common = _Chain(spec.block_size).extend(_tokens(rng, spec.common_tokens, spec.vocab))
+    return rng, [common.extend(_tokens(rng, spec.context_tokens, spec.vocab)) for _ in range(spec.tenants)]
+
+
+def warmup(spec: TraceSpec, rate: float) -> list[TraceRequest]:
+    """One request per tenant (its context and a fresh query), every ``1 / rate`` s: what a fleet that
+    has served the trace for a while holds, to run before it (a live bench measures after it)."""
+    rng, contexts = _contexts(spec)
+    rng = random.Random(spec.seed + 1)
+    out = []
+    for k, ctx in enumerate(contexts):
+        prompt = ctx.extend(_tokens(rng, spec.query_tokens, spec.vocab))
+        out.append(TraceRequest(k / rate, k, -1, 0, len(prompt.tokens), spec.output_tokens, tuple(prompt.chain),
+                                prompt.tokens if spec.keep_tokens else None))
+    return out
+
+
+def generate(spec: TraceSpec) -> list[TraceRequest]:
+    """The trace for ``spec`` (the same list for the same spec)."""
+    rng, contexts = _contexts(spec)
+    v = spec.vocab
     weights = [k ** -spec.zipf_s for k in range(1, spec.tenants + 1)]
     if spec.hot_share > 0:
         rest = sum(weights[1:])
@@ -133,28 +164,32 @@ def generate(spec: TraceSpec) -> list[TraceRequest]:
     for w in weights:
         cum.append(cum[-1] + w)
     out: list[TraceRequest] = []
-    # follow-up turns: (time, session, turn, tenant, history)
-    pending: list[tuple[float, int, int, int, _Chain]] = []
+    # follow-up turns: (time, session, turn, its last turn, tenant, history)
+    pending: list[tuple[float, int, int, int, int, _Chain]] = []
     sessions = 0
     q = spec.query_tokens
 
-    def emit(t: float, tenant: int, session: int, turn: int, base: _Chain) -> None:
-        nonlocal sessions
-        prompt = base.extend(_tokens(rng, rng.randint(max(1, q // 2), max(1, q + q // 2))))
-        out.append(TraceRequest(t, tenant, session, turn, len(prompt.tokens), spec.output_tokens, tuple(prompt.chain)))
-        if session >= 0 and turn + 1 < spec.max_turns:
-            history = prompt.extend(_tokens(rng, spec.output_tokens))
-            heapq.heappush(pending, (t + rng.expovariate(1 / spec.think_s), session, turn + 1, tenant, history))
+    def emit(t: float, tenant: int, session: int, turn: int, last: int, base: _Chain) -> None:
+        prompt = base.extend(_tokens(rng, rng.randint(max(1, q // 2), max(1, q + q // 2)), v))
+        out.append(TraceRequest(t, tenant, session, turn, len(prompt.tokens), spec.output_tokens, tuple(prompt.chain),
+                                prompt.tokens if spec.keep_tokens else None))
+        if session >= 0 and turn < last:
+            history = prompt.extend(_tokens(rng, spec.output_tokens, v))
+            heapq.heappush(pending, (t + rng.expovariate(1 / spec.think_s), session, turn + 1, last, tenant, history))
 
     for t in _arrivals(spec, rng):
         while pending and pending[0][0] <= t and len(out) < spec.requests:
-            pt, s, turn, tenant, hist = heapq.heappop(pending)
-            emit(pt, tenant, s, turn, hist)
-        if len(out) >= spec.requests:
+            pt, s, turn, last, tenant, hist = heapq.heappop(pending)
+            emit(pt, tenant, s, turn, last, hist)
+        if len(out) >= spec.requests or (spec.conversations and sessions >= spec.conversations):
             break
         tenant = bisect.bisect_right(cum, rng.random() * cum[-1]) - 1
-        session = -1
+        session, last = -1, 0
         if rng.random() < spec.multi_turn:
             session, sessions = sessions, sessions + 1
-        emit(t, tenant, session, 0, contexts[tenant])
+            last = rng.randint(1, spec.max_turns) - 1 if spec.turns_uniform else spec.max_turns - 1
+        emit(t, tenant, session, 0, last, contexts[tenant])
+    while spec.conversations and pending and len(out) < spec.requests:  # the conversations' remaining turns
+        pt, s, turn, last, tenant, hist = heapq.heappop(pending)
+        emit(pt, tenant, s, turn, last, hist)
     return out

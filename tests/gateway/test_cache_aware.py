@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 
 from gateway.routing.cache_aware import CacheAware
+from gateway.routing.cache_metrics import cache_routing_metrics
 from gateway.routing.config import RoutingSettings
 from gateway.routing.pool import ModelPool
 from gateway.routing.prefix import ChainMemo, PrefixHasher
@@ -143,3 +144,29 @@ def test_the_memo_hashes_as_the_worker_does() -> None:
         bs, limit = r.choice([1, 4, 16]), r.choice([2, 40, 4096])
         assert memo.chain(ids, bs, limit) == chain_hashes(ids, bs, limit)
     assert memo.edges <= 64 + 640  # bounded: it starts over at max_edges
+
+
+def test_the_feeds_counters_are_on_metrics() -> None:
+    w0, w1 = KvWorker("w0"), KvWorker("w1")
+    pool, policy = pool_of([w0, w1])
+    chain = chain_hashes(DOC, BS)
+    w0.store(chain)
+    w0.store(chain[:3], lost=True)
+    w0.store(chain[3:6])  # a gap: a resync
+    w1.restart_cache(epoch=5)  # a new epoch, seen in its Stats at the next choice
+    pool.choose("tiny", None, make_submit=submit_of(prompt(DOC, 0)))
+    pool.choose("tiny", None, make_submit=lambda rid: Submit(rid, "tiny", prompt_token_ids=(-1,) * 40))  # unhashable
+    got = {m.name: m.samples[0].value for m in cache_routing_metrics(pool)}
+    assert got == {"quicserve_cache_routing_unhashed": 1, "quicserve_cache_routing_resyncs": 2,
+                   "quicserve_cache_routing_epochs": 1, "quicserve_cache_index_hashes": len(chain)}
+    assert list(cache_routing_metrics(ModelPool())) == []  # another policy: none
+
+
+def test_round_robin_the_baseline_takes_each_replica_in_turn() -> None:
+    ws = [KvWorker(f"w{i}") for i in range(3)]
+    pool = ModelPool(policy=RoutingSettings(policy="round_robin").build())
+    for w in ws:
+        pool.add(w)  # type: ignore[arg-type]
+    ws[0].in_flight = 9  # load does not matter to it
+    picks = [pool.choose("tiny", None) for _ in range(6)]
+    assert picks == [ws[1], ws[2], ws[0], ws[1], ws[2], ws[0]] and pool.prefix is None
