@@ -172,7 +172,7 @@ class ElasticPool:
         view = self.view = self._view(now, arrivals)
         self._seen = arrivals
         d = self.controller.decide(now, view)
-        if self.acts:
+        if self.acts and self.pool.knows(self.name):  # (a reload that removed the model retires its replicas)
             for _ in range(min(d.start, self.ws.max_replicas - len(self._live()))):
                 self._start(now, view)
             for rid in d.drain:
