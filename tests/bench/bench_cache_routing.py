@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from gateway.routing.cache_index import CacheIndex
@@ -30,7 +30,7 @@ from gateway.routing.cache_policy import (
 )
 
 from .cache_sim import SimResult, oracle_hit_rate, simulate
-from .trace_gen import TraceSpec, context_demand_blocks, generate
+from .trace_gen import TraceRequest, TraceSpec, context_demand_blocks, generate
 
 REPLICAS = 4
 COST = CostModel()
@@ -53,35 +53,77 @@ def capacity_for(spec: TraceSpec, demand: float, replicas: int = REPLICAS) -> in
     return math.ceil(context_demand_blocks(spec) / (demand * replicas))
 
 
+def working_set_blocks(trace: Sequence[TraceRequest], spec: TraceSpec) -> int:
+    """The most blocks live at once: the tenants' contexts and every conversation between its first
+    and last turn at its longest (a growing history is the working set of T3)."""
+    span: dict[int, tuple[float, float, int]] = {}
+    for r in trace:
+        if r.session >= 0:
+            t0, _, _ = span.get(r.session, (r.t, r.t, 0))
+            span[r.session] = (t0, r.t, len(r.chain))
+    base = context_demand_blocks(spec)
+    own = (spec.common_tokens + spec.context_tokens) // spec.block_size
+    events = sorted([(t0, n - own) for t0, _, n in span.values()] + [(t1, own - n) for _, t1, n in span.values()])
+    live = peak = 0
+    for _, d in events:
+        live += d
+        peak = max(peak, live)
+    return base + peak
+
+
 def fleet_rate(spec: TraceSpec, hit_rate: float, load: float, cost: CostModel = COST,
-               replicas: int = REPLICAS) -> float:
-    """Arrivals per second that keep the fleet ``load`` busy when ``hit_rate`` of prompt tokens are cached."""
-    prompt = spec.common_tokens + spec.context_tokens + spec.query_tokens
+               replicas: int = REPLICAS, prompt_tokens: float = 0.0) -> float:
+    """Arrivals per second that keep the fleet ``load`` busy when ``hit_rate`` of prompt tokens are
+    cached (``prompt_tokens``: the mean prompt, else the spec's context and query)."""
+    prompt = prompt_tokens or spec.common_tokens + spec.context_tokens + spec.query_tokens
     service = cost.prefill_s * prompt * (1 - hit_rate) + spec.output_tokens * (cost.decode_seq_s + cost.decode_s / BATCH)
     return load * replicas / service
 
 
-def run_trace(name: str, spec: TraceSpec, demand: float, load: float) -> list[SimResult]:
+def _sized(spec: TraceSpec, demand: float, load: float) -> tuple[TraceSpec, int]:
+    """``spec`` at ``load`` of the fleet at the oracle's hit rate, and the blocks per replica that make
+    its working set ``demand`` of the fleet's (a conversation trace's own rate sets its working set:
+    sized on a probe at the rate, then again on the trace)."""
     cap = capacity_for(spec, demand)
     probe = generate(replace(spec, rate=1.0))  # the oracle's hit rate barely depends on the rate
-    rate = fleet_rate(spec, oracle_hit_rate(probe, cap * REPLICAS, spec.block_size), load)
-    spec = replace(spec, rate=rate)
+    if not spec.conversations:
+        hit = oracle_hit_rate(probe, cap * REPLICAS, spec.block_size)
+        return replace(spec, rate=fleet_rate(spec, hit, load)), cap
+    turns = len(probe) / spec.conversations
+    mean = sum(r.prompt_tokens for r in probe) / len(probe)
+    spec = replace(spec, rate=1.0)
+    for _ in range(2):  # the working set at the rate, the rate at that working set's hit rate
+        probe = generate(spec)
+        cap = math.ceil(working_set_blocks(probe, spec) / (demand * REPLICAS))
+        hit = oracle_hit_rate(probe, cap * REPLICAS, spec.block_size)
+        spec = replace(spec, rate=fleet_rate(spec, hit, load, prompt_tokens=mean) / turns)
+    cap = math.ceil(working_set_blocks(generate(spec), spec) / (demand * REPLICAS))
+    return spec, cap
+
+
+def run_trace(name: str, spec: TraceSpec, demand: float, load: float, gateways: int = 1,
+              stats_s: float = 0.0) -> list[SimResult]:
+    spec, cap = _sized(spec, demand, load)
     trace = generate(spec)
     oracle = oracle_hit_rate(trace, cap * REPLICAS, spec.block_size)
     t0 = time.perf_counter()
-    results = [simulate(trace, mk, replicas=REPLICAS, capacity=cap, cost=COST, block_size=spec.block_size)
-               for mk in policies(REPLICAS, cap, COST)]
-    print(f"\n{name}: {len(trace)} requests, {spec.tenants} tenants, Zipf {spec.zipf_s}, hot share {spec.hot_share},"
-          f" {spec.common_tokens}+{spec.context_tokens}-token contexts, {spec.multi_turn:.0%} multi-turn;"
-          f" {REPLICAS} x {cap} blocks of {spec.block_size} (demand {demand:.0%}), {rate:.1f} req/s"
-          f" (load {load:.0%}); oracle hit rate {oracle:.3f}  [{time.perf_counter() - t0:.1f} s]")
+    results = [simulate(trace, mk, replicas=REPLICAS, capacity=cap, cost=COST, block_size=spec.block_size,
+                        gateways=gateways, stats_s=stats_s) for mk in policies(REPLICAS, cap, COST)]
+    span = trace[-1].t - trace[0].t
+    how = f"; {gateways} gateways" if gateways > 1 else ""
+    how += f", each seeing Stats every {stats_s} s and its own requests" if stats_s else ""
+    print(f"\n{name}: {len(trace)} requests over {span:.0f} s ({len(trace) / span:.1f} req/s, load {load:.0%}),"
+          f" {spec.tenants} tenants, Zipf {spec.zipf_s}, hot share {spec.hot_share},"
+          f" {spec.common_tokens}+{spec.context_tokens}-token contexts, {spec.multi_turn:.0%} multi-turn"
+          f" (up to {spec.max_turns} turns); {REPLICAS} x {cap} blocks of {spec.block_size} (demand {demand:.0%})"
+          f"{how}; oracle hit rate {oracle:.3f}  [{time.perf_counter() - t0:.1f} s]")
     rr = results[0]
     print(f"{'policy':<22}{'hit':>7}{'/oracle':>9}{'/rr':>7}{'p50 s':>9}{'p90 s':>9}{'p90/rr':>8}"
           f"{'req max/mean':>14}{'tok p99':>9}  per replica")
     for r in results:
         print(f"{r.policy:<22}{r.hit_rate:>7.3f}{r.hit_rate / oracle:>9.3f}{r.hit_rate / rr.hit_rate:>7.2f}"
               f"{r.ttft_p50:>9.3f}{r.ttft_p90:>9.3f}{r.ttft_p90 / rr.ttft_p90:>8.3f}"
-              f"{r.imbalance:>14.2f}{r.inflight_p99:>9.2f}  {r.per_replica}")
+              f"{r.imbalance:>14.2f}{r.inflight_p99:>9.2f}  {r.per_replica}", flush=True)
     return results
 
 
@@ -89,15 +131,29 @@ T1 = TraceSpec(tenants=150, zipf_s=1.1, context_tokens=6144, query_tokens=128, m
 T1_HOT = replace(T1, hot_share=0.5, seed=2)
 T2 = TraceSpec(tenants=64, zipf_s=1.1, common_tokens=1024, context_tokens=2048, query_tokens=128,
                multi_turn=0.0, seed=3)
+# 500 conversations of up to 8 turns (uniform), each turn ~200 tokens more (a ~100-token query and a
+# 100-token answer), after one of 8 system prompts of 512 tokens; interleaved (5 s to think)
+T3 = TraceSpec(requests=100_000, tenants=8, zipf_s=1.1, context_tokens=512, query_tokens=100, output_tokens=100,
+               multi_turn=1.0, max_turns=8, turns_uniform=True, conversations=500, think_s=5.0, seed=4)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=4000)
     ap.add_argument("--load", type=float, default=0.7)
+    ap.add_argument("--traces", default="T1,T1-hot,T2,T2-two-gateways,T3")
     args = ap.parse_args()
-    for name, spec in (("T1", T1), ("T1, one tenant 50%", T1_HOT), ("T2", T2)):
-        run_trace(name, replace(spec, requests=args.requests), demand=0.73, load=args.load)
+    n = args.requests
+    runs = {"T1": ("T1", replace(T1, requests=n), {}),
+            "T1-hot": ("T1, one tenant 50%", replace(T1_HOT, requests=n), {}),
+            "T2": ("T2", replace(T2, requests=n), {}),
+            "T2-two-gateways": ("T2, two gateways each taking half", replace(T2, requests=n),
+                                {"gateways": 2, "stats_s": 0.5}),
+            "T2-stats": ("T2, one gateway (as the two see loads)", replace(T2, requests=n), {"stats_s": 0.5}),
+            "T3": ("T3", T3, {})}
+    for key in args.traces.split(","):
+        name, spec, kw = runs[key]
+        run_trace(name, spec, demand=0.73, load=args.load, **kw)  # type: ignore[arg-type]
 
 
 if __name__ == "__main__":
