@@ -91,6 +91,11 @@ def test_a_repeated_long_prefix_goes_back_to_the_replica_that_holds_it(served: t
 
     cached = asyncio.run(run())
     assert all(c >= PREFIX - 16 for c in cached), cached  # the whole shared prefix, on every replica
+    # the index's size and the feed's counters on /metrics: every prompt hashed, no gap, no reset
+    assert g.metric("quicserve_cache_index_hashes") >= 4 * (PREFIX // 16)
+    text = httpx.get(g.http + "/metrics").text
+    for name in ("unhashed", "resyncs", "epochs"):
+        assert f"quicserve_cache_routing_{name}_total 0.0" in text.splitlines()
 
 
 def _children(pid: int) -> list[int]:
