@@ -87,8 +87,9 @@ KINDS = {
                            Status.UNAVAILABLE),
     "503 draining in 3 s": Kind(_e(503, "Shutting down.", 3.0, "shutting_down"), Status.UNAVAILABLE, "3"),
     "504 deadline": Kind(from_wire_code(ErrorCode.TIMEOUT, "Request timed out."), Status.DEADLINE_EXCEEDED),
-    # every worker error code, as from_wire_code renders it
-    **{f"worker {c.name}": Kind(from_wire_code(c, f"worker said {c.name}"), g) for c, g in [
+    # every worker error code, as from_wire_code renders it (its 503s say when to retry)
+    **{f"worker {c.name}": Kind(from_wire_code(c, f"worker said {c.name}"), g,
+                                "1" if c in (ErrorCode.OVERLOADED, ErrorCode.SHUTTING_DOWN) else None) for c, g in [
         (ErrorCode.INTERNAL, Status.INTERNAL), (ErrorCode.INVALID_REQUEST, Status.INVALID_ARGUMENT),
         (ErrorCode.UNKNOWN_MODEL, Status.NOT_FOUND), (ErrorCode.OVERLOADED, Status.UNAVAILABLE),
         (ErrorCode.CANCELLED, Status.CANCELLED), (ErrorCode.CONTEXT_LENGTH, Status.INVALID_ARGUMENT),

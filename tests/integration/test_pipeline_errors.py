@@ -54,7 +54,7 @@ CASES = {
     "unknown-model": Case(ScriptedWorkerConnection, _chat(model="gpt-9"), 404, "model_not_found"),
     "no-worker": Case(_closed, _chat(), 503, "no_worker_available", b"1"),
     "overloaded": Case(lambda: ScriptedWorkerConnection(fail_before_first=ErrorCode.OVERLOADED), _chat(), 503,
-                       "overloaded"),
+                       "overloaded", b"1"),
     "deadline-before-first-token": Case(lambda: ScriptedWorkerConnection(hang_after=0), _chat(), 504, "timeout",
                                         timeout=0.1),
     "deadline-mid-stream": Case(lambda: ScriptedWorkerConnection(hang_after=2), _chat(), 504, "timeout",
