@@ -38,7 +38,10 @@ def _bad(message: str, param: str) -> APIError:
 
 def _schema_text(schema: Any) -> str:
     # Sorted keys: the same schema written in another key order is the worker's same cache entry.
-    return orjson.dumps(schema, option=orjson.OPT_SORT_KEYS).decode()
+    try:
+        return orjson.dumps(schema, option=orjson.OPT_SORT_KEYS).decode()
+    except TypeError:  # orjson writes at most 254 levels
+        raise _bad("The JSON Schema is too complex to enforce: nested too deeply.", "response_format") from None
 
 
 def _structured_outputs(so: dict[str, Any] | None) -> tuple[str, str]:

@@ -111,6 +111,13 @@ def test_bad_chat_params(patch: dict[str, object], param: str, needle: str) -> N
     assert e.type == "invalid_request_error"
 
 
+def test_a_schema_too_deep_to_pass_on_is_a_400() -> None:
+    deep = '{"items": ' * 300 + "{}" + "}" * 300
+    e = chat_err(raw=b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "structured_outputs": '
+                 b'{"json": ' + deep.encode() + b"}}")
+    assert "nested too deeply" in e.message
+
+
 def test_good_chat_params() -> None:
     g = parse_chat(orjson.dumps({**CHAT, "temperature": 0, "top_p": 1, "stop": "\n", "seed": -3, "n": 1,
                                  "frequency_penalty": 0, "logit_bias": {}, "tools": [], "user": "u",
