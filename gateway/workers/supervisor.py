@@ -259,7 +259,8 @@ class WorkerSupervisor:
         self.healed = 0  # replicas restarted by self-healing
         self.state_dir = state_dir  # where local workers keep their compilation caches (None: their default)
         self.startup = StartupLog()
-        metrics.registry.register(self.startup)
+        if metrics is not None:  # (tests run supervisors without metrics)
+            metrics.registry.register(self.startup)
         self.on_ready: list[Callable[[_Worker, WorkerConnection], None]] = []  # a worker joined the pool
         self.workers: list[_Worker] = []
         self._next_index = 0  # local workers numbered across models, never reused (unix:// paths stay apart)
