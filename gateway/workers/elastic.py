@@ -17,7 +17,8 @@ most ``late_target`` of requests would wait past the queue budget), or, with ``l
 the write-up's rule as such: demand over capacity at ``target_utilisation``. A replica starts as
 soon as ready + starting replicas fall short: one started now is ready when the forecast comes
 due. Scale-in: the pool drains down to the most it needed over the last ``idle_s``, and only once
-no replica has been started for ``idle_s`` (so a lull inside a burst does not cost a cold start);
+no replica has been started or become ready for ``idle_s`` (so a lull inside a burst does not cost a
+cold start, nor a replica just ready go before it could serve);
 it goes to zero (``min_replicas = 0``) only after ``idle_s`` without an arrival; the next request
 then waits while one starts.
 
@@ -253,8 +254,8 @@ class ElasticController:
             self._window_start = now
             return Decision(start=need - have)
         if view.starting or self._window_start is None:
-            self._window_start = now if self._window_start is None else self._window_start
-            return Decision()
+            self._window_start = now  # the scale-in window opens once every start is done: a replica
+            return Decision()  # just ready (the pool's first, say) gets idle_s before it may drain
         if now - self._window_start < self.limits.idle_s:
             return Decision()
         surplus = len(serving) - self._recent[0][1]  # the most the pool needed in the last idle_s

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.integration.test_gateway_e2e import REPO, Gateway, stop_gateway, wait_ready
 
@@ -152,3 +153,42 @@ def test_scale_to_zero_and_back_without_a_failed_request(tmp_path: Path) -> None
     log = (tmp_path / "log.txt").read_text()
     assert "elastic tiny: a request waits for a replica to start" in log
     assert re.search(r"elastic tiny: worker-\d+ ready: \d+ waiting request\(s\) sent to it", log)
+
+
+def _startups(gw: Gateway, metric: str = "quicserve_worker_startup_seconds", **labels: str) -> tuple[float, float]:
+    return (_metric(gw, f"{metric}_sum", model="tiny", **labels),
+            _metric(gw, f"{metric}_count", model="tiny", **labels))
+
+
+@pytest.mark.slow
+def test_the_jax_tiny_model_scales_to_zero_and_back_from_its_compilation_cache(tmp_path: Path) -> None:
+    """The real model: its first start compiles (and fills the state directory's compilation cache);
+    idle, the pool goes to zero; the next request waits while a replica starts again -- from the
+    cache, its compile phase shorter than the first's -- and is answered after about that start."""
+    config = ("[workers]\nengine = \"jax\"\nmodel = \"tiny\"\nlocal = 1\nmin_replicas = 0\nmax_replicas = 1\n"
+              "scale_in_after = 1.5\nmax_batch = 1\nmax_prefill_batch = 1\nstep_tokens = 0\nmax_model_len = 256\n")
+    gw = serve_config(tmp_path, config)
+    try:
+        assert httpx.post(gw.http + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2},
+                          timeout=60).status_code == 200
+        _wait_for(gw, "quicserve_pool_replicas", 0, timeout=30, state="ready")
+        _wait_for(gw, "quicserve_pool_replicas", 0, timeout=30, state="draining")
+        first_compile, _ = _startups(gw, "quicserve_worker_startup_phase_seconds", phase="compile")
+        before, n = _startups(gw)
+        status, waited, _ = asyncio.run(_one(gw))
+        after, m = _startups(gw)
+        assert status == 200 and m == n + 1
+        cold = after - before  # this start, spawn to ready
+        compiled, _ = _startups(gw, "quicserve_worker_startup_phase_seconds", phase="compile")
+        print(f"jax from zero: the first request waited {waited:.2f} s; the restart took {cold:.2f} s (compile "
+              f"{compiled - first_compile:.2f} s, the first start's {first_compile:.2f} s)")
+        assert compiled - first_compile < first_compile  # the cache saved compiling
+        assert cold <= waited <= cold + 2.0  # about one cold start (a tick, a prefill, two tokens more)
+        assert any((tmp_path / "compilation-cache" / "tiny").iterdir())
+    finally:
+        stop_gateway(gw)
+
+
+async def _one(gw: Gateway) -> tuple[int, float, float]:
+    async with httpx.AsyncClient(timeout=120) as client:
+        return await _request(client, gw, 2)
