@@ -9,6 +9,7 @@ a configured time (``synthetic_startup_ms``, a cold start imitated), real HTTP c
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import os
 import re
@@ -192,3 +193,36 @@ def test_the_jax_tiny_model_scales_to_zero_and_back_from_its_compilation_cache(t
 async def _one(gw: Gateway) -> tuple[int, float, float]:
     async with httpx.AsyncClient(timeout=120) as client:
         return await _request(client, gw, 2)
+
+
+def test_with_workers_elsewhere_the_pool_exports_its_signal_and_starts_none(tmp_path: Path) -> None:
+    """Remote workers (Kubernetes' case, there found by DNS): the elastic pool sizes itself over them and
+    says so on /metrics -- the signal the workers' autoscaler reads -- but starts no worker of its own."""
+    worker = subprocess.Popen([sys.executable, "-m", "gateway.cli", "worker", "--engine", "synthetic",
+                               "--max-batch", "2", "--synthetic-step-ms", str(STEP_MS)], cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert worker.stdout is not None
+        url = next(ev["url"] for line in worker.stdout if (ev := json.loads(line))["event"] == "ready")
+        gw = serve_config(tmp_path, _config(local=0, remote=[url], min_replicas=0, max_replicas=6))
+        try:
+            async def load() -> tuple[list[tuple[int, float, float]], float]:
+                async with httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=100)) as client:
+                    tasks = [asyncio.create_task(_request(client, gw, 14)) for _ in range(12)]
+                    await asyncio.sleep(0.6)  # a few ticks with the queue up
+                    text = (await client.get(gw.http + "/metrics")).text
+                    results = await asyncio.gather(*tasks)
+                m = re.search(r'^quicserve_pool_desired_replicas{model="tiny"} (\S+)$', text, re.M)
+                assert m is not None
+                return results, float(m.group(1))
+
+            results, desired = asyncio.run(load())
+            assert [s for s, _, _ in results] == [200] * 12
+            assert desired >= 2  # 12 requests on 2 slots: more replicas called for
+            assert _metric(gw, "quicserve_pool_scale_events_total", direction="out") == 0
+            assert _metric(gw, "quicserve_workers_configured", model="tiny") == 1  # the remote one alone
+        finally:
+            stop_gateway(gw)
+    finally:
+        worker.terminate()
+        worker.wait(30)
