@@ -220,7 +220,7 @@ class App:
 
     def _readyz(self, req: Request) -> Answer:
         ready = self.pool.ready_workers()
-        if ready and not self.draining:
+        if (ready or self.pool.models()) and not self.draining:  # (a pool scaled to zero still serves)
             body: dict[str, object] = {"status": "ready", "workers": ready, "models": self.pool.models()}
             if self.config_problem:
                 body["config"] = self.config_problem

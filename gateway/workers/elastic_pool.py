@@ -74,6 +74,13 @@ class ElasticModelPool(ModelPool):
         return pick
 
 
+    def models(self) -> list[str]:
+        """Models with a ready replica, and those whose elastic pool at zero takes requests (they wait
+        while a replica starts): what /v1/models lists and /readyz counts."""
+        waiting = {m for m, room in self.rooms.items() if room.can_take()}
+        return sorted({*super().models(), *waiting, *(a for a, m in self.aliases.items() if m in waiting)})
+
+
 def pool_class(models: Sequence[WorkersSettings]) -> type[ModelPool]:
     """The pool the gateway runs on: counting arrivals only where some model is elastic."""
     return ElasticModelPool if any(m.elastic for m in models) else ModelPool

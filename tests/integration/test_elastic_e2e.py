@@ -131,6 +131,10 @@ def test_scale_to_zero_and_back_without_a_failed_request(tmp_path: Path) -> None
         _wait_for(gw, "quicserve_pool_replicas", 0, timeout=20, state="ready")  # idle: to zero
         _wait_for(gw, "quicserve_pool_replicas", 0, timeout=20, state="draining")
         assert _metric(gw, "quicserve_pool_scale_events_total", direction="in") >= 1
+        # at zero the gateway still serves the model: it is listed and the gateway is ready
+        assert [m["id"] for m in httpx.get(gw.http + "/v1/models").json()["data"]] == ["tiny"]
+        ready = httpx.get(gw.http + "/readyz")
+        assert ready.status_code == 200 and ready.json()["workers"] == 0
 
         async def wake() -> list[tuple[int, float, float]]:
             async with httpx.AsyncClient(timeout=30) as client:
