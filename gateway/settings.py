@@ -268,7 +268,8 @@ def check_mapping(data: Mapping[str, Any]) -> tuple[Settings | None, list[str]]:
     for i, m in enumerate(models):
         if m.fallback and (m.fallback not in names or m.fallback == m.name):
             problems.append(f"models[{i}].fallback: {m.fallback!r} is not another served model")
-    if not any(m.local or m.remote for m in settings.served()) and not settings.discovery.worker_dns:
+    if not any(m.local or m.remote or m.worker_settings().elastic for m in settings.served()) and \
+            not settings.discovery.worker_dns:  # (an elastic pool may start at zero)
         problems.append("workers: no local workers, no remote workers and no discovery.worker_dns: nothing would "
                         "serve requests")
     return (None, problems) if problems else (settings, [])

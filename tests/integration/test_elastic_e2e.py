@@ -230,3 +230,18 @@ def test_with_workers_elsewhere_the_pool_exports_its_signal_and_starts_none(tmp_
     finally:
         worker.terminate()
         worker.wait(30)
+
+
+def test_a_pool_may_start_at_zero(tmp_path: Path) -> None:
+    """``local = 0, min_replicas = 0``: the gateway is ready at once with no worker; the first request
+    starts one and is answered by it."""
+    gw = serve_config(tmp_path, _config(local=0, min_replicas=0, max_replicas=1))
+    try:
+        assert any(line.startswith("quicserve: ready (0 worker(s): tiny)") for line in gw.lines)
+        assert _metric(gw, "quicserve_workers_configured", model="tiny") == 0
+        r = httpx.post(gw.http + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 3},
+                       timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        assert _metric(gw, "quicserve_pool_scale_events_total", direction="out") == 1
+    finally:
+        stop_gateway(gw)
