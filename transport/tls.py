@@ -18,12 +18,18 @@ from __future__ import annotations
 
 import re
 import ssl
+from typing import Protocol
 
 from .errors import TlsFailure
 
 __all__ = ["TlsSession", "explain", "looks_like_frames"]
 
 _READ = 1 << 15  # a TLS record holds at most 16 KiB of plaintext; one read returns at most one record
+# The first read of a record asks for this much: CPython allocates the whole length asked for, then
+# shrinks the bytes object to what was read; up to here (with the bytes header, 512 bytes) that is a
+# small-object block, beyond it a malloc and realloc of 32 KiB per record. One engine step's frames at
+# low load fit; a read that fills it goes on with _READ.
+_FIRST = 464
 _SSL_SUFFIX = re.compile(r"\s*\(_ssl\.c:\d+\)$")
 _NOT_TLS = {"WRONG_VERSION_NUMBER", "HTTP_REQUEST", "RECORD_LAYER_FAILURE", "PACKET_LENGTH_TOO_LONG",
             "UNKNOWN_PROTOCOL", "RECORD_TOO_LARGE"}
@@ -65,15 +71,33 @@ def explain(exc: ssl.SSLError, side: str) -> str:
     return f"TLS with the {peer} failed: {text}"
 
 
-class TlsSession:
-    """One TLS connection end over memory BIOs (see the module docstring)."""
+class _SslIo(Protocol):
+    """What the hot paths call on an SSL object (``ssl.SSLObject``'s C object, or the SSLObject itself)."""
 
-    __slots__ = ("_in", "_out", "_obj", "side", "handshake_done", "_pending", "closed")
+    def read(self, len: int = ..., /) -> bytes: ...
+
+    def write(self, data: bytes, /) -> int: ...
+
+
+class TlsSession:
+    """One TLS connection end over memory BIOs (see the module docstring).
+
+    The verified connection's two hot paths, :meth:`decrypt` (at low load one engine step's
+    frames in one record) and :meth:`encrypt` (one flush, one record), make no Python call but
+    their own: they call the C object under ``ssl.SSLObject`` (whose methods are Python wrappers
+    around it), read a small record into a small buffer (``_FIRST``), and ask ``SSL_pending``
+    nothing. ``outgoing`` is the BIO of bytes for the peer (its ``pending`` says whether there
+    are any)."""
+
+    __slots__ = ("_in", "outgoing", "_obj", "_io", "side", "handshake_done", "_pending", "closed")
 
     def __init__(self, ctx: ssl.SSLContext, server_side: bool) -> None:
         self._in = ssl.MemoryBIO()
-        self._out = ssl.MemoryBIO()
-        self._obj = ctx.wrap_bio(self._in, self._out, server_side=server_side)
+        self.outgoing = ssl.MemoryBIO()
+        self._obj = ctx.wrap_bio(self._in, self.outgoing, server_side=server_side)
+        # ssl.SSLObject's read and write only forward to its C object's: one Python frame less per record
+        # where the stdlib has it (CPython 3.5 onwards), the SSLObject itself otherwise.
+        self._io: _SslIo = getattr(self._obj, "_sslobj", self._obj)
         self.side = "worker" if server_side else "gateway"
         self.handshake_done = False
         self._pending: list[bytes] = []  # plaintext sent before the handshake ended
@@ -104,25 +128,38 @@ class TlsSession:
             if not self._handshake():
                 return b"", False
             just = True
-        return self._read(), just
+        return self._more(b""), just
 
     def decrypt(self, data: bytes | bytearray | memoryview) -> bytes:
         """After the handshake: ciphertext in, the plaintext it completes out (``receive``'s hot path)."""
         self._in.write(data)
-        return self._read()
+        try:
+            first = self._io.read(_FIRST)
+        except ssl.SSLWantReadError:
+            return b""
+        except ssl.SSLZeroReturnError:
+            self.closed = True
+            return b""
+        except ssl.SSLError as exc:
+            raise TlsFailure(explain(exc, self.side)) from None
+        if len(first) < _FIRST and not self._in.pending:
+            if not first:  # a read gives b"" only once the peer's close_notify came
+                self.closed = True
+            return first  # the usual case: one whole record, all read, nothing after it
+        return self._more(first)
 
     def encrypt(self, data: bytes) -> bytes:
         """After the handshake: plaintext in, the ciphertext for the peer out (``send``'s hot path)."""
         try:
-            self._obj.write(data)
+            self._io.write(data)
         except ssl.SSLError as exc:
             raise TlsFailure(explain(exc, self.side)) from None
-        return self._out.read()
+        return self.outgoing.read()
 
     @property
     def wants_write(self) -> bool:
         """Bytes for the peer are waiting (an alert, a post-handshake message)."""
-        return self._out.pending > 0
+        return self.outgoing.pending > 0
 
     def send(self, data: bytes) -> None:
         """Plaintext for the peer (held until the handshake ends)."""
@@ -130,12 +167,12 @@ class TlsSession:
             self._pending.append(data)
             return
         try:
-            self._obj.write(data)
+            self._io.write(data)
         except ssl.SSLError as exc:
             raise TlsFailure(explain(exc, self.side)) from None
 
     def data_to_send(self) -> bytes:
-        return self._out.read()
+        return self.outgoing.read()
 
     def close(self) -> None:
         """Say close_notify (best effort)."""
@@ -159,33 +196,27 @@ class TlsSession:
             self.send(data)
         return True
 
-    def _read(self) -> bytes:
-        obj = self._obj
-        try:  # the usual case, one whole record, without a second call to raise SSLWantReadError
-            first = obj.read(_READ)
-        except ssl.SSLWantReadError:
-            return b""
-        except ssl.SSLZeroReturnError:
-            self.closed = True
-            return b""
-        except ssl.SSLError as exc:
-            raise TlsFailure(explain(exc, self.side)) from None
-        if not first or (not self._in.pending and not obj.pending()):
-            return first
-        chunks = [first]
-        while True:
+    def _more(self, first: bytes) -> bytes:
+        """The rest of what ``first`` began: the rest of its record, and every whole record after it
+        (one engine step's record each, when steps came faster than this side read them). Small reads
+        first (``_FIRST``); one that fills its buffer is followed by a large one for the rest of its
+        record. No ``SSL_pending``: only a full small read can leave plaintext behind."""
+        chunks = [first] if first else []
+        io, incoming = self._io, self._in
+        size = _READ if len(first) == _FIRST else _FIRST
+        while size == _READ or incoming.pending:
             try:
-                chunk = obj.read(_READ)
+                chunk = io.read(size)
             except ssl.SSLWantReadError:
-                break
+                break  # the rest is a record not whole yet
             except ssl.SSLZeroReturnError:
                 self.closed = True
                 break
             except ssl.SSLError as exc:
                 raise TlsFailure(explain(exc, self.side)) from None
-            if not chunk:
+            if not chunk:  # the peer's close_notify
+                self.closed = True
                 break
             chunks.append(chunk)
-            if not self._in.pending and not obj.pending():
-                break  # everything received is read: no second call to raise SSLWantReadError
+            size = _READ if len(chunk) == _FIRST == size else _FIRST
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)

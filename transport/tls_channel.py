@@ -60,6 +60,7 @@ class TlsChannel(ChannelBase):
         self._encrypt: Callable[[bytes], bytes] = _nothing
         self._deliver: Callable[[bytes], None] = _drop
         self._send: Callable[[bytes], object] = _drop
+        self._live: TlsSession  # ``session`` once verified (read only while ``_open``)
 
     # --- asyncio.Protocol ---------------------------------------------------------------------
 
@@ -84,11 +85,10 @@ class TlsChannel(ChannelBase):
                 return
             if plain:
                 self._deliver(plain)
-            session = self.session
-            assert session is not None
-            if session.wants_write:
+            live = self._live
+            if live.outgoing.pending:  # an alert, a reply to a post-handshake message
                 self._transmit()
-            if session.closed and self.transport is not None:  # the peer's close_notify
+            if live.closed and self.transport is not None:  # the peer's close_notify
                 self._open = False
                 self.transport.close()
             return
@@ -170,6 +170,7 @@ class TlsChannel(ChannelBase):
         self.endpoint = ep = self._make_endpoint()
         ep.peer = self.peer
         assert self.transport is not None
+        self._live = self.session
         self._decrypt, self._encrypt = self.session.decrypt, self.session.encrypt
         self._deliver, self._send = ep.data_received, self.transport.write
         self._open = True
