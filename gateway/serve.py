@@ -46,6 +46,7 @@ from .multiproc.process import GatewayProcess
 from .observability.counters import GatewayCounters
 from .observability.logs import ACCESS_LOGGER, configure_logging
 from .observability.metrics import GatewayMetrics
+from .observability.metrics_listener import start_metrics_listener
 from .observability.systemd import SystemdNotifier, required_models
 from .observability.tracing import RequestTracer
 from .reload import Reloader
@@ -156,6 +157,10 @@ async def run_gateway(settings: Settings, *, out: TextIO | None = None,
         servers.append(await start_listener(app.handle, spec, limits=limits, on_event=app.on_http_event,
                                             streams_body=app.streams_body))
         _say(out, f"listening on {servers[-1].url} {what}")
+    scrape = await start_metrics_listener(app, settings.observability, limits, bind=process is None or process.index == 0)
+    if scrape is not None:  # [observability] metrics_listen: /metrics there, and not on the listeners above
+        servers.append(scrape)
+        _say(out, f"metrics on {scrape.url}/metrics (Prometheus; not on the other listeners)")
     native = await mount_grpc(app, settings.grpc, srv.host)
     if native is not None:
         _say(out, f"listening on grpc://{_hostport(settings.grpc.host or srv.host, native.port)} (gRPC, h2c)")
