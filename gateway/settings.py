@@ -31,7 +31,7 @@ from .api.config import ApiSettings
 from .grpc.config import GrpcSettings
 from .http.config import LimitsSettings
 from .http.quic_settings import QuicSettings
-from .observability.config import LogSettings
+from .observability.config import LogSettings, ObservabilitySettings
 from .observability.tracing import TraceSettings
 from .routing.config import RoutingSettings
 from .routing.rollout import ROLLOUT_KEYS, RolloutSettings
@@ -86,6 +86,7 @@ class Settings:
     tracing: TraceSettings = field(default_factory=TraceSettings)
     discovery: DiscoverySettings = field(default_factory=DiscoverySettings)
     log: LogSettings = field(default_factory=LogSettings)
+    observability: ObservabilitySettings = field(default_factory=ObservabilitySettings)
     models: list[ModelSettings] = field(default_factory=list)  # [[models]]; empty: [workers] serves one model
     routes: list[dict[str, Any]] = field(default_factory=list)  # [[routes]]: the rule tree, as written
     rollouts: list[RolloutSettings] = field(default_factory=list)  # [[rollouts]]: gray releases

@@ -89,6 +89,11 @@ class Backend(Protocol):
     def models(self) -> Sequence[str]:
         """Model ids this gateway serves, for ListModels."""
 
+    def authorize(self, metadata: tuple[tuple[str, str], ...]) -> None:
+        """Raise a 401 :class:`APIError` where this gateway requires API keys and ``metadata`` (as
+        :attr:`GenerateSpec.metadata`) carries no valid one: ListModels, like ``GET /v1/models``
+        (generations are checked by admission)."""
+
     def generate(self, spec: GenerateSpec, on_delta: OnDelta, on_end: OnEnd) -> Handle:
         """Start ``spec``; report through the callbacks (see the module docstring)."""
 

@@ -21,7 +21,7 @@ __all__ = ["mount_grpc"]
 
 async def mount_grpc(app: App, settings: GrpcSettings, host: str) -> NativeServer | None:
     """Mount gRPC-Web on ``app`` (if enabled) and start native gRPC (if its port is not -1)."""
-    backend = PipelineBackend(app.pool, app.generations, app.openai)
+    backend = PipelineBackend(app.pool, app.generations, app.openai, keys=app.keys)
     codecs = Codecs(settings.zstd_level, settings.gzip_level, settings.compress_min_bytes)
     if settings.web:
         handlers = InferenceService(backend).__mapping__()

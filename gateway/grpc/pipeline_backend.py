@@ -23,6 +23,7 @@ import orjson
 from transport.messages import Finish, TokenEntry
 
 from .. import clock
+from ..admission.keys import KeyStore
 from ..api.generate import Fail, Generations
 from ..api.openai import OpenAIApi
 from ..api.params import GenerationRequest, parse_chat, parse_completion
@@ -118,14 +119,22 @@ def _noop() -> None:
 class PipelineBackend:
     """``Backend`` over :class:`Generations` (the pipeline every protocol shares)."""
 
-    def __init__(self, pool: ModelPool, generations: Generations, api: OpenAIApi, protocol: str = "grpc") -> None:
+    def __init__(self, pool: ModelPool, generations: Generations, api: OpenAIApi, protocol: str = "grpc",
+                 keys: KeyStore | None = None) -> None:
         self._pool = pool
         self._gen = generations
         self._api = api
         self._protocol = protocol
+        self._keys = keys  # the app's: required of every route (None: none required)
 
     def models(self) -> Sequence[str]:
         return self._pool.models()
+
+    def authorize(self, metadata: tuple[tuple[str, str], ...]) -> None:
+        if self._keys is not None:
+            self._keys.maybe_reload(_perf())
+            auth = next((v for k, v in metadata if k == "authorization"), None)
+            self._keys.authenticate(None if auth is None else auth.encode("latin-1"))
 
     def generate(self, spec: GenerateSpec, on_delta: OnDelta, on_end: OnEnd) -> _Handle:
         writer = DeltaWriter(on_delta, on_end)

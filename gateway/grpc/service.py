@@ -121,6 +121,10 @@ class InferenceService(InferenceBase):
 
     async def ListModels(self, stream: CallStream[pb.ListModelsRequest, pb.ListModelsResponse]) -> None:
         await stream.recv_message()
+        try:
+            self._backend.authorize(text_metadata(stream.metadata))  # a key, where keys are required
+        except APIError as e:
+            return await _fail(stream, e)
         await stream.send_message(pb.ListModelsResponse(models=[pb.Model(id=m) for m in self._backend.models()]))
 
 

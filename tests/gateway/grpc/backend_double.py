@@ -43,10 +43,15 @@ class EchoBackendDouble:
         self.hang_after: int | None = None
         self.fail: APIError | None = None
         self.reject: APIError | None = None
+        self.unauthorized: APIError | None = None  # what authorize raises (ListModels)
         self.started = asyncio.Event()
 
     def models(self) -> list[str]:
         return list(self._models)
+
+    def authorize(self, metadata: tuple[tuple[str, str], ...]) -> None:
+        if self.unauthorized is not None:
+            raise self.unauthorized
 
     def generate(self, spec: GenerateSpec, on_delta: OnDelta, on_end: OnEnd) -> CallRecord:
         record = CallRecord(spec)
