@@ -178,7 +178,7 @@ def test_tool_choice_required_named_and_none_sync_and_async(gw: Gateway) -> None
         calls = required.choices[0].message.tool_calls or []
         assert calls and all(c.function.name in ("get_weather", "get_time") for c in calls)
         assert len({c.id for c in calls}) == len(calls)
-        none = client.chat.completions.create(**kw, tool_choice="none", max_completion_tokens=8)
+        none = client.chat.completions.create(**{**kw, "max_tokens": 8}, tool_choice="none")
         assert none.choices[0].message.tool_calls is None and none.choices[0].message.content is not None
 
     async def async_required() -> None:
@@ -193,7 +193,7 @@ def test_tool_choice_required_named_and_none_sync_and_async(gw: Gateway) -> None
 
 def test_a_streamed_tool_call_reassembles_to_the_unstreamed_one(gw: Gateway) -> None:
     kw: dict[str, Any] = dict(model="tiny", messages=USER, max_tokens=MAX_TOKENS, temperature=0, seed=11, tools=TOOLS,
-                              tool_choice="required")
+                              tool_choice="required", parallel_tool_calls=False)
     with openai.OpenAI(base_url=gw.http + "/v1", api_key="x", max_retries=0) as client:
         whole = client.chat.completions.create(**kw)
         calls: dict[int, dict[str, str]] = {}
