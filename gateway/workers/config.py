@@ -6,6 +6,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import PurePath
 
 from transport.common.worker_options import URL_SCHEMES, WorkerOptions, option_problems
+from transport.security import security_of
+from transport.select import BadURL, parse_url
 
 __all__ = ["WorkersSettings", "ModelSettings", "MODEL_KEYS", "PER_MODEL", "served_name_of"]
 
@@ -47,11 +49,19 @@ class WorkersSettings(WorkerOptions):
         if self.local < 0:
             p.append("workers.local: must be >= 0")
         tls = bool(self.transport_tls_cert)
+        sec = security_of(self)
         for u in self.remote:
             if not u.startswith(URL_SCHEMES):
                 p.append(f"workers.remote: {u!r} is not a tcp://, unix:// or rdma:// URL")
             elif tls and u.startswith("rdma://"):
                 p.append(f"workers.remote: {u}: TLS does not run over rdma://; authenticate it with transport_psk_file")
+            else:  # default deny, at start: a worker beyond loopback with no transport authentication
+                try:
+                    refusal = sec.refusal(parse_url(u), "gateway")
+                except BadURL as exc:
+                    refusal = str(exc)
+                if refusal:
+                    p.append(f"workers.remote: {refusal}")
         for name in ("ready_timeout", "connect_timeout", "restart_backoff_initial", "stop_timeout",
                      "heartbeat_interval", "dead_after"):
             if getattr(self, name) <= 0:

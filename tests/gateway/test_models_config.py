@@ -51,7 +51,7 @@ def test_every_problem_named_by_path() -> None:
 
 
 def test_supervisor_runs_every_models_local_workers_numbered_apart() -> None:
-    s, problems = _check('[workers]\nengine = "synthetic"\nlisten = "unix:///tmp/qs-w"\n'
+    s, problems = _check('[workers]\nengine = "synthetic"\nlisten = "unix:///tmp/qs-w"\ninsecure = true\n'
                          '[[models]]\nname = "a"\nlocal = 2\n[[models]]\nname = "b"\nlocal = 1\n'
                          'remote = ["tcp://10.0.0.9:7000"]\n')
     assert problems == []

@@ -61,6 +61,7 @@ def test_file_env_cli_precedence(tmp_path: Path) -> None:
     p.write_text('[server]\nport = 9000\nhost = "0.0.0.0"\n[workers]\nengine = "synthetic"\nlocal = 2\n'
                  '[api]\nrequest_timeout = 5\n')
     env = {"QUICSERVE_SERVER__PORT": "9100", "QUICSERVE_WORKERS__REMOTE": "tcp://h:1, tcp://h:2",
+           "QUICSERVE_WORKERS__INSECURE": "true",  # remote workers beyond loopback with no transport auth
            "QUICSERVE_SERVER__UVLOOP": "false", "QUICSERVE_LOG__LEVEL": "debug", "OTHER": "x"}
     s = load_settings(p, environ=env, overrides={"server": {"port": 9200}})
     assert s.server.port == 9200 and s.server.host == "0.0.0.0" and s.server.uvloop is False
