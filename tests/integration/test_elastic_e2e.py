@@ -77,7 +77,7 @@ def test_a_burst_scales_out_before_any_request_passes_its_budget_then_back_in(tm
     budget = 2.0
     gw = serve_config(tmp_path, _config(local=1, min_replicas=1, max_replicas=4, max_batch=4, queue_budget=budget))
     try:
-        assert _metric(gw, "quicserve_pool_replicas", state="ready") == 1
+        _wait_for(gw, "quicserve_pool_replicas", 1, timeout=5, state="ready")  # (as of the pool's next tick)
 
         async def burst() -> tuple[list[tuple[float, int, float, float]], float]:
             """Every request's (sent at, status, first-token wait, total) and when the first scale-out
@@ -128,9 +128,9 @@ def test_scale_to_zero_and_back_without_a_failed_request(tmp_path: Path) -> None
     try:
         assert httpx.post(gw.http + "/v1/completions", json={"model": "tiny", "prompt": "x",
                                                               "max_tokens": 2}).status_code == 200
-        _wait_for(gw, "quicserve_pool_replicas", 0, timeout=20, state="ready")  # idle: to zero
+        _wait_for(gw, "quicserve_pool_scale_events_total", 1, timeout=20, direction="in")  # idle: drained
+        _wait_for(gw, "quicserve_pool_replicas", 0, timeout=20, state="ready")  # ... to zero
         _wait_for(gw, "quicserve_pool_replicas", 0, timeout=20, state="draining")
-        assert _metric(gw, "quicserve_pool_scale_events_total", direction="in") >= 1
         # at zero the gateway still serves the model: it is listed and the gateway is ready
         assert [m["id"] for m in httpx.get(gw.http + "/v1/models").json()["data"]] == ["tiny"]
         ready = httpx.get(gw.http + "/readyz")
@@ -176,6 +176,7 @@ def test_the_jax_tiny_model_scales_to_zero_and_back_from_its_compilation_cache(t
     try:
         assert httpx.post(gw.http + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2},
                           timeout=60).status_code == 200
+        _wait_for(gw, "quicserve_pool_scale_events_total", 1, timeout=30, direction="in")
         _wait_for(gw, "quicserve_pool_replicas", 0, timeout=30, state="ready")
         _wait_for(gw, "quicserve_pool_replicas", 0, timeout=30, state="draining")
         first_compile, _ = _startups(gw, "quicserve_worker_startup_phase_seconds", phase="compile")
