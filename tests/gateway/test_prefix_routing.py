@@ -173,8 +173,8 @@ def test_routing_settings_are_checked() -> None:
     built = RoutingSettings(policy="prefix_affinity", prefix_slack=7).build()
     assert isinstance(built, PrefixAffinity) and built.slack == 7
     problems: list[str] = []
-    RoutingSettings(policy="round_robin", prefix_slack=-1)._validate(problems)
-    assert problems == ["routing.policy: 'round_robin' is not one of cache_aware, least_loaded, prefix_affinity",
+    RoutingSettings(policy="random", prefix_slack=-1)._validate(problems)
+    assert problems == ["routing.policy: 'random' is not one of cache_aware, least_loaded, prefix_affinity, round_robin",
                         "routing.prefix_slack: must be >= 0"]
     with pytest.raises(SettingsError, match="routing.policy"):
         load_settings(None, environ={"QUICSERVE_ROUTING__POLICY": "random"})
