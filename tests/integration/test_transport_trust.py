@@ -226,10 +226,13 @@ def test_a_worker_beyond_loopback_without_authentication_does_not_start(tmp_path
     ok.stop()
 
 
-def test_a_gateway_will_not_connect_to_an_unauthenticated_remote_worker(tmp_path: Path, procs: list[Proc]) -> None:
-    gw = start_gateway(tmp_path, "tcp://10.255.255.1:7000")
-    procs.append(gw)
-    line = gw.wait_log("refusing to connect to the worker at tcp://10.255.255.1:7000 without transport authentication")
-    assert "not restarting it" in line and "transport_psk_file" in line
-    r = httpx.get(gw.url + "/readyz")
-    assert r.status_code == 503 and "refusing to connect" in r.json()["reason"]
+def test_a_gateway_will_not_connect_to_an_unauthenticated_remote_worker(tmp_path: Path) -> None:
+    """Refused at start (a configuration problem: exit 2), before any listener or connection."""
+    cmd = [sys.executable, "-m", "gateway.cli", "serve", "--workers", "0", "--worker-url", "tcp://10.255.255.1:7000",
+           "--port", "0", "--no-tls", "--grpc-port", "-1", "--quic-port", "-1", "--state-dir", str(tmp_path),
+           "--progress", "off"]
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=ENV, timeout=60)
+    assert r.returncode == 2, r.stdout + r.stderr
+    said = r.stdout + r.stderr
+    assert "refusing to connect to the worker at tcp://10.255.255.1:7000 without transport authentication" in said
+    assert "transport_psk_file" in said and "listening on" not in said
