@@ -18,24 +18,26 @@ must not change a token. The issue's bars: p99 ITL <= 2x the steady median, TTFT
 ``--rounds`` repeats the whole sweep and each figure is the median over rounds (the machine is
 shared: a single run moves by tens of percent). Run: ``python -m tests.bench.bench_chunked_prefill``.
 
-Measured (2026-12-05, 2 shared cores at load average ~10, median of 3 rounds; tiny model, context
-4608, 16 streams, a 4096-token prompt; TTFT/idle is the same budget's idle TTFT):
+Measured (2026-12-05, 2 shared cores, median of 3 rounds; tiny model, context 4608, 16 streams, a
+4096-token prompt; TTFT/idle against the same budget's idle TTFT). At load average ~6:
 
     step_tokens  steady ITL  p99 ITL  p99/med  TTFT    idle TTFT  TTFT/idle  same tokens
-              0     0.68 ms   357 ms      534  357 ms     337 ms       1.04  True
-             32     0.68 ms    11 ms       16  656 ms     273 ms       2.40  True
-            128     0.70 ms    46 ms       65  503 ms     374 ms       1.19  True
-            256     0.91 ms    48 ms       60  440 ms     281 ms       1.05  True
+              0     0.70 ms   110 ms      156  110 ms     133 ms       0.83  True
+            128     0.70 ms   7.7 ms       12  148 ms     128 ms       1.15  True
+            256     0.63 ms    13 ms       21  129 ms     122 ms       1.05  True
+            512     0.64 ms    28 ms       43  125 ms     112 ms       1.08  True
 
-and with a 1024-token prompt (context 1536, load ~12, one round): unchunked p99 21.7 ms, 256: 7.5 ms,
-TTFT/idle 1.20. So the default, 256: the stall a long prompt causes drops 7x (the whole prefill,
-357 ms, to 48 ms) at no cost to its own TTFT. The 2x bar on the p99 is out of reach on a CPU for
-any budget: here a decode step is 0.7 ms of overhead while every prompt token costs attention over
-up to 4096 cached keys, and on a CPU the two add up. If each step of the prefill may take at most
-twice a decode step, it carries at most one decode step's worth W/d of the prefill's work W, so the
-prefill takes at least W/d steps of 2d: TTFT >= 2 W, twice the idle one, against the 1.3x bar. The
-two bars hold together where a mixed step costs what its decodes cost alone (an accelerator's
-memory-bound decode, whose weight reads the chunk's matmuls share): gpu_kernels.py times that.
+At load ~10 the same sweep read 0: 357 ms p99 (TTFT/idle 1.04); 128: 46 ms (1.19); 256: 48 ms (1.05).
+The default, 256: the stall a long prompt causes drops 8x (110 -> 13 ms p99 here) with its TTFT
+within 5% of idle in both runs; 128 halves that p99 again but costs 15-19% of TTFT and splits
+ordinary prompts that join a full batch (32 decodes leave 96 tokens a step), a GPU wants more.
+The 2x bar on the p99 is out of reach on a CPU for any budget: a decode step here is 0.7 ms
+(overhead: d), while every prompt token costs attention over up to 4096 cached keys, and on a CPU
+a step costs its decodes plus its chunk. A step of the prefill that takes at most 2d carries at
+most d of the prefill's work W, so the prefill takes n >= W/d steps and TTFT = n d + W >= 2 W:
+twice the idle TTFT (~W), against the 1.3x bar. Both bars hold together only where a mixed step
+costs about what its decodes cost alone (an accelerator's memory-bound decode, whose weight reads
+the chunk's matmuls share): gpu_kernels.py times that on a lent GPU.
 """
 
 from __future__ import annotations
