@@ -8,7 +8,7 @@ heads, and ``intermediate / tp`` MLP columns:
   device ``s``'s rows are its own q | k | v heads (:func:`qkv_rows`); gate|up likewise
   (:func:`gate_up_rows`): these are column-parallel, no communication;
 - ``wo`` and ``w_down`` are split by input columns (row-parallel): each device multiplies its
-  part and one ``psum`` over the axis adds them (the kernel set's ``residual_linear``, wrapped);
+  part in float32 and one ``psum`` over the axis adds them (in place of the kernel set's ``residual_linear``);
 - the paged KV cache is split by KV head, ``[N, bs, KV', D]`` sharded on ``KV'``: the KV heads
   when ``tp`` divides them, else (``tp`` a multiple of KV) each KV head repeated ``tp / KV``
   times, so every device has the one its query heads read (what vLLM does past ``tp = KV``);
@@ -31,6 +31,7 @@ from functools import partial
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -184,11 +185,15 @@ def cache_specs(cache: KVCache) -> Any:
     return tuple(layer(c) for c in cache[0]), tuple(layer(c) for c in cache[1])
 
 
-def _psum_residual(residual_linear: Callable[..., Array]) -> Callable[..., Array]:
-    """A row-parallel ``residual_linear``: each device's partial product, summed over the mesh, plus ``res``."""
+def _psum_residual(linear: Callable[..., Array]) -> Callable[..., Array]:
+    """A row-parallel ``residual_linear``: each device's partial product in float32, summed over the mesh,
+    then rounded and added to ``res`` -- one rounding, as the one-device matmul's float32 accumulator
+    has (a bfloat16 partial rounded before the sum flips greedy tokens a one-device run would not)."""
     def call(res: Array, x: Array, w_t: Any, live: Array | None, *, swiglu: bool = False) -> Array:
-        part = residual_linear(jax.numpy.zeros_like(res), x, w_t, live, swiglu=swiglu)
-        return res + jax.lax.psum(part, AXIS)
+        if swiglu:
+            gate, up = jnp.split(x, 2, axis=-1)
+            x = jax.nn.silu(gate) * up
+        return res + jax.lax.psum(linear(x, w_t, jnp.float32), AXIS).astype(res.dtype)
 
     return call
 
@@ -210,7 +215,7 @@ class ShardedModel:
         return cls(local, mesh, param_specs, cache_specs(cache))
 
     def _run(self, step: Callable[..., Any], kernels: KernelSet, params: Params, cache: KVCache, *args: Any) -> Any:
-        ks = dataclasses.replace(kernels, residual_linear=_psum_residual(kernels.residual_linear))
+        ks = dataclasses.replace(kernels, residual_linear=_psum_residual(kernels.linear))
         fn = jax.shard_map(partial(step, kernels=ks), mesh=self.mesh, check_vma=False,
                            in_specs=(self.param_specs, self.cache_specs, *(P(),) * len(args)),
                            out_specs=(P(), self.cache_specs))

@@ -5,15 +5,16 @@ set before JAX starts: ``test_tensor_parallel.py`` does it)::
 
     python -m tests.inference.model.tp_check CHECKPOINT_DIR
 
-Cases: the built-in tiny model (2 KV heads: at TP = 4 each is repeated on two devices) in float32,
-bfloat16 and with int8 weights, and ``CHECKPOINT_DIR`` (a checkpoint transformers wrote) in
-float32 and with int8 weights. Each case prints ``{"case": ..., "tp": n, "tokens": {prompt: [...]}}``.
+Cases: the built-in tiny model (2 KV heads: at TP = 4 each is repeated on two devices) and
+``CHECKPOINT_DIR`` (a checkpoint transformers wrote), each in float32, bfloat16 and with int8
+weights, at TP = 1, 2 and 4. Each case prints ``{"case": ..., "tp": n, "tokens": {prompt: [...]}}``.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from itertools import product
 
 from inference.engine import Engine, EngineConfig
 from inference.model.jax_runner import JaxRunner
@@ -38,11 +39,10 @@ def greedy(model: str, tp: int, **kw: object) -> dict[int, list[int]]:
 
 def main(argv: list[str]) -> int:
     hf = argv[0]
-    cases = [("tiny-f32", "tiny", {}, (1, 2, 4)), ("tiny-bf16", "tiny", {"dtype": "bfloat16"}, (1, 4)),
-             ("tiny-int8", "tiny", {"weight_dtype": "int8"}, (1, 2)), ("hf-f32", hf, {}, (1, 2, 4)),
-             ("hf-int8", hf, {"weight_dtype": "int8"}, (1, 4))]
-    for name, model, kw, tps in cases:
-        for tp in tps:
+    kinds = {"f32": {}, "bf16": {"dtype": "bfloat16"}, "int8": {"weight_dtype": "int8"}}
+    for (label, model), (kind, kw) in product((("tiny", "tiny"), ("hf", hf)), kinds.items()):
+        name = f"{label}-{kind}"
+        for tp in (1, 2, 4):
             print(json.dumps({"case": name, "tp": tp, "tokens": greedy(model, tp, **kw)}), flush=True)
     return 0
 
