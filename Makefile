@@ -70,7 +70,7 @@ run: $(STAMP_RUN) $(SYSDEPS_STAMP)
 test: $(STAMP_TEST) $(SYSDEPS_STAMP) $(LIBTPU_STAMP) $(NODE_STAMP)
 	$(VENV)/bin/ruff check gateway transport inference tests
 	$(VENV)/bin/mypy --strict gateway transport
-	$(PY) -m pytest -q -p no:cacheprovider tests
+	$(PY) -m pytest -q -p no:cacheprovider --durations=40 tests
 
 lint: $(STAMP_TEST)
 	$(VENV)/bin/ruff check gateway transport inference tests
