@@ -98,10 +98,17 @@ def test_greedy_chat_equals_transformers_generate(served: Served) -> None:
     assert len(prompts[1]) > 2 * WINDOW and NEW_TOKENS > WINDOW  # Mistral's window hides keys in both
 
 
-def _preemptions(g: Gateway) -> float:
-    text = httpx.get(g.http + "/metrics").text
-    values = [float(m.group(1)) for m in re.finditer(r"^quicserve_worker_preemptions(?:_total)?(?:\{[^}]*\})? (\S+)$",
-                                                     text, re.M)]
+def _preemptions(g: Gateway, wait: float = 60.0) -> float:
+    """The worker's preemption counter as the gateway exports it, once its first Stats has come (a
+    JAX worker's load reports can lag its readiness while it compiles the shapes a batch needs)."""
+    deadline = time.monotonic() + wait
+    while True:
+        text = httpx.get(g.http + "/metrics").text
+        values = [float(m.group(1)) for m in re.finditer(
+            r"^quicserve_worker_preemptions(?:_total)?(?:\{[^}]*\})? (\S+)$", text, re.M)]
+        if values or time.monotonic() > deadline:
+            break
+        time.sleep(0.25)
     assert values, "no quicserve_worker_preemptions series on /metrics"
     return sum(values)
 
