@@ -363,9 +363,13 @@ class Engine:
             return work
         if now < self._admit_at(ready, free_slots, step_budget):
             return work
+        leaders = ([s for s in self._running if s.status is SeqStatus.RUNNING and _prefilling(s)]
+                   if self.kv.enable_prefix_cache else [])
         for s in ready:
             if len(self._running) >= self.config.max_batch or (chunked and budget <= 0):
                 break
+            if leaders and self._follows(s, leaders):
+                continue  # admitted with a cache hit once its leader's blocks are registered
             cached = self.kv.cached_prefix_len(s.tokens)
             n = min(len(s.tokens) - cached, budget) if chunked else len(s.tokens) - cached
             if work and (n > budget or not self.window.prefill_fits([*lengths, n], decodes=decodes)):
@@ -389,7 +393,37 @@ class Engine:
             self._last_admit = now
             work.append(SeqWork(s.seq_id, tuple(s.tokens[cached : cached + n]), cached, alloc.block_table, s.params,
                                 s.seed, s.num_generated, s.guide))
+            if self.kv.enable_prefix_cache and _prefilling(s):
+                leaders.append(s)
         return work
+
+    def _follows(self, s: Sequence, leaders: list[Sequence]) -> bool:
+        """Whether ``s`` waits for a prompt being prefilled now: it shares more leading full blocks with
+        one (a leader) than the prefix cache holds for it yet, and they are more than half its prompt
+        (for less, prefilling at once costs the follower less than a step's wait).
+
+        This is how ``n`` > 1 (the gateway's sub-generations of one request, pinned to one replica) and
+        concurrent identical prompts share their prompt's KV without a prefill each: the followers
+        wait until the leader's commit registered its blocks, then are admitted with a prefix-cache
+        hit (reference counts: the blocks are shared, read-only; only the last, partial block is
+        computed per follower). The wait is bounded by the leader's own prefill: a leader that is
+        preempted, paused, cancelled or done prefilling is no longer one, and its followers go on."""
+        kv = self.kv
+        bs = kv.block_size
+        usable = (len(s.tokens) - 1) // bs  # the blocks a cache hit may cover (kv._match)
+        if 2 * usable * bs <= len(s.tokens):
+            return False  # waiting a step pays only when the leader would save most of its prefill
+        first = s.tokens[:bs]
+        cached = -1
+        for lead in leaders:
+            if lead is s or lead.tokens[:bs] != first:
+                continue
+            if cached < 0:
+                cached = kv.cached_prefix_len(s.tokens) // bs
+            shared = kv.common_blocks(s.tokens, lead.tokens, usable)
+            if shared > cached and 2 * shared * bs > len(s.tokens):
+                return True
+        return False
 
     def commit(self, plan: StepPlan, outputs: list[SeqOutput], now: float) -> list[EngineEvent]:
         """Apply a step's sampled tokens; returns deltas and finishes."""

@@ -124,6 +124,20 @@ class KVCache:
             parent = h
         return blocks, hashes
 
+    def common_blocks(self, a: Sequence[int], b: Sequence[int], limit: int) -> int:
+        """How many leading full blocks (at most ``limit``) hold the same tokens in ``a`` and ``b``: what
+        one prompt could take from the other's prefix-cache entries once they are registered."""
+        bs = self.block_size
+        n = min(limit, len(a) // bs, len(b) // bs)
+        if type(a) is not type(b):  # a list never equals a tuple
+            a, b = list(a[: n * bs]), list(b[: n * bs])
+        lo = 0
+        if a[: n * bs] == b[: n * bs]:  # the usual case (identical prompts): one compare in C
+            return n
+        while lo < n and a[lo * bs : (lo + 1) * bs] == b[lo * bs : (lo + 1) * bs]:
+            lo += 1
+        return lo
+
     def cached_prefix_len(self, tokens: Sequence[int]) -> int:
         """How many leading positions of ``tokens`` the cache already holds."""
         return len(self._match(tokens)[0]) * self.block_size

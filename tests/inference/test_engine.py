@@ -100,7 +100,7 @@ def test_admission_bounded_by_max_batch_and_prefill_budget() -> None:
     script = {i: b("abcdefgh") for i in range(6)}
     eng, runner = make(script, config=EngineConfig(max_batch=2, max_prefill_tokens=100))
     for i in range(5):
-        eng.add(i, [65] * 10, SamplingParams(max_tokens=3, seed=i), 0.0)
+        eng.add(i, [65 + i] * 10, SamplingParams(max_tokens=3, seed=i), 0.0)  # (identical ones: one prefill first)
     col = Collector()
     run_until_done(eng, col)
     assert max(p.size for p in runner.plans) == 2
@@ -109,7 +109,7 @@ def test_admission_bounded_by_max_batch_and_prefill_budget() -> None:
 
     eng, runner = make(script, config=EngineConfig(max_batch=8, max_prefill_tokens=25, step_tokens=0))
     for i in range(4):
-        eng.add(i, [65] * 10, SamplingParams(max_tokens=3, seed=i), 0.0)
+        eng.add(i, [65 + i] * 10, SamplingParams(max_tokens=3, seed=i), 0.0)
     run_until_done(eng, Collector())
     assert [len(p.prefills) for p in runner.plans[:2]] == [2, 2]
 

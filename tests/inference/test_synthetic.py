@@ -172,7 +172,7 @@ def test_an_injected_error_comes_after_k_tokens_and_shorter_requests_finish() ->
     end = d.ends["long"]
     assert isinstance(end, Failed) and end.code is ErrorCode.INTERNAL
     assert end.message == "synthetic fault: injected error after 3 tokens (synthetic_error_rate=1)"
-    assert d.ends["short"] == Finished("short", FinishReason.LENGTH, 6, 3, 0)
+    assert d.ends["short"] == Finished("short", FinishReason.LENGTH, 6, 3, 4)  # its first block: "long"'s
     assert not d.engine.has_unfinished()
 
 
