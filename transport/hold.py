@@ -39,7 +39,7 @@ __all__ = ["ResultHold", "window"]
 def window(submit: Submit) -> int | None:
     """The token window ``submit`` opens with: :data:`UNLIMITED` for a whole result, None for the
     connection's initial credit."""
-    return UNLIMITED if submit.buffered else None
+    return UNLIMITED if submit.buffered or submit.echo else None  # echo: the prompt's entry is not output
 
 
 class _Held:
@@ -77,6 +77,8 @@ class ResultHold:
                 sub = ev.submit  # type: ignore[union-attr]
                 if sub.buffered:
                     self._held[sub.request_id] = _Held()
+                    self.core.set_window(sub.request_id, UNLIMITED)
+                elif sub.echo:  # its first entry is the prompt, outside credit (transport.wire: Tasks)
                     self.core.set_window(sub.request_id, UNLIMITED)
             elif t is CancelReceived:
                 h = self._held.get(ev.request_id)  # type: ignore[union-attr]

@@ -33,6 +33,8 @@ __all__ = [
     "ErrorCode",
     "FinishReason",
     "SamplingParams",
+    "Task",
+    "Pooling",
     "Continuation",
     "Hello",
     "Submit",
@@ -74,6 +76,22 @@ class FinishReason(enum.IntEnum):
     STOP = 1  # eos token, stop token id or stop string
     LENGTH = 2  # max_tokens or context limit
     CANCELLED = 3
+
+
+class Task(enum.IntEnum):
+    """What a Submit asks of the worker (transport.wire: SUBMIT field 11)."""
+
+    GENERATE = 0  # sample tokens (every request before #31)
+    EMBED = 1  # the prompt's pooled final hidden state, as base64 float32 LE text
+    TOKENIZE = 2  # the prompt's token ids
+    DETOKENIZE = 3  # the text of prompt_token_ids
+
+
+class Pooling(enum.IntEnum):
+    """How an EMBED task pools the prompt's final hidden states."""
+
+    MEAN = 0
+    LAST = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,6 +182,12 @@ class Submit:
     # Mid-stream failover: the request is resumed here after the replica that began it was lost
     # (None: a new request, as from a gateway that predates the field).
     continuation: Continuation | None = None
+    # What is asked (#31): generation (default), or an embedding, tokenization or detokenization of the
+    # prompt, answered as one entry then FINISH (transport.wire: "Tasks"); ``pooling`` is EMBED's.
+    task: Task = Task.GENERATE
+    pooling: Pooling = Pooling.MEAN
+    # The stream's first entry is the prompt itself (its ids, text, and logprobs when the params ask)
+    echo: bool = False
 
 
 @dataclass(frozen=True, slots=True)

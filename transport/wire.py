@@ -36,7 +36,9 @@ type   name       request_id  body
                               deadline_ms, priority, trace|nil, return_text,
                               buffered (optional, default false),
                               continuation (optional: nil or absent = none;
-                              else [token_ids (bin, u32 LE), text_bytes])]
+                              else [token_ids (bin, u32 LE), text_bytes]),
+                              task (optional: [task, pooling, echo];
+                              absent: [0, 0, false]; see Tasks)]
                               params = [max_tokens, temperature, top_p, top_k,
                               seed|nil, [stop], stop_token_ids (bin, u32 LE),
                               ignore_eos, logprobs, top_logprobs (0..20),
@@ -119,6 +121,27 @@ prompt's alone) and sends only what follows: its first text delta begins at
 byte ``text_bytes`` of the whole output. A gateway sends it only to a worker
 whose HELLO lists the capability ``"continuation"`` (an older worker ignores the
 field and would start over).
+
+Tasks (SUBMIT field 11, :class:`~transport.messages.Task`): ``task`` 0 is a
+generation, as above. The others ask one answer about the prompt, carried as
+a buffered stream's one TOKENS entry (``buffered`` must be set; credit does not
+apply) followed by FINISH (``prompt_tokens`` the prompt's length,
+``completion_tokens`` 0):
+
+* 1 EMBED: the entry's text is the base64 of the pooled final hidden state
+  (float32, little-endian: OpenAI's ``encoding_format: base64``), no tokens;
+  ``pooling`` 0 is the mean over the prompt's positions, 1 its last position.
+* 2 TOKENIZE: the entry's tokens are the prompt's ids (a chat rendered by the
+  worker's template), no text.
+* 3 DETOKENIZE: ``prompt_token_ids`` must be set; the entry's text is theirs.
+
+``echo`` (a generation that is not buffered): the stream's first TOKENS entry
+is the prompt itself, its ids and (with ``return_text``) its text, with
+logprobs and top-n alternatives when the params ask, as every entry of the
+stream; position 0 has no logprob (NaN, its alternatives are id 0, NaN). Its
+tokens are not output (not in ``max_tokens``, ``completion_tokens`` or
+credit: the stream's window is unlimited, as a buffered one's). A gateway
+sends field 11 only to a worker whose HELLO lists the capability ``"tasks"``.
 
 Both sides also remember the request-id list of the previous TOKENS frame; a
 continuous-batching engine usually emits the same requests in the same order

@@ -10,7 +10,7 @@ from typing import Any
 import msgpack
 
 from .errors import WireError
-from .messages import Continuation, SamplingParams, Submit
+from .messages import Continuation, Pooling, SamplingParams, Submit, Task
 
 __all__ = [
     "MAX_TOP_N",
@@ -21,6 +21,8 @@ __all__ = [
     "submit_body",
     "continuation_fields",
     "continuation",
+    "task_fields",
+    "task_problem",
     "Fields",
     "unpack_fields",
     "enum_value",
@@ -66,10 +68,10 @@ def submit_body(s: Submit) -> bytes:
     """``pack(submit_fields(s))``, faster: the params sub-array is packed once per SamplingParams
     object (the gateway shares one per distinct setting) and spliced in."""
     rest: bytes = _PACKER.pack(_submit_rest(s))
-    # msgpack: an array of 10 is the byte 0x9a then its items; ``rest`` is an array of 8 (0x98 + items),
-    # or of 9 with a continuation (then 11 in all: 0x9b).
+    # msgpack: an array of n < 16 is the byte 0x90 + n then its items; ``rest`` is an array of 8 (0x98 +
+    # items), 9 with a continuation, 10 with a task; the body has model and params besides.
     model: bytes = _PACKER.pack(s.model)
-    return (b"\x9a" if rest[0] == 0x98 else b"\x9b") + model + _params_bytes(s.params) + rest[1:]
+    return (b"\x9a" if rest[0] == 0x98 else bytes((rest[0] + 2,))) + model + _params_bytes(s.params) + rest[1:]
 
 
 def _submit_rest(s: Submit) -> list[object]:
@@ -80,7 +82,19 @@ def _submit_rest(s: Submit) -> list[object]:
     rest: list[object] = [s.prompt, ids, msgs, s.deadline_ms, s.priority, s.trace, bool(s.return_text), bool(s.buffered)]
     if s.continuation is not None:
         rest.append(continuation_fields(s.continuation))
+    if s.task or s.pooling or s.echo:
+        if s.continuation is None:
+            rest.append(None)
+        rest.append([int(s.task), int(s.pooling), bool(s.echo)])
     return rest
+
+
+def task_fields(f: Fields) -> tuple[Task, Pooling, bool]:
+    """SUBMIT field 11, checked: (task, pooling, echo); absent: a generation, no echo."""
+    if len(f.items) <= 11:
+        return Task.GENERATE, Pooling.MEAN, False
+    t = Fields(f.items[11], "SUBMIT task", 3)
+    return enum_value(Task, t.integer(0), "SUBMIT task"), enum_value(Pooling, t.integer(1), "SUBMIT pooling"), t.flag(2)
 
 
 def continuation_fields(c: Continuation) -> list[object]:
@@ -105,6 +119,20 @@ def _check_submit(s: Submit) -> None:
         raise ValueError("Submit needs exactly one of prompt, prompt_token_ids, messages")
     if s.buffered and (s.params.logprobs or s.params.top_logprobs):
         raise ValueError("a buffered Submit cannot ask for logprobs")
+    problem = task_problem(s)
+    if problem:
+        raise ValueError(problem)
+
+
+def task_problem(s: Submit) -> str:
+    """What breaks the task rules of the spec ("Tasks"), or ""."""
+    if s.echo and (s.task or s.buffered):
+        return "echo is for a generation that is not buffered"
+    if s.task and not s.buffered:
+        return "an embed, tokenize or detokenize Submit is buffered"
+    if s.task == Task.DETOKENIZE and s.prompt_token_ids is None:
+        return "a detokenize Submit carries prompt_token_ids"
+    return ""
 
 
 _PARAMS_PACKED: dict[int, tuple[SamplingParams, bytes]] = {}  # id -> (the object, kept alive; its bytes)

@@ -34,6 +34,8 @@ from .wire_control import (
     continuation,
     enum_value,
     params_extension,
+    task_fields,
+    task_problem,
     unpack_fields,
 )
 from .wire_frame import (
@@ -290,6 +292,7 @@ def _submit_body(rid: int, body: memoryview) -> Submit:
     buffered = f.flag(9) if len(f.items) > 9 else False
     if buffered and (params.logprobs or params.top_logprobs):
         raise WireError("SUBMIT: a buffered request cannot ask for logprobs")
+    task, pooling, echo = task_fields(f)
     sub = Submit(
         request_id=rid,
         model=f.text(0),
@@ -303,9 +306,15 @@ def _submit_body(rid: int, body: memoryview) -> Submit:
         return_text=f.flag(8),
         buffered=buffered,
         continuation=continuation(f),
+        task=task,
+        pooling=pooling,
+        echo=echo,
     )
     if sum(x is not None for x in (sub.prompt, sub.prompt_token_ids, sub.messages)) != 1:
         raise WireError("SUBMIT: exactly one of prompt, prompt_token_ids, messages must be set")
+    problem = task_problem(sub)
+    if problem:
+        raise WireError(f"SUBMIT: {problem}")
     return sub
 
 

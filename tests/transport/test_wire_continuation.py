@@ -54,7 +54,7 @@ def test_an_older_gateways_submit_is_a_new_request(fields: list[object]) -> None
 def test_an_older_worker_ignores_it() -> None:
     """What the spec promises an older peer: extra trailing elements are ignored -- which is why a
     gateway sends a continuation only to a worker that lists the capability."""
-    body = mp([*TODAY, [struct.pack("<I", 9), 1], "a later field"])
+    body = mp([*TODAY, [struct.pack("<I", 9), 1], [0, 0, False], "a later field"])  # field 11: the task
     out = decode(frame(FrameType.SUBMIT, body, rid=1))
     assert isinstance(out, Submit) and out.continuation == Continuation((9,), 1)
 
