@@ -10,7 +10,8 @@ them with the replica's ``Hello.block_size`` when its ``Hello.prefix_hash``
 names the scheme this gateway computes.
 
 Only the pool of a policy that asks for hashes has a hasher: tokenizing and hashing cost
-µs per request (a chat template render plus the tokenizer, then the chain through
+µs per request (a chat's text -- from a skeleton per chat shape where its template allows,
+``inference.tokenizer.ChatRenderer``, else the template rendered -- the tokenizer, then the chain through
 :class:`~gateway.routing.chain_memo.ChainMemo`), which least-loaded routing does not pay. The
 chain is hashed from u32le bytes: token ids packed once, the byte tokenizer's straight from the
 text; with ``held`` (cache_aware's index) it stops after the first block no replica holds.
@@ -59,6 +60,17 @@ def prompt_token_ids(tokenizer: PromptTokenizer, submit: Submit) -> Sequence[int
     return tokenizer.encode_chat(submit.messages or (), tools=_tools(submit))
 
 
+class _ChatRenderer(Protocol):  # inference.tokenizer.ChatRenderer
+    def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+               tools_json: str | None = None) -> str: ...
+
+
+class _RendersChats(PromptTokenizer, Protocol):  # the tokenizers of inference.tokenizer
+    def chat_renderer(self) -> _ChatRenderer | None: ...
+
+    def encode_rendered(self, text: str) -> list[int]: ...
+
+
 class _Ids:
     """A prompt's token ids as u32le bytes (what the hash chain reads): the tokenizer's ids, packed."""
 
@@ -76,22 +88,41 @@ class _Ids:
         return u32le(prompt_token_ids(self.tok, submit))
 
 
-class _ByteLevel(_Ids):
+class _Rendered(_Ids):
+    """A tokenizer of ``inference.tokenizer``'s: a chat is rendered by its ``chat_renderer()`` (the
+    template's text without jinja for the templates that allow it: ``ChatRenderer``), then tokenized
+    by its ``encode_rendered`` (what ``encode_chat`` does after rendering)."""
+
+    __slots__ = ("chat", "rendered")
+
+    def __init__(self, tok: _RendersChats) -> None:
+        super().__init__(tok)
+        self.chat = tok.chat_renderer()
+        self.rendered = tok.encode_rendered
+
+    def encode(self, submit: Submit) -> bytes:
+        if submit.prompt is None and self.chat is not None:
+            return u32le(self.rendered(self.chat.render(submit.messages or (), True, submit.params.tools or None)))
+        return u32le(prompt_token_ids(self.tok, submit))
+
+
+class _ByteLevel(_Rendered):
     """The byte tokenizer's (``"tiny"``): its ids are ``encode("")`` (the BOS) then the text's UTF-8
     bytes, so the bytes come from the text in C (Latin-1 maps a byte to the code point of its
     value, UTF-32 writes that as a u32), never a list of ints."""
 
-    __slots__ = ("_bos", "_render")
+    __slots__ = ("_bos",)
 
-    def __init__(self, tok: PromptTokenizer, render: Callable[..., str]) -> None:
+    def __init__(self, tok: _RendersChats) -> None:
         super().__init__(tok)
         self._bos = u32le(tok.encode(""))
-        self._render = render  # its apply_chat_template
 
     def encode(self, submit: Submit) -> bytes:
         text = submit.prompt
         if text is None:
-            text = self._render(submit.messages or (), True, tools=_tools(submit))
+            if self.chat is None:
+                return super().encode(submit)
+            text = self.chat.render(submit.messages or (), True, submit.params.tools or None)
         return self._bos + text.encode().decode("latin-1").encode("utf-32-le")
 
 
@@ -103,9 +134,11 @@ def _load(model_id: str) -> PromptTokenizer:
 
 
 def _ids_of(tok: PromptTokenizer) -> _Ids:
-    from inference.tokenizer import ByteTokenizer  # (loaded already: _load's module)
+    from inference.tokenizer import ByteTokenizer, HFTokenizer  # (loaded already: _load's module)
 
-    return _ByteLevel(tok, tok.apply_chat_template) if isinstance(tok, ByteTokenizer) else _Ids(tok)
+    if isinstance(tok, ByteTokenizer):
+        return _ByteLevel(tok)
+    return _Rendered(tok) if isinstance(tok, HFTokenizer) else _Ids(tok)
 
 
 class PrefixHasher:
