@@ -173,6 +173,10 @@ class Engine:
         vocab = self.tokenizer.vocab_size
         if min(prompt) < 0 or max(prompt) >= vocab:
             raise EngineError(ErrorCode.INVALID_REQUEST, f"prompt token ids must be in [0, {vocab})")
+        for tok, _ in params.logit_bias:
+            if not 0 <= tok < vocab:
+                raise EngineError(ErrorCode.INVALID_REQUEST, f"logit_bias: token id {tok} is outside this "
+                                  f"model's vocabulary [0, {vocab})")
         if len(prompt) + params.max_tokens > self.max_model_len:
             raise EngineError(
                 ErrorCode.CONTEXT_LENGTH,
@@ -336,7 +340,7 @@ class Engine:
                 pos = len(s.tokens) - 1
                 work.append(
                     SeqWork(s.seq_id, (s.tokens[-1],), pos, self.kv.block_table(s.seq_id), s.params, s.seed,
-                            s.num_generated, s.guide)
+                            s.num_generated, s.guide, s.adjust)
                 )  # fmt: skip
         return work
 
@@ -356,7 +360,8 @@ class Engine:
             budget -= n
             lengths.append(n)
             work.append(SeqWork(s.seq_id, tuple(s.tokens[s.num_computed : s.num_computed + n]), s.num_computed,
-                                self.kv.block_table(s.seq_id), s.params, s.seed, s.num_generated, s.guide))
+                                self.kv.block_table(s.seq_id), s.params, s.seed, s.num_generated, s.guide,
+                                s.adjust))
         free_slots = self.config.max_batch - len(self._running)
         ready = list(self._waiting)
         if free_slots <= 0 or not ready or (chunked and budget <= 0):
@@ -392,7 +397,7 @@ class Engine:
             s.num_computed = alloc.num_cached_tokens
             self._last_admit = now
             work.append(SeqWork(s.seq_id, tuple(s.tokens[cached : cached + n]), cached, alloc.block_table, s.params,
-                                s.seed, s.num_generated, s.guide))
+                                s.seed, s.num_generated, s.guide, s.adjust))
             if self.kv.enable_prefix_cache and _prefilling(s):
                 leaders.append(s)
         return work
@@ -538,5 +543,13 @@ def _validate(p: SamplingParams) -> None:
         bad = "top_logprobs must be in [0, 20]"
     elif any(not s for s in p.stop):
         bad = "stop strings must be non-empty"
+    elif not (-2.0 <= p.presence_penalty <= 2.0 and -2.0 <= p.frequency_penalty <= 2.0):
+        bad = "presence_penalty and frequency_penalty must be in [-2, 2]"
+    elif not 0.0 < p.repetition_penalty <= 100.0:  # also refuses NaN
+        bad = "repetition_penalty must be in (0, 100]"
+    elif not 0 <= p.min_tokens <= p.max_tokens:
+        bad = "min_tokens must be in [0, max_tokens]"
+    elif any(not -100.0 <= b <= 100.0 for _, b in p.logit_bias):
+        bad = "logit_bias values must be in [-100, 100]"
     if bad:
         raise EngineError(ErrorCode.INVALID_REQUEST, bad)

@@ -26,6 +26,7 @@ from transport.messages import SamplingParams
 
 if TYPE_CHECKING:
     from .grammar import Guide
+    from .penalties import LogitAdjust
 
 __all__ = ["SeqWork", "StepPlan", "SeqFault", "SeqOutput", "ModelRunner"]
 
@@ -55,6 +56,9 @@ class SeqWork:
     # Structured output: where this sequence stands in its grammar (inference.grammar.Guide), whose
     # mask the runner applies when it samples; None (nearly always): nothing to mask.
     guide: Guide | None = None
+    # Penalties, logit_bias, min_tokens (inference.penalties): the sequence's table, read when it samples;
+    # None (nearly always): the plain sampler.
+    adjust: LogitAdjust | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,6 +14,14 @@ a separate executable that takes a packed bit mask per row (int32 words, bit
 puts ``-inf`` on every token it forbids before anything else: greedy, sampling
 and the logprobs all see only what the grammar allows. A batch without a
 constrained row never runs it.
+
+Logit adjustments (#31: ``logit_bias``, ``min_tokens``, presence, frequency and repetition penalties;
+the host side and the reasons for its sparse form are :mod:`inference.penalties`) go through
+:func:`sample_adjusted` / :func:`sample_masked_adjusted`, again executables of their own: a row's
+sparse table ``[B, W]`` (ids, generated counts, seen flags, biases) is scattered into ``[B, V]`` and
+applied (:func:`adjust_logits`) after a grammar's mask and before anything else, so greedy, sampling
+and the logprobs see the adjusted distribution, as with a mask. A batch without an adjusted row never
+runs them: the plain sampler's executable and cost are unchanged.
 """
 
 from __future__ import annotations
@@ -25,7 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["MAX_TOP_LOGPROBS", "SamplingBatch", "SampleResult", "sample", "sample_masked", "apply_mask", "row_keys"]
+__all__ = ["MAX_TOP_LOGPROBS", "SamplingBatch", "SampleResult", "sample", "sample_masked", "apply_mask", "row_keys",
+           "adjust_logits", "sample_adjusted", "sample_masked_adjusted", "ADJUST_DTYPES"]
 
 Array = jax.Array
 MAX_TOP_LOGPROBS = 20
@@ -153,3 +162,45 @@ def sample_masked(logits: Array, mask: Array, temperature: Array, top_k: Array, 
     """:func:`sample` over only the tokens each row's mask allows. Jit-friendly."""
     return sample(apply_mask(logits.astype(jnp.float32), mask), temperature, top_k, top_p, seed_lo, seed_hi, step,
                   want_top)
+
+
+# The dtypes of inference.penalties.AdjustBatch.arrays(): ids, count, seen, bias [B, W]; presence,
+# frequency, repetition [B].
+ADJUST_DTYPES = (jnp.int32, jnp.float32, jnp.float32, jnp.float32, jnp.float32, jnp.float32, jnp.float32)
+
+
+def adjust_logits(logits: Array, ids: Array, count: Array, seen: Array, bias: Array, presence: Array,
+                  frequency: Array, repetition: Array) -> Array:
+    """``logits`` [B,V] float32 with each row's bias, ``min_tokens`` ban, repetition, frequency and
+    presence penalties applied (in that order; :mod:`inference.penalties`). A row whose ``-inf`` biases
+    (the end tokens before ``min_tokens``) would leave nothing finite keeps those tokens."""
+    b, v = logits.shape
+    rows = jnp.arange(b, dtype=jnp.int32)[:, None]
+    zeros = jnp.zeros((b, v), jnp.float32)
+    hard = jnp.isneginf(bias)
+    counts = zeros.at[rows, ids].add(count)
+    seen_v = zeros.at[rows, ids].max(seen)
+    soft = logits + zeros.at[rows, ids].add(jnp.where(hard, 0.0, bias))
+    banned = soft + zeros.at[rows, ids].add(jnp.where(hard, -jnp.inf, 0.0))
+    out = jnp.where(jnp.any(banned > -jnp.inf, axis=-1, keepdims=True), banned, soft)
+    rep = repetition[:, None]
+    out = jnp.where(seen_v > 0, jnp.where(out > 0, out / rep, out * rep), out)
+    return out - frequency[:, None] * counts - presence[:, None] * (counts > 0).astype(jnp.float32)
+
+
+def sample_adjusted(logits: Array, ids: Array, count: Array, seen: Array, bias: Array, presence: Array,
+                    frequency: Array, repetition: Array, temperature: Array, top_k: Array, top_p: Array,
+                    seed_lo: Array, seed_hi: Array, step: Array, want_top: Array) -> SampleResult:
+    """:func:`sample` of the adjusted logits (:func:`adjust_logits`). Jit-friendly."""
+    adjusted = adjust_logits(logits.astype(jnp.float32), ids, count, seen, bias, presence, frequency, repetition)
+    return sample(adjusted, temperature, top_k, top_p, seed_lo, seed_hi, step, want_top)
+
+
+def sample_masked_adjusted(logits: Array, mask: Array, ids: Array, count: Array, seen: Array, bias: Array,
+                           presence: Array, frequency: Array, repetition: Array, temperature: Array, top_k: Array,
+                           top_p: Array, seed_lo: Array, seed_hi: Array, step: Array,
+                           want_top: Array) -> SampleResult:
+    """A grammar's mask, then the adjustments, then :func:`sample`. Jit-friendly."""
+    masked = apply_mask(logits.astype(jnp.float32), mask)
+    return sample_adjusted(masked, ids, count, seen, bias, presence, frequency, repetition, temperature, top_k,
+                           top_p, seed_lo, seed_hi, step, want_top)

@@ -7,6 +7,11 @@ limit -> LENGTH. Text is detokenized incrementally and passed through a
 :class:`~inference.stop.StopMatcher`, so a stop string split over tokens is
 caught and never emitted. Eos and stop token ids are counted in
 ``completion_tokens`` but not streamed.
+
+A request that sets a penalty, ``logit_bias`` or ``min_tokens`` carries a
+:class:`~inference.penalties.LogitAdjust` (``adjust``; None otherwise) that
+takes in the prompt at once and every token as it is accepted (or resumed),
+so the runner reads the step's table without a pass over the context.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from transport.messages import ErrorCode, FinishReason, SamplingParams
 
+from .penalties import LogitAdjust, needs_adjust
 from .runner import SeqOutput
 from .stop import StopMatcher
 from .tokenizer import IncrementalDecoder
@@ -75,7 +81,7 @@ class Sequence:
     __slots__ = (
         "key", "seq_id", "prompt_len", "tokens", "params", "seed", "arrival", "deadline",
         "return_text", "status", "paused_at", "num_computed", "cached_tokens", "admitted",
-        "_decoder", "_stop", "_stop_ids", "_want_text", "guide", "_resync",
+        "_decoder", "_stop", "_stop_ids", "_want_text", "guide", "_resync", "adjust",
     )  # fmt: skip
 
     def __init__(
@@ -113,6 +119,10 @@ class Sequence:
         if not params.ignore_eos:
             stop_ids.update(eos_ids)
         self._stop_ids = frozenset(stop_ids)
+        self.adjust: LogitAdjust | None = None  # penalties, logit_bias, min_tokens (inference.penalties)
+        if needs_adjust(params):
+            self.adjust = LogitAdjust(params, len(prompt), stop_ids)
+            self.adjust.fold(prompt)
         self._want_text = return_text or bool(params.stop)
         self._resync: tuple[str, int] | None = None  # a resumed request's text to add or bytes to drop (resume)
 
@@ -135,6 +145,8 @@ class Sequence:
         differ in length from ``text_bytes`` (what the client has), the next delta makes up for it,
         so the client's text goes on byte for byte either way."""
         self.tokens.extend(generated)
+        if self.adjust is not None:
+            self.adjust.fold(self.tokens)
         if not self._want_text and self.guide is None:
             return
         parts: list[str] = []
@@ -167,6 +179,8 @@ class Sequence:
         """Take one sampled token; return the delta to stream and a finish reason."""
         tok = out.token_id
         self.tokens.append(tok)
+        if self.adjust is not None:
+            self.adjust.fold(self.tokens)
         p = self.params
         if self.guide is not None and tok not in self._stop_ids:
             self.guide.consume(tok)

@@ -52,8 +52,17 @@ from inference.kernels.quant import quantize_weight_t
 from inference.model.buckets import Buckets
 from inference.model.registry import Model
 from inference.model.tensor_parallel import Layout, ShardedModel, make_mesh, place, shard_params
+from inference.penalties import AdjustBatch
 from inference.runner import SeqFault, SeqOutput, SeqWork, StepPlan
-from inference.sampling import MAX_TOP_LOGPROBS, SamplingBatch, sample, sample_masked
+from inference.sampling import (
+    ADJUST_DTYPES,
+    MAX_TOP_LOGPROBS,
+    SamplingBatch,
+    sample,
+    sample_adjusted,
+    sample_masked,
+    sample_masked_adjusted,
+)
 from inference.weights import LoadedModel, load_model
 from transport.common import worker_options as options
 
@@ -309,7 +318,7 @@ class JaxRunner:
             works = [prefills[i] for i in group]
             b, t = self.buckets.prefill_shape(len(works), max(len(w.token_ids) for w in works))
             mixed = self.buckets.mixed_shape(len(decodes), b, t) if decodes else None
-            if mixed and not any(w.guide is not None for w in (*decodes, *works)):
+            if mixed and not any(_special(w) for w in (*decodes, *works)):
                 # chunked prefill: the decodes ride in the first prefill group's pass
                 d = self.buckets.decode_batches[-1]  # the mixed pass's decode rows, padding included
                 rows = [*enumerate(decodes), *((d + i, w) for i, w in enumerate(works))]
@@ -375,6 +384,12 @@ class JaxRunner:
             lowered = jax.jit(sample_masked).lower(jax.ShapeDtypeStruct((b, self.config.vocab_size), jnp.float32),
                                                    i32((b, (self.config.vocab_size + 31) // 32)),
                                                    *self._sampling_spec(b))
+        elif kind in ("sample_adjusted", "sample_masked_adjusted"):  # penalties etc.: per row count and width
+            masked = kind == "sample_masked_adjusted"
+            adjust = tuple(jax.ShapeDtypeStruct((b, t) if i < 4 else (b,), dt) for i, dt in enumerate(ADJUST_DTYPES))
+            lowered = jax.jit(sample_masked_adjusted if masked else sample_adjusted).lower(
+                jax.ShapeDtypeStruct((b, self.config.vocab_size), jnp.float32),
+                *((i32((b, (self.config.vocab_size + 31) // 32)),) if masked else ()), *adjust, *self._sampling_spec(b))
         elif kind in ("mixed", "mixed_logits"):  # decodes padded to the largest decode bucket, a prefill group
             d = self.buckets.decode_batches[-1]
             fn = partial(_mixed_step, model=self._step_model, kernels=self.kernels, block_size=self.block_size)
@@ -417,13 +432,22 @@ class JaxRunner:
 
     def _sample(self, logits: jax.Array, works: Sequence[SeqWork], b: int) -> Any:
         rows = self.buckets.sample_rows(b)
-        if any(w.guide is not None for w in works):
+        if any(_special(w) for w in works):
             return self._sample_masked(logits, works, rows)
         return tuple(self._executable(("sample", rows, 0))(logits, *self._sampling(works, rows)))
 
     def _sample_masked(self, logits: jax.Array, works: Sequence[SeqWork], rows: int) -> Any:
         """Sample ``logits`` (already dispatched: the model runs while the masks are computed here)
-        through the grammars of the rows that have one (inference.grammar)."""
+        through the grammars of the rows that have one (inference.grammar) and the adjustments of the
+        rows that have them (inference.penalties)."""
+        sampling = self._sampling(works, rows)
+        adjust = None
+        if any(w.adjust is not None for w in works):
+            adjust = AdjustBatch([(w.adjust, w.num_generated) for w in works], rows)
+        if not any(w.guide is not None for w in works):
+            assert adjust is not None
+            exe = self._executable(("sample_adjusted", rows, adjust.width))
+            return tuple(exe(logits, *adjust.arrays(), *sampling))
         from inference.grammar import fill_masks
 
         masks = np.full((rows, (self.config.vocab_size + 31) // 32), -1, np.int32)
@@ -434,7 +458,10 @@ class JaxRunner:
         for guide, row in guided:
             if guide is not None and guide.error:
                 self._guide_faults[works[row].seq_id] = SeqFault(f"structured output failed: {guide.error}")
-        return tuple(self._executable(("sample_masked", rows, 0))(logits, masks, *self._sampling(works, rows)))
+        if adjust is not None:
+            exe = self._executable(("sample_masked_adjusted", rows, adjust.width))
+            return tuple(exe(logits, masks, *adjust.arrays(), *sampling))
+        return tuple(self._executable(("sample_masked", rows, 0))(logits, masks, *sampling))
 
     def _prefill_logits(self, works: Sequence[SeqWork], b: int, t: int) -> Any:
         args = self._prefill_args(works, b, t)
@@ -487,7 +514,7 @@ class JaxRunner:
     def _decode(self, works: Sequence[SeqWork], b: int, *, sample: bool) -> Any:
         """Dispatch one decode step for ``works`` (padded to ``b`` rows): sampled outputs, or logits."""
         tokens, positions, _, valid = self._decode_args(works, b)
-        if sample and any(w.guide is not None for w in works):  # logits out, then the masked sampler
+        if sample and any(_special(w) for w in works):  # logits out, then the masked / adjusted sampler
             logits, self._cache = self._executable(("decode_logits", b, 1))(
                 self._params, self._cache, tokens, positions, self._tables(works, b), valid)
             return self._sample_masked(logits, works, b)
@@ -495,3 +522,8 @@ class JaxRunner:
         key = ("decode" if sample else "decode_logits", b, 1)
         out, self._cache = self._executable(key)(self._params, self._cache, *args)
         return out
+
+
+def _special(w: SeqWork) -> bool:
+    """A row the plain sampler cannot take: a grammar's mask or logit adjustments (their own executables)."""
+    return w.guide is not None or w.adjust is not None
