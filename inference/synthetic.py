@@ -47,6 +47,12 @@ batching:
   call does; the worker's loop (:mod:`inference.service`) then ends every
   request it holds with INTERNAL ``engine step failed: ...``, as for any runner;
 - ``synthetic_slowdown``: factor on every modelled time.
+
+Sampling settings it has no logits for (#31): it has no distribution to penalise, so presence,
+frequency and repetition penalties change nothing here; it honours what decides a token outright --
+``logit_bias`` +100 forces that token (the smallest such id), -100 bans one, and ``min_tokens`` bans
+the end tokens (stop token ids; it never samples eos) until that many were generated, a banned draw
+moving to the next printable byte. A structured output's grammar still has the last word.
 """
 
 from __future__ import annotations
@@ -253,6 +259,13 @@ class SyntheticRunner:
                 del self._digests[k]
         self._digests[w.seq_id] = (n, digest)
         tok = _token(digest, w.seed, w.num_generated, w.params.temperature)
+        if w.adjust is not None:  # logit_bias +-100 and min_tokens (the module docstring)
+            forced, banned = w.adjust.decided(w.num_generated)
+            tok = forced if forced is not None else tok
+            for _ in range(95):  # the next printable byte not banned (every one banned: the last tried)
+                if tok not in banned:
+                    break
+                tok = 32 + (tok - 31) % 95
         if w.guide is not None:  # structured output: the same token if the grammar allows it, else one it does
             tok = _allowed(w.guide, tok, digest)
         lp = -(((digest ^ tok) % 1000) / 1000.0) - 0.01
