@@ -50,6 +50,7 @@ from inference.kernels.kernel_set import KernelSet, build_kernels
 from inference.kernels.paged_cache import KVCache, init_kv_cache, kv_bytes_per_token
 from inference.kernels.quant import quantize_weight_t
 from inference.model.buckets import Buckets
+from inference.model.prompt_pass import PromptPass
 from inference.model.registry import Model
 from inference.model.tensor_parallel import Layout, ShardedModel, make_mesh, place, shard_params
 from inference.penalties import AdjustBatch
@@ -63,6 +64,7 @@ from inference.sampling import (
     sample_masked,
     sample_masked_adjusted,
 )
+from inference.tasks import PromptResult
 from inference.weights import LoadedModel, load_model
 from transport.common import worker_options as options
 
@@ -224,6 +226,7 @@ class JaxRunner:
         self._lock = threading.Lock()
         self._guide_faults: dict[int, SeqFault] = {}  # this step's sequences whose grammar failed
         self.compile_seconds = 0.0
+        self._prompt_pass: PromptPass | None = None  # built on the first embedding or echo with logprobs
 
     @classmethod
     def load(cls, model: str = _D.model, *, dtype: str = _D.dtype, block_size: int = _D.block_size,
@@ -292,6 +295,12 @@ class JaxRunner:
                 if w.seq_id in self._guide_faults:
                     by_seq[id(w)] = SeqOutput(w.seq_id, 0, 0.0, fault=self._guide_faults[w.seq_id])
         return [by_seq[id(w)] for w in (*plan.prefills, *plan.decodes)]
+
+    def prompt_pass(self, ids: Sequence[int], logprobs: bool) -> PromptResult:
+        """The prompt through the model on its own (embeddings, echo's logprobs: inference.tasks)."""
+        if self._prompt_pass is None:
+            self._prompt_pass = PromptPass(self.model, self._params, self.kernels, self.max_model_len)
+        return self._prompt_pass.run(ids, logprobs)
 
     def logits(self, plan: StepPlan) -> np.ndarray:
         """Like :meth:`execute` but return float32 logits [plan.size, vocab] instead of sampling.
