@@ -32,6 +32,7 @@ from transport.messages import Error, ErrorCode, Finish, FinishReason, Hello, St
 from .engine import Delta, Engine, EngineError, EngineEvent, Failed, Finished
 from .guided import GuideCompiles
 from .kv_events import KvPublisher
+from .tasks import PromptTasks
 from .tokenizer import Tokenizer, TokenizerError
 from .tracing import WorkerTracer
 
@@ -103,6 +104,8 @@ class WorkerService:
         # The Stats last sent, for the worker's own /metrics (read from its HTTP thread: one reference swap).
         self.last_stats: Stats | None = None
         self.grammars = GuideCompiles(self)  # structured output's compiles, off the loop and the step
+        # embeddings, tokenize, detokenize, echo's prompt entry (#31); prompt passes on the step thread
+        self.tasks = PromptTasks(self, tokenizer, engine.runner, self._executor, pack_tokens)
         self.kv_events = KvPublisher(engine.kv)  # the prefix cache's changes, to gateways that subscribe
         self.startup: tuple[float, ...] = ()  # seconds of (load, compile, warm-up), set by the worker once it serves
 
@@ -110,7 +113,7 @@ class WorkerService:
     def hello(self) -> Hello:
         """Who we are and what we can hold: the gateway sizes and routes by these."""
         eng = self.engine
-        caps = ("logprobs", "text", "chat", "continuation") + (("kv_events",) if self.kv_events.capable else ())
+        caps = ("logprobs", "text", "chat", "continuation", "tasks") + (("kv_events",) if self.kv_events.capable else ())
         return Hello(role="worker", identity=self.identity, models=(self.served_name,),
                      capabilities=caps, max_batch=eng.config.max_batch,
                      kv_blocks=eng.kv.num_blocks, block_size=eng.kv.block_size, max_model_len=eng.max_model_len,
@@ -135,6 +138,17 @@ class WorkerService:
                 raise EngineError(ErrorCode.UNKNOWN_MODEL, f"model {submit.model!r} is not served here "
                                                            f"(serving {self.served_name!r})")  # fmt: skip
             ids = self._prompt_ids(submit)
+            if submit.task or submit.echo:  # an answer about the prompt; echo: its entry, then generate()
+                self.tasks.start(conn, cid, submit, ids)
+                return
+        except EngineError as exc:
+            conn.send_error(Error(rid, exc.code, exc.message))
+            return
+        self.generate(conn, cid, submit, ids)
+
+    def generate(self, conn: ServerConnection, cid: int, submit: Submit, ids: list[int]) -> None:
+        """A generation whose prompt is tokenized: to the engine (structured output: its grammar first)."""
+        try:
             if submit.continuation is not None and self._resumed_at_its_end(conn, submit, len(ids)):
                 return
             if submit.params.guide_kind:  # structured output: its grammar compiles first, off the loop
@@ -142,7 +156,7 @@ class WorkerService:
                 return
             self._add(cid, submit, ids, None)
         except EngineError as exc:
-            conn.send_error(Error(rid, exc.code, exc.message))
+            conn.send_error(Error(submit.request_id, exc.code, exc.message))
             return
         self._wake.set()
 
@@ -200,7 +214,7 @@ class WorkerService:
 
     def on_cancel(self, conn: ServerConnection, request_id: int) -> None:
         key = (self._key(conn), request_id)
-        if self.grammars.cancel(key):  # still compiling its grammar: it ends here
+        if self.grammars.cancel(key) or self.tasks.cancel(key):  # still compiling its grammar, or in its prompt pass
             conn.send_finish(Finish(request_id, FinishReason.CANCELLED, 0, 0))
             return
         fin = self.engine.cancel(key)
@@ -222,6 +236,7 @@ class WorkerService:
             return
         self._conns.pop(cid, None)
         self.grammars.forget(cid)
+        self.tasks.forget(cid)
         for rid in open_requests:
             self.engine.cancel((cid, rid))
             self.tracer.ended((cid, rid), error="gateway disconnected")
@@ -236,7 +251,8 @@ class WorkerService:
         stats = asyncio.create_task(self._stats_loop())
         try:
             while not self._stopped:
-                if self._draining and not self.engine.has_unfinished() and not self.grammars.pending:
+                if self._draining and not self.engine.has_unfinished() and not self.grammars.pending \
+                        and not self.tasks.pending:
                     break
                 plan, events = self.engine.schedule(self._clock())
                 self._dispatch(events)

@@ -58,13 +58,14 @@ moving to the next printable byte. A structured output's grammar still has the l
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .runner import SeqFault, SeqOutput, SeqWork, StepPlan
+from .tasks import PromptResult
 
 if TYPE_CHECKING:
     from .grammar import Guide
@@ -273,6 +274,26 @@ class SyntheticRunner:
         top_ids = tuple(32 + (tok - 32 + i) % 95 for i in range(k))
         top_lps = tuple(lp - i for i in range(k))
         return SeqOutput(w.seq_id, tok, lp, top_ids, top_lps)
+
+
+    hidden_size = 32  # of its made-up hidden states (prompt_pass)
+
+    def prompt_pass(self, ids: Sequence[int], logprobs: bool) -> PromptResult:
+        """Made-up hidden states and prompt logprobs, a pure function of the prompt (no model): row t
+        is a unit vector drawn from the seed (ids[t], t); position t's token is its own top
+        alternative, with logprob -(hash mod 1000)/1000 - 0.01; the first position has none."""
+        if not 0 < len(ids) <= self.max_model_len:
+            raise ValueError(f"a prompt of {len(ids)} tokens (1..{self.max_model_len})")
+        rows = [np.random.default_rng([int(t), i]).standard_normal(self.hidden_size) for i, t in enumerate(ids)]
+        hidden = np.asarray([r / np.linalg.norm(r) for r in rows], np.float32)
+        if not logprobs:
+            return PromptResult(hidden)
+        lps = np.asarray([-(_mix(int(t), i) % 1000) / 1000.0 - 0.01 for i, t in enumerate(ids)], np.float32)
+        lps[0] = np.nan
+        top_ids = (np.asarray(ids, np.int64)[:, None] + np.arange(20)[None, :]) % 256
+        top_lps = lps[:, None] - np.arange(20, dtype=np.float32)[None, :]
+        top_ids[0] = 0
+        return PromptResult(hidden, lps, top_ids, top_lps)
 
 
 def _allowed(guide: Guide, tok: int, digest: int) -> int:

@@ -145,7 +145,7 @@ class ResultHold:
 
     def _end(self, msg: Finish | Error) -> None:
         h = self._held.pop(msg.request_id, None)
-        if h is not None and h.tokens and not h.dropped:  # its tokens go right before its end
+        if h is not None and (h.tokens or h.text) and not h.dropped:  # its tokens go right before its end
             self._ending.append((h, msg))  # those ending together share one TOKENS frame
             return
         if self._ending:

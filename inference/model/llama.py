@@ -34,7 +34,7 @@ from inference.kernels.rope import rotate_half
 from inference.model.config import LlamaConfig
 
 __all__ = ["Llama", "Params", "param_shapes", "rope_inv_freq", "random_hf_tensors", "qkv_extras",
-           "prefill_forward", "decode_forward", "mixed_forward"]
+           "prefill_forward", "decode_forward", "mixed_forward", "prompt_forward"]
 
 Array = jax.Array
 Params = dict[str, Any]  # {"embed", "layers": [ {...}, ...], "norm", "lm_head"?}
@@ -340,6 +340,29 @@ def mixed_forward(params: Params, cache: KVCache, decode: tuple[Array, ...], pre
     return _logits(params, last, cfg, ks, out_live), cache
 
 
+def prompt_forward(params: Params, tokens: Array, *, cfg: LlamaConfig, kernels: KernelSet) -> tuple[Array, Array]:
+    """A prompt ``tokens [T]`` through every layer on its own, no KV cache (causal attention over
+    itself): its final hidden states ``[T, hidden]`` (after the final norm, as HF's
+    ``last_hidden_state``) and its logits ``[T, V]`` (float32). What embeddings and prompt logprobs
+    read (#31); the same projections as the served steps, the reference attention."""
+    ks = kernels
+    t = tokens.shape[0]
+    hq, kv, d, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps
+    positions = jnp.arange(t, dtype=jnp.int32)[None, :]
+    inv_freq = jnp.asarray(rope_inv_freq(cfg))
+    zeros, lens = jnp.zeros((1,), jnp.int32), jnp.full((1,), t, jnp.int32)
+    x = params["embed"][tokens]
+    for lp in params["layers"]:
+        qkv = qkv_extras(_norm_linear(x, lp["attn_norm"], eps, lp, "wqkv", None, ks), lp, cfg)
+        q = rotate_half(qkv[:, : hq * d].reshape(1, t, hq, d), positions, inv_freq).astype(x.dtype)
+        k = rotate_half(qkv[:, hq * d: (hq + kv) * d].reshape(1, t, kv, d), positions, inv_freq).astype(x.dtype)
+        v = qkv[:, (hq + kv) * d:].reshape(1, t, kv, d)
+        o = reference.prefill_attention(q, k, v, zeros, lens, scale=d ** -0.5, window=cfg.sliding_window)
+        x = _residual_linear(x, o.reshape(t, -1).astype(x.dtype), lp, "wo", None, ks)
+        x = _mlp(x, lp, cfg, ks, None)
+    return rms_norm(x, params["norm"], eps).astype(jnp.float32), _logits(params, x, cfg, ks)
+
+
 # -- calibration -------------------------------------------------------------------------------------------
 
 
@@ -435,6 +458,9 @@ class Llama:
     def mixed(self, params: Params, cache: KVCache, decode: tuple[Array, ...], prefill: tuple[Array, ...], *,
               kernels: KernelSet) -> tuple[Array, KVCache]:
         return mixed_forward(params, cache, decode, prefill, cfg=self.config, kernels=kernels)
+
+    def prompt(self, params: Params, tokens: Array, *, kernels: KernelSet) -> tuple[Array, Array]:
+        return prompt_forward(params, tokens, cfg=self.config, kernels=kernels)
 
     def calibrate(self, params: Params, tokens: np.ndarray, quantize: Callable[[Any, Array], Any], *,
                   head: bool = True) -> Params:
