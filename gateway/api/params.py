@@ -21,7 +21,7 @@ conversion into :class:`~transport.messages.SamplingParams`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import orjson
@@ -31,6 +31,7 @@ from transport.messages import SamplingParams, Submit
 from ..admission.schema import builtin_validator
 from ..errors import APIError
 from ..routing.rollout import Rollout
+from .sampling_extras import EXTRA_KEYS, check_min_tokens, sampling_extras
 from .structured import chat_constraint, completion_constraint, with_constraint
 from .tools import ToolSetup
 
@@ -132,7 +133,7 @@ def _json_type(v: Any) -> str:
 
 _RARE = frozenset({"n", "max_completion_tokens", "top_k", "seed", "stop", "user", "stream_options",
                    "frequency_penalty", "presence_penalty", "logit_bias", "ignore_eos", "logprobs", "top_logprobs",
-                   "best_of"})
+                   "best_of"}) | EXTRA_KEYS
 
 
 def _common(d: dict[str, Any], max_tokens_limit: int, default_max: int,
@@ -156,6 +157,7 @@ def _common(d: dict[str, Any], max_tokens_limit: int, default_max: int,
     stop: tuple[str, ...] = ()
     include_usage = ignore_eos = logprobs = False
     top_n = 0
+    extras: dict[str, Any] = {}
     if not _RARE.isdisjoint(d):  # the rest only when the request uses any of it
         _ints(d, _CHAT_INTS if chat else _COMPLETION_INTS)
         n = d.get("n")
@@ -181,12 +183,7 @@ def _common(d: dict[str, Any], max_tokens_limit: int, default_max: int,
                 raise _bad("'stream_options' is only allowed when 'stream' is true.", "stream_options",
                            "invalid_value")
             include_usage = so.get("include_usage") is True
-        for key in ("frequency_penalty", "presence_penalty"):
-            if d.get(key):  # a number in [-2, 2] (the schema); anything but 0 asks for what we lack
-                raise _bad(f"'{key}' is not supported by this server; omit it or set it to 0.", key,
-                           "unsupported_parameter")
-        if d.get("logit_bias"):
-            raise _bad("'logit_bias' is not supported by this server.", "logit_bias", "unsupported_parameter")
+        extras = sampling_extras(d)  # penalties, logit_bias, min_tokens (gateway.api.sampling_extras)
         ignore_eos = d.get("ignore_eos") is True
         if chat:
             logprobs = d.get("logprobs") is True
@@ -203,8 +200,11 @@ def _common(d: dict[str, Any], max_tokens_limit: int, default_max: int,
     elif max_tokens > max_tokens_limit:
         raise _bad(f"Invalid value for '{param}': {max_tokens}; this server allows at most {max_tokens_limit}.",
                    param, "invalid_value")
-    return model, _sampling(max_tokens, temperature, top_p, top_k, seed, stop, ignore_eos, logprobs, top_n), \
-        stream, include_usage, user, logprobs, top_n
+    params = _sampling(max_tokens, temperature, top_p, top_k, seed, stop, ignore_eos, logprobs, top_n)
+    if extras:
+        check_min_tokens(extras, max_tokens, param)
+        params = replace(params, **extras)
+    return model, params, stream, include_usage, user, logprobs, top_n
 
 
 _CHAT_RARE = frozenset({"tools", "tool_choice", "response_format", "structured_outputs"})
