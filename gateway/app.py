@@ -37,10 +37,13 @@ from .admission.stage import AdmissionStageAdapter
 from .api.call import CallContext
 from .api.config import ApiSettings
 from .api.deadlines import DeadlineSweeper
+from .api.embeddings import EMBEDDINGS_ROUTE, Embeddings
 from .api.generate import ANSWERED, AdmissionStage, Generations
 from .api.openai import MODELS_ROUTE, OpenAIApi, Parser, Validate
+from .api.prompt_tasks import PromptTasks
 from .api.render import JSON_HEADERS
 from .api.route_facts import Identify
+from .api.tokenize import DETOKENIZE_ROUTE, TOKENIZE_ROUTE, Tokenize
 from .api.writers import writer_for
 from .errors import APIError, Headers, internal_error, render_http
 from .http.common import ProtocolEvent
@@ -115,6 +118,11 @@ class App:
         self._parse = {path: functools.partial(self.openai.parse, parse) for path, parse in self.generation.items()}
         self.mounted: dict[str, Entrance] = {}  # other protocols' routes on the HTTP listeners (gRPC-Web)
         self._streamed: dict[str, StreamsBody] = {}  # mounted routes that read their body as it arrives
+        tasks = PromptTasks(pool, self.api_settings, lambda: self.keys, lambda: self.draining)  # a worker answers
+        tok = Tokenize(tasks)
+        for path, route in ((EMBEDDINGS_ROUTE, Embeddings(tasks)), (TOKENIZE_ROUTE, tok.tokenize),
+                            (DETOKENIZE_ROUTE, tok.detokenize)):
+            self.mount([path], tasks.entrance(route))
         for methods in self.small.values():  # RFC 9110 9.1; the adapters send a HEAD response without its body
             methods["HEAD"] = methods["GET"]
         allowed = {path: sorted(m) for path, m in self.small.items()}

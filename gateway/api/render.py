@@ -99,6 +99,11 @@ def completion_logprobs(ev: TokenEntry, top_n: int, acc: dict[str, list[Any]], o
     toks = _entry_tokens(ev)
     for i, lp in enumerate(ev.logprobs):
         acc["tokens"].append(toks[i])
+        if lp != lp:  # NaN: echo's first prompt token, which nothing predicts (transport.wire: Tasks)
+            acc["token_logprobs"].append(None)
+            acc["text_offset"].append(offset)
+            acc["top_logprobs"].append(None)
+            continue
         acc["token_logprobs"].append(float(lp))
         acc["text_offset"].append(offset)
         offset += len(toks[i]) if len(toks) == 1 else 0
