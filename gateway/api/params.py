@@ -26,7 +26,7 @@ from typing import Any
 
 import orjson
 
-from transport.messages import SamplingParams, Submit
+from transport.messages import Pooling, SamplingParams, Submit, Task
 
 from ..admission.schema import builtin_validator
 from ..errors import APIError
@@ -57,6 +57,10 @@ class GenerationRequest:
     deadline_ms: int = 0
     service_tier: str | None = None  # OpenAI's; admission reads it as a priority hint
     trace: dict[str, str] | None = None  # W3C trace context for the worker's spans (tracing on)
+    # An answer about the prompt (gateway.api.prompt_tasks: embeddings, tokenize), or echo (#31)
+    task: Task = Task.GENERATE
+    pooling: Pooling = Pooling.MEAN
+    echo: bool = False  # completions: the prompt comes first, with its logprobs when asked
     prompt_tokens: int = -1  # the prompt-size estimate, once worked out (prompt_estimate); -1: not yet
     route: str = ""  # the routing rule (leaf) that chose the model; "" = none did
     rollout: Rollout | None = None  # the gray release that placed it (it reports its end there)
@@ -81,6 +85,10 @@ class GenerationRequest:
 
     def make_submit(self, request_id: int) -> Submit:
         # A whole (non-streaming, no logprobs) response is delivered by the worker in one piece.
+        if self.task or self.echo:  # (transport.wire: Tasks) an answer is buffered, an echo never
+            return Submit(request_id, self.model, self.params, self.prompt, self.prompt_token_ids, self.messages,
+                          self.deadline_ms, 0, self.trace, True, bool(self.task), task=self.task,
+                          pooling=self.pooling, echo=self.echo)
         return Submit(request_id, self.model, self.params, self.prompt, self.prompt_token_ids,
                       self.messages, self.deadline_ms, 0, self.trace, True, not self.stream and not self.logprobs)
 
@@ -306,8 +314,10 @@ def parse_completion(body: bytes | dict[str, Any], *, default_max_tokens: int, m
         ids = tuple(prompt)
     else:
         raise _type_error("prompt", "an array of integer token ids", prompt)
-    if d.get("echo") is True:
-        raise _bad("'echo' is not supported by this server.", "echo", "unsupported_parameter")
+    echo = d.get("echo") is True
+    if params.max_tokens == 0 and not echo:  # (the schema admits 0 for echo: the prompt's logprobs alone)
+        raise _bad("Invalid value for 'max_tokens': 0; it must be >= 1 unless 'echo' is true.", "max_tokens",
+                   "invalid_value")
     best_of = d.get("best_of")
     if best_of is not None and best_of > 1:
         raise _bad("'best_of' > 1 is not supported by this server.", "best_of", "unsupported_parameter")
@@ -315,5 +325,7 @@ def parse_completion(body: bytes | dict[str, Any], *, default_max_tokens: int, m
         raise _bad("'suffix' is not supported by this server.", "suffix", "unsupported_parameter")
     if d.get("structured_outputs"):
         params = with_constraint(params, completion_constraint(d))
-    return GenerationRequest(False, model, params, stream, include_usage, text, ids, None, logprobs, top_n,
-                             user, deadline_ms)
+    g = GenerationRequest(False, model, params, stream, include_usage, text, ids, None, logprobs, top_n,
+                          user, deadline_ms)
+    g.echo = echo
+    return g
