@@ -32,6 +32,7 @@ from ..routing.rollout import Rollouts
 from ..routing.routed import RoutedStream
 from ..routing.rules import RuleTree, Shadow
 from .call import WHOLE, CallContext, GenerationCall
+from .fanout import FanOut
 from .params import GenerationRequest
 from .route_facts import Identify, RouteFacts
 from .writers import Writer
@@ -133,10 +134,15 @@ class Generations:
                 span = self.tracer.start(route, _text(req.header(b"traceparent")), protocol=req.protocol)
                 if span is not None:
                     g.trace = {"traceparent": span.traceparent}  # the worker's spans join this trace
-            try:
-                routed = self.pool.open(g.model, g.make_submit, g)
-            except NoReplica:
-                routed = self._fallback(g, fallbacks)
+            fan = None
+            if g.fan:  # n > 1, best_of, a batch of prompts: several sequences on one replica
+                fan = FanOut(self.pool, g, writer_for)
+                routed = fan.routed
+            else:
+                try:
+                    routed = self.pool.open(g.model, g.make_submit, g)
+                except NoReplica:
+                    routed = self._fallback(g, fallbacks)
         except (APIError, RoutingError) as e:
             err = e if isinstance(e, APIError) else from_routing(e)
             if g is not None and g.rollout is not None:  # e.g. the candidate has no ready replica
@@ -153,8 +159,12 @@ class Generations:
         if g.route:
             headers = (*(headers or ()), (b"x-quicserve-route", g.route.encode()))
             self.metrics.routed(g.route, g.model)
-        call = GenerationCall(self.calls, routed, writer_for(g), sink, route, t0, g.logprobs, self._on_call_end, done,
-                              timeout, headers, (req, g, grant, span))
+        call: GenerationCall | FanOut
+        if fan is None:
+            call = GenerationCall(self.calls, routed, writer_for(g), sink, route, t0, g.logprobs, self._on_call_end,
+                                  done, timeout, headers, (req, g, grant, span))
+        else:
+            call = fan.call(self.calls, sink, route, t0, self._on_call_end, done, timeout, headers, (req, g, grant, span))
         call.start()
         if shadow is not None:
             self._shadow(g, shadow)
@@ -200,7 +210,7 @@ class Generations:
                 continue
         raise NoReplica(first)
 
-    def _call_ended(self, call: GenerationCall, status: int, tokens: int) -> None:
+    def _call_ended(self, call: GenerationCall | FanOut, status: int, tokens: int) -> None:
         """A call's end hook: metrics, the admission release, span and access log (its ticket is
         what :meth:`start` gave it: request, parsed request, grant, span)."""
         metrics = self.metrics

@@ -65,6 +65,12 @@ class GenerationRequest:
     route: str = ""  # the routing rule (leaf) that chose the model; "" = none did
     rollout: Rollout | None = None  # the gray release that placed it (it reports its end there)
     tools: ToolSetup | None = None  # chat tools: the writers read tool calls out of the text (gateway.api.tools)
+    # Several sequences in one request (gateway.api.fanout): set together by _fan, fan True only then
+    fan: bool = False
+    n: int = 1  # choices per prompt
+    best_of: int = 0  # > n: this many sequences per prompt, the n most likely returned (completions)
+    batch: tuple[tuple[str | None, tuple[int, ...] | None], ...] | None = None  # prompts (text, ids) of a batch
+
 
     def prompt_estimate(self) -> int:
         """Prompt tokens, estimated without a tokenizer (about 4 bytes of text a token); worked out
@@ -168,10 +174,6 @@ def _common(d: dict[str, Any], max_tokens_limit: int, default_max: int,
     extras: dict[str, Any] = {}
     if not _RARE.isdisjoint(d):  # the rest only when the request uses any of it
         _ints(d, _CHAT_INTS if chat else _COMPLETION_INTS)
-        n = d.get("n")
-        if n is not None and n > 1:
-            raise _bad(f"'n' = {n} is not supported: this server returns exactly one choice per request "
-                       "(n = 1).", "n", "unsupported_parameter")
         if chat:
             mt = d.get("max_completion_tokens")
             if mt is not None and max_tokens is not None and mt != max_tokens:
@@ -288,7 +290,31 @@ def parse_chat(body: bytes | dict[str, Any], *, default_max_tokens: int, max_tok
                           top_n, user, deadline_ms, tier if type(tier) is str else None)
     if tools is not None and tools.parse:
         g.tools = tools
+    n = d.get("n")
+    if n is not None and n > 1:
+        _fan(g, n, 0, None)
     return g
+
+
+MAX_SEQUENCES = 128  # sequences one request may ask for (prompts x max(n, best_of))
+
+
+def _fan(g: GenerationRequest, n: int, best_of: int,
+         batch: tuple[tuple[str | None, tuple[int, ...] | None], ...] | None) -> None:
+    """``g`` runs as several sequences (n > 1, best_of > n, a batch of prompts): gateway.api.fanout."""
+    total = (len(batch) if batch is not None else 1) * max(n, best_of)
+    if total > MAX_SEQUENCES:
+        raise _bad(f"This request asks for {total} sequences (prompts x max(n, best_of)); this server allows at "
+                   f"most {MAX_SEQUENCES} per request.", "n", "invalid_value")
+    g.fan, g.n, g.best_of, g.batch = True, n, best_of, batch
+
+
+def _batch_prompt(p: Any) -> tuple[str | None, tuple[int, ...] | None]:
+    if type(p) is str:
+        return p, None
+    if all(type(t) is int for t in p):
+        return None, tuple(p)
+    raise _type_error("prompt", "arrays of integer token ids", p)
 
 
 def parse_completion(body: bytes | dict[str, Any], *, default_max_tokens: int, max_tokens_limit: int,
@@ -303,13 +329,14 @@ def parse_completion(body: bytes | dict[str, Any], *, default_max_tokens: int, m
     prompt = d["prompt"]  # a string, strings, token ids (uint32), or arrays of them (the schema)
     text: str | None = None
     ids: tuple[int, ...] | None = None
+    batch = None
     if type(prompt) is list and len(prompt) == 1 and type(prompt[0]) in (str, list):
         prompt = prompt[0]  # a batch of one
     if type(prompt) is str:
         text = prompt
-    elif type(prompt[0]) in (str, list):
-        raise _bad("Batched prompts are not supported: send one prompt per request.", "prompt",
-                   "unsupported_parameter")
+    elif type(prompt[0]) in (str, list):  # a batch: choice index = prompt index * n + j (OpenAI's)
+        batch = tuple(_batch_prompt(p) for p in prompt)
+        text, ids = batch[0]
     elif all(type(t) is int for t in prompt):
         ids = tuple(prompt)
     else:
@@ -318,9 +345,13 @@ def parse_completion(body: bytes | dict[str, Any], *, default_max_tokens: int, m
     if params.max_tokens == 0 and not echo:  # (the schema admits 0 for echo: the prompt's logprobs alone)
         raise _bad("Invalid value for 'max_tokens': 0; it must be >= 1 unless 'echo' is true.", "max_tokens",
                    "invalid_value")
-    best_of = d.get("best_of")
-    if best_of is not None and best_of > 1:
-        raise _bad("'best_of' > 1 is not supported by this server.", "best_of", "unsupported_parameter")
+    n = d.get("n") or 1
+    best_of = d.get("best_of") or 0
+    if best_of and best_of < n:
+        raise _bad(f"'best_of' ({best_of}) must be greater than or equal to 'n' ({n}).", "best_of", "invalid_value")
+    if best_of > n and stream:
+        raise _bad("'best_of' cannot be used with 'stream': the best sequences are known only at the end.",
+                   "best_of", "invalid_value")
     if d.get("suffix") not in (None, ""):
         raise _bad("'suffix' is not supported by this server.", "suffix", "unsupported_parameter")
     if d.get("structured_outputs"):
@@ -328,4 +359,6 @@ def parse_completion(body: bytes | dict[str, Any], *, default_max_tokens: int, m
     g = GenerationRequest(False, model, params, stream, include_usage, text, ids, None, logprobs, top_n,
                           user, deadline_ms)
     g.echo = echo
+    if n > 1 or best_of > n or batch is not None:
+        _fan(g, n, best_of if best_of > n else 0, batch)
     return g

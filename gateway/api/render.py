@@ -153,18 +153,22 @@ class ChunkTemplate:
 
     __slots__ = ("chat", "head", "tail", "usage_null", "rid", "created", "model_json", "started")
 
-    def __init__(self, chat: bool, rid: str, model: str, include_usage: bool) -> None:
+    def __init__(self, chat: bool, rid: str, model: str, include_usage: bool, index: int = 0,
+                 created: int = 0) -> None:
+        """``index``: the choice these chunks are of (n > 1: gateway.api.fanout; their ``rid`` and
+        ``created`` shared)."""
         self.chat = chat
         self.started = False  # set once the response headers are on their way
         self.rid = rid
-        self.created = int(clock.wall())
+        self.created = created or int(clock.wall())
         self.model_json = orjson.dumps(model)
         obj = b"chat.completion.chunk" if chat else b"text_completion"
         self.usage_null = b',"usage":null' if include_usage else b""
         fp = b',"system_fingerprint":null' if chat else b""
         self.head = (b'data: {"id":"' + rid.encode() + b'","object":"' + obj + b'","created":'
                      + str(self.created).encode() + b',"model":' + self.model_json + fp
-                     + (b',"choices":[{"index":0,"delta":{"content":' if chat else b',"choices":[{"index":0,"text":'))
+                     + (b',"choices":[{"index":%d,"delta":{"content":' if chat else b',"choices":[{"index":%d,"text":')
+                     % index)
         self.tail = (b'},"logprobs":null,"finish_reason":null}]' if chat
                      else b',"logprobs":null,"finish_reason":null}]') + self.usage_null + b"}\n\n"
 

@@ -35,7 +35,7 @@ from .render import (
 )
 from .tools import ToolCallParser
 
-__all__ = ["Writer", "JsonWriter", "SseWriter", "ToolJsonWriter", "ToolSseWriter", "writer_for"]
+__all__ = ["Writer", "JsonWriter", "SseWriter", "ToolJsonWriter", "ToolSseWriter", "writer_for", "choice_writer"]
 
 _dumps = orjson.dumps
 
@@ -145,11 +145,14 @@ class SseWriter(_OpenAIWriter):
     streaming = True
     headers = SSE_HEADERS
 
-    def __init__(self, g: GenerationRequest) -> None:
+    def __init__(self, g: GenerationRequest, index: int = 0, rid: str = "", created: int = 0) -> None:
+        """``index``, ``rid``, ``created``: one choice of several (gateway.api.fanout), which share the
+        response's id and time."""
         self.g = g
         self._lps = None
         self._offset = 0
-        self._tpl = ChunkTemplate(g.chat, new_id("chatcmpl" if g.chat else "cmpl"), g.model, g.include_usage)
+        self._tpl = ChunkTemplate(g.chat, rid or new_id("chatcmpl" if g.chat else "cmpl"), g.model, g.include_usage,
+                                  index, created)
 
     def opening(self) -> bytes:
         return self._tpl.role() if self.g.chat else b""
@@ -202,8 +205,8 @@ class ToolSseWriter(SseWriter):
 
     __slots__ = ("_parser",)
 
-    def __init__(self, g: GenerationRequest) -> None:
-        super().__init__(g)
+    def __init__(self, g: GenerationRequest, index: int = 0, rid: str = "", created: int = 0) -> None:
+        super().__init__(g, index, rid, created)
         self._parser = ToolCallParser()
 
     def _chunks(self, events: list[tuple[Any, ...]]) -> bytes:
@@ -240,4 +243,12 @@ def writer_for(g: GenerationRequest) -> JsonWriter | SseWriter:
     if g.tools is not None:  # a chat with tools whose calls are read back (tool_choice other than none)
         return ToolSseWriter(g) if g.stream else ToolJsonWriter(g)
     return SseWriter(g) if g.stream else JsonWriter(g)
+
+
+def choice_writer(g: GenerationRequest, index: int, rid: str, created: int) -> JsonWriter | SseWriter:
+    """:func:`writer_for` one choice of several (gateway.api.fanout): streams name ``index`` and share
+    ``rid`` and ``created``; a whole response's choices are merged from their bodies."""
+    if not g.stream:
+        return writer_for(g)
+    return ToolSseWriter(g, index, rid, created) if g.tools is not None else SseWriter(g, index, rid, created)
 

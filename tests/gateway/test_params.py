@@ -73,7 +73,7 @@ def test_malformed_bodies(raw: bytes, code: str, needle: str) -> None:
         ({"seed": 7.0}, "seed", "expected an integer"),
         ({"stop": 5}, "stop", "failed keyword: anyOf"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "failed keyword: anyOf"),
-        ({"n": 2}, "n", "not supported"),
+        ({"n": 129}, "n", "failed keyword: maximum"),
         ({"n": 0}, "n", "failed keyword: minimum"),
         ({"n": "1"}, "n", "failed keyword: type"),
         ({"n": 1.0}, "n", "expected an integer"),
@@ -137,13 +137,15 @@ def test_good_chat_params() -> None:
     [
         ({"prompt": None}, "prompt", "failed keyword: required"),
         ({"prompt": 5}, "prompt", "failed keyword: anyOf"),
-        ({"prompt": ["a", "b"]}, "prompt", "Batched prompts"),
+        ({"prompt": [[1, 2], [3, 2.0]]}, "prompt", "integer token ids"),
+        ({"prompt": ["a", "b"], "n": 65}, "n", "at most 128"),
         ({"prompt": [1, -2]}, "prompt", "failed keyword: anyOf"),
         ({"prompt": [1, 2.0]}, "prompt", "integer token ids"),
         ({"logprobs": 6}, "logprobs", "failed keyword: maximum"),
         ({"logprobs": True}, "logprobs", "failed keyword: type"),
         ({"echo": True}, "echo", "not supported"),
-        ({"best_of": 2}, "best_of", "not supported"),
+        ({"best_of": 2, "n": 3}, "best_of", "greater than or equal"),
+        ({"best_of": 2, "stream": True}, "best_of", "cannot be used with 'stream'"),
         ({"suffix": "x"}, "suffix", "not supported"),
         ({"messages": []}, "messages", "failed keyword: additionalProperties"),
     ],
@@ -160,7 +162,7 @@ async def test_bad_input_then_next_request_served() -> None:
     conn = ScriptedWorkerConnection()
     app = make_app(conn)
     bad = [b"{nope", b'{"model":"tiny","messages":[{"role":"user","content":"\xff"}]}',
-           orjson.dumps({**CHAT, "n": 3}), orjson.dumps({**CHAT, "temperature": "x"})]
+           orjson.dumps({**CHAT, "n": 0}), orjson.dumps({**CHAT, "temperature": "x"})]
     for raw in bad:
         s = RecordingSink()
         await call(app, req("/v1/chat/completions", raw=raw), s)
