@@ -25,7 +25,8 @@ O(1) as it is accepted (amortised: numpy arrays that double), so a step copies s
 entries per row (no Python loop over the context) and the device scatters them into ``[B, V]`` only
 in the sampling executable of a batch that has such a row. A batch without one runs the unchanged
 sampler (:class:`~inference.runner.SeqWork.adjust` is None for every row), so it pays nothing.
-The table's width is padded to a power of two (at least 16), one compiled shape per width.
+The table's width is padded to a power of four (at least 64: few shapes to compile, each on first
+use per row count, at most 4x the entries a row needs).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from transport.messages import SamplingParams
 
 __all__ = ["LogitAdjust", "AdjustBatch", "MIN_WIDTH", "needs_adjust"]
 
-MIN_WIDTH = 16
+MIN_WIDTH = 64
 _EMPTY_I = np.zeros(0, np.int32)
 _EMPTY_F = np.zeros(0, np.float32)
 
@@ -149,7 +150,7 @@ class AdjustBatch:
         longest = max((len(p[0]) for p in parts if p is not None), default=0)
         width = MIN_WIDTH
         while width < longest:
-            width *= 2
+            width *= 4
         self.ids = np.zeros((size, width), np.int32)
         self.count = np.zeros((size, width), np.float32)
         self.seen = np.zeros((size, width), np.float32)

@@ -102,12 +102,12 @@ def test_min_tokens_lifts_once_reached() -> None:
 
 def test_tables_grow_past_their_first_width_and_stay_sparse() -> None:
     p = SamplingParams(max_tokens=200, frequency_penalty=1.0)
-    gen = [i % 37 for i in range(150)]
+    gen = [i % 97 for i in range(300)]
     a = table(list(range(30)), gen, p, {EOS})
     ids, count, _, _ = a.entries(len(gen))
-    assert len(ids) == 37  # distinct generated tokens only: the prompt counts for repetition alone
+    assert len(ids) == 97  # distinct generated tokens only: the prompt counts for repetition alone
     assert dict(zip(ids.tolist(), count.tolist(), strict=True)) == {t: float(gen.count(t)) for t in set(gen)}
-    assert AdjustBatch([(a, len(gen))], 2).width == 64
+    assert AdjustBatch([(a, len(gen))], 2).width == 256
 
 
 def test_greedy_with_penalties_samples_the_reference_argmax() -> None:
