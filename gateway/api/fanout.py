@@ -210,7 +210,7 @@ class FanOut:
         per = g.best_of or g.n
         prompts = g.batch if g.batch is not None else ((g.prompt, g.prompt_token_ids),)
         seed = g.params.seed
-        params = g.params
+        params = replace(g.params, max_tokens=g.params.max_tokens // (len(prompts) * per))  # (params._fan)
         logprobs, top = g.logprobs, g.top_logprobs
         if g.best_of:  # ranked by cumulative logprob: every sequence brings its logprobs
             params = replace(params, logprobs=True)

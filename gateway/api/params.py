@@ -66,7 +66,7 @@ class GenerationRequest:
     rollout: Rollout | None = None  # the gray release that placed it (it reports its end there)
     tools: ToolSetup | None = None  # chat tools: the writers read tool calls out of the text (gateway.api.tools)
     # Several sequences in one request (gateway.api.fanout): set together by _fan, fan True only then
-    fan: bool = False
+    fan: bool = False  # then params.max_tokens is the sequences' total (each its share: gateway.api.fanout)
     n: int = 1  # choices per prompt
     best_of: int = 0  # > n: this many sequences per prompt, the n most likely returned (completions)
     batch: tuple[tuple[str | None, tuple[int, ...] | None], ...] | None = None  # prompts (text, ids) of a batch
@@ -307,6 +307,11 @@ def _fan(g: GenerationRequest, n: int, best_of: int,
         raise _bad(f"This request asks for {total} sequences (prompts x max(n, best_of)); this server allows at "
                    f"most {MAX_SEQUENCES} per request.", "n", "invalid_value")
     g.fan, g.n, g.best_of, g.batch = True, n, best_of, batch
+    # Admission and routing see the whole request: every prompt once, every sequence's max_tokens (the
+    # fan gives each sequence max_tokens / sequences; the end settles what they used, all of them).
+    g.params = replace(g.params, max_tokens=g.params.max_tokens * total)
+    if batch is not None:
+        g.prompt_tokens = sum(len(ids) if ids is not None else len(text or "") // 4 + 1 for text, ids in batch)
 
 
 def _batch_prompt(p: Any) -> tuple[str | None, tuple[int, ...] | None]:

@@ -123,3 +123,27 @@ async def test_a_slow_client_gets_every_chunk_in_order_per_choice() -> None:
         for ch in e["choices"]:
             text[ch["index"]] += ch["text"]
     assert text == {0: "abcde", 1: "abcde", 2: "abcde"}
+
+
+def test_admission_sees_the_whole_request() -> None:
+    """Every prompt once and every sequence's max_tokens: what the token limits take (and settle by use)."""
+    from gateway.api.params import parse_completion
+
+    g = parse_completion({**COMPLETION, "prompt": ["abcd", "abcdefgh"], "n": 3}, default_max_tokens=16,
+                         max_tokens_limit=100)
+    assert g.fan and g.params.max_tokens == 5 * 6 and g.prompt_estimate() == 2 + 3  # (4 bytes a token, + 1)
+    one = parse_completion(COMPLETION, default_max_tokens=16, max_tokens_limit=100)
+    assert not one.fan and one.params.max_tokens == 5
+
+
+async def test_streamed_logprobs_name_their_choice() -> None:
+    app = make_app(ScriptedWorkerConnection())
+    s = await call(app, req("/v1/chat/completions", {**CHAT, "n": 2, "stream": True, "logprobs": True}),
+                   RecordingSink())
+    events: list[Any] = sse_events(s.body)
+    got: dict[int, int] = {}
+    for e in events[:-1]:
+        for ch in e["choices"]:
+            if ch["logprobs"]:
+                got[ch["index"]] = got.get(ch["index"], 0) + len(ch["logprobs"]["content"])
+    assert got == {0: 5, 1: 5} and events[-1] == "[DONE]"
