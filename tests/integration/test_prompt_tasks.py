@@ -1,0 +1,137 @@
+"""Embeddings, echo with prompt logprobs, tokenize and detokenize through the real thing (#31): a
+`quicserve serve --engine jax` (the tiny model, default settings, API keys required) and real
+clients (the openai SDK, sync and async; httpx). The numbers are checked against a numpy Llama
+(tests/inference/model/test_prompt_pass.py), the token ids against the worker's own /tokenize."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+from collections.abc import Iterator
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from gateway.admission.keys import hash_key
+from tests.inference.model.test_prompt_pass import ATOL, reference
+from tests.integration.test_gateway_e2e import Gateway, start_gateway, stop_gateway
+
+KEY = "sk-prompt-tasks-0123456789"
+AUTH = {"authorization": f"Bearer {KEY}"}
+TEXTS = ["hello world", "The quick brown fox"]
+
+
+@pytest.fixture(scope="module")
+def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    state = tmp_path_factory.mktemp("state")
+    keys = state / "keys.toml"
+    keys.write_text(f'[[keys]]\nid = "t"\nsha256 = "{hash_key(KEY)}"\n')
+    config = state / "config.toml"
+    config.write_text(f'[admission]\nkeys_file = "{keys}"\n')
+    g = start_gateway(state, "--engine", "jax", "--config", str(config), "--log-level", "error")
+    yield g
+    assert stop_gateway(g) == 0
+
+
+def tokenize(gw: Gateway, text: str) -> list[int]:
+    r = httpx.post(gw.http + "/tokenize", json={"model": "tiny", "prompt": text}, headers=AUTH)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["count"] == len(body["tokens"]) and body["max_model_len"] > 0
+    return list(body["tokens"])
+
+
+def unit(v: np.ndarray) -> np.ndarray:
+    return v / np.linalg.norm(v)
+
+
+def test_embeddings_sync_float_and_async_base64_equal_the_model(gw: Gateway) -> None:
+    ids = [tokenize(gw, t) for t in TEXTS]
+    want = [unit(reference(i)[0].mean(0)) for i in ids]
+    with openai.OpenAI(base_url=gw.http + "/v1", api_key=KEY, max_retries=0) as client:
+        r = client.embeddings.create(model="tiny", input=TEXTS, encoding_format="float")
+        assert [d.index for d in r.data] == [0, 1]
+        for d, w in zip(r.data, want, strict=True):
+            np.testing.assert_allclose(d.embedding, w, atol=ATOL)
+        assert r.usage.prompt_tokens == sum(len(i) for i in ids)
+        one = client.embeddings.create(model="tiny", input=ids[1])  # token ids; the SDK's default is base64
+        np.testing.assert_allclose(one.data[0].embedding, want[1], atol=ATOL)
+        with pytest.raises(openai.BadRequestError, match="dimensions"):
+            client.embeddings.create(model="tiny", input="x", dimensions=8)
+
+    async def async_side() -> None:
+        async with openai.AsyncOpenAI(base_url=gw.http + "/v1", api_key=KEY, max_retries=0) as client:
+            raw = await client.embeddings.with_raw_response.create(model="tiny", input=TEXTS[0],
+                                                                   encoding_format="base64")
+            b64 = raw.http_response.json()["data"][0]["embedding"]
+            np.testing.assert_allclose(np.frombuffer(base64.b64decode(b64), "<f4"), want[0], atol=ATOL)
+            last = await client.embeddings.create(model="tiny", input=TEXTS[0], extra_body={"pooling": "last"})
+            np.testing.assert_allclose(last.data[0].embedding, unit(reference(ids[0])[0][-1]), atol=ATOL)
+
+    asyncio.run(async_side())
+
+
+def test_echo_with_prompt_logprobs_sync_async_streamed_and_not(gw: Gateway) -> None:
+    prompt = "Echo this prompt"
+    ids = tokenize(gw, prompt)
+    _, lsm = reference(ids)
+    want = [lsm[i - 1, ids[i]] for i in range(1, len(ids))]
+    with openai.OpenAI(base_url=gw.http + "/v1", api_key=KEY, max_retries=0) as client:
+        # lm-eval-harness's loglikelihood request: the prompt alone, scored
+        r = client.completions.create(model="tiny", prompt=prompt, echo=True, max_tokens=0, logprobs=3)
+        c = r.choices[0]
+        assert c.text == prompt and r.usage.completion_tokens == 0 and r.usage.prompt_tokens == len(ids)
+        lp = c.logprobs
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        np.testing.assert_allclose(lp.token_logprobs[1:], want, atol=ATOL)
+        assert all(len(t) == 3 for t in lp.top_logprobs[1:])
+        whole = client.completions.create(model="tiny", prompt=prompt, echo=True, max_tokens=4, logprobs=1,
+                                          temperature=0)
+        assert whole.choices[0].text.startswith(prompt) and whole.usage.completion_tokens == 4
+        assert len(whole.choices[0].logprobs.token_logprobs) == len(ids) + 4
+        chunks = list(client.completions.create(model="tiny", prompt=prompt, echo=True, max_tokens=4, logprobs=1,
+                                                temperature=0, stream=True))
+        assert "".join(ch.choices[0].text for ch in chunks) == whole.choices[0].text
+        assert chunks[0].choices[0].text.startswith(prompt)
+        plain = client.completions.create(model="tiny", prompt=prompt, echo=True, max_tokens=4, temperature=0)
+        assert plain.choices[0].text == whole.choices[0].text and plain.choices[0].logprobs is None
+
+    async def async_side() -> None:
+        async with openai.AsyncOpenAI(base_url=gw.http + "/v1", api_key=KEY, max_retries=0) as client:
+            r = await client.completions.create(model="tiny", prompt=prompt, echo=True, max_tokens=0, logprobs=1)
+            np.testing.assert_allclose(r.choices[0].logprobs.token_logprobs[1:], want, atol=ATOL)
+            text = ""
+            async for ch in await client.completions.create(model="tiny", prompt=prompt, echo=True, max_tokens=4,
+                                                            temperature=0, stream=True):
+                text += ch.choices[0].text
+            assert text == whole.choices[0].text
+
+    asyncio.run(async_side())
+
+
+def test_max_tokens_zero_needs_echo(gw: Gateway) -> None:
+    r = httpx.post(gw.http + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 0}, headers=AUTH)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+
+
+def test_tokenize_and_detokenize(gw: Gateway) -> None:
+    ids = tokenize(gw, "héllo")
+    r = httpx.post(gw.http + "/detokenize", json={"model": "tiny", "tokens": ids[1:]}, headers=AUTH)
+    assert r.status_code == 200 and r.json() == {"prompt": "héllo"}
+    chat = httpx.post(gw.http + "/tokenize", headers=AUTH,
+                      json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}).json()
+    text = httpx.post(gw.http + "/detokenize", json={"model": "tiny", "tokens": chat["tokens"]}, headers=AUTH).json()
+    assert "hi" in text["prompt"] and chat["count"] > 2  # the template's rendering around it
+    bad = httpx.post(gw.http + "/detokenize", json={"model": "tiny", "tokens": [10**6]}, headers=AUTH)
+    assert bad.status_code == 400
+    missing = httpx.post(gw.http + "/tokenize", json={"model": "nope", "prompt": "x"}, headers=AUTH)
+    assert missing.status_code == 404
+
+
+@pytest.mark.parametrize("path", ["/tokenize", "/detokenize", "/v1/embeddings"])
+def test_the_api_key_is_checked(gw: Gateway, path: str) -> None:
+    body = {"model": "tiny", "prompt": "x", "tokens": [1], "input": "x"}
+    assert httpx.post(gw.http + path, json=body).status_code == 401
+    assert httpx.post(gw.http + path, json=body, headers={"authorization": "Bearer sk-wrong"}).status_code == 401
