@@ -143,7 +143,7 @@ def test_good_chat_params() -> None:
         ({"prompt": [1, 2.0]}, "prompt", "integer token ids"),
         ({"logprobs": 6}, "logprobs", "failed keyword: maximum"),
         ({"logprobs": True}, "logprobs", "failed keyword: type"),
-        ({"echo": True}, "echo", "not supported"),
+        ({"max_tokens": 0}, "max_tokens", "unless 'echo' is true"),
         ({"best_of": 2, "n": 3}, "best_of", "greater than or equal"),
         ({"best_of": 2, "stream": True}, "best_of", "cannot be used with 'stream'"),
         ({"suffix": "x"}, "suffix", "not supported"),
@@ -198,3 +198,14 @@ def test_builtin_schema_always_enforced(with_registry: bool) -> None:
     assert ei.value.param == "prompt" and "failed keyword: anyOf" in ei.value.message
     g = api.parse(parse_chat, Request("POST", "/v1/chat/completions", "", [], orjson.dumps(CHAT), "http/1.1", "http"))
     assert g.model == CHAT["model"]
+
+
+def test_echo_reaches_the_submit_and_allows_max_tokens_zero() -> None:
+    """#31: echo (the prompt first, scored when logprobs is set) travels as Submit.echo, never buffered."""
+    g = parse_completion(orjson.dumps({"model": "tiny", "prompt": "hi", "echo": True, "max_tokens": 0,
+                                       "logprobs": 2}), **LIMITS)
+    sub = g.make_submit(7)
+    assert sub.echo and not sub.buffered and sub.params.max_tokens == 0 and sub.params.top_logprobs == 2
+    plain = parse_completion(orjson.dumps({"model": "tiny", "prompt": "hi", "echo": True}), **LIMITS).make_submit(8)
+    assert plain.echo and not plain.buffered
+    assert not parse_completion(orjson.dumps({"model": "tiny", "prompt": "hi"}), **LIMITS).make_submit(9).echo
