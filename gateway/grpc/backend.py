@@ -61,6 +61,11 @@ class GenerateSpec:
     top_p: float | None = None
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
+    min_tokens: int | None = None
     deadline: float | None = None  # the request clock's time (gateway.clock.now) by which it must end (grpc-timeout)
     #: The caller's text metadata (lower-case names; ``grpc-*`` and pseudo-headers left out),
     #: for admission: ``authorization``, API keys, ``user-agent``.

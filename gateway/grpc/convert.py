@@ -30,6 +30,11 @@ def with_sampling(spec: GenerateSpec, s: pb.Sampling) -> GenerateSpec:
         top_p=s.top_p if s.HasField("top_p") else None,
         stop=tuple(s.stop),
         seed=s.seed if s.HasField("seed") else None,
+        presence_penalty=s.presence_penalty if s.HasField("presence_penalty") else None,
+        frequency_penalty=s.frequency_penalty if s.HasField("frequency_penalty") else None,
+        repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else None,
+        logit_bias=tuple(sorted(s.logit_bias.items())),
+        min_tokens=s.min_tokens if s.HasField("min_tokens") else None,
     )
 
 

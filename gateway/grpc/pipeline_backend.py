@@ -158,6 +158,10 @@ class PipelineBackend:
         return g
 
 
+_OPTIONAL = ("max_tokens", "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty",
+             "repetition_penalty", "min_tokens")
+
+
 def _body(spec: GenerateSpec) -> bytes:
     """The spec as the OpenAI body it means: one parser validates both protocols."""
     d: dict[str, object] = {"model": spec.model}
@@ -165,10 +169,12 @@ def _body(spec: GenerateSpec) -> bytes:
         d["messages"] = [{"role": m.role, "content": m.content} for m in spec.messages]
     else:
         d["prompt"] = spec.prompt or ""
-    for key in ("max_tokens", "temperature", "top_p", "seed"):
+    for key in _OPTIONAL:
         v = getattr(spec, key)
         if v is not None:
             d[key] = v
     if spec.stop:
         d["stop"] = list(spec.stop)
+    if spec.logit_bias:
+        d["logit_bias"] = {str(t): b for t, b in spec.logit_bias}
     return orjson.dumps(d)

@@ -1,18 +1,21 @@
 """Penalties, logit_bias, min_tokens and seed through the real thing: `quicserve serve --engine jax` (the
 tiny random-weight model, byte tokens: 'A' is 65, eos 257) and the official openai SDK, sync and async,
 streamed and not. Each parameter shows its effect; a seeded request's text does not depend on the
-batch around it."""
+batch around it. gRPC (grpcio, sync and asyncio) gets the same settings in ``Sampling``."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import Iterator
 from typing import Any
 
+import grpc
 import openai
 import pytest
 
+from gateway.grpc.quicserve.v1 import quicserve_pb2 as pb
 from tests.integration.test_gateway_e2e import Gateway, start_gateway, stop_gateway
 
 pytest.importorskip("jax")
@@ -172,3 +175,93 @@ def test_seed_gives_the_same_text_whatever_the_batch(gw: Gateway, extra: dict[st
         texts = asyncio.run(_seeded_among_others(gw, mine, 15))
         assert texts[15 // 2] == alone
     assert asyncio.run(_seeded_among_others(gw, {**mine, "seed": 4321}, 0))[0] != alone  # the seed decides
+
+
+# --- gRPC: the same settings in quicserve.v1.Sampling ----------------------------------------------------
+
+INFERENCE = "/quicserve.v1.Inference/"
+_ser = pb.GenerateRequest.SerializeToString
+
+
+def _target(gw: Gateway) -> str:
+    return next(m.group(1) for line in gw.lines if (m := re.search(r"listening on grpc://(\S+)", line)))
+
+
+def grpc_generate(gw: Gateway, mode: str, sampling: pb.Sampling, prompt: str = PROMPT) -> tuple[str, int, int]:
+    """Generate (streamed) or Complete (whole), sync or asyncio: (text, finish reason, completion tokens)."""
+    req = pb.GenerateRequest(model="tiny", prompt=prompt, sampling=sampling)
+    stream = mode.endswith("stream")
+    method = INFERENCE + ("Generate" if stream else "Complete")
+    if mode.startswith("async"):
+        async def go() -> list[pb.GenerateResponse]:
+            async with grpc.aio.insecure_channel(_target(gw)) as ch:
+                if stream:
+                    call = ch.unary_stream(method, request_serializer=_ser,
+                                           response_deserializer=pb.GenerateResponse.FromString)
+                    return [r async for r in call(req, timeout=120)]
+                one = ch.unary_unary(method, request_serializer=_ser, response_deserializer=pb.GenerateResponse.FromString)
+                return [await one(req, timeout=120)]
+
+        out = asyncio.run(go())
+    else:
+        with grpc.insecure_channel(_target(gw)) as ch:
+            if stream:
+                out = list(ch.unary_stream(method, request_serializer=_ser,
+                                           response_deserializer=pb.GenerateResponse.FromString)(req, timeout=120))
+            else:
+                out = [ch.unary_unary(method, request_serializer=_ser,
+                                      response_deserializer=pb.GenerateResponse.FromString)(req, timeout=120)]
+    return "".join(r.text for r in out), out[-1].finish_reason, out[-1].usage.completion_tokens
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_grpc_logit_bias_and_min_tokens(gw: Gateway, mode: str) -> None:
+    assert grpc_generate(gw, mode, pb.Sampling(max_tokens=10, temperature=1.0, logit_bias={65: 100})) == \
+        ("A" * 10, pb.FINISH_REASON_LENGTH, 10)
+    ends = pb.Sampling(max_tokens=20, logit_bias={257: 100}, min_tokens=5)
+    assert grpc_generate(gw, mode, ends)[1:] == (pb.FINISH_REASON_STOP, 6)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_grpc_penalties_reduce_repeats(gw: Gateway, mode: str) -> None:
+    def distinct(**kw: Any) -> int:
+        text, _, used = grpc_generate(gw, mode, pb.Sampling(max_tokens=48, temperature=0, **kw))
+        assert used == 48
+        return len(set(text))
+
+    plain = distinct()
+    assert distinct(frequency_penalty=2.0) > plain
+    assert distinct(presence_penalty=2.0) > plain
+    assert distinct(repetition_penalty=5.0) > plain
+
+
+def test_grpc_seed_and_the_http_answer_agree(gw: Gateway) -> None:
+    """One seeded request, penalised: gRPC and the OpenAI route sample the same text."""
+    s = pb.Sampling(max_tokens=24, temperature=1.0, seed=99, frequency_penalty=0.5, logit_bias={101: 2.0})
+    text, *_ = grpc_generate(gw, "sync", s)
+    http, *_ = complete(gw, "sync", prompt=PROMPT, max_tokens=24, temperature=1.0, seed=99, frequency_penalty=0.5,
+                        logit_bias={"101": 2})
+    assert text == http
+
+
+def test_grpc_chat_turns_take_sampling(gw: Gateway) -> None:
+    turn = pb.ChatRequest(turn=pb.Turn(model="tiny", messages=[pb.Message(role="user", content="hi")],
+                                       sampling=pb.Sampling(max_tokens=6, logit_bias={66: 100})))
+    with grpc.insecure_channel(_target(gw)) as ch:
+        chat = ch.stream_stream(INFERENCE + "Chat", request_serializer=pb.ChatRequest.SerializeToString,
+                                response_deserializer=pb.ChatResponse.FromString)
+        replies = list(chat(iter([turn]), timeout=120))
+    assert "".join(r.text for r in replies) == "B" * 6 and replies[-1].usage.completion_tokens == 6
+
+
+@pytest.mark.parametrize("sampling, needle", [
+    (pb.Sampling(max_tokens=4, logit_bias={300: 1.0}), "vocabulary"),
+    (pb.Sampling(max_tokens=4, presence_penalty=3.0), "presence_penalty"),
+    (pb.Sampling(max_tokens=4, min_tokens=5), "min_tokens"),
+    (pb.Sampling(max_tokens=4, repetition_penalty=0.0), "repetition_penalty"),
+])
+def test_grpc_bad_settings_are_invalid_argument(gw: Gateway, sampling: pb.Sampling, needle: str) -> None:
+    with pytest.raises(grpc.RpcError) as info:
+        grpc_generate(gw, "sync", sampling)
+    err: Any = info.value
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and needle in err.details()

@@ -24,43 +24,47 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n)gateway/grpc/quicserve/v1/quicserve.proto\x12\x0cquicserve.v1\"(\n\x07Message\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"7\n\x0c\x43onversation\x12\'\n\x08messages\x18\x01 \x03(\x0b\x32\x15.quicserve.v1.Message\"\xa4\x01\n\x08Sampling\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x04 \x03(\t\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x03\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\"\x99\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\x32\n\x0c\x63onversation\x18\x03 \x01(\x0b\x32\x1a.quicserve.v1.ConversationH\x00\x12(\n\x08sampling\x18\x04 \x01(\x0b\x32\x16.quicserve.v1.SamplingB\x07\n\x05input\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"w\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x31\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x1a.quicserve.v1.FinishReason\x12\"\n\x05usage\x18\x03 \x01(\x0b\x32\x13.quicserve.v1.Usage\"g\n\x0b\x43hatRequest\x12\"\n\x04turn\x18\x01 \x01(\x0b\x32\x12.quicserve.v1.TurnH\x00\x12*\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\x18.quicserve.v1.CancelTurnH\x00\x42\x08\n\x06\x61\x63tion\"h\n\x04Turn\x12\r\n\x05model\x18\x01 \x01(\t\x12\'\n\x08messages\x18\x02 \x03(\x0b\x32\x15.quicserve.v1.Message\x12(\n\x08sampling\x18\x03 \x01(\x0b\x32\x16.quicserve.v1.Sampling\"\x1a\n\nCancelTurn\x12\x0c\n\x04turn\x18\x01 \x01(\r\"*\n\tTurnError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\r\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xa9\x01\n\x0c\x43hatResponse\x12\x0c\n\x04turn\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x31\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1a.quicserve.v1.FinishReason\x12\"\n\x05usage\x18\x04 \x01(\x0b\x32\x13.quicserve.v1.Usage\x12&\n\x05\x65rror\x18\x05 \x01(\x0b\x32\x17.quicserve.v1.TurnError\"\x13\n\x11ListModelsRequest\"\x13\n\x05Model\x12\n\n\x02id\x18\x01 \x01(\t\"9\n\x12ListModelsResponse\x12#\n\x06models\x18\x01 \x03(\x0b\x32\x13.quicserve.v1.Model*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32\xb7\x02\n\tInference\x12K\n\x08Generate\x12\x1d.quicserve.v1.GenerateRequest\x1a\x1e.quicserve.v1.GenerateResponse0\x01\x12\x41\n\x04\x43hat\x12\x19.quicserve.v1.ChatRequest\x1a\x1a.quicserve.v1.ChatResponse(\x01\x30\x01\x12I\n\x08\x43omplete\x12\x1d.quicserve.v1.GenerateRequest\x1a\x1e.quicserve.v1.GenerateResponse\x12O\n\nListModels\x12\x1f.quicserve.v1.ListModelsRequest\x1a .quicserve.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n)gateway/grpc/quicserve/v1/quicserve.proto\x12\x0cquicserve.v1\"(\n\x07Message\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"7\n\x0c\x43onversation\x12\'\n\x08messages\x18\x01 \x03(\x0b\x32\x15.quicserve.v1.Message\"\xdb\x03\n\x08Sampling\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x04 \x03(\t\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x03\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x02H\x04\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x02H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x08 \x01(\x02H\x06\x88\x01\x01\x12\x39\n\nlogit_bias\x18\t \x03(\x0b\x32%.quicserve.v1.Sampling.LogitBiasEntry\x12\x17\n\nmin_tokens\x18\n \x01(\rH\x07\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_min_tokens\"\x99\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\x32\n\x0c\x63onversation\x18\x03 \x01(\x0b\x32\x1a.quicserve.v1.ConversationH\x00\x12(\n\x08sampling\x18\x04 \x01(\x0b\x32\x16.quicserve.v1.SamplingB\x07\n\x05input\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"w\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x31\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x1a.quicserve.v1.FinishReason\x12\"\n\x05usage\x18\x03 \x01(\x0b\x32\x13.quicserve.v1.Usage\"g\n\x0b\x43hatRequest\x12\"\n\x04turn\x18\x01 \x01(\x0b\x32\x12.quicserve.v1.TurnH\x00\x12*\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\x18.quicserve.v1.CancelTurnH\x00\x42\x08\n\x06\x61\x63tion\"h\n\x04Turn\x12\r\n\x05model\x18\x01 \x01(\t\x12\'\n\x08messages\x18\x02 \x03(\x0b\x32\x15.quicserve.v1.Message\x12(\n\x08sampling\x18\x03 \x01(\x0b\x32\x16.quicserve.v1.Sampling\"\x1a\n\nCancelTurn\x12\x0c\n\x04turn\x18\x01 \x01(\r\"*\n\tTurnError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\r\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xa9\x01\n\x0c\x43hatResponse\x12\x0c\n\x04turn\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x31\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1a.quicserve.v1.FinishReason\x12\"\n\x05usage\x18\x04 \x01(\x0b\x32\x13.quicserve.v1.Usage\x12&\n\x05\x65rror\x18\x05 \x01(\x0b\x32\x17.quicserve.v1.TurnError\"\x13\n\x11ListModelsRequest\"\x13\n\x05Model\x12\n\n\x02id\x18\x01 \x01(\t\"9\n\x12ListModelsResponse\x12#\n\x06models\x18\x01 \x03(\x0b\x32\x13.quicserve.v1.Model*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32\xb7\x02\n\tInference\x12K\n\x08Generate\x12\x1d.quicserve.v1.GenerateRequest\x1a\x1e.quicserve.v1.GenerateResponse0\x01\x12\x41\n\x04\x43hat\x12\x19.quicserve.v1.ChatRequest\x1a\x1a.quicserve.v1.ChatResponse(\x01\x30\x01\x12I\n\x08\x43omplete\x12\x1d.quicserve.v1.GenerateRequest\x1a\x1e.quicserve.v1.GenerateResponse\x12O\n\nListModels\x12\x1f.quicserve.v1.ListModelsRequest\x1a .quicserve.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'gateway.grpc.quicserve.v1.quicserve_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1240
-  _globals['_FINISHREASON']._serialized_end=1335
+  _globals['_SAMPLING_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLING_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_FINISHREASON']._serialized_start=1551
+  _globals['_FINISHREASON']._serialized_end=1646
   _globals['_MESSAGE']._serialized_start=59
   _globals['_MESSAGE']._serialized_end=99
   _globals['_CONVERSATION']._serialized_start=101
   _globals['_CONVERSATION']._serialized_end=156
   _globals['_SAMPLING']._serialized_start=159
-  _globals['_SAMPLING']._serialized_end=323
-  _globals['_GENERATEREQUEST']._serialized_start=326
-  _globals['_GENERATEREQUEST']._serialized_end=479
-  _globals['_USAGE']._serialized_start=481
-  _globals['_USAGE']._serialized_end=561
-  _globals['_GENERATERESPONSE']._serialized_start=563
-  _globals['_GENERATERESPONSE']._serialized_end=682
-  _globals['_CHATREQUEST']._serialized_start=684
-  _globals['_CHATREQUEST']._serialized_end=787
-  _globals['_TURN']._serialized_start=789
-  _globals['_TURN']._serialized_end=893
-  _globals['_CANCELTURN']._serialized_start=895
-  _globals['_CANCELTURN']._serialized_end=921
-  _globals['_TURNERROR']._serialized_start=923
-  _globals['_TURNERROR']._serialized_end=965
-  _globals['_CHATRESPONSE']._serialized_start=968
-  _globals['_CHATRESPONSE']._serialized_end=1137
-  _globals['_LISTMODELSREQUEST']._serialized_start=1139
-  _globals['_LISTMODELSREQUEST']._serialized_end=1158
-  _globals['_MODEL']._serialized_start=1160
-  _globals['_MODEL']._serialized_end=1179
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1181
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1238
-  _globals['_INFERENCE']._serialized_start=1338
-  _globals['_INFERENCE']._serialized_end=1649
+  _globals['_SAMPLING']._serialized_end=634
+  _globals['_SAMPLING_LOGITBIASENTRY']._serialized_start=455
+  _globals['_SAMPLING_LOGITBIASENTRY']._serialized_end=503
+  _globals['_GENERATEREQUEST']._serialized_start=637
+  _globals['_GENERATEREQUEST']._serialized_end=790
+  _globals['_USAGE']._serialized_start=792
+  _globals['_USAGE']._serialized_end=872
+  _globals['_GENERATERESPONSE']._serialized_start=874
+  _globals['_GENERATERESPONSE']._serialized_end=993
+  _globals['_CHATREQUEST']._serialized_start=995
+  _globals['_CHATREQUEST']._serialized_end=1098
+  _globals['_TURN']._serialized_start=1100
+  _globals['_TURN']._serialized_end=1204
+  _globals['_CANCELTURN']._serialized_start=1206
+  _globals['_CANCELTURN']._serialized_end=1232
+  _globals['_TURNERROR']._serialized_start=1234
+  _globals['_TURNERROR']._serialized_end=1276
+  _globals['_CHATRESPONSE']._serialized_start=1279
+  _globals['_CHATRESPONSE']._serialized_end=1448
+  _globals['_LISTMODELSREQUEST']._serialized_start=1450
+  _globals['_LISTMODELSREQUEST']._serialized_end=1469
+  _globals['_MODEL']._serialized_start=1471
+  _globals['_MODEL']._serialized_end=1490
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1492
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1549
+  _globals['_INFERENCE']._serialized_start=1649
+  _globals['_INFERENCE']._serialized_end=1960
 # @@protoc_insertion_point(module_scope)
