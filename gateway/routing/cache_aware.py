@@ -43,11 +43,11 @@ class CacheAware:
     hash_blocks: ClassVar[int] = 4096  # prompt blocks hashed (64k tokens at 16 a block)
 
     def __init__(self, cost: CostModel | None = None, bound: float = 1.3, max_blocks: int = 1 << 20,
-                 now: Callable[[], float] = clock.now) -> None:
+                 now: Callable[[], float] = clock.now, slack: float = 2.0) -> None:
         self.cost = cost if cost is not None else CostModel()
         self.index = CacheIndex()
         self.feed = CacheFeed(self.index, max_blocks)
-        self.core = CostBased(self.index, self.cost, bound)
+        self.core = CostBased(self.index, self.cost, bound, slack)
         self.unhashed = 0  # requests routed by load alone: no prompt hashes
         self._now = now
         self._backlog: dict[int, tuple[float, float]] = {}  # slot -> (prefill tokens still queued, as of when)
@@ -70,14 +70,19 @@ class CacheAware:
         est: list[float] = []
         scores: list[int] = []
         todo: list[int] = []  # prefill tokens queued there, this one's uncached ones included
+        warm: list[bool] = []  # holds warm_share of the prompt, nothing queued to prefill (see CostBased)
+        need = self.core.warm_share * prompt
         for c, slot in zip(replicas, slots, strict=True):
             s = c.latest_stats
             tokens = prompt - held[slot] * bs if slot >= 0 else prompt
             if tokens < 0:
                 tokens = 0
+            hot = slot >= 0 and held[slot] * bs >= need and (s is None or s.queue_depth == 0)
             b = backlog.get(slot)
             if b is not None and (q := int(b[0] - (now - b[1]) * rate)) > 0:
                 tokens += q
+                hot = False
+            warm.append(hot)
             k = c.in_flight
             if s is None:
                 n.append(k)
@@ -90,7 +95,7 @@ class CacheAware:
                 est.append(wait(tokens, s.running))
                 scores.append(k + s.queue_depth)
             todo.append(tokens)
-        r = self.core.pick(n, est, scores)
+        r = self.core.pick(n, est, scores, warm)
         if slots[r] >= 0:
             backlog[slots[r]] = (todo[r], now)
         return replicas[r]

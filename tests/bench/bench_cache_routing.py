@@ -7,7 +7,12 @@ Per trace: 4 replicas, each an LRU prefix cache sized so the tenants' contexts f
 oracle's hit rate (:func:`fleet_rate`). Columns: token hit rate, the same as a share of the
 oracle's (one LRU cache of the whole fleet's capacity on the same trace) and of round robin's,
 p50/p90 TTFT (and p90 as a share of round robin's), requests per replica max/mean, and the
-p99 over 100 ms samples of in-flight tokens max/mean.
+p99 over 100 ms samples of in-flight tokens max/mean, sampled while requests open (up to the trace's last
+opening request, :func:`~tests.bench.cache_sim.steady_end`: the whole trace but for T3's last turns).
+Two yardsticks read what no gateway knows, each replica's in-flight prompt tokens as they are
+(marked ``*``): ``least_tokens*`` sends each request where the fewest are (the best a router that
+balances the figure alone does), ``cost_tok*`` is cost_based with its bound on those tokens
+(``TOKEN_BOUND`` times the mean) instead of requests.
 """
 
 from __future__ import annotations
@@ -22,19 +27,51 @@ from gateway.routing.cache_index import CacheIndex
 from gateway.routing.cache_policy import (
     ApproxRadix,
     CachePolicy,
+    CacheRequest,
     CostBased,
     CostModel,
     FirstBlockAffinity,
     LeastLoadedIndex,
+    ReplicaLoad,
     RoundRobin,
 )
 
-from .cache_sim import SimResult, oracle_hit_rate, simulate
+from .cache_sim import SimResult, oracle_hit_rate, simulate, steady_end
 from .trace_gen import TraceRequest, TraceSpec, context_demand_blocks, generate
 
 REPLICAS = 4
 COST = CostModel()
 BATCH = 16  # the batch a request's decode shares its steps with, to size the arrival rate
+
+
+TOKEN_BOUND = 1.2
+
+
+class LeastTokens:
+    """Yardstick: the replica with the fewest prompt tokens in flight (the simulator's truth)."""
+
+    __slots__ = ()
+    name = "least_tokens*"
+
+    def choose(self, req: CacheRequest, loads: Sequence[ReplicaLoad]) -> int:
+        return min(range(len(loads)), key=lambda r: (loads[r].tokens, loads[r].in_flight))
+
+
+class TokenBounded:
+    """Yardstick: cost_based's estimate among the replicas whose in-flight prompt tokens (the truth),
+    this one's included, stay under ``bound`` times the mean; else the fewest tokens."""
+
+    __slots__ = ("core", "bound")
+    name = "cost_tok*"
+
+    def __init__(self, index: CacheIndex, cost: CostModel, bound: float = TOKEN_BOUND) -> None:
+        self.core, self.bound = CostBased(index, cost, math.inf), bound
+
+    def choose(self, req: CacheRequest, loads: Sequence[ReplicaLoad]) -> int:
+        est = self.core.estimates(req, loads)
+        p = req.prompt_tokens
+        cap = self.bound * (sum(x.tokens for x in loads) + p) / len(loads)
+        return min(range(len(loads)), key=lambda r: (loads[r].tokens + p > cap, est[r], loads[r].tokens))
 
 
 def policies(replicas: int, capacity: int, cost: CostModel) -> list[Callable[[CacheIndex], CachePolicy]]:
@@ -45,6 +82,8 @@ def policies(replicas: int, capacity: int, cost: CostModel) -> list[Callable[[Ca
         lambda ix: ApproxRadix(replicas, capacity),
         lambda ix: CostBased(ix, cost),
         lambda ix: CostBased(ix, cost, bound=math.inf),
+        lambda ix: LeastTokens(),
+        lambda ix: TokenBounded(ix, cost),
     ]
 
 
@@ -107,8 +146,9 @@ def run_trace(name: str, spec: TraceSpec, demand: float, load: float, gateways: 
     trace = generate(spec)
     oracle = oracle_hit_rate(trace, cap * REPLICAS, spec.block_size)
     t0 = time.perf_counter()
+    until = steady_end(trace)
     results = [simulate(trace, mk, replicas=REPLICAS, capacity=cap, cost=COST, block_size=spec.block_size,
-                        gateways=gateways, stats_s=stats_s) for mk in policies(REPLICAS, cap, COST)]
+                        gateways=gateways, stats_s=stats_s, sample_until=until) for mk in policies(REPLICAS, cap, COST)]
     span = trace[-1].t - trace[0].t
     how = f"; {gateways} gateways" if gateways > 1 else ""
     how += f", each seeing Stats every {stats_s} s and its own requests" if stats_s else ""
@@ -116,7 +156,8 @@ def run_trace(name: str, spec: TraceSpec, demand: float, load: float, gateways: 
           f" {spec.tenants} tenants, Zipf {spec.zipf_s}, hot share {spec.hot_share},"
           f" {spec.common_tokens}+{spec.context_tokens}-token contexts, {spec.multi_turn:.0%} multi-turn"
           f" (up to {spec.max_turns} turns); {REPLICAS} x {cap} blocks of {spec.block_size} (demand {demand:.0%})"
-          f"{how}; oracle hit rate {oracle:.3f}  [{time.perf_counter() - t0:.1f} s]")
+          f"{how}; oracle hit rate {oracle:.3f}; balance sampled to {min(until, trace[-1].t):.0f} s"
+          f"  [{time.perf_counter() - t0:.1f} s]")
     rr = results[0]
     print(f"{'policy':<22}{'hit':>7}{'/oracle':>9}{'/rr':>7}{'p50 s':>9}{'p90 s':>9}{'p90/rr':>8}"
           f"{'req max/mean':>14}{'tok p99':>9}  per replica")

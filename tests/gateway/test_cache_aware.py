@@ -14,7 +14,7 @@ from gateway.routing.prefix import ChainMemo, PrefixHasher
 from gateway.routing.routed import SubmitFactory
 from tests.gateway.kv_doubles import KvWorker
 from transport.common.prefix import chain_hashes
-from transport.messages import Submit
+from transport.messages import Stats, Submit
 
 BS = 16
 rng = random.Random(7)
@@ -58,6 +58,21 @@ def test_a_saturated_holder_gives_the_next_request_to_a_second_replica() -> None
     ws[0].in_flight = 6  # beyond 1.3 x the mean (+1): the bound
     ws[1].in_flight = ws[2].in_flight = ws[3].in_flight = 1
     assert pool.choose("tiny", None, make_submit=submit_of(prompt(DOC, 1))) is ws[1]
+
+
+def test_the_bound_bends_for_a_warm_holder_with_nothing_to_prefill() -> None:
+    ws = [KvWorker(f"w{i}") for i in range(4)]
+    now = [0.0]
+    pool, _ = pool_of(ws, now)
+    ws[0].store(chain_hashes(DOC, BS))
+    ws[0].in_flight, ws[1].in_flight, ws[2].in_flight, ws[3].in_flight = 3, 1, 1, 2
+    # ceil(1.3 x 8 / 4) = 3 in flight, but it holds the prompt and nothing waits there: up to 8 / 4 + 2
+    assert pool.choose("tiny", None, make_submit=submit_of(prompt(DOC, 1))) is ws[0]
+    # at once again: the query it was just sent is still to prefill there (the policy's backlog)
+    assert pool.choose("tiny", None, make_submit=submit_of(prompt(DOC, 2))) is ws[1]
+    now[0] = 10.0  # done; but its Stats now say a prefill waits
+    ws[0].latest_stats = Stats(queue_depth=1, running=2, kv_blocks_free=100, kv_blocks_total=200)
+    assert pool.choose("tiny", None, make_submit=submit_of(prompt(DOC, 3))) is ws[1]
 
 
 def test_evictions_a_gap_and_a_new_epoch() -> None:
