@@ -21,14 +21,25 @@ import base64
 import logging
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol, runtime_checkable
 
 import numpy as np
 
 from transport.api import ServerConnection
-from transport.messages import Error, ErrorCode, Finish, FinishReason, Pooling, Submit, Task, TokenBatch
+from transport.messages import (
+    Continuation,
+    Error,
+    ErrorCode,
+    Finish,
+    FinishReason,
+    Pooling,
+    Submit,
+    Task,
+    TokenBatch,
+)
 
+from .engine import EngineError
 from .sequence import Delta
 from .tokenizer import Tokenizer
 
@@ -89,6 +100,10 @@ class PromptTasks:
     def start(self, conn: ServerConnection, cid: int, submit: Submit, ids: list[int]) -> None:
         """Answer ``submit`` (or, for echo, send its prompt entry and hand it to the engine)."""
         rid = submit.request_id
+        cont = submit.continuation
+        if submit.echo and cont is not None:  # resumed after its prompt entry was delivered: not again
+            self._service.generate(conn, cid, self._resumed(submit, ids), ids)
+            return
         if submit.task == Task.TOKENIZE:
             self._answer(conn, Delta(rid, tuple(ids), ""), len(ids))
             return
@@ -113,6 +128,18 @@ class PromptTasks:
         key = (cid, rid)
         self._pending[key] = fut
         fut.add_done_callback(lambda f: self._passed(conn, cid, submit, ids, f))
+
+    def _resumed(self, submit: Submit, ids: list[int]) -> Submit:
+        """A resumed echo's Submit as a plain resumed generation: what the client has counts the prompt
+        entry first (its tokens, and its text when asked), which the worker's output does not."""
+        cont = submit.continuation
+        assert cont is not None
+        text = 0
+        if submit.return_text:
+            text = len((submit.prompt if submit.prompt is not None else self._tok.decode(ids)).encode())
+        if cont.token_ids[: len(ids)] != tuple(ids) or cont.text_bytes < text:
+            raise EngineError(ErrorCode.INVALID_REQUEST, "an echo's continuation must begin with its prompt")
+        return replace(submit, echo=False, continuation=Continuation(cont.token_ids[len(ids):], cont.text_bytes - text))
 
     def cancel(self, key: Key) -> bool:
         """A cancel for a request whose pass is running: it ends here (True)."""
