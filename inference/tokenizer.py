@@ -459,7 +459,7 @@ class ChatRenderer:
 
     __slots__ = ("template", "extra", "fast", "skeletons", "max_shapes")
 
-    def __init__(self, template: str, max_shapes: int = 4096, **extra: Any) -> None:
+    def __init__(self, template: str, max_shapes: int = 1024, **extra: Any) -> None:
         self.template, self.extra, self.max_shapes = template, extra, max_shapes
         self.fast = _contents_opaque(template) and not any(_MARK in str(x) for x in (template, *extra.values()))
         self.skeletons: dict[tuple[Any, ...], _Skeleton | None] = {}
@@ -485,7 +485,7 @@ class ChatRenderer:
                                   ensure_ascii=False)
                 if _MARK in rest:
                     return self._full(messages, add_generation_prompt, tools_json)
-                shape.append(rest)
+                shape.append((rest,))  # (never equal to a role's str)
             shape.append(not c)
         key = tuple(shape)
         try:

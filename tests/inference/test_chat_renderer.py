@@ -110,3 +110,11 @@ def test_the_byte_tokenizer_encodes_the_rendered_chat_as_encode_chat() -> None:
     r = tok.chat_renderer()
     chat = [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}]
     assert tok.encode_rendered(r.render(chat, True, TOOLS)) == tok.encode_chat(chat, tools=json.loads(TOOLS))
+
+
+def test_the_skeletons_are_bounded() -> None:
+    r = ChatRenderer(TINY_CHAT_TEMPLATE, max_shapes=2)
+    for n in range(1, 6):  # five shapes: one to five messages
+        chat = [{"role": "user", "content": f"q{i}"} for i in range(n)]
+        assert r.render(chat) == _full(TINY_CHAT_TEMPLATE, chat, True, None)
+        assert len(r.skeletons) <= 2
