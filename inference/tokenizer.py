@@ -413,8 +413,8 @@ class _Opaque:
         if isinstance(n, nodes.If):
             return self.ok(n.test, "test") and all(self.ok(c, "value") for c in (*n.body, *n.elif_, *n.else_))
         if isinstance(n, nodes.Test) and n.name in _SAFE_TESTS and not n.args and not n.kwargs:
-            inner = n.node
-            if self.field(inner) is not None or self.message(inner) or self.messages(inner):
+            subject = n.node
+            if self.field(subject) is not None or self.message(subject) or self.messages(subject):
                 return True  # a str content and a message are of one type whatever their text
         if isinstance(n, nodes.Compare) and len(n.ops) == 1 and n.ops[0].op in ("in", "notin") \
                 and self.message(n.ops[0].expr):
