@@ -158,3 +158,32 @@ def test_sync_stream_of_n_and_refusals(client: openai.OpenAI) -> None:
         with pytest.raises(openai.BadRequestError) as e:
             client.completions.create(**body)
         assert e.value.body["param"] == param  # type: ignore[index]
+
+
+def test_async_whole_and_sync_streamed_chat(gw: Gateway, client: openai.OpenAI) -> None:
+    model = _model(client)
+    msgs: Any = [{"role": "user", "content": "Name a colour."}]
+
+    async def whole() -> tuple[Any, Any]:
+        ac = openai.AsyncOpenAI(base_url=gw.http + "/v1", api_key="x", max_retries=0, timeout=120)
+        try:
+            chat = await ac.chat.completions.create(model=model, messages=msgs, max_tokens=MAX, n=2, seed=21)
+            best = await ac.completions.create(model=model, prompt=PROMPT, max_tokens=MAX, best_of=3, seed=21)
+        finally:
+            await ac.close()
+        return chat, best
+
+    chat, best = asyncio.run(whole())
+    assert [c.index for c in chat.choices] == [0, 1] and len(best.choices) == 1
+    texts: dict[int, str] = {}
+    usage = None
+    for chunk in client.chat.completions.create(model=model, messages=msgs, max_tokens=MAX, n=2, seed=21,
+                                                stream=True, stream_options={"include_usage": True}):
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+    assert texts == {c.index: c.message.content for c in chat.choices}
+    assert usage is not None and chat.usage is not None and usage.total_tokens == chat.usage.total_tokens
+    scored = client.completions.create(model=model, prompt=PROMPT, max_tokens=MAX, n=3, seed=21, logprobs=0)
+    top = max(scored.choices, key=lambda c: sum(c.logprobs.token_logprobs))  # type: ignore[union-attr,arg-type]
+    assert best.choices[0].text == top.text
