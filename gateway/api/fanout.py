@@ -159,11 +159,13 @@ class _SubSink:
         pass  # the fan ends the client's response once every sequence has
 
     def abort(self) -> None:
+        """A sub-call cuts the response (its client read nothing in time, or the deadline or a
+        shutdown found it not reading); its end, which comes at once, says why (_sub_ended)."""
         fan = self._fan
         if not fan._over:
             fan._over = True
+            fan._status = -1
             fan._sink.abort()
-            fan._cancel_subs()
 
 
 EndHook = Callable[[Any, int, int], None]
@@ -314,6 +316,9 @@ class FanOut:
             else:
                 self._sink.respond(*render_http(err))
             self._cancel_subs()  # (each reports here again; the last one may end the request)
+        elif status != 200 and self._status < 0:  # the sub-call that cut the response (_SubSink.abort)
+            self._status = status
+            self._cancel_subs()
         if self._ended == len(self._calls) and not self._starting:
             self._finish_request()
 
@@ -371,6 +376,8 @@ class FanOut:
         self._tail = asyncio.ensure_future(last())
 
     def _end(self) -> None:
+        if self._status < 0:
+            self._status = 499
         tokens = sum(f.completion_tokens for f in self._fins if f is not None) if self._status == 200 else 0
         try:
             self._on_end(self, self._status, tokens)

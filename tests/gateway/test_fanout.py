@@ -147,3 +147,36 @@ async def test_streamed_logprobs_name_their_choice() -> None:
             if ch["logprobs"]:
                 got[ch["index"]] = got.get(ch["index"], 0) + len(ch["logprobs"]["content"])
     assert got == {0: 5, 1: 5} and events[-1] == "[DONE]"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_the_deadline_ends_every_sequence_once(stream: bool) -> None:
+    from gateway.api.config import ApiSettings
+
+    conn = ScriptedWorkerConnection(hang_after=1)
+    app = make_app(conn, api=ApiSettings(request_timeout=0.05))
+    s = await call(app, req("/v1/completions", {**COMPLETION, "n": 3, "stream": stream}), RecordingSink())
+    if stream:
+        events: list[Any] = sse_events(s.body)
+        assert [e["error"]["code"] for e in events if "error" in e] == ["timeout"] and "[DONE]" not in events
+    else:
+        assert s.status == 504
+    assert sorted(conn.cancels) == sorted(x.request_id for x in conn.submits)
+
+
+async def test_a_client_that_stops_reading_is_cut_off_once() -> None:
+    from gateway.api.config import ApiSettings
+
+    conn = ScriptedWorkerConnection()
+    app = make_app(conn, api=ApiSettings(write_timeout=0.05))
+    ends: list[int] = []
+    inner = app.generations._on_call_end
+
+    def hook(c: Any, status: int, tokens: int) -> None:
+        ends.append(status)
+        inner(c, status, tokens)
+
+    app.generations._on_call_end = hook
+    sink = RecordingSink(block_after_chunks=2)  # and never reads again
+    await call(app, req("/v1/completions", {**COMPLETION, "n": 3, "stream": True}), sink)
+    assert sink.aborted and ends == [408]
