@@ -390,14 +390,15 @@ class JaxRunner:
                                                                  sharding=self._replicated),
                                             *self._sampling_spec(b))
         elif kind == "sample_masked":  # structured output: compiled on first use, per row count
-            lowered = jax.jit(sample_masked).lower(jax.ShapeDtypeStruct((b, self.config.vocab_size), jnp.float32),
+            lowered = jax.jit(sample_masked).lower(jax.ShapeDtypeStruct((b, self.config.vocab_size), jnp.float32,
+                                                                        sharding=self._replicated),
                                                    i32((b, (self.config.vocab_size + 31) // 32)),
                                                    *self._sampling_spec(b))
         elif kind in ("sample_adjusted", "sample_masked_adjusted"):  # penalties etc.: per row count and width
             masked = kind == "sample_masked_adjusted"
             adjust = tuple(jax.ShapeDtypeStruct((b, t) if i < 4 else (b,), dt) for i, dt in enumerate(ADJUST_DTYPES))
             lowered = jax.jit(sample_masked_adjusted if masked else sample_adjusted).lower(
-                jax.ShapeDtypeStruct((b, self.config.vocab_size), jnp.float32),
+                jax.ShapeDtypeStruct((b, self.config.vocab_size), jnp.float32, sharding=self._replicated),
                 *((i32((b, (self.config.vocab_size + 31) // 32)),) if masked else ()), *adjust, *self._sampling_spec(b))
         elif kind in ("mixed", "mixed_logits"):  # decodes padded to the largest decode bucket, a prefill group
             d = self.buckets.decode_batches[-1]

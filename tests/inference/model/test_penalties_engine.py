@@ -101,3 +101,39 @@ def test_the_engine_refuses_what_it_cannot_honour(runner: JaxRunner) -> None:
                      (SamplingParams(presence_penalty=2.5), "presence_penalty")]:
         with pytest.raises(EngineError, match=words):
             eng.add("x", [1, 2], p, 0.0)
+
+
+_TP_SCRIPT = """
+from inference.engine import Engine, EngineConfig
+from inference.model.jax_runner import JaxRunner
+from inference.tokenizer import ByteTokenizer
+from tests.inference.doubles import Collector, run_until_done
+from transport.messages import SamplingParams
+for tp in (1, 2):
+    r = JaxRunner.load("tiny", tensor_parallel=tp, max_batch=2, num_blocks=32, max_model_len=64, max_prefill_batch=1)
+    eng = Engine(r, ByteTokenizer(), EngineConfig(max_batch=2, prefill_batch=1))
+    eng.add(0, [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, frequency_penalty=1.5,
+                                         logit_bias=((66, 3.0),)), 0.0)
+    eng.add(1, [9, 9, 9, 9], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), 0.0)
+    col = Collector()
+    run_until_done(eng, col)
+    print(col.tokens(0) + col.tokens(1))
+"""
+
+
+def test_adjusted_sampling_runs_over_a_tensor_parallel_mesh() -> None:
+    """The adjusted sampler takes the mesh's replicated logits (TP = 2 on two CPU devices) and samples
+    what TP = 1 does."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": str(root)}
+    proc = subprocess.run([sys.executable, "-c", _TP_SCRIPT], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    one, two = proc.stdout.splitlines()[-2:]
+    assert one == two and "66" in one
