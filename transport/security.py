@@ -13,8 +13,24 @@ How it works
   gateways certificates with extendedKeyUsage clientAuth and workers serverAuth: OpenSSL
   then refuses a worker's certificate where a gateway's is expected and the other way
   round (a gateway's local workers read the same ``[workers]`` files: give that one
-  certificate both usages, or leave loopback workers without TLS). TLS 1.3 only. The files are read again for the next connection when any of them
-  changes (rotation without a restart); a set that does not load keeps the last good one.
+  certificate both usages, or leave loopback workers without TLS). The files are read again for the
+  next connection when any of them changes (rotation without a restart); a set that does not load
+  keeps the last good one.
+
+  **TLS 1.2, on purpose** (the gateway offers only 1.2; a worker accepts 1.2 and 1.3, so a gateway
+  of an earlier, 1.3-only release still connects: upgrade workers first). Every engine step at low
+  load is one TLS record the gateway decrypts, and OpenSSL 3.0 opens a TLS 1.3 record for about
+  1.3k instructions more than a 1.2 one (the per-record nonce through the provider's parameters,
+  the inner content type; tests/bench/tls_record_cost.py), which is what kept a 16-token stream's
+  gateway CPU over 1.1x plain TCP (tests/bench/bench_transport_tls.py). What the transport needs of
+  TLS stays: both ends authenticated by certificate (``CERT_REQUIRED`` both ways), forward secrecy
+  (ECDHE only: :data:`TLS12_CIPHERS`), AEAD ciphers only (AES-GCM, ChaCha20-Poly1305: no CBC, no
+  RC4, no static RSA key exchange, no anonymous suites), the handshake bound to its session
+  (extended master secret, RFC 7627, which OpenSSL negotiates by default between two OpenSSLs),
+  no renegotiation (``OP_NO_RENEGOTIATION``), no compression, no session tickets (nothing resumes;
+  no ticket key to steal). What 1.2 gives up is of no use here: 1.3's encrypted certificates (both
+  ends are ours, and their certificates name nothing secret), 0-RTT (never used), and its shorter
+  handshake (once per connection, and connections live long).
 * **Pre-shared key** (``transport_psk_file``): an HMAC challenge in the HELLO exchange
   (:mod:`transport.psk`): authentication without certificates, no encryption. Re-read for
   the next connection when the file changes. Both may be set: TLS, then the key.
@@ -43,6 +59,10 @@ __all__ = ["TransportSecurity", "TlsContexts", "PskKeys", "is_loopback", "NO_SEC
 log = logging.getLogger("transport.security")
 
 _TLS_KEYS = ("transport_tls_cert", "transport_tls_key", "transport_tls_ca")
+# TLS 1.2's suites (module docstring): ephemeral ECDH (forward secrecy), an AEAD cipher, a certificate's
+# signature; nothing else is offered or accepted. AES-256-GCM first, as TLS 1.3's default list has it.
+TLS12_CIPHERS = ":".join(f"ECDHE-{auth}-{cipher}" for cipher in ("AES256-GCM-SHA384", "AES128-GCM-SHA256",
+                                                                 "CHACHA20-POLY1305") for auth in ("ECDSA", "RSA"))
 HOW_TO = ("set transport_tls_cert, transport_tls_key and transport_tls_ca (mutual TLS) or transport_psk_file "
           "(a pre-shared key) on the gateway and the worker alike -- `quicserve worker` flags --transport-tls-cert, "
           "--transport-tls-key, --transport-tls-ca, --transport-psk-file; [workers] keys of the same names -- or "
@@ -167,7 +187,12 @@ class TlsContexts(_Reloading):
 
     def _build(self) -> ssl.SSLContext:
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER if self.server_side else ssl.PROTOCOL_TLS_CLIENT)
-        ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+        # TLS 1.2 with ECDHE and AEAD alone; a worker takes 1.3 as well (module docstring: why 1.2)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        if not self.server_side:
+            ctx.maximum_version = ssl.TLSVersion.TLSv1_2
+        ctx.set_ciphers(TLS12_CIPHERS)
+        ctx.options |= ssl.OP_NO_RENEGOTIATION | ssl.OP_NO_TICKET | ssl.OP_NO_COMPRESSION
         ctx.load_cert_chain(self._sec.tls_cert, self._sec.tls_key)
         ctx.load_verify_locations(cafile=self._sec.tls_ca)
         ctx.check_hostname = False  # the CA is the trust domain (module docstring)

@@ -22,14 +22,14 @@ from typing import Protocol
 
 from .errors import TlsFailure
 
-__all__ = ["TlsSession", "explain", "looks_like_frames"]
+__all__ = ["FIRST_READ", "TlsSession", "explain", "looks_like_frames"]
 
 _READ = 1 << 15  # a TLS record holds at most 16 KiB of plaintext; one read returns at most one record
 # The first read of a record asks for this much: CPython allocates the whole length asked for, then
 # shrinks the bytes object to what was read; up to here (with the bytes header, 512 bytes) that is a
 # small-object block, beyond it a malloc and realloc of 32 KiB per record. One engine step's frames at
 # low load fit; a read that fills it goes on with _READ.
-_FIRST = 464
+FIRST_READ = 464
 _SSL_SUFFIX = re.compile(r"\s*\(_ssl\.c:\d+\)$")
 _NOT_TLS = {"WRONG_VERSION_NUMBER", "HTTP_REQUEST", "RECORD_LAYER_FAILURE", "PACKET_LENGTH_TOO_LONG",
             "UNKNOWN_PROTOCOL", "RECORD_TOO_LARGE"}
@@ -67,37 +67,53 @@ def explain(exc: ssl.SSLError, side: str) -> str:
     if reason in _NOT_TLS:
         return f"the {peer} does not speak TLS ({text}): configure transport_tls_* on the {peer} too"
     if reason in ("TLSV1_ALERT_PROTOCOL_VERSION", "UNSUPPORTED_PROTOCOL", "NO_PROTOCOLS_AVAILABLE"):
-        return f"no TLS version in common with the {peer} ({text}); the transport needs TLS 1.3"
+        return (f"no TLS version in common with the {peer} ({text}): gateways speak TLS 1.2 to workers, which "
+                f"accept 1.2 and 1.3 (a worker of an earlier release accepts only 1.3: upgrade workers first)")
+    if reason == "NO_SHARED_CIPHER":
+        return (f"no cipher suite in common with the {peer} ({text}): the transport takes ECDHE with AES-GCM or "
+                f"ChaCha20-Poly1305 alone")
     return f"TLS with the {peer} failed: {text}"
 
 
-class _SslIo(Protocol):
-    """What the hot paths call on an SSL object (``ssl.SSLObject``'s C object, or the SSLObject itself)."""
+class _Read(Protocol):
+    """``read`` of the C object under ``ssl.SSLObject`` (or of the SSLObject itself)."""
 
-    def read(self, len: int = ..., /) -> bytes: ...
+    def __call__(self, len: int = ..., /) -> bytes: ...
 
-    def write(self, data: bytes, /) -> int: ...
+
+class _Write(Protocol):
+    def __call__(self, data: bytes, /) -> int: ...
+
+
+class _Feed(Protocol):
+    def __call__(self, data: bytes | bytearray | memoryview, /) -> int: ...
 
 
 class TlsSession:
     """One TLS connection end over memory BIOs (see the module docstring).
 
-    The verified connection's two hot paths, :meth:`decrypt` (at low load one engine step's
-    frames in one record) and :meth:`encrypt` (one flush, one record), make no Python call but
-    their own: they call the C object under ``ssl.SSLObject`` (whose methods are Python wrappers
-    around it), read a small record into a small buffer (``_FIRST``), and ask ``SSL_pending``
-    nothing. ``outgoing`` is the BIO of bytes for the peer (its ``pending`` says whether there
-    are any)."""
+    The verified connection's hot paths take one record at a time: :meth:`decrypt` (at low load one
+    engine step's frames in one record) and :meth:`encrypt` (one flush, one record). They call the C
+    object under ``ssl.SSLObject`` (whose methods are Python wrappers around it) through the bound
+    methods ``read`` and ``write``, read a small record into a small buffer (:data:`FIRST_READ`), and
+    ask ``SSL_pending`` nothing. ``feed`` puts the peer's bytes into ``incoming``; ``outgoing`` is
+    the BIO of bytes for the peer (its ``pending`` says whether there are any). A channel may run
+    :meth:`decrypt`'s first lines itself (:class:`~transport.tls_channel.TlsChannel` does, one
+    Python frame less per record) and hand anything else to :meth:`rest` and :meth:`read_failed`."""
 
-    __slots__ = ("_in", "outgoing", "_obj", "_io", "side", "handshake_done", "_pending", "closed")
+    __slots__ = ("incoming", "outgoing", "_obj", "read", "write", "feed", "side", "handshake_done", "_pending",
+                 "closed")
 
     def __init__(self, ctx: ssl.SSLContext, server_side: bool) -> None:
-        self._in = ssl.MemoryBIO()
+        self.incoming = ssl.MemoryBIO()
         self.outgoing = ssl.MemoryBIO()
-        self._obj = ctx.wrap_bio(self._in, self.outgoing, server_side=server_side)
+        self._obj = ctx.wrap_bio(self.incoming, self.outgoing, server_side=server_side)
         # ssl.SSLObject's read and write only forward to its C object's: one Python frame less per record
         # where the stdlib has it (CPython 3.5 onwards), the SSLObject itself otherwise.
-        self._io: _SslIo = getattr(self._obj, "_sslobj", self._obj)
+        io = getattr(self._obj, "_sslobj", self._obj)
+        self.read: _Read = io.read
+        self.write: _Write = io.write
+        self.feed: _Feed = self.incoming.write
         self.side = "worker" if server_side else "gateway"
         self.handshake_done = False
         self._pending: list[bytes] = []  # plaintext sent before the handshake ended
@@ -119,10 +135,14 @@ class TlsSession:
                     parts.append(f"{'CN' if pair[0] == 'commonName' else pair[0]}={pair[1]}")
         return ",".join(parts)
 
+    def version(self) -> str | None:
+        """The TLS version in use ("TLSv1.2"), None before the handshake."""
+        return self._obj.version()
+
     def receive(self, data: bytes | bytearray | memoryview) -> tuple[bytes, bool]:
         """Ciphertext from the peer -> (the plaintext it completes, whether the handshake just ended).
         ``b""`` with ``closed`` set: the peer closed TLS (close_notify)."""
-        self._in.write(data)
+        self.feed(data)
         just = False
         if not self.handshake_done:
             if not self._handshake():
@@ -132,26 +152,37 @@ class TlsSession:
 
     def decrypt(self, data: bytes | bytearray | memoryview) -> bytes:
         """After the handshake: ciphertext in, the plaintext it completes out (``receive``'s hot path)."""
-        self._in.write(data)
+        self.feed(data)
         try:
-            first = self._io.read(_FIRST)
-        except ssl.SSLWantReadError:
-            return b""
-        except ssl.SSLZeroReturnError:
+            first = self.read(FIRST_READ)
+        except ssl.SSLError as exc:
+            return self.read_failed(exc)
+        if 0 < len(first) < FIRST_READ and not self.incoming.pending:
+            return first  # the usual case: one whole record, all read, nothing after it
+        return self.rest(first)
+
+    def rest(self, first: bytes) -> bytes:
+        """What follows a first read (:data:`FIRST_READ`) that filled its buffer, found more bytes behind
+        it, or found the peer's close_notify (``b""``): the plaintext from ``first`` on."""
+        if not first:  # a read gives b"" only once the peer's close_notify came
             self.closed = True
             return b""
-        except ssl.SSLError as exc:
-            raise TlsFailure(explain(exc, self.side)) from None
-        if len(first) < _FIRST and not self._in.pending:
-            if not first:  # a read gives b"" only once the peer's close_notify came
-                self.closed = True
-            return first  # the usual case: one whole record, all read, nothing after it
         return self._more(first)
+
+    def read_failed(self, exc: ssl.SSLError) -> bytes:
+        """A read raised ``exc``: ``b""`` for a record not whole yet or the peer's close (``closed``
+        set); any other error as :class:`~transport.errors.TlsFailure`."""
+        if isinstance(exc, ssl.SSLWantReadError):
+            return b""
+        if isinstance(exc, ssl.SSLZeroReturnError):
+            self.closed = True
+            return b""
+        raise TlsFailure(explain(exc, self.side)) from None
 
     def encrypt(self, data: bytes) -> bytes:
         """After the handshake: plaintext in, the ciphertext for the peer out (``send``'s hot path)."""
         try:
-            self._io.write(data)
+            self.write(data)
         except ssl.SSLError as exc:
             raise TlsFailure(explain(exc, self.side)) from None
         return self.outgoing.read()
@@ -167,7 +198,7 @@ class TlsSession:
             self._pending.append(data)
             return
         try:
-            self._io.write(data)
+            self.write(data)
         except ssl.SSLError as exc:
             raise TlsFailure(explain(exc, self.side)) from None
 
@@ -199,14 +230,14 @@ class TlsSession:
     def _more(self, first: bytes) -> bytes:
         """The rest of what ``first`` began: the rest of its record, and every whole record after it
         (one engine step's record each, when steps came faster than this side read them). Small reads
-        first (``_FIRST``); one that fills its buffer is followed by a large one for the rest of its
-        record. No ``SSL_pending``: only a full small read can leave plaintext behind."""
+        first (:data:`FIRST_READ`); one that fills its buffer is followed by a large one for the rest of
+        its record. No ``SSL_pending``: only a full small read can leave plaintext behind."""
         chunks = [first] if first else []
-        io, incoming = self._io, self._in
-        size = _READ if len(first) == _FIRST else _FIRST
+        read, incoming = self.read, self.incoming
+        size = _READ if len(first) == FIRST_READ else FIRST_READ
         while size == _READ or incoming.pending:
             try:
-                chunk = io.read(size)
+                chunk = read(size)
             except ssl.SSLWantReadError:
                 break  # the rest is a record not whole yet
             except ssl.SSLZeroReturnError:
@@ -218,5 +249,5 @@ class TlsSession:
                 self.closed = True
                 break
             chunks.append(chunk)
-            size = _READ if len(chunk) == _FIRST == size else _FIRST
+            size = _READ if len(chunk) == FIRST_READ == size else FIRST_READ
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)

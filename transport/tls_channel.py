@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 from collections.abc import Callable
 
 from .channel import ChannelBase
 from .endpoint import Endpoint
 from .errors import TlsFailure
 from .messages import Error, ErrorCode
-from .tls import TlsSession, looks_like_frames
+from .tls import FIRST_READ, TlsSession, looks_like_frames
 from .wire import FrameEncoder
 
 __all__ = ["TlsChannel"]
@@ -40,6 +41,10 @@ def _drop(data: bytes) -> None:
     return None
 
 
+def _nothing_read(size: int = 0) -> bytes:
+    return b""
+
+
 class TlsChannel(ChannelBase):
     """One TLS connection; plaintext to and from its endpoint (a :class:`~transport.endpoint.ByteSink`)."""
 
@@ -56,11 +61,13 @@ class TlsChannel(ChannelBase):
         self._seen_bytes = False
         self._failed = False
         self._open = False  # verified and attached: the hot paths below, bound methods cached
-        self._decrypt: Callable[[bytes], bytes] = _nothing
+        self._feed: Callable[[bytes], object] = _drop
+        self._read: Callable[[int], bytes] = _nothing_read
         self._encrypt: Callable[[bytes], bytes] = _nothing
         self._deliver: Callable[[bytes], None] = _drop
         self._send: Callable[[bytes], object] = _drop
         self._live: TlsSession  # ``session`` once verified (read only while ``_open``)
+        self._incoming: ssl.MemoryBIO  # its ``incoming``
 
     # --- asyncio.Protocol ---------------------------------------------------------------------
 
@@ -76,21 +83,17 @@ class TlsChannel(ChannelBase):
         self._transmit()
 
     def data_received(self, data: bytes) -> None:
-        if self._open:  # per frame batch: decrypt, deliver; anything else on the slow path below
+        if self._open:  # per record: TlsSession.decrypt's usual case, in this frame; the rest in _read_more
+            self._feed(data)
             try:
-                plain = self._decrypt(data)
-            except TlsFailure as exc:
-                self._transmit()  # our alert, if OpenSSL wrote one
-                self._fail(str(exc))
+                plain = self._read(FIRST_READ)
+            except ssl.SSLError as exc:
+                self._read_more(b"", exc)
                 return
-            if plain:
-                self._deliver(plain)
-            live = self._live
-            if live.outgoing.pending:  # an alert, a reply to a post-handshake message
-                self._transmit()
-            if live.closed and self.transport is not None:  # the peer's close_notify
-                self._open = False
-                self.transport.close()
+            if 0 < len(plain) < FIRST_READ and not self._incoming.pending:
+                self._deliver(plain)  # one whole record, all read, nothing after it
+            else:
+                self._read_more(plain, None)
             return
         session = self.session
         if session is None or self._failed:
@@ -156,6 +159,26 @@ class TlsChannel(ChannelBase):
 
     # --- internals ------------------------------------------------------------------------------
 
+    def _read_more(self, first: bytes, exc: ssl.SSLError | None) -> None:
+        """The verified connection's reads beyond one whole small record: its rest and the records after
+        it, a record not whole yet, the peer's close_notify, a failure. Bytes OpenSSL wrote while reading
+        (an alert, a reply to a post-handshake message) go out here, and from the usual case with the
+        next write (:meth:`TlsSession.encrypt` sends all that waits)."""
+        live = self._live
+        try:
+            plain = live.read_failed(exc) if exc is not None else live.rest(first)
+        except TlsFailure as failure:
+            self._transmit()  # our alert, if OpenSSL wrote one
+            self._fail(str(failure))
+            return
+        if plain:
+            self._deliver(plain)
+        if live.outgoing.pending:
+            self._transmit()
+        if live.closed and self.transport is not None:  # the peer's close_notify
+            self._open = False
+            self.transport.close()
+
     def _transmit(self) -> None:
         if self.session is not None and self.transport is not None and not self.transport.is_closing():
             out = self.session.data_to_send()
@@ -171,7 +194,8 @@ class TlsChannel(ChannelBase):
         ep.peer = self.peer
         assert self.transport is not None
         self._live = self.session
-        self._decrypt, self._encrypt = self.session.decrypt, self.session.encrypt
+        self._feed, self._read, self._incoming = self.session.feed, self.session.read, self.session.incoming
+        self._encrypt = self.session.encrypt
         self._deliver, self._send = ep.data_received, self.transport.write
         self._open = True
         ep.attach(self)
