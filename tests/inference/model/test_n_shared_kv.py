@@ -13,18 +13,15 @@ its logits are the follower's first sample) and the blocks its own output fills.
 Measured here: the peak of blocks in use over the whole run (``num_blocks - num_free``), n = 1 and
 n = 8 in the same run, with the prefix cache off as the baseline that prefills eight times (its peak
 is bounded by the prefill budget per step, which staggers the eight admissions); and the
-followers' tokens equal those of the same seed run alone (shared KV gives the same answer).
+followers' tokens equal those of the same seed run alone (shared KV gives the same answer). More lengths: tests/bench/bench_n_kv.py.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from inference.engine import Engine, EngineConfig
 from inference.model.jax_runner import JaxRunner
-from inference.tokenizer import ByteTokenizer
-from tests.inference.doubles import Collector
-from transport.messages import SamplingParams
+from tests.bench.bench_n_kv import peak_blocks
 
 pytest.importorskip("jax")
 
@@ -37,21 +34,8 @@ def runner() -> JaxRunner:
     return JaxRunner.load("tiny", max_batch=8, num_blocks=640, max_model_len=1024, block_size=BS)
 
 
-def _run(runner: JaxRunner, seeds: list[int], prefix_cache: bool = True) -> tuple[int, int, Collector]:
-    """(peak blocks in use, prompt tokens prefilled, events) of ``seeds``' sequences of PROMPT."""
-    eng = Engine(runner, ByteTokenizer(), EngineConfig(max_batch=8, enable_prefix_cache=prefix_cache))
-    for s in seeds:
-        eng.add(s, PROMPT, SamplingParams(max_tokens=OUT, ignore_eos=True, seed=s, temperature=1.0), 0.0)
-    col, peak, prefilled, t = Collector(), 0, 0, 0.0
-    while eng.has_unfinished():
-        plan, events = eng.schedule(t)
-        col.feed(events)
-        if plan is not None:
-            prefilled += sum(len(w.token_ids) for w in plan.prefills)
-            peak = max(peak, eng.kv.num_blocks - eng.kv.num_free)
-            col.feed(eng.commit(plan, runner.execute(plan), t))
-        t += 0.01
-    return peak, prefilled, col
+def _run(runner: JaxRunner, seeds: list[int], prefix_cache: bool = True) -> tuple[int, int, dict[int, list[int]]]:
+    return peak_blocks(runner, PROMPT, OUT, seeds, prefix_cache)
 
 
 def test_n8_holds_at_most_1_2x_the_blocks_of_n1(runner: JaxRunner) -> None:
@@ -65,7 +49,7 @@ def test_n8_holds_at_most_1_2x_the_blocks_of_n1(runner: JaxRunner) -> None:
     assert eight == one + 7 and eight / one <= 1.2
     assert unshared > 2 * eight  # without sharing (admission's prefill budget staggers the eight prompts)
     assert pre8 <= pre1 + 7 * BS and pre_off == 8 * pre1  # one prefill, each follower only its last block
-    assert all(len(col.tokens(s)) == OUT for s in range(8))
-    assert col.tokens(0) == alone.tokens(0)
+    assert all(len(col[s]) == OUT for s in range(8))
+    assert col[0] == alone[0]
     _, _, five = _run(runner, [5])
-    assert col.tokens(5) == five.tokens(5)  # a follower's answer is its seed's answer alone
+    assert col[5] == five[5]  # a follower's answer is its seed's answer alone
