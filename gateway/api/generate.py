@@ -166,7 +166,7 @@ class Generations:
         else:
             call = fan.call(self.calls, sink, route, t0, self._on_call_end, done, timeout, headers, (req, g, grant, span))
         call.start()
-        if shadow is not None:
+        if shadow is not None and fan is None:  # (a shadow copies one sequence: not a fanned-out request)
             self._shadow(g, shadow)
         return call
 
