@@ -180,3 +180,30 @@ async def test_a_client_that_stops_reading_is_cut_off_once() -> None:
     sink = RecordingSink(block_after_chunks=2)  # and never reads again
     await call(app, req("/v1/completions", {**COMPLETION, "n": 3, "stream": True}), sink)
     assert sink.aborted and ends == [408]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("n", [2, 5])
+@pytest.mark.parametrize("fault", [None, ("fail_after", 0), ("fail_after", 3), ("hang_after", 2),
+                                   ("fail_before_first", ErrorCode.OVERLOADED),
+                                   ("fail_before_first", ErrorCode.INTERNAL)])
+async def test_every_fault_ends_the_request_once(stream: bool, n: int, fault: tuple[str, object] | None) -> None:
+    """Whatever its sequences do, the request ends once (the helper checks done() and in_flight), with
+    one answer: every choice and [DONE], or one error and nothing after it; no worker request stays open."""
+    from gateway.api.config import ApiSettings
+
+    conn = ScriptedWorkerConnection(**({fault[0]: fault[1]} if fault else {}))  # type: ignore[arg-type]
+    app = make_app(conn, api=ApiSettings(request_timeout=0.2))
+    s = await call(app, req("/v1/completions", {**COMPLETION, "n": n, "stream": stream}), RecordingSink())
+    if s.streamed:
+        events: list[Any] = sse_events(s.body)
+        errors = [e for e in events if e != "[DONE]" and "error" in e]
+        if fault is None:
+            assert events[-1] == "[DONE]" and not errors
+        else:
+            assert errors == [events[-1]] and "[DONE]" not in events
+    else:
+        body: Any = s.json()
+        assert (s.status == 200) == (fault is None)
+        assert len(body["choices"]) == n if fault is None else set(body) == {"error"}
+    assert conn.in_flight == 0  # every worker request finished or was cancelled
