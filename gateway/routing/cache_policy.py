@@ -163,16 +163,19 @@ class CostBased:
 
     The bound bends for a *warm* replica -- one that holds at least ``warm_share`` of the prompt
     and has no prefill waiting (a conversation's next turn, at once) --, which may hold up to
-    ``slack`` requests above the mean: with a few requests in flight a replica, the relative bound
-    alone moved conversations off their history (T3: 0.961x the ideal, 0.975x with it), while a
-    hot prefix's holders, whose prefills queue, still hand the next request on."""
+    ``warm_bound`` times the mean (rounded up) or ``slack`` requests above it, whichever is more:
+    under the one bound conversations were moved off their history when their replica was busy
+    (T3: 0.961x the ideal; 0.962-0.976x over four seeds with the slack alone, 0.981-0.988x with
+    both), while a hot prefix's holders, whose prefills queue, still hand the next request on."""
 
-    __slots__ = ("index", "cost", "bound", "slack", "warm_share", "name")
+    __slots__ = ("index", "cost", "bound", "slack", "warm_bound", "warm_share", "name")
 
     def __init__(self, index: CacheIndex, cost: CostModel, bound: float = 1.3, slack: float = 2.0,
-                 warm_share: float = 0.5) -> None:
+                 warm_share: float = 0.5, warm_bound: float = 1.5) -> None:
         self.index, self.cost, self.bound, self.slack, self.warm_share = index, cost, bound, slack, warm_share
-        changed = [f"{k}={v}" for k, v, default in (("bound", bound, 1.3), ("slack", slack, 2.0)) if v != default]
+        self.warm_bound = max(bound, warm_bound)
+        changed = [f"{k}={v}" for k, v, default in (("bound", bound, 1.3), ("slack", slack, 2.0),
+                                                    ("warm_bound", warm_bound, 1.5)) if v != default]
         self.name = f"cost_based({', '.join(changed)})" if changed else "cost_based"
 
     def estimates(self, req: CacheRequest, loads: Sequence[ReplicaLoad], cached: Sequence[int] | None = None
@@ -195,11 +198,12 @@ class CostBased:
              warm: Sequence[bool] = ()) -> int:
         """The replica of least estimate among those under the bound, then of least score (in-flight
         requests plus queued ones); the first of equals. One entry per replica in each list
-        (``warm``: which may go ``slack`` above the mean; none when empty)."""
+        (``warm``: which may go to the warm bound; none when empty)."""
         mean = (sum(in_flight) + 1) / len(in_flight)
         cap = self.bound * mean
         cap = math.ceil(cap) if cap < math.inf else cap
-        bent = max(cap, mean + self.slack)
+        bent = self.warm_bound * mean
+        bent = max(cap, math.ceil(bent) if bent < math.inf else bent, mean + self.slack)
         best, best_key = 0, (True, math.inf, 0)
         for r, n in enumerate(in_flight):
             key = (n + 1 > (bent if warm and warm[r] else cap), estimates[r], scores[r])

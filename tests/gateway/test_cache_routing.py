@@ -194,6 +194,10 @@ def test_cost_based_bound_bends_for_a_warm_replica() -> None:
     assert CostBased(ix, COST).choose(req(A), [ReplicaLoad(3, 1), *loads[1:]]) == 1  # a prefill waits there
     assert CostBased(ix, COST).choose(req(B), loads) == 1  # it holds a third of B: not warm
     assert CostBased(ix, COST).choose(req(A), [ReplicaLoad(4), *loads[1:]]) == 1  # 9 / 4 + 2 < 5
+    # busier: ceil(1.3 x 29 / 4) = 10 keeps an 11th off; warm, ceil(1.5 x 29 / 4) = 11 lets it on
+    busy = [ReplicaLoad(10), ReplicaLoad(6), ReplicaLoad(6), ReplicaLoad(6)]
+    assert CostBased(ix, COST).choose(req(A), busy) == 0
+    assert CostBased(ix, COST, warm_bound=1.3).choose(req(A), busy) == 1
 
 
 # -- a small simulation ------------------------------------------------------------------------
