@@ -251,7 +251,7 @@ class FanOut:
         sub_sink = _SubSink(self)
         self._calls: list[GenerationCall] = []
         for i, (sub, routed) in enumerate(zip(self._subs, self._routed, strict=True)):
-            w = choice_writer(sub, i, self._rid, created)
+            w = choice_writer(sub, i, self._rid, created, self.g.include_usage)
             self._calls.append(GenerationCall(ctx, routed, _SubWriter(self, i, w), sub_sink, route, t0, sub.logprobs,
                                               self._sub_ended, _ignore, timeout, None, i))
         return self

@@ -14,6 +14,7 @@ and the route (or content type) that picks it.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Protocol
 
 import orjson
@@ -245,10 +246,16 @@ def writer_for(g: GenerationRequest) -> JsonWriter | SseWriter:
     return SseWriter(g) if g.stream else JsonWriter(g)
 
 
-def choice_writer(g: GenerationRequest, index: int, rid: str, created: int) -> JsonWriter | SseWriter:
+def choice_writer(g: GenerationRequest, index: int, rid: str, created: int,
+                  usage_null: bool = False) -> JsonWriter | SseWriter:
     """:func:`writer_for` one choice of several (gateway.api.fanout): streams name ``index`` and share
-    ``rid`` and ``created``; a whole response's choices are merged from their bodies."""
+    ``rid`` and ``created``; a whole response's choices are merged from their bodies. ``usage_null``:
+    its chunks say ``"usage": null`` (the request's include_usage), its finish brings no usage chunk
+    (the fan writes the request's)."""
     if not g.stream:
         return writer_for(g)
-    return ToolSseWriter(g, index, rid, created) if g.tools is not None else SseWriter(g, index, rid, created)
+    u = replace(g, include_usage=True) if usage_null else g
+    w = ToolSseWriter(u, index, rid, created) if g.tools is not None else SseWriter(u, index, rid, created)
+    w.g = g
+    return w
 

@@ -49,6 +49,7 @@ async def test_streamed_n_interleaves_indexed_chunks_and_ends_once() -> None:
                 reasons[ch["index"]] = ch["finish_reason"]
     assert text == {0: "abcde", 1: "abcde"} and reasons == {0: "length", 1: "length"}
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 10
+    assert all(c["usage"] is None for c in chunks[:-1])  # as every chunk of a stream with include_usage
     assert chunks[-1]["usage"]["prompt_tokens"] == 7
 
 
