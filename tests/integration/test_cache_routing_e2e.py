@@ -5,6 +5,7 @@ events, ``[routing] policy = "cache_aware"``, real HTTP clients.
   again, one at a time to an idle fleet, goes back to the replica that holds it: the answer's
   ``cached_tokens`` covers the whole shared prefix. (Least loaded would send all four to the
   first idle replica: one hit in four.)
+- The same with chats (system prompt, then a user turn): hashed as the worker renders them.
 - Every worker killed: the gateway drops each one's entries when its connection dies, before the
   restarted worker's Hello; the new one (a new epoch) starts empty.
 """
@@ -96,6 +97,30 @@ def test_a_repeated_long_prefix_goes_back_to_the_replica_that_holds_it(served: t
     text = httpx.get(g.http + "/metrics").text
     for name in ("unhashed", "resyncs", "epochs"):
         assert f"quicserve_cache_routing_{name}_total 0.0" in text.splitlines()
+
+
+async def _chat(client: httpx.AsyncClient, url: str, system: str, user: str, max_tokens: int) -> int:
+    r = await client.post(url + "/v1/chat/completions", json={
+        "model": "tiny", "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
+        "max_tokens": max_tokens, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    return int(r.json()["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0))
+
+
+def test_a_repeated_chat_goes_back_to_the_replica_that_holds_its_system_prompt(
+        served: tuple[Gateway, Path]) -> None:
+    """Chats are hashed as the worker renders them (the gateway's ChatRenderer: the template's text
+    without jinja) and follow their system prompt like completions follow their prefix."""
+    g, _ = served
+
+    async def run() -> list[int]:
+        async with httpx.AsyncClient(timeout=60) as client:
+            await asyncio.gather(*(_chat(client, g.http, _prompt(i + 10, ""), "first", 150) for i in range(4)))
+            await asyncio.sleep(0.3)
+            return [await _chat(client, g.http, _prompt(i + 10, ""), f"again {i}", 4) for i in range(4)]
+
+    cached = asyncio.run(run())
+    assert all(c >= PREFIX - 16 for c in cached), cached
 
 
 def _children(pid: int) -> list[int]:
