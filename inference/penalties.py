@@ -26,7 +26,10 @@ entries per row (no Python loop over the context) and the device scatters them i
 in the sampling executable of a batch that has such a row. A batch without one runs the unchanged
 sampler (:class:`~inference.runner.SeqWork.adjust` is None for every row), so it pays nothing.
 The table's width is padded to a power of four (at least 64: few shapes to compile, each on first
-use per row count, at most 4x the entries a row needs).
+use per row count, at most 4x the entries a row needs). Like a grammar's rows, an adjusted decode row
+takes the model's logits out of its step and samples in the second executable, so the first such
+request at each decode batch bucket also compiles that bucket's logits step (once per worker; the
+persistent compilation cache keeps it across restarts).
 """
 
 from __future__ import annotations
