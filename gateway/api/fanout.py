@@ -187,6 +187,7 @@ class FanOut:
         self.g = g
         self.stream = g.stream
         self._rid = new_id("chatcmpl" if g.chat else "cmpl")
+        self._per = 0  # sequences per prompt (_plan)
         self._subs = self._plan(g)
         self._routed: list[RoutedStream] = []
         try:
@@ -209,12 +210,14 @@ class FanOut:
 
     def _plan(self, g: GenerationRequest) -> list[GenerationRequest]:
         """The sub-generations, in choice order: every prompt's ``per`` sequences."""
-        per = g.best_of or g.n
-        prompts = g.batch if g.batch is not None else ((g.prompt, g.prompt_token_ids),)
+        f = g.fan
+        assert f is not None
+        per = self._per = f.best_of or f.n
+        prompts = f.batch if f.batch is not None else ((g.prompt, g.prompt_token_ids),)
         seed = g.params.seed
         params = replace(g.params, max_tokens=g.params.max_tokens // (len(prompts) * per))  # (params._fan)
         logprobs, top = g.logprobs, g.top_logprobs
-        if g.best_of:  # ranked by cumulative logprob: every sequence brings its logprobs
+        if f.best_of:  # ranked by cumulative logprob: every sequence brings its logprobs
             params = replace(params, logprobs=True)
             logprobs = True
         subs = []
@@ -222,8 +225,7 @@ class FanOut:
             for j in range(per):
                 p = params if seed is None else replace(params, seed=sub_seed(seed, j))
                 subs.append(replace(g, params=p, prompt=text, prompt_token_ids=ids, include_usage=False,
-                                    logprobs=logprobs, top_logprobs=top, fan=False, n=1, best_of=0, batch=None,
-                                    prompt_tokens=-1))
+                                    logprobs=logprobs, top_logprobs=top, fan=None, prompt_tokens=-1))
         return subs
 
     # -- the response side ---------------------------------------------------------------------
@@ -335,7 +337,7 @@ class FanOut:
                     g = self.g
                     out = b""
                     if g.include_usage:
-                        out = ChunkTemplate(g.chat, self._rid, g.model, True).usage(usage(self._fins, g.best_of or g.n))
+                        out = ChunkTemplate(g.chat, self._rid, g.model, True).usage(usage(self._fins, self._per))
                     if not self._opened:  # (no sequence sent a token)
                         self._opened = True
                         self._sink.start(200, self._headers)
@@ -385,9 +387,10 @@ class FanOut:
             asyncio.get_running_loop().call_soon(self._done)
 
     def _merged(self) -> bytes:
-        g = self.g
-        return merged_body([orjson.loads(b) for b in self._bodies], self._rid, self._fins, g.best_of or g.n,
-                           g.n if g.best_of else 0, g.logprobs)
+        f = self.g.fan
+        assert f is not None
+        return merged_body([orjson.loads(b) for b in self._bodies], self._rid, self._fins, self._per,
+                           f.n if f.best_of else 0, self.g.logprobs)
 
 
 def _ignore() -> None:

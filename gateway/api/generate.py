@@ -135,7 +135,7 @@ class Generations:
                 if span is not None:
                     g.trace = {"traceparent": span.traceparent}  # the worker's spans join this trace
             fan = None
-            if g.fan:  # n > 1, best_of, a batch of prompts: several sequences on one replica
+            if g.fan is not None:  # n > 1, best_of, a batch of prompts: several sequences on one replica
                 fan = FanOut(self.pool, g, writer_for)
                 routed = fan.routed
             else:

@@ -35,9 +35,21 @@ from .sampling_extras import EXTRA_KEYS, check_min_tokens, sampling_extras
 from .structured import chat_constraint, completion_constraint, with_constraint
 from .tools import ToolSetup
 
-__all__ = ["GenerationRequest", "parse_json_body", "parse_chat", "parse_completion", "ROLES"]
+__all__ = ["GenerationRequest", "Fan", "parse_json_body", "parse_chat", "parse_completion", "ROLES"]
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+
+Prompts = tuple[tuple[str | None, tuple[int, ...] | None], ...]  # a batch's prompts: (text, token ids) each
+
+
+@dataclass(frozen=True, slots=True)
+class Fan:
+    """Several sequences in one request (``n`` > 1, ``best_of``, a batch of prompts: gateway.api.fanout)."""
+
+    n: int  # choices per prompt
+    best_of: int  # > n: this many sequences per prompt, the n most likely returned (completions); else 0
+    batch: Prompts | None  # a batch's prompts; None: the request's one
+
 
 @dataclass(slots=True)
 class GenerationRequest:
@@ -65,11 +77,8 @@ class GenerationRequest:
     route: str = ""  # the routing rule (leaf) that chose the model; "" = none did
     rollout: Rollout | None = None  # the gray release that placed it (it reports its end there)
     tools: ToolSetup | None = None  # chat tools: the writers read tool calls out of the text (gateway.api.tools)
-    # Several sequences in one request (gateway.api.fanout): set together by _fan, fan True only then
-    fan: bool = False  # then params.max_tokens is the sequences' total (each its share: gateway.api.fanout)
-    n: int = 1  # choices per prompt
-    best_of: int = 0  # > n: this many sequences per prompt, the n most likely returned (completions)
-    batch: tuple[tuple[str | None, tuple[int, ...] | None], ...] | None = None  # prompts (text, ids) of a batch
+    # Several sequences in one request (gateway.api.fanout); then params.max_tokens is their total
+    fan: Fan | None = None
 
 
     def prompt_estimate(self) -> int:
@@ -290,8 +299,7 @@ def parse_chat(body: bytes | dict[str, Any], *, default_max_tokens: int, max_tok
                           top_n, user, deadline_ms, tier if type(tier) is str else None)
     if tools is not None and tools.parse:
         g.tools = tools
-    n = d.get("n")
-    if n is not None and n > 1:
+    if "n" in d and (n := d["n"]) is not None and n > 1:
         _fan(g, n, 0, None)
     return g
 
@@ -299,14 +307,13 @@ def parse_chat(body: bytes | dict[str, Any], *, default_max_tokens: int, max_tok
 MAX_SEQUENCES = 128  # sequences one request may ask for (prompts x max(n, best_of))
 
 
-def _fan(g: GenerationRequest, n: int, best_of: int,
-         batch: tuple[tuple[str | None, tuple[int, ...] | None], ...] | None) -> None:
+def _fan(g: GenerationRequest, n: int, best_of: int, batch: Prompts | None) -> None:
     """``g`` runs as several sequences (n > 1, best_of > n, a batch of prompts): gateway.api.fanout."""
     total = (len(batch) if batch is not None else 1) * max(n, best_of)
     if total > MAX_SEQUENCES:
         raise _bad(f"This request asks for {total} sequences (prompts x max(n, best_of)); this server allows at "
                    f"most {MAX_SEQUENCES} per request.", "n", "invalid_value")
-    g.fan, g.n, g.best_of, g.batch = True, n, best_of, batch
+    g.fan = Fan(n, best_of, batch)
     # Admission and routing see the whole request: every prompt once, every sequence's max_tokens (the
     # fan gives each sequence max_tokens / sequences; the end settles what they used, all of them).
     g.params = replace(g.params, max_tokens=g.params.max_tokens * total)
@@ -350,13 +357,6 @@ def parse_completion(body: bytes | dict[str, Any], *, default_max_tokens: int, m
     if params.max_tokens == 0 and not echo:  # (the schema admits 0 for echo: the prompt's logprobs alone)
         raise _bad("Invalid value for 'max_tokens': 0; it must be >= 1 unless 'echo' is true.", "max_tokens",
                    "invalid_value")
-    n = d.get("n") or 1
-    best_of = d.get("best_of") or 0
-    if best_of and best_of < n:
-        raise _bad(f"'best_of' ({best_of}) must be greater than or equal to 'n' ({n}).", "best_of", "invalid_value")
-    if best_of > n and stream:
-        raise _bad("'best_of' cannot be used with 'stream': the best sequences are known only at the end.",
-                   "best_of", "invalid_value")
     if d.get("suffix") not in (None, ""):
         raise _bad("'suffix' is not supported by this server.", "suffix", "unsupported_parameter")
     if d.get("structured_outputs"):
@@ -364,6 +364,21 @@ def parse_completion(body: bytes | dict[str, Any], *, default_max_tokens: int, m
     g = GenerationRequest(False, model, params, stream, include_usage, text, ids, None, logprobs, top_n,
                           user, deadline_ms)
     g.echo = echo
+    if batch is not None or not _FAN_KEYS.isdisjoint(d):
+        _fan_completion(d, g, batch)
+    return g
+
+
+_FAN_KEYS = frozenset({"n", "best_of"})
+
+
+def _fan_completion(d: dict[str, Any], g: GenerationRequest, batch: Prompts | None) -> None:
+    n = d.get("n") or 1
+    best_of = d.get("best_of") or 0
+    if best_of and best_of < n:
+        raise _bad(f"'best_of' ({best_of}) must be greater than or equal to 'n' ({n}).", "best_of", "invalid_value")
+    if best_of > n and g.stream:
+        raise _bad("'best_of' cannot be used with 'stream': the best sequences are known only at the end.",
+                   "best_of", "invalid_value")
     if n > 1 or best_of > n or batch is not None:
         _fan(g, n, best_of if best_of > n else 0, batch)
-    return g

@@ -132,9 +132,9 @@ def test_admission_sees_the_whole_request() -> None:
 
     g = parse_completion({**COMPLETION, "prompt": ["abcd", "abcdefgh"], "n": 3}, default_max_tokens=16,
                          max_tokens_limit=100)
-    assert g.fan and g.params.max_tokens == 5 * 6 and g.prompt_estimate() == 2 + 3  # (4 bytes a token, + 1)
+    assert g.fan is not None and g.params.max_tokens == 5 * 6 and g.prompt_estimate() == 2 + 3  # (4 bytes a token, + 1)
     one = parse_completion(COMPLETION, default_max_tokens=16, max_tokens_limit=100)
-    assert not one.fan and one.params.max_tokens == 5
+    assert one.fan is None and one.params.max_tokens == 5
 
 
 async def test_streamed_logprobs_name_their_choice() -> None:
