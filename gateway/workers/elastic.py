@@ -8,19 +8,30 @@ drain (a draining replica takes no new request, finishes what it has, then stops
 
 :class:`ElasticController` scales on a forecast. Its horizon is how long a replica takes to become
 ready, the write-up's pre-warm threshold: P90 + 2 sigma of the measured start-up times, clamped
-to 300-2000 ms (:class:`StartupTimes`). Arrivals are counted in short bins and smoothed with
-Holt's linear method (level + trend, :class:`HoltRate`); the demand it provisions for is the
-higher of the level and the level projected to the end of the horizon (plus an optional Poisson
-margin on the arrivals expected within it), plus a busy slot for each request already queued. It
-sizes the pool for that demand by Erlang C (:func:`replicas_for`: the fewest replicas for which at
-most ``late_target`` of requests would wait past the queue budget), or, with ``late_target=None``,
-the write-up's rule as such: demand over capacity at ``target_utilisation``. A replica starts as
-soon as ready + starting replicas fall short: one started now is ready when the forecast comes
-due. Scale-in: the pool drains down to the most it needed over the last ``idle_s``, and only once
-no replica has been started or become ready for ``idle_s`` (so a lull inside a burst does not cost a
-cold start, nor a replica just ready go before it could serve);
-it goes to zero (``min_replicas = 0``) only after ``idle_s`` without an arrival; the next request
-then waits while one starts.
+to 300-2000 ms (:class:`StartupTimes`). Arrivals are counted in short bins and smoothed twice with
+Holt's linear method (:class:`HoltRate`): a fast estimate (level + trend, ~2.5 s of memory) that
+sees a burst within a second or two, and a slow level (~10 s) that Poisson noise hardly moves. The
+demand it provisions for is the slow level, or -- once the fast forecast's peak within the horizon
+passes it by more than ``burst_sigmas`` of the fast estimate's own Poisson noise, a burst -- that
+peak (plus an optional Poisson margin), plus a busy slot for each request already queued. It sizes
+the pool for that demand with :mod:`gateway.workers.elastic_model`: the fewest replicas for which
+Erlang C puts at most ``late_target`` of requests past the queue budget, the wait's scale corrected
+by the ratio of the queue the pool shows to the queue M/M/c predicts for it (as NVIDIA Dynamo's
+planner corrects its latency model; service times less variable than exponential make it < 1).
+``late_target`` is the model's share at the forecast's peak; what a pool then sees is far lower
+(0.2-0.4% past the budget at the default 5% in tests/bench/bench_elastic.py's runs). With
+``late_target=None`` it applies the write-up's rule as such: demand over capacity at
+``target_utilisation``. A replica starts as soon as ready + starting replicas fall short: one
+started now is ready when the forecast comes due.
+
+Scale-in is predictive: what a pool must keep is the size for the slow level's upper bound (level +
+``keep_sigmas`` of its noise, plus the backlog), a demand the forecast says lasts; the pool drains
+down to the most it had to keep over the last dwell -- the slow level's memory, at most ``idle_s``
+-- once no replica has been started, become ready or drained for that long (so a lull inside a
+burst does not cost a cold start, nor a replica just ready go before it could serve). After a burst
+the slow level keeps its replicas until it has come down, then the surplus goes at once. The pool
+goes to zero (``min_replicas = 0``) only after ``idle_s`` without an arrival; the next request then
+waits while one starts.
 
 :class:`ReactiveController` is the comparison: it starts replicas only once the oldest queued
 request has waited past the budget (enough to serve the queue), and drains one after ``idle_s``
@@ -34,6 +45,8 @@ import statistics
 from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
+
+from .elastic_model import WaitCorrection, mean_queue, replicas_for
 
 __all__ = ["Controller", "Decision", "ElasticController", "HoltRate", "PoolLimits", "PoolView",
            "ReactiveController", "ReplicaView", "StartupTimes", "HORIZON_MIN_S", "HORIZON_MAX_S",
@@ -171,24 +184,14 @@ class HoltRate:
         """The rate expected ``ahead_s`` from now (never below zero)."""
         return max(0.0, self.level + self.trend * ahead_s)
 
+    def noise(self, rate: float) -> float:
+        """The level's standard deviation (requests/s) where arrivals are Poisson at ``rate``."""
+        return math.sqrt(max(rate, 0.0) / self.bin_s * self._alpha / (2 - self._alpha))
 
-def replicas_for(rate: float, capacity_rps: float, slots: int, budget_s: float, late: float,
-                 most: int) -> int:
-    """The fewest replicas (at most ``most``) for which Erlang C (M/M/c, c = replicas x slots) puts
-    the share of requests waiting past ``budget_s`` at or under ``late``."""
-    if rate <= 0:
-        return 0
-    service = slots / capacity_rps  # mean seconds per request (Little's law on one replica)
-    a = rate * service  # offered load in busy slots
-    b = 1.0  # Erlang B, grown one slot at a time
-    for c in range(1, most * slots + 1):
-        b = a * b / (c + a * b)
-        if c % slots or c <= a:
-            continue
-        wait = c * b / (c - a * (1 - b))  # Erlang C: P(a request waits at all)
-        if wait * math.exp(-(c - a) / service * budget_s) <= late:
-            return c // slots
-    return most
+    @property
+    def memory_s(self) -> float:
+        """The level's time constant: how far back it mostly looks."""
+        return self.bin_s / self._alpha
 
 
 class ElasticController:
@@ -196,72 +199,109 @@ class ElasticController:
 
     def __init__(self, limits: PoolLimits, startup: StartupTimes | None = None,
                  rate: HoltRate | None = None, margin_sigmas: float = 0.0,
-                 late_target: float | None = 0.01) -> None:
+                 late_target: float | None = 0.05, burst_sigmas: float = 3.0, keep_sigmas: float = 2.0,
+                 slow: HoltRate | None = None, correction: WaitCorrection | None = None) -> None:
         self.limits = limits
         self.startup = startup or StartupTimes()
-        self.rate = rate or HoltRate()
+        self.rate = rate or HoltRate()  # fast: sees a burst within a second or two
+        self.slow = slow or HoltRate(alpha=0.05, beta=0.0)  # slow: the base rate, ~10 s of memory
+        self.correction = correction or WaitCorrection()
         self._margin = margin_sigmas  # Poisson margin on the arrivals expected within the horizon
+        self._burst = burst_sigmas  # how far the fast rate must pass the slow one to count as a burst
+        self._keep = keep_sigmas  # the slow rate's upper bound a scale-in must still cover
         self._late = late_target  # None: size by target_utilisation; else by Erlang C against the budget
         self._last_arrival: float | None = None
-        self._recent: deque[tuple[float, int]] = deque()  # (t, need): decreasing need, within idle_s
-        self._window_start: float | None = None  # since when no replica was started
+        self._last_tick: float | None = None
+        self._recent: deque[tuple[float, int]] = deque()  # (t, keep): decreasing, within the dwell
+        self._window_start: float | None = None  # since when no replica was started or drained
         self.last_need = 0  # replicas the last decision called for (the scaling signal, exported)
         self.last_demand = 0.0  # requests/s it provisioned for
 
     def observe_arrival(self, now: float, n: int = 1) -> None:
         self.rate.add(now, n)
+        self.slow.add(now, n)
         self._last_arrival = now
 
     def observe_startup(self, seconds: float) -> None:
         self.startup.add(seconds)
 
     def demand_rps(self, now: float, view: PoolView) -> float:
-        """Requests/s to provision for: forecast peak in the horizon + margin + the queue's backlog
-        (each queued request as one more busy slot)."""
+        """Requests/s to provision for: the slow rate, plus what the fast forecast's peak within the
+        horizon passes it by beyond ``burst_sigmas`` of its noise, plus margin, plus the queue's
+        backlog (each queued request as one more busy slot)."""
         self.rate.advance(now)
+        self.slow.advance(now)
         h = self.startup.horizon()
-        peak = max(self.rate.level, self.rate.forecast(h))
+        base = self.slow.level
+        fast = max(self.rate.level, self.rate.forecast(h))
+        peak = fast if fast - base > self._burst * self.rate.noise(max(base, 1.0)) else base
         expected = peak * h
         with_margin = (expected + self._margin * math.sqrt(expected)) / h
-        return with_margin + view.queued * view.capacity_rps / view.slots  # a slot for each one queued
+        return with_margin + self._backlog(view)
+
+    @staticmethod
+    def _backlog(view: PoolView) -> float:
+        return view.queued * view.capacity_rps / view.slots
+
+    def _idle(self, now: float, view: PoolView) -> bool:
+        last = self._last_arrival
+        return (last is None or now - last >= self.limits.idle_s) and view.queued == 0
+
+    def size(self, demand: float, view: PoolView) -> int:
+        """Replicas for ``demand`` requests/s (at least one), within the pool's limits."""
+        lim = self.limits
+        if self._late is None:
+            want = math.ceil(demand / (view.capacity_rps * lim.target_utilisation) - 1e-9)
+        else:
+            want = replicas_for(demand, view.capacity_rps, view.slots, lim.queue_budget_s, self._late,
+                                lim.max_replicas, self.correction.factor)
+        return min(lim.max_replicas, max(lim.min_replicas, want, 1))
 
     def needed(self, now: float, view: PoolView) -> int:
         """Replicas the demand calls for, within the pool's limits."""
-        lim = self.limits
-        idle = self._last_arrival is None or now - self._last_arrival >= lim.idle_s
-        if idle and view.queued == 0:
-            want, self.last_demand = 0, 0.0
-        elif self._late is not None:
-            self.last_demand = demand = self.demand_rps(now, view)
-            want = max(1, replicas_for(demand, view.capacity_rps, view.slots, lim.queue_budget_s, self._late,
-                                       lim.max_replicas))
-        else:
-            per_replica = view.capacity_rps * lim.target_utilisation
-            self.last_demand = demand = self.demand_rps(now, view)
-            want = max(1, math.ceil(demand / per_replica - 1e-9))
-        return min(lim.max_replicas, max(lim.min_replicas, want))
+        if self._idle(now, view):
+            self.last_demand = 0.0
+            return self.limits.min_replicas
+        self.last_demand = demand = self.demand_rps(now, view)
+        return self.size(demand, view)
+
+    def _learn(self, now: float, view: PoolView) -> None:
+        """Compare the queue with the model's over the last tick (see :class:`WaitCorrection`)."""
+        dt = now - self._last_tick if self._last_tick is not None else 0.0
+        self._last_tick = now
+        servers = len(view.serving) * view.slots
+        load = self.slow.level * view.slots / view.capacity_rps
+        if not view.starting and servers > load > 0:
+            self.correction.observe(dt, view.queued, mean_queue(servers, load))
 
     def decide(self, now: float, view: PoolView) -> Decision:
         self.last_need = need = self.needed(now, view)
+        self._learn(now, view)
+        lim = self.limits
         serving = view.serving
         have = len(serving) + view.starting
-        while self._recent and self._recent[-1][1] <= need:  # a sliding-window maximum of the need
+        # what a scale-in must keep: the need at the slow rate's upper bound (it moves little on noise)
+        base = self.slow.level
+        upper = base + self._keep * self.slow.noise(max(base, 1.0)) + self._backlog(view)
+        keep = lim.min_replicas if self._idle(now, view) else self.size(upper, view)
+        dwell = min(lim.idle_s, self.slow.memory_s)
+        while self._recent and self._recent[-1][1] <= keep:  # a sliding-window maximum
             self._recent.pop()
-        self._recent.append((now, need))
-        while self._recent[0][0] < now - self.limits.idle_s:
+        self._recent.append((now, keep))
+        while self._recent[0][0] < now - dwell:
             self._recent.popleft()
         if need > have:
             self._window_start = now
             return Decision(start=need - have)
         if view.starting or self._window_start is None:
             self._window_start = now  # the scale-in window opens once every start is done: a replica
-            return Decision()  # just ready (the pool's first, say) gets idle_s before it may drain
-        if now - self._window_start < self.limits.idle_s:
+            return Decision()  # just ready (the pool's first, say) gets the dwell before it may drain
+        if now - self._window_start < dwell:
             return Decision()
-        surplus = len(serving) - self._recent[0][1]  # the most the pool needed in the last idle_s
+        surplus = len(serving) - max(need, self._recent[0][1])
         if surplus <= 0:
             return Decision()
-        self._window_start = now  # the next drain needs another idle_s of surplus
+        self._window_start = now  # the next drain needs another dwell of surplus
         victims = sorted(serving, key=lambda r: (r.busy, -r.id))[:surplus]  # least loaded, youngest
         return Decision(drain=tuple(r.id for r in victims))
 

@@ -238,7 +238,8 @@ class ElasticPool:
     async def _drain(self, w: Worker) -> None:
         """Its requests with no token yet move to the other replicas; then it stops like a retired one."""
         conn = w.conn
-        log.info("elastic %s: draining %s (idle capacity for %g s)", self.name, w.name, self.ws.scale_in_after)
+        dwell = min(self.ws.scale_in_after, self.controller.slow.memory_s)
+        log.info("elastic %s: draining %s (capacity the forecast has not needed for %g s)", self.name, w.name, dwell)
         if conn is not None:
             queued = list(self.pool.unstarted.get(conn, ()))
             self.pool.remove(conn)

@@ -18,6 +18,7 @@ from gateway.workers.elastic import (
     StartupTimes,
     replicas_for,
 )
+from gateway.workers.elastic_model import WaitCorrection, erlang_c, mean_queue
 from gateway.workers.elastic_sim import Startup, bursty_trace, simulate
 
 SLOTS = 8
@@ -86,9 +87,11 @@ def test_reactive_starts_only_past_the_budget() -> None:
     assert r.decide(0.1, view(1, busy=SLOTS, queued=20, oldest=0.6)).start == 3  # ceil(20 / 8)
 
 
-def test_scales_in_after_sustained_idleness_draining_first() -> None:
+def test_scales_in_once_the_surplus_is_forecast_to_last_draining_first() -> None:
     lim = PoolLimits(min_replicas=1, max_replicas=10, queue_budget_s=0.5, idle_s=30)
     ctl = ElasticController(lim)
+    dwell = min(lim.idle_s, ctl.slow.memory_s)
+    assert dwell == pytest.approx(10.0)  # the slow rate's time constant, under idle_s
     t = arrivals(ctl, 0.0, 60.0, 1.0)  # 1 rps: one replica is plenty
     v = view(4, busy=1)
     drained: tuple[int, ...] = ()
@@ -102,12 +105,69 @@ def test_scales_in_after_sustained_idleness_draining_first() -> None:
             drained, first = d.drain, t
             break
         t += 0.5
-    assert first is not None and first >= 60.0 + 30.0 - 0.5  # not before idle_s of surplus
+    assert first is not None and first >= 60.0 + dwell - 0.5  # not before the dwell of surplus
+    assert first < 60.0 + lim.idle_s  # but sooner than an idle timer: the slow rate says it lasts
     assert len(drained) == 3 and 0 not in drained  # down to one, the oldest kept
     # a draining replica no longer counts as serving: the pool does not replace it
     after = view(4, busy=1, draining=drained)
     assert ctl.decide(t + 0.5, after).start == 0
     assert [r.id for r in after.serving] == [0]
+
+
+def test_keeps_a_burst_s_replicas_until_the_slow_rate_has_come_down() -> None:
+    """30 rps for 20 s, then 1 rps: no drain while the slow rate still covers the burst, the pool back
+    to one replica well within idle_s x replicas (the reactive scaler drains one per idle_s)."""
+    lim = PoolLimits(min_replicas=1, max_replicas=12, queue_budget_s=0.5, idle_s=30)
+    ctl = ElasticController(lim)
+    for _ in range(8):
+        ctl.observe_startup(0.7)
+    t = arrivals(ctl, 0.0, 20.0, 30.0)
+    have = 0
+    have += ctl.decide(t, view(have)).start
+    assert have >= 30.0 / CAPACITY
+    drains: list[float] = []
+    while t < 120.0 and have > 1:
+        ctl.observe_arrival(t)
+        d = ctl.decide(t, view(have))
+        assert d.start == 0
+        if d.drain:
+            drains.append(t)
+            have -= len(d.drain)
+        t += 1.0
+    assert drains and drains[0] >= 20.0 + 10.0  # the slow rate's memory first
+    assert have == 1 and t < 20.0 + 3 * lim.idle_s
+
+
+def test_a_poisson_blip_does_not_start_a_replica() -> None:
+    """A steady 4 rps with a 1-second clump of 8 arrivals: the fast rate jumps, but not past the slow
+    one by its noise, so nothing starts (a burst of 5x does)."""
+    lim = PoolLimits(min_replicas=1, max_replicas=12, queue_budget_s=0.5, idle_s=30)
+    ctl = ElasticController(lim)
+    for _ in range(8):
+        ctl.observe_startup(0.7)
+    t = arrivals(ctl, 0.0, 60.0, 4.0)
+    have = ctl.size(ctl.slow.level, view(1))
+    assert ctl.decide(t, view(have)).start == 0
+    t = arrivals(ctl, t, t + 1.0, 8.0)
+    assert ctl.decide(t, view(have)).start == 0
+    t = arrivals(ctl, t, t + 2.0, 20.0)
+    assert ctl.decide(t, view(have)).start > 0
+
+
+def test_the_wait_model_is_corrected_by_the_queue_it_observes() -> None:
+    """A queue shorter than M/M/c predicts (as with service times less variable than exponential)
+    lowers the correction, and the same demand then needs no more replicas; a longer one raises it."""
+    short, long_ = WaitCorrection(), WaitCorrection()
+    assert short.factor == 1.0
+    predicted = mean_queue(24, 18.0)
+    for _ in range(3000):
+        short.observe(0.1, 0, predicted)
+        long_.observe(0.1, 5, predicted)
+    assert 0.25 <= short.factor < 0.5 and 1.5 < long_.factor <= 2.0
+    base = replicas_for(9.0, CAPACITY, SLOTS, 0.5, 0.01, 20)
+    assert replicas_for(9.0, CAPACITY, SLOTS, 0.5, 0.01, 20, short.factor) <= base
+    assert replicas_for(9.0, CAPACITY, SLOTS, 0.5, 0.01, 20, long_.factor) >= base
+    assert erlang_c(8, 0.0) == 0.0 and erlang_c(8, 8.0) == 1.0 and mean_queue(8, 9.0) == float("inf")
 
 
 def test_never_below_min_nor_above_max() -> None:
