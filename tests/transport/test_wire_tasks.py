@@ -5,6 +5,7 @@ one (or one breaking the task rules) failing its request alone."""
 from __future__ import annotations
 
 import struct
+from dataclasses import replace
 
 import msgpack
 import pytest
@@ -15,6 +16,7 @@ from transport.messages import Continuation, Pooling, SamplingParams, Submit, Ta
 from transport.wire import FrameDecoder, FrameEncoder, FrameType, SubmitRejected
 
 from .test_wire import GOOD_PARAMS, frame, mp
+from .test_wire_continuation import round_trip_split
 
 TODAY = ["m", GOOD_PARAMS, "p", None, None, 0, 0, None, True, False]  # a gateway from before field 10
 
@@ -103,19 +105,8 @@ _SUBMITS = st.one_of(
 
 @given(subs=st.lists(_SUBMITS, min_size=1, max_size=4), cuts=st.lists(st.integers(0, 4000), max_size=4))
 def test_round_trip_in_any_split(subs: list[Submit], cuts: list[int]) -> None:
-    from dataclasses import replace
-
     subs = [replace(s, request_id=i + 1) for i, s in enumerate(subs)]
-    enc = FrameEncoder()
-    data = b"".join(enc.encode(s) for s in subs)
-    dec = FrameDecoder()
-    out: list[object] = []
-    prev = 0
-    for cut in sorted(c % (len(data) + 1) for c in cuts) + [len(data)]:
-        out += dec.feed(data[prev:cut])
-        prev = cut
-    dec.close()
-    assert out == subs
+    assert round_trip_split(subs, cuts) == subs
 
 
 def test_msgpack_reads_what_the_spec_says() -> None:
