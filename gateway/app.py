@@ -118,7 +118,7 @@ class App:
         self._parse = {path: functools.partial(self.openai.parse, parse) for path, parse in self.generation.items()}
         self.mounted: dict[str, Entrance] = {}  # other protocols' routes on the HTTP listeners (gRPC-Web)
         self._streamed: dict[str, StreamsBody] = {}  # mounted routes that read their body as it arrives
-        tasks = PromptTasks(pool, self.api_settings, lambda: self.keys, lambda: self.draining)  # a worker answers
+        tasks = PromptTasks(pool, self.api_settings, lambda: self.keys, lambda: self.draining, self.metrics)
         tok = Tokenize(tasks)
         for path, route in ((EMBEDDINGS_ROUTE, Embeddings(tasks)), (TOKENIZE_ROUTE, tok.tokenize),
                             (DETOKENIZE_ROUTE, tok.detokenize)):

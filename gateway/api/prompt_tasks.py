@@ -22,6 +22,7 @@ from ..admission.keys import KeyStore
 from ..errors import APIError, from_routing, from_wire_code
 from ..http.common import task_entrance
 from ..http.types import Entrance, Request, ResponseSink
+from ..observability.metrics import GatewayMetrics
 from ..routing.errors import RoutingError
 from ..routing.pool import ModelPool
 from .config import ApiSettings
@@ -50,8 +51,9 @@ class PromptTasks:
     """The routes' shared part: key check, drain refusal, one question to a worker of the model."""
 
     def __init__(self, pool: ModelPool, api: ApiSettings, keys: Callable[[], KeyStore | None],
-                 draining: Callable[[], bool]) -> None:
+                 draining: Callable[[], bool], metrics: GatewayMetrics | None = None) -> None:
         self.pool = pool
+        self.metrics = metrics  # each request's route, status and time, as every route's
         self.api = api
         self._keys = keys
         self._draining = draining
@@ -60,6 +62,22 @@ class PromptTasks:
         """``route`` (request -> status, JSON body) as an entrance, after the key check."""
 
         async def handle(req: Request, sink: ResponseSink) -> None:
+            t0 = clock.now()
+            status = 500
+            try:
+                status, body = await answer(req)
+            except APIError as e:
+                status = e.status
+                raise
+            except asyncio.CancelledError:
+                status = 499  # the client went away
+                raise
+            finally:
+                if self.metrics is not None:
+                    self.metrics.request_done(req.path, status, req.protocol, clock.now() - t0)
+            sink.respond(status, [(b"content-type", b"application/json")], body)
+
+        async def answer(req: Request) -> tuple[int, bytes]:
             keys = self._keys()
             if keys is not None:
                 keys.maybe_reload(clock.now())
@@ -70,8 +88,7 @@ class PromptTasks:
             if req.method != "POST":
                 raise APIError(405, f"Method {req.method} is not allowed for {req.path}; allowed: POST.",
                                "invalid_request_error", None, "method_not_allowed", headers=((b"allow", b"POST"),))
-            status, body = await route(req)
-            sink.respond(status, [(b"content-type", b"application/json")], body)
+            return await route(req)
 
         return task_entrance(handle)
 
@@ -84,7 +101,11 @@ class PromptTasks:
 
     async def ask(self, g: GenerationRequest) -> PromptAnswer:
         """``g``'s answer from a worker of its model (an APIError if there is none, or it fails)."""
-        return await asyncio.wait_for(self._ask(g), self.api.request_timeout)
+        try:
+            return await asyncio.wait_for(self._ask(g), self.api.request_timeout)
+        except TimeoutError:
+            raise APIError(504, f"The request did not finish within {self.api.request_timeout:g} s.", "server_error",
+                           None, "timeout") from None
 
     async def _ask(self, g: GenerationRequest) -> PromptAnswer:
         if self.pool.aliases:

@@ -57,3 +57,5 @@ def test_synthetic_embeddings_through_serve(gw: Gateway) -> None:
         assert r.status_code == 400 and r.json()["error"]["param"] == param
     assert httpx.post(url, json={"model": "nope", "input": "x"}).status_code == 404
     assert httpx.get(url).status_code == 405
+    metrics = httpx.get(gw.http + "/metrics").text
+    assert 'route="/v1/embeddings"' in metrics and 'status="400"' in metrics  # counted as every route is
