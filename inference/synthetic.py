@@ -278,6 +278,9 @@ class SyntheticRunner:
 
     hidden_size = 32  # of its made-up hidden states (prompt_pass)
 
+    def prepare_prompt_pass(self, length: int, logprobs: bool) -> None:
+        """Nothing to compile."""
+
     def prompt_pass(self, ids: Sequence[int], logprobs: bool) -> PromptResult:
         """Made-up hidden states and prompt logprobs, a pure function of the prompt (no model): row t
         is a unit vector drawn from the seed (ids[t], t); position t's token is its own top

@@ -65,7 +65,13 @@ class PromptResult:
 class PromptRunner(Protocol):
     """A runner that can run a prompt through its model on its own (an optional capability)."""
 
-    def prompt_pass(self, ids: Sequence[int], logprobs: bool) -> PromptResult: ...
+    def prepare_prompt_pass(self, length: int, logprobs: bool) -> None:
+        """Compile what a prompt of ``length`` tokens needs (any thread: called off the step thread)."""
+        ...
+
+    def prompt_pass(self, ids: Sequence[int], logprobs: bool) -> PromptResult:
+        """Run it (on the step thread, between steps)."""
+        ...
 
 
 def pooled(hidden: np.ndarray, pooling: Pooling) -> np.ndarray:
@@ -123,8 +129,7 @@ class PromptTasks:
         if not ids:
             self._fail(conn, rid, ErrorCode.INVALID_REQUEST, "the prompt is empty")
             return
-        loop = asyncio.get_running_loop()
-        fut = loop.run_in_executor(self._executor, self._runner.prompt_pass, ids, submit.task != Task.EMBED)
+        fut = asyncio.ensure_future(self._pass(ids, submit.task != Task.EMBED))
         key = (cid, rid)
         self._pending[key] = fut
         fut.add_done_callback(lambda f: self._passed(conn, cid, submit, ids, f))
@@ -140,6 +145,15 @@ class PromptTasks:
         if cont.token_ids[: len(ids)] != tuple(ids) or cont.text_bytes < text:
             raise EngineError(ErrorCode.INVALID_REQUEST, "an echo's continuation must begin with its prompt")
         return replace(submit, echo=False, continuation=Continuation(cont.token_ids[len(ids):], cont.text_bytes - text))
+
+    async def _pass(self, ids: list[int], logprobs: bool) -> PromptResult:
+        """Compile on a thread of the loop's default pool (a new length costs a compile, which must not
+        stall the running streams), then run on the step thread."""
+        runner = self._runner
+        assert runner is not None
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, runner.prepare_prompt_pass, len(ids), logprobs)
+        return await loop.run_in_executor(self._executor, runner.prompt_pass, ids, logprobs)
 
     def cancel(self, key: Key) -> bool:
         """A cancel for a request whose pass is running: it ends here (True)."""

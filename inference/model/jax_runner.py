@@ -226,7 +226,7 @@ class JaxRunner:
         self._lock = threading.Lock()
         self._guide_faults: dict[int, SeqFault] = {}  # this step's sequences whose grammar failed
         self.compile_seconds = 0.0
-        self._prompt_pass: PromptPass | None = None  # built on the first embedding or echo with logprobs
+        self._prompt_pass = PromptPass(self.model, self._params, self.kernels, self.max_model_len)  # compiled on use
 
     @classmethod
     def load(cls, model: str = _D.model, *, dtype: str = _D.dtype, block_size: int = _D.block_size,
@@ -298,9 +298,11 @@ class JaxRunner:
 
     def prompt_pass(self, ids: Sequence[int], logprobs: bool) -> PromptResult:
         """The prompt through the model on its own (embeddings, echo's logprobs: inference.tasks)."""
-        if self._prompt_pass is None:
-            self._prompt_pass = PromptPass(self.model, self._params, self.kernels, self.max_model_len)
         return self._prompt_pass.run(ids, logprobs)
+
+    def prepare_prompt_pass(self, length: int, logprobs: bool) -> None:
+        """Compile what :meth:`prompt_pass` needs for ``length`` tokens (any thread)."""
+        self._prompt_pass.compile(length, logprobs)
 
     def logits(self, plan: StepPlan) -> np.ndarray:
         """Like :meth:`execute` but return float32 logits [plan.size, vocab] instead of sampling.

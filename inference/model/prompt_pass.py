@@ -10,6 +10,7 @@ computed), and a pass of its own needs no change to the step's executables or th
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from functools import partial
 from typing import Any
@@ -46,15 +47,31 @@ class PromptPass:
         self._params = params
         self._max_len = max_len
         self._fns = {lp: jax.jit(partial(_prompt, model=model, kernels=kernels, logprobs=lp)) for lp in (False, True)}
+        self._compiled: dict[tuple[int, bool], Any] = {}  # (padded length, logprobs) -> executable
+        self._lock = threading.Lock()
+
+    def _padded(self, t: int) -> int:
+        if not 0 < t <= self._max_len:
+            raise ValueError(f"a prompt of {t} tokens (1..{self._max_len})")
+        return max(_MIN_PAD, 1 << (t - 1).bit_length())
+
+    def compile(self, t: int, logprobs: bool) -> Any:
+        """The executable for a prompt of ``t`` tokens (compiled once per padded length; any thread:
+        the worker compiles off the step thread, so a new length never stalls the running streams)."""
+        key = (self._padded(t), logprobs)
+        exe = self._compiled.get(key)
+        if exe is None:
+            exe = self._fns[logprobs].lower(self._params, jax.ShapeDtypeStruct((key[0],), jnp.int32)).compile()
+            with self._lock:
+                exe = self._compiled.setdefault(key, exe)
+        return exe
 
     def run(self, ids: Sequence[int], logprobs: bool) -> PromptResult:
         t = len(ids)
-        if not 0 < t <= self._max_len:
-            raise ValueError(f"a prompt of {t} tokens (1..{self._max_len})")
-        padded = max(_MIN_PAD, 1 << (t - 1).bit_length())
-        tokens = np.zeros(padded, np.int32)
+        exe = self.compile(t, logprobs)
+        tokens = np.zeros(self._padded(t), np.int32)
         tokens[:t] = ids
-        got = jax.device_get(self._fns[logprobs](self._params, jnp.asarray(tokens)))
+        got = jax.device_get(exe(self._params, jnp.asarray(tokens)))
         hidden = np.asarray(got[0][:t], np.float32)
         if not logprobs:
             return PromptResult(hidden)
