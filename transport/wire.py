@@ -140,8 +140,10 @@ is the prompt itself, its ids and (with ``return_text``) its text, with
 logprobs and top-n alternatives when the params ask, as every entry of the
 stream; position 0 has no logprob (NaN, its alternatives are id 0, NaN). Its
 tokens are not output (not in ``max_tokens``, ``completion_tokens`` or
-credit: the stream's window is unlimited, as a buffered one's). A gateway
-sends field 11 only to a worker whose HELLO lists the capability ``"tasks"``.
+credit: the stream's window is unlimited, as a buffered one's). A worker
+that understands field 11 lists the capability ``"tasks"`` in its HELLO; an
+older one ignores the field and generates, so a gateway treats the answer of
+a worker without it as no answer (quicserve's: 501).
 
 Both sides also remember the request-id list of the previous TOKENS frame; a
 continuous-batching engine usually emits the same requests in the same order
