@@ -111,6 +111,23 @@ def test_echo_with_prompt_logprobs_sync_async_streamed_and_not(gw: Gateway) -> N
     asyncio.run(async_side())
 
 
+def test_lm_eval_harness_loglikelihood_batch(gw: Gateway) -> None:
+    """What lm-eval-harness's local-completions model sends: token-id prompts in a batch, echo,
+    max_tokens 1, logprobs 1; it reads token_logprobs[ctxlen:-1] and compares each with its top."""
+    prompts = [tokenize(gw, t) for t in TEXTS]
+    r = httpx.post(gw.http + "/v1/completions", headers=AUTH, timeout=60, json={
+        "model": "tiny", "prompt": prompts, "echo": True, "max_tokens": 1, "logprobs": 1, "temperature": 0,
+        "seed": 1234}).json()
+    for choice, ids in zip(sorted(r["choices"], key=lambda c: c["index"]), prompts, strict=True):
+        lps, tops = choice["logprobs"]["token_logprobs"], choice["logprobs"]["top_logprobs"]
+        assert len(lps) == len(ids) + 1 and lps[0] is None and tops[0] is None
+        _, lsm = reference(ids)
+        np.testing.assert_allclose(lps[1:-1], [lsm[i - 1, ids[i]] for i in range(1, len(ids))], atol=ATOL)
+        for i in range(1, len(ids)):  # lm-eval's is_greedy, exactly: the token's logprob is its top one's
+            assert (lps[i] == max(tops[i].values())) == (int(np.argmax(lsm[i - 1])) == ids[i])
+    assert r["usage"]["completion_tokens"] == 2
+
+
 def test_max_tokens_zero_needs_echo(gw: Gateway) -> None:
     r = httpx.post(gw.http + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 0}, headers=AUTH)
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
