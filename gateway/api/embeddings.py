@@ -26,10 +26,11 @@ from ..http.types import Request
 from .params import parse_json_body
 from .prompt_tasks import PromptAnswer, PromptTasks
 
-__all__ = ["EMBEDDINGS_ROUTE", "Embeddings", "MAX_INPUTS"]
+__all__ = ["EMBEDDINGS_ROUTE", "Embeddings", "MAX_INPUTS", "PARALLEL"]
 
 EMBEDDINGS_ROUTE = "/v1/embeddings"
 MAX_INPUTS = 2048  # OpenAI's bound on one request's inputs
+PARALLEL = 64  # a request's inputs in flight at once (the rest wait): one request cannot flood the workers
 _POOLING = {"mean": Pooling.MEAN, "last": Pooling.LAST}
 _FORMATS = ("float", "base64")
 _KNOWN = frozenset({"model", "input", "encoding_format", "dimensions", "user", "pooling"})
@@ -95,9 +96,15 @@ class Embeddings:
         if dims is not None and (type(dims) is not int or dims < 1):
             raise _bad("'dimensions' must be a positive integer.", "dimensions", "invalid_type")
         t = self.tasks
-        answers: list[PromptAnswer] = await asyncio.gather(*(t.ask(t.request(
-            model, task=Task.EMBED, pooling=pooling, prompt=x if type(x) is str else None,
-            prompt_token_ids=x if type(x) is tuple else None)) for x in inputs))
+        gate = asyncio.Semaphore(PARALLEL)
+
+        async def one(x: str | tuple[int, ...]) -> PromptAnswer:
+            async with gate:
+                return await t.ask(t.request(model, task=Task.EMBED, pooling=pooling,
+                                             prompt=x if type(x) is str else None,
+                                             prompt_token_ids=x if type(x) is tuple else None))
+
+        answers = await asyncio.gather(*(one(x) for x in inputs))
         size = len(base64.b64decode(answers[0].text)) // 4
         if dims is not None and dims != size:
             raise _bad(f"'dimensions' = {dims} is not supported: the embeddings of `{model}` have {size} dimensions "

@@ -12,7 +12,7 @@ import httpx
 import numpy as np
 import pytest
 
-from gateway.api.embeddings import MAX_INPUTS, parse_inputs
+from gateway.api.embeddings import MAX_INPUTS, PARALLEL, parse_inputs
 from gateway.errors import APIError
 from tests.integration.test_gateway_e2e import Gateway, start_gateway, stop_gateway
 
@@ -57,5 +57,7 @@ def test_synthetic_embeddings_through_serve(gw: Gateway) -> None:
         assert r.status_code == 400 and r.json()["error"]["param"] == param
     assert httpx.post(url, json={"model": "nope", "input": "x"}).status_code == 404
     assert httpx.get(url).status_code == 405
+    many = httpx.post(url, json={"model": "tiny", "input": [f"input {i}" for i in range(3 * PARALLEL)]}, timeout=60)
+    assert [d["index"] for d in many.json()["data"]] == list(range(3 * PARALLEL))  # in order, past the gate
     metrics = httpx.get(gw.http + "/metrics").text
     assert 'route="/v1/embeddings"' in metrics and 'status="400"' in metrics  # counted as every route is
