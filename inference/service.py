@@ -105,7 +105,7 @@ class WorkerService:
         self.last_stats: Stats | None = None
         self.grammars = GuideCompiles(self)  # structured output's compiles, off the loop and the step
         # embeddings, tokenize, detokenize, echo's prompt entry (#31); prompt passes on the step thread
-        self.tasks = PromptTasks(self, tokenizer, engine.runner, self._executor, pack_tokens)
+        self.tasks = PromptTasks(self, tokenizer, engine.runner, self._executor, pack_tokens, engine.max_model_len)
         self.kv_events = KvPublisher(engine.kv)  # the prefix cache's changes, to gateways that subscribe
         self.startup: tuple[float, ...] = ()  # seconds of (load, compile, warm-up), set by the worker once it serves
 

@@ -90,13 +90,14 @@ class PromptTasks:
     """Prompt answers for one worker service (module docstring)."""
 
     def __init__(self, service: _Service, tokenizer: Tokenizer, runner: object, executor: Executor | None,
-                 pack: Callable[[Sequence[tuple[int, Delta]]], TokenBatch]) -> None:
+                 pack: Callable[[Sequence[tuple[int, Delta]]], TokenBatch], max_model_len: int) -> None:
         self._service = service
         self._pack = pack  # inference.service.pack_tokens (imported there: no circle)
         self._tok = tokenizer
         self._runner = runner if isinstance(runner, PromptRunner) else None
         self._executor = executor
         self._vocab = tokenizer.vocab_size
+        self._max_len = max_model_len
         self._pending: dict[Key, asyncio.Future[PromptResult]] = {}
 
     @property
@@ -113,10 +114,8 @@ class PromptTasks:
         if submit.task == Task.TOKENIZE:
             self._answer(conn, Delta(rid, tuple(ids), ""), len(ids))
             return
+        self._check(submit, ids)  # before anything is sent: an echo's prompt entry is never followed by a refusal
         if submit.task == Task.DETOKENIZE:
-            if ids and max(ids) >= self._vocab:
-                self._fail(conn, rid, ErrorCode.INVALID_REQUEST, f"token ids must be in [0, {self._vocab})")
-                return
             self._answer(conn, Delta(rid, (), self._tok.decode(ids)), len(ids))
             return
         needs_pass = submit.task == Task.EMBED or bool(submit.params.logprobs or submit.params.top_logprobs)
@@ -125,9 +124,6 @@ class PromptTasks:
             return
         if self._runner is None:
             self._fail(conn, rid, ErrorCode.INVALID_REQUEST, "this worker's engine cannot run a prompt pass")
-            return
-        if not ids:
-            self._fail(conn, rid, ErrorCode.INVALID_REQUEST, "the prompt is empty")
             return
         fut = asyncio.ensure_future(self._pass(ids, submit.task != Task.EMBED))
         key = (cid, rid)
@@ -145,6 +141,20 @@ class PromptTasks:
         if cont.token_ids[: len(ids)] != tuple(ids) or cont.text_bytes < text:
             raise EngineError(ErrorCode.INVALID_REQUEST, "an echo's continuation must begin with its prompt")
         return replace(submit, echo=False, continuation=Continuation(cont.token_ids[len(ids):], cont.text_bytes - text))
+
+    def _check(self, submit: Submit, ids: list[int]) -> None:
+        """What the engine would refuse (the ids the model has, the context), refused before the pass."""
+        if ids and (min(ids) < 0 or max(ids) >= self._vocab):
+            raise EngineError(ErrorCode.INVALID_REQUEST, f"token ids must be in [0, {self._vocab})")
+        if submit.task == Task.DETOKENIZE:
+            return
+        if not ids:
+            raise EngineError(ErrorCode.INVALID_REQUEST, "the prompt is empty")
+        need = len(ids) + (submit.params.max_tokens if submit.echo else 0)
+        if need > self._max_len:
+            raise EngineError(ErrorCode.CONTEXT_LENGTH, f"prompt ({len(ids)} tokens)"
+                              + (f" + max_tokens ({submit.params.max_tokens})" if submit.echo else "")
+                              + f" exceeds the context length ({self._max_len})")
 
     async def _pass(self, ids: list[int], logprobs: bool) -> PromptResult:
         """Compile on a thread of the loop's default pool (a new length costs a compile, which must not

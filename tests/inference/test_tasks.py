@@ -71,6 +71,20 @@ async def test_echo_sends_the_prompt_first_then_generates() -> None:
     assert conn.text(2) == "abc" and conn.ends(2) == [Finish(2, FinishReason.LENGTH, 4, 0)]
 
 
+async def test_what_the_engine_would_refuse_is_refused_before_anything_is_sent() -> None:
+    svc = make_service()  # max_model_len 4096 (the synthetic runner's default)
+    conn = RecordingConnection()
+    svc.on_submit(conn, Submit(1, "tiny", SamplingParams(max_tokens=10), prompt="x" * 4090, echo=True))
+    svc.on_submit(conn, Submit(2, "tiny", prompt_token_ids=(1, 300), buffered=True, task=Task.EMBED))
+    svc.on_submit(conn, Submit(3, "tiny", SamplingParams(logprobs=True), prompt_token_ids=(), echo=True))
+    svc.on_submit(conn, Submit(4, "tiny", prompt_token_ids=(65,) * 5000, buffered=True, task=Task.DETOKENIZE))
+    await run_until(svc, lambda: all(conn.ends(r) for r in (1, 2, 3, 4)))
+    assert [m.code for r in (1, 2, 3) for m in conn.ends(r)] == [  # type: ignore[attr-defined]
+        ErrorCode.CONTEXT_LENGTH, ErrorCode.INVALID_REQUEST, ErrorCode.INVALID_REQUEST]
+    assert not any(list(conn.entries(r)) for r in (1, 2, 3))
+    assert conn.text(4) == "A" * 5000  # detokenizing is not bound by the context
+
+
 async def test_a_resumed_echo_does_not_repeat_its_prompt() -> None:
     first, conn = make_service(), RecordingConnection()  # the request's first replica (run to its end)
     first.on_submit(conn, Submit(4, "tiny", SamplingParams(max_tokens=4, seed=1), prompt="abc"))
