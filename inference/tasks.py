@@ -43,7 +43,7 @@ from .engine import EngineError
 from .sequence import Delta
 from .tokenizer import Tokenizer
 
-__all__ = ["PromptTasks", "PromptRunner", "PromptResult", "pooled"]
+__all__ = ["PromptTasks", "PromptRunner", "PromptResult", "PromptPassUnavailable", "pooled"]
 
 log = logging.getLogger("inference.worker")
 Key = tuple[int, int]
@@ -59,6 +59,10 @@ class PromptResult:
     logprobs: np.ndarray | None = None
     top_ids: np.ndarray | None = None
     top_logprobs: np.ndarray | None = None
+
+
+class PromptPassUnavailable(Exception):
+    """This runner cannot run a prompt pass as it is set up (the request is refused, the worker goes on)."""
 
 
 @runtime_checkable
@@ -187,6 +191,9 @@ class PromptTasks:
             return
         try:
             res = fut.result()
+        except PromptPassUnavailable as exc:
+            self._fail(conn, rid, ErrorCode.INVALID_REQUEST, str(exc))
+            return
         except ValueError as exc:  # e.g. a prompt longer than the model's context
             self._fail(conn, rid, ErrorCode.CONTEXT_LENGTH, str(exc))
             return

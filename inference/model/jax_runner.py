@@ -64,7 +64,7 @@ from inference.sampling import (
     sample_masked,
     sample_masked_adjusted,
 )
-from inference.tasks import PromptResult
+from inference.tasks import PromptPassUnavailable, PromptResult
 from inference.weights import LoadedModel, load_model
 from transport.common import worker_options as options
 
@@ -302,6 +302,8 @@ class JaxRunner:
 
     def prepare_prompt_pass(self, length: int, logprobs: bool) -> None:
         """Compile what :meth:`prompt_pass` needs for ``length`` tokens (any thread)."""
+        if self.broadcast is not None:  # its followers would wait for a step that never comes
+            raise PromptPassUnavailable("a model over several worker processes (multi-host) has no prompt pass yet")
         self._prompt_pass.compile(length, logprobs)
 
     def logits(self, plan: StepPlan) -> np.ndarray:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from inference.synthetic import SyntheticRunner
-from inference.tasks import pooled
+from inference.tasks import PromptPassUnavailable, pooled
 from transport.messages import (
     Continuation,
     Error,
@@ -111,3 +111,19 @@ async def test_a_cancel_during_the_prompt_pass_ends_it_once() -> None:
     svc.on_cancel(conn, 1)
     await run_until(svc, lambda: svc.tasks.pending == 0)
     assert conn.ends(1) == [Finish(1, FinishReason.CANCELLED, 0, 0)] and not list(conn.entries(1))
+
+
+async def test_a_runner_that_cannot_run_the_pass_refuses_the_request_and_serves_on() -> None:
+    svc = make_service()
+    conn = RecordingConnection()
+
+    def unavailable(length: int, logprobs: bool) -> None:
+        raise PromptPassUnavailable("not here")
+
+    svc.engine.runner.prepare_prompt_pass = unavailable  # type: ignore[attr-defined]
+    svc.on_submit(conn, Submit(1, "tiny", prompt="abc", buffered=True, task=Task.EMBED))
+    svc.on_submit(conn, Submit(2, "tiny", SamplingParams(max_tokens=2), prompt="abc"))
+    await run_until(svc, lambda: conn.ends(1) and conn.ends(2))
+    (err,) = conn.ends(1)
+    assert isinstance(err, Error) and err.code == ErrorCode.INVALID_REQUEST and err.message == "not here"
+    assert conn.ends(2) == [Finish(2, FinishReason.LENGTH, 4, 2, 0)]
