@@ -37,7 +37,7 @@ the neighbours' load hardly moves, and on wall time). On a CPU a step costs its 
 chunk, linearly: ``d + p c`` for ``c`` prompt tokens beside the 16 decodes, ``e + q c`` for a chunk
 alone. The ITL bar needs the slowest chunk step ``d' + p' c <= 2 d0``: ``c`` small. The TTFT bar
 needs the ``L / c`` steps' overheads small against the prompt's work: ``c`` large. Pinned to one
-core (``taskset -c 0``, one XLA thread), 2026-12-05 at load ~8, budgets 0,64,128,256,512, 3 rounds:
+core (``taskset -c 0``), 2026-12-05 at load ~8, budgets 0,64,128,256,512, 3 rounds:
 
     step_tokens steady ITL  p99 ITL p99/med     TTFT idle TTFT TTFT/idle steps same tokens
               0     0.53ms  142.8ms  271.26    143ms     173ms      0.82     1        True

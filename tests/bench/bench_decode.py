@@ -106,6 +106,12 @@ before: 4.09-4.32 s before, 4.15-4.25 s after (means 4.23 and 4.21 s). This benc
 the load and the order of each pair: 344 / 366 / 351 / 385 tok/s before, 297 / 311 / 261 / 456 after
 (the fourth pair run after-then-before).
 
+Chunked prefill and tensor parallelism (#32) against the tree before them (6b11cf7), same run:
+``tests/bench/bench_decode_ab.py`` runs this bench's loops over both trees, each measurement its own
+pinned process, alternating; at load 4.6-11.6 decode CPU per token at batch 32 was 1154.6 us before
+and 1158.5 us after (+0.3%; equal runs of one tree spread 1.8-5.4%), the stream run's -0.4%: within
+noise; a second run, 1153.8 -> 1128.2 us (-2.2%, spread 9.4-10.4%). Every shape both trees compile
+is the same program (optimized HLO); wall time spread 30-260% between equal runs those days.
 Last figures (``--stream 2 --repeats 2``, final code of 2026-11-30 session
 6, two threads, unpinned, other work paused, load ~1.6-2.2 = the bench
 itself), two runs: ratio 2.04x / 3.26x / 3.42x and 2.18x / 3.28x / 3.33x
