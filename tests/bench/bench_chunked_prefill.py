@@ -16,7 +16,8 @@ Greedy outputs (the streams' and the long prompt's) are compared with the baseli
 must not change a token. The issue's bars: p99 ITL <= 2x the steady median, TTFT <= 1.3x idle.
 
 ``--rounds`` repeats the whole sweep and each figure is the median over rounds (the machine is
-shared: a single run moves by tens of percent). Run: ``python -m tests.bench.bench_chunked_prefill``.
+shared: a single run moves by tens of percent). Run: ``python -m tests.bench.bench_chunked_prefill``
+(~4 min; ``taskset -c 0`` in front for the pinned figures below).
 
 Measured (2026-12-05, 2 shared cores, median of 3 rounds; tiny model, context 4608, 16 streams, a
 4096-token prompt; TTFT/idle against the same budget's idle TTFT). At load average ~6:
@@ -267,7 +268,7 @@ def cost_model(rows: dict[int, list[dict[str, object]]], args: argparse.Namespac
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--budgets", default="0,128,256,512", help="step_tokens values (0: no chunking, the baseline)")
+    ap.add_argument("--budgets", default="0,64,128,256,512", help="step_tokens values (0: no chunking, the baseline)")
     ap.add_argument("--long", type=int, default=4096, help="tokens of the arriving prompt")
     ap.add_argument("--long-tokens", type=int, default=8, help="tokens it generates (compared across budgets)")
     ap.add_argument("--context", type=int, default=4608, help="the model's positions (max_model_len)")
