@@ -253,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
             diff = (ma / mb - 1) if fig == "tok_s_wall" else (mb / ma - 1)  # + = B slower
             noise = max(_spread(a), _spread(b))
             verdict = "within noise" if abs(diff) <= noise else ("B slower" if diff > 0 else "B faster")
+            if len(a) < 2:
+                verdict = "no noise measured (one round)"
             paired = sorted(y / x for x, y in zip(a, b, strict=True))  # each round's two processes ran back to back
             print(f"{fig:>24} {ma:>9.3f} {_spread(a):>8.1%} {mb:>9.3f} {_spread(b):>8.1%} {diff:>+7.1%} "
                   f"{noise:>6.1%}  {statistics.median(paired):>6.3f} ({paired[0]:.3f}-{paired[-1]:.3f})  {verdict}")
