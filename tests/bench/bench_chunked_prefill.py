@@ -60,14 +60,15 @@ core (``taskset -c 0``), 2026-12-05 at load ~8, budgets 0,64,128,256,512, 3 roun
             256     240        20.13        21.70           0.98           1.10  False
             512     496        40.01        37.92           0.94           1.10  False
 
+(The "meas" columns here are the same ratios computed from each step's CPU time; the wall-time fit
+of the same run, at load ~8, had R^2 0.74-0.99 and a negative intercept alone, and still put the
+ITL bar at c <= 12 and the TTFT bar at c >= 19-180.)
 A second run the same way (load ~4-5): R^2 0.9887 / 0.9930 / 0.9997; ITL bar c <= 5, TTFT bars c >= 15
 (this budget's idle) and c >= 79 (unchunked idle); measured p99/med 6.32 / 12.78 / 26.72 / 45.71 and
 TTFT/idle 1.39 / 1.23 / 1.10 / 0.68 at 64 / 128 / 256 / 512 (the 0.68: an idle run that met a stall).
-(The "meas" columns here are the same ratios computed from each step's CPU time; the wall-time fit
-of the same run, at load ~8, had R^2 0.74-0.99 and a negative intercept alone, and still put the
-ITL bar at c <= 12 and the TTFT bar at c >= 19-180.) A line fits the CPU's steps (R^2 0.99-1.00):
-the ITL bar allows at most 6 prompt tokens a step, less than a 16-token block, while the TTFT bar
-wants 38 or more (80 against the unchunked idle TTFT). Both bars hold together only where a mixed
+A line fits the CPU's steps (R^2 0.99-1.00):
+the ITL bar allows at most 5-6 prompt tokens a step, less than a 16-token block, while the TTFT bar
+wants 15-38 or more (79-80 against the unchunked idle TTFT). Both bars hold together only where a mixed
 step costs about what its decodes cost alone, ``p c`` small against ``d`` for a useful ``c``: an
 accelerator's memory-bound decode, whose weight reads the chunk's matmuls share; gpu_kernels.py
 times that on a lent GPU.
