@@ -527,12 +527,12 @@ class JaxRunner:
 
     def _decode(self, works: Sequence[SeqWork], b: int, *, sample: bool) -> Any:
         """Dispatch one decode step for ``works`` (padded to ``b`` rows): sampled outputs, or logits."""
-        tokens, positions, _, valid = self._decode_args(works, b)
+        tokens, positions, tables, valid = self._decode_args(works, b)
         if sample and any(_special(w) for w in works):  # logits out, then the masked / adjusted sampler
             logits, self._cache = self._executable(("decode_logits", b, 1))(
-                self._params, self._cache, tokens, positions, self._tables(works, b), valid)
+                self._params, self._cache, tokens, positions, tables, valid)
             return self._sample_masked(logits, works, b)
-        args = (tokens, positions, self._tables(works, b), valid, *(self._sampling(works, b) if sample else ()))
+        args = (tokens, positions, tables, valid, *(self._sampling(works, b) if sample else ()))
         key = ("decode" if sample else "decode_logits", b, 1)
         out, self._cache = self._executable(key)(self._params, self._cache, *args)
         return out
