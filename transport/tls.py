@@ -139,6 +139,11 @@ class TlsSession:
         """The TLS version in use ("TLSv1.2"), None before the handshake."""
         return self._obj.version()
 
+    def suite(self) -> str:
+        """The cipher suite in use ("ECDHE-ECDSA-AES256-GCM-SHA384"), "" before the handshake."""
+        cipher = self._obj.cipher()
+        return cipher[0] if cipher else ""
+
     def receive(self, data: bytes | bytearray | memoryview) -> tuple[bytes, bool]:
         """Ciphertext from the peer -> (the plaintext it completes, whether the handshake just ended).
         ``b""`` with ``closed`` set: the peer closed TLS (close_notify)."""

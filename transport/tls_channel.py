@@ -189,7 +189,8 @@ class TlsChannel(ChannelBase):
         self._cancel_timer()
         assert self.session is not None
         if self._server_side:
-            log.info("gateway %s: TLS verified (%s)", self.peer, self.session.peer_subject() or "no subject")
+            log.info("gateway %s: TLS verified (%s) over %s %s", self.peer, self.session.peer_subject() or "no subject",
+                     self.session.version(), self.session.suite())
         self.endpoint = ep = self._make_endpoint()
         ep.peer = self.peer
         assert self.transport is not None
