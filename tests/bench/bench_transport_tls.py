@@ -27,10 +27,12 @@ calls, which TLS does not add).
 
 Figures (stream / whole answer, TLS/plain instructions at c=1; OpenSSL 3.0.19, CPython 3.11.7):
 1.161 / 1.087 before the record path was trimmed; 1.121 / 1.061 with the memory-BIO session and a
-small first read (TLS 1.3; last session, the per-round idle); 1.093 / 1.039 now (this bench,
-6 rounds: 1449.5k / 1584.5k instructions per stream, 350.1k / 363.8k per whole answer), with TLS 1.2
-(transport/security.py: why) and a record's read in TlsChannel's own frame. In one run of three
-gateways (plain, TLS before, TLS now; 6 rounds, median idle): before 1.125 / 1.069, now 1.099 / 1.051.
+small first read (TLS 1.3; last session, the per-round idle); 1.093 / 1.039 and 1.098 / 1.042 now
+(two runs of this bench, 6 rounds: 1449.5k / 1584.5k and 1449.8k / 1592.6k instructions per stream),
+with TLS 1.2 (transport/security.py: why) and a record's read in TlsChannel's own frame. In one run
+of three gateways (plain, TLS before, TLS now; 6 rounds, median idle): before 1.125 / 1.069, now
+1.099 / 1.051. Runs differ by about 0.5% (each gateway process its own hash seed and heap), rounds
+within a run by less: the stream sits at 1.09-1.10, under the bar by a little.
 At c=1 the TLS gateway reads one record per engine step (16.5 per 16-token stream, with the load
 reports) at ~8.6k instructions each (6.0k in ``SSLObject.read``, of which 5.0k in OpenSSL's
 SSL_read: tests/bench/tls_record_cost.py) and writes 1.3 (the Submit): that is the 135k. What is
