@@ -165,10 +165,11 @@ class ChunkTemplate:
         obj = b"chat.completion.chunk" if chat else b"text_completion"
         self.usage_null = b',"usage":null' if include_usage else b""
         fp = b',"system_fingerprint":null' if chat else b""
+        choice = b',"choices":[{"index":0,"delta":{"content":' if chat else b',"choices":[{"index":0,"text":'
+        if index:
+            choice = choice.replace(b'"index":0', b'"index":%d' % index)
         self.head = (b'data: {"id":"' + rid.encode() + b'","object":"' + obj + b'","created":'
-                     + str(self.created).encode() + b',"model":' + self.model_json + fp
-                     + (b',"choices":[{"index":%d,"delta":{"content":' if chat else b',"choices":[{"index":%d,"text":')
-                     % index)
+                     + str(self.created).encode() + b',"model":' + self.model_json + fp + choice)
         self.tail = (b'},"logprobs":null,"finish_reason":null}]' if chat
                      else b',"logprobs":null,"finish_reason":null}]') + self.usage_null + b"}\n\n"
 
