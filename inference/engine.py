@@ -397,7 +397,7 @@ class Engine:
             s.num_computed = alloc.num_cached_tokens
             self._last_admit = now
             work.append(SeqWork(s.seq_id, tuple(s.tokens[cached : cached + n]), cached, alloc.block_table, s.params,
-                                s.seed, s.num_generated, s.guide, s.adjust))
+                                s.seed, s.num_generated, s.guide, s.adjust, int(alloc.last_cached)))
             if self.kv.enable_prefix_cache and _prefilling(s):
                 leaders.append(s)
         return work
@@ -410,12 +410,13 @@ class Engine:
         This is how ``n`` > 1 (the gateway's sub-generations of one request, pinned to one replica) and
         concurrent identical prompts share their prompt's KV without a prefill each: the followers
         wait until the leader's commit registered its blocks, then are admitted with a prefix-cache
-        hit (reference counts: the blocks are shared, read-only; only the last, partial block is
-        computed per follower). The wait is bounded by the leader's own prefill: a leader that is
-        preempted, paused, cancelled or done prefilling is no longer one, and its followers go on."""
+        hit (reference counts: the blocks are shared, read-only; only the block holding the prompt's
+        last token is computed per follower, or for a block-aligned prompt just that token again,
+        unwritten). The wait is bounded by the leader's own prefill: a leader that is preempted,
+        paused, cancelled or done prefilling is no longer one, and its followers go on."""
         kv = self.kv
         bs = kv.block_size
-        usable = (len(s.tokens) - 1) // bs  # the blocks a cache hit may cover (kv._match)
+        usable = (len(s.tokens) - 1) // bs  # the blocks a cache hit spares computing (kv.cached_prefix_len)
         if 2 * usable * bs <= len(s.tokens):
             return False  # waiting a step pays only when the leader would save most of its prefill
         first = s.tokens[:bs]

@@ -39,7 +39,12 @@ __all__ = ["KVCache", "Allocation", "block_hash", "ROOT_HASH", "PREFIX_HASH_SCHE
 @dataclass(frozen=True, slots=True)
 class Allocation:
     block_table: tuple[int, ...]
-    num_cached_tokens: int  # prompt positions already computed (a multiple of block_size)
+    # Prompt positions the runner need not compute: a multiple of block_size, always < len(tokens) (the last
+    # position is computed for the first sample's logits), or len(tokens) - 1 with ``last_cached``.
+    num_cached_tokens: int
+    # The cache held the whole (block-aligned) prompt: every block is shared, and the last position is computed
+    # again for its logits without writing its K/V (the shared last block holds it: SeqWork.shared_tokens).
+    last_cached: bool = False
 
 
 class _SeqBlocks:
@@ -105,15 +110,15 @@ class KVCache:
         return seq_id in self._seqs
 
     def _match(self, tokens: Sequence[int]) -> tuple[list[int], list[int]]:
-        """Cached blocks covering a prefix of ``tokens`` (at least one token is
-        always left to compute, so the runner has a position to sample from)."""
+        """Cached blocks covering a prefix of ``tokens``: up to all of its full blocks (a block-aligned prompt
+        may be wholly cached; its last token is still computed, unwritten: :class:`Allocation`)."""
         blocks: list[int] = []
         hashes: list[int] = []
         if not self.enable_prefix_cache:
             return blocks, hashes
         bs = self.block_size
         parent = ROOT_HASH
-        for i in range((len(tokens) - 1) // bs):
+        for i in range(len(tokens) // bs):
             chunk = tuple(tokens[i * bs : (i + 1) * bs])
             h = block_hash(parent, chunk)
             b = self._cached.get(h)
@@ -139,8 +144,9 @@ class KVCache:
         return lo
 
     def cached_prefix_len(self, tokens: Sequence[int]) -> int:
-        """How many leading positions of ``tokens`` the cache already holds."""
-        return len(self._match(tokens)[0]) * self.block_size
+        """How many leading positions of ``tokens`` need not be computed: those the cache holds, at most
+        ``len(tokens) - 1`` (the last is always computed, for its logits)."""
+        return min(len(self._match(tokens)[0]) * self.block_size, len(tokens) - 1)
 
     def can_allocate(self, tokens: Sequence[int]) -> bool:
         return self._blocks_short(tokens) <= 0
@@ -173,9 +179,11 @@ class KVCache:
             sb.blocks.append(self._take())
         self._seqs[seq_id] = sb
         cached = len(hit) * self.block_size
+        last_cached = cached == len(tokens)
+        cached -= last_cached
         self.queried_tokens += len(tokens)
         self.hit_tokens += cached
-        return Allocation(tuple(sb.blocks), cached)
+        return Allocation(tuple(sb.blocks), cached, last_cached)
 
     def ensure_capacity(self, seq_id: int, num_tokens: int) -> bool:
         """Grow the block table to cover ``num_tokens`` positions; False if short."""

@@ -59,6 +59,9 @@ class SeqWork:
     # Penalties, logit_bias, min_tokens (inference.penalties): the sequence's table, read when it samples;
     # None (nearly always): the plain sampler.
     adjust: LogitAdjust | None = None
+    # Leading ``token_ids`` whose K/V a shared block already holds (a wholly cached, block-aligned prompt: its
+    # last token runs again for its logits): computed, their K/V not written. 0 (nearly always): all written.
+    shared_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -499,6 +499,8 @@ class JaxRunner:
             tokens[row, :n] = w.token_ids
             positions[row, :n] = pos
             slots[row, :n] = bt[pos // self.block_size] * self.block_size + pos % self.block_size
+            if w.shared_tokens:  # a shared block holds their K/V (same tokens, same positions): not written; the
+                slots[row, : w.shared_tokens] = oob  # attention reads the cache after the writes, so it reads those
             q_off[row], kv_lens[row], last[row] = w.start_pos, w.start_pos + n, n - 1
         return tokens, positions, slots, self._tables(works, b), q_off, kv_lens, last
 

@@ -58,12 +58,12 @@ def long_runner(context: int, num_blocks: int) -> JaxRunner:
 
 
 def peak_blocks(runner: JaxRunner, prompt: list[int], out: int, seeds: list[int],
-                prefix_cache: bool = True) -> tuple[int, int, dict[int, list[int]]]:
+                prefix_cache: bool = True, temperature: float = 1.0) -> tuple[int, int, dict[int, list[int]]]:
     """(peak blocks in use, prompt tokens prefilled, each seed's tokens) of one sequence per seed of
     ``prompt``, all added at once (as the gateway's sub-generations arrive), ``out`` tokens each."""
     eng = Engine(runner, ByteTokenizer(), EngineConfig(max_batch=8, enable_prefix_cache=prefix_cache))
     for s in seeds:
-        eng.add(s, prompt, SamplingParams(max_tokens=out, ignore_eos=True, seed=s, temperature=1.0), 0.0)
+        eng.add(s, prompt, SamplingParams(max_tokens=out, ignore_eos=True, seed=s, temperature=temperature), 0.0)
     tokens: dict[int, list[int]] = {s: [] for s in seeds}
     peak = prefilled = 0
     t = 0.0

@@ -31,8 +31,32 @@ def test_uncomputed_blocks_are_not_shared_and_one_token_is_always_left() -> None
     kv.allocate(1, toks)
     assert kv.allocate(2, toks).num_cached_tokens == 0  # type: ignore[union-attr]  # 1's KV not computed yet
     kv.register(1, toks, 8)
-    same = kv.allocate(3, toks)
-    assert same is not None and same.num_cached_tokens == 4  # last block recomputed for logits
+    same = kv.allocate(3, toks)  # the whole aligned prompt is cached: every block shared, the last token rerun
+    assert same is not None and same.num_cached_tokens == 7 and same.last_cached
+    assert same.block_table == kv.block_table(1) and [kv.ref_count(b) for b in same.block_table] == [2, 2]
+    assert kv.cached_prefix_len(toks) == 7 and kv.can_allocate(toks)
+    longer = kv.allocate(4, [*toks, 8])  # one more token: its own block, every prompt block shared
+    assert longer is not None and longer.num_cached_tokens == 8 and not longer.last_cached
+    assert longer.block_table[:2] == same.block_table and kv.ref_count(longer.block_table[2]) == 1
+    partial = kv.allocate(5, [*toks[:4], 9, 9, 9, 9])  # aligned, only its first block cached: as before
+    assert partial is not None and partial.num_cached_tokens == 4 and not partial.last_cached
+    kv.check_invariants()
+
+
+def test_a_wholly_cached_aligned_prompt_takes_no_block_and_registers_nothing_new() -> None:
+    kv = KVCache(4, 4)
+    toks = list(range(8))
+    kv.allocate(1, toks)
+    kv.register(1, toks, 8)
+    kv.allocate(2, [50] * 4)  # 3 of 4 blocks in use
+    follower = kv.allocate(3, toks)  # needs no free block at all
+    assert follower is not None and follower.last_cached and kv.num_free == 1
+    kv.register(3, toks, 8)  # its rerun last token wrote nothing: the chain is already cached
+    assert kv.ensure_capacity(3, 9) and kv.num_free == 0  # its first output opens its own block
+    assert kv.block_table(3)[:2] == kv.block_table(1) and kv.block_table(3)[2] != kv.block_table(2)[0]
+    kv.free(1)
+    kv.free(3)
+    assert kv.allocate(4, toks).last_cached  # type: ignore[union-attr]  # still cached after both are gone
     kv.check_invariants()
 
 

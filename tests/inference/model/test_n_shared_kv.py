@@ -8,7 +8,11 @@ adds is the block holding the prompt's last token (a cache hit always leaves one
 its logits are the follower's first sample) and the blocks its own output fills. With block size
 16, an L-token prompt and o output tokens, a follower owns the blocks covering positions
 16 * floor((L - 1) / 16) .. L + o - 1: one for L = 1000, o = 8 (positions 992..1007), so n = 8 holds
-63 + 7 * 1 = 70 blocks against 63 for n = 1: 1.11x (a block-aligned L = 1024 needs two: 79 / 65 = 1.22x).
+63 + 7 * 1 = 70 blocks against 63 for n = 1: 1.11x. A block-aligned prompt (L = 1024) is wholly cached:
+the follower shares every prompt block and runs its last token again for its logits without writing
+its K/V (``SeqWork.shared_tokens``: the shared block holds the same token's K/V, and the attention reads
+it there), so it owns only its output's blocks (1024..1031): 65 + 7 = 72 / 65 = 1.11x (1.22x before,
+when it recomputed, into a block of its own, the whole last block).
 
 Measured here: the peak of blocks in use over the whole run (``num_blocks - num_free``), n = 1 and
 n = 8 in the same run, with the prefix cache off as the baseline that prefills eight times (its peak
@@ -18,12 +22,15 @@ followers' tokens equal those of the same seed run alone (shared KV gives the sa
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from inference.model.jax_runner import JaxRunner
-from tests.bench.bench_n_kv import peak_blocks
+from inference.runner import SeqWork, StepPlan
+from tests.bench.bench_n_kv import long_runner, peak_blocks
+from transport.messages import SamplingParams
 
-pytest.importorskip("jax")
+jax = pytest.importorskip("jax")
 
 L, OUT, BS = 1000, 8, 16
 PROMPT = [(i * 37 + 11) % 250 + 1 for i in range(L)]
@@ -53,3 +60,49 @@ def test_n8_holds_at_most_1_2x_the_blocks_of_n1(runner: JaxRunner) -> None:
     assert col[0] == alone[0]
     _, _, five = _run(runner, [5])
     assert col[5] == five[5]  # a follower's answer is its seed's answer alone
+
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def test_a_rerun_last_token_writes_nothing_and_gives_the_prompts_logits(runner: JaxRunner) -> None:
+    """The runner's side: ``shared_tokens`` sends those positions' K/V write out of bounds (dropped), in a
+    prefill group and in the mixed pass (a decode beside it), and the attention reads the shared block's K/V."""
+    prompt, other = PROMPT[:32], PROMPT[100:120]
+    first = runner.logits(StepPlan((SeqWork(0, prompt, 0, [3, 4], GREEDY, 0, 0),
+                                    SeqWork(1, other, 0, [6, 7], GREEDY, 0, 0)), ()))[0]
+    rerun = SeqWork(2, prompt[-1:], 31, [3, 4], GREEDY, 0, 0, shared_tokens=1)
+    before = [np.asarray(a) for a in jax.tree.leaves(runner._cache)]
+    alone = runner.logits(StepPlan((rerun,), ()))[0]
+    np.testing.assert_allclose(alone, first, rtol=1e-4, atol=1e-4)
+    mixed = runner.logits(StepPlan((rerun,), (SeqWork(1, [5], 20, [6, 7], GREEDY, 0, 1),)))[0]
+    np.testing.assert_allclose(mixed, first, rtol=1e-4, atol=1e-4)
+    # another token there (whose K/V would differ) shows nothing is written into the shared block
+    runner.logits(StepPlan((SeqWork(2, [7], 31, [3, 4], GREEDY, 0, 0, shared_tokens=1),), ()))
+    runner.logits(StepPlan((SeqWork(2, [7], 31, [3, 4], GREEDY, 0, 0, shared_tokens=1),),
+                           (SeqWork(1, [6], 21, [6, 7], GREEDY, 0, 2),)))
+    after = [np.asarray(a) for a in jax.tree.leaves(runner._cache)]
+    assert all(np.array_equal(a[3:5], b[3:5]) for a, b in zip(before, after, strict=True))
+    assert not np.array_equal(after[0][7], before[0][7])  # the decodes beside it wrote theirs
+    k = after[0]  # layer 0's K: [blocks, block size, heads, dim]
+    # without shared_tokens the same token is written, as every computed position of a prompt is
+    runner.logits(StepPlan((SeqWork(3, prompt[-1:], 31, [3, 5], GREEDY, 0, 0),), ()))
+    k5 = np.asarray(jax.tree.leaves(runner._cache)[0])[5, 15]
+    np.testing.assert_allclose(k5, k[4, 15], rtol=1e-5, atol=1e-5)
+
+
+def test_n8_of_a_block_aligned_prompt_shares_every_prompt_block() -> None:
+    aligned = [(i * 37 + 11) % 250 + 1 for i in range(1024)]
+    r = long_runner(1040, 160)
+    one, pre1, alone = peak_blocks(r, aligned, OUT, [0])
+    eight, pre8, col = peak_blocks(r, aligned, OUT, list(range(8)))
+    print(f"\nKV blocks in use at peak, 1024-token prompt, {OUT} tokens each: n=1 {one}, n=8 {eight} "
+          f"({eight / one:.3f}x). Prompt tokens prefilled: {pre1}, {pre8}")
+    assert one == 65 and eight == one + 7 and eight / one <= 1.2  # each follower: one block, its output's
+    assert pre1 == 1024 and pre8 == 1024 + 7  # each follower runs the prompt's last token only
+    assert col[0] == alone[0]
+    for s in (3, 7):
+        assert col[s] == peak_blocks(r, aligned, OUT, [s])[2][s]  # a follower's answer is its seed's alone
+    _, _, greedy = peak_blocks(r, aligned, OUT, list(range(4)), temperature=0.0)
+    _, _, greedy_alone = peak_blocks(r, aligned, OUT, [9], temperature=0.0)
+    assert all(greedy[s] == greedy_alone[9] for s in range(4))
