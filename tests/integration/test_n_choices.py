@@ -17,7 +17,8 @@ import openai
 import pytest
 
 from gateway.api.fan_merge import sub_seed
-from tests.integration.test_gateway_e2e import Gateway, start_gateway, stop_gateway
+from tests.integration.conftest import KEY
+from tests.integration.test_gateway_e2e import Gateway
 
 pytest.importorskip("jax")
 
@@ -26,15 +27,14 @@ MAX = 8
 
 
 @pytest.fixture(scope="module")
-def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    g = start_gateway(tmp_path_factory.mktemp("state"), "--engine", "jax", "--log-level", "error")
-    yield g
-    assert stop_gateway(g) == 0
+def gw(jax_gateway: Gateway) -> Gateway:
+    """The session's one JAX gateway (conftest.py): API keys on, every client sends KEY."""
+    return jax_gateway
 
 
 @pytest.fixture(scope="module")
 def client(gw: Gateway) -> Iterator[openai.OpenAI]:
-    c = openai.OpenAI(base_url=gw.http + "/v1", api_key="x", max_retries=0, timeout=120)
+    c = openai.OpenAI(base_url=gw.http + "/v1", api_key=KEY, max_retries=0, timeout=120)
     yield c
     c.close()
 
@@ -71,7 +71,7 @@ def test_n_chat_streamed_reassembles_to_the_whole_answer(gw: Gateway, client: op
     whole = client.chat.completions.create(model=model, messages=msgs, max_tokens=MAX, n=3, seed=11)
 
     async def streamed() -> tuple[dict[int, str], dict[int, str], Any, int]:
-        ac = openai.AsyncOpenAI(base_url=gw.http + "/v1", api_key="x", max_retries=0, timeout=120)
+        ac = openai.AsyncOpenAI(base_url=gw.http + "/v1", api_key=KEY, max_retries=0, timeout=120)
         texts: dict[int, str] = {}
         reasons: dict[int, str] = {}
         usage = None
@@ -131,7 +131,7 @@ def test_batched_prompts_index_prompt_times_n_plus_j(gw: Gateway, client: openai
     assert t.choices[1].text == _alone(client, ids[1], 5, 0)
 
     async def streamed() -> dict[int, str]:
-        ac = openai.AsyncOpenAI(base_url=gw.http + "/v1", api_key="x", max_retries=0, timeout=120)
+        ac = openai.AsyncOpenAI(base_url=gw.http + "/v1", api_key=KEY, max_retries=0, timeout=120)
         texts: dict[int, str] = {}
         try:
             async for chunk in await ac.completions.create(model=model, prompt=prompts, max_tokens=MAX, n=2,
@@ -165,7 +165,7 @@ def test_async_whole_and_sync_streamed_chat(gw: Gateway, client: openai.OpenAI) 
     msgs: Any = [{"role": "user", "content": "Name a colour."}]
 
     async def whole() -> tuple[Any, Any]:
-        ac = openai.AsyncOpenAI(base_url=gw.http + "/v1", api_key="x", max_retries=0, timeout=120)
+        ac = openai.AsyncOpenAI(base_url=gw.http + "/v1", api_key=KEY, max_retries=0, timeout=120)
         try:
             chat = await ac.chat.completions.create(model=model, messages=msgs, max_tokens=MAX, n=2, seed=21)
             best = await ac.completions.create(model=model, prompt=PROMPT, max_tokens=MAX, best_of=3, seed=21)
@@ -187,3 +187,31 @@ def test_async_whole_and_sync_streamed_chat(gw: Gateway, client: openai.OpenAI) 
     scored = client.completions.create(model=model, prompt=PROMPT, max_tokens=MAX, n=3, seed=21, logprobs=0)
     top = max(scored.choices, key=lambda c: sum(c.logprobs.token_logprobs))  # type: ignore[union-attr,arg-type]
     assert best.choices[0].text == top.text
+
+
+def test_batched_prompts_sync_streamed_and_async_whole_and_async_best_of_refusal(gw: Gateway,
+                                                                                  client: openai.OpenAI) -> None:
+    """The ways test_batched_prompts_index_prompt_times_n_plus_j does not ask: the same batch
+    streamed sync and whole async gives the same choices; best_of streamed is refused async too."""
+    model = _model(client)
+    prompts = ["Once upon a time", "Hello"]
+    whole = client.completions.create(model=model, prompt=prompts, max_tokens=MAX, n=2, seed=6)
+    want = {c.index: c.text for c in whole.choices}
+    assert sorted(want) == [0, 1, 2, 3]
+    texts: dict[int, str] = {}
+    for chunk in client.completions.create(model=model, prompt=prompts, max_tokens=MAX, n=2, seed=6, stream=True):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+    assert texts == want
+
+    async def async_side() -> None:
+        async with openai.AsyncOpenAI(base_url=gw.http + "/v1", api_key=KEY, max_retries=0, timeout=120) as ac:
+            r = await ac.completions.create(model=model, prompt=prompts, max_tokens=MAX, n=2, seed=6)
+            assert {c.index: c.text for c in r.choices} == want
+            assert r.usage is not None and whole.usage is not None
+            assert r.usage.completion_tokens == whole.usage.completion_tokens
+            with pytest.raises(openai.BadRequestError) as e:
+                await ac.completions.create(model=model, prompt=PROMPT, max_tokens=MAX, best_of=3, stream=True)
+            assert e.value.body["param"] == "best_of"  # type: ignore[index]
+
+    asyncio.run(async_side())

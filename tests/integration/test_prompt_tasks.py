@@ -7,32 +7,23 @@ from __future__ import annotations
 
 import asyncio
 import base64
-from collections.abc import Iterator
 
 import httpx
 import numpy as np
 import openai
 import pytest
 
-from gateway.admission.keys import hash_key
 from tests.inference.model.test_prompt_pass import ATOL, reference
-from tests.integration.test_gateway_e2e import Gateway, start_gateway, stop_gateway
+from tests.integration.conftest import AUTH, KEY
+from tests.integration.test_gateway_e2e import Gateway
 
-KEY = "sk-prompt-tasks-0123456789"
-AUTH = {"authorization": f"Bearer {KEY}"}
 TEXTS = ["hello world", "The quick brown fox"]
 
 
 @pytest.fixture(scope="module")
-def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    state = tmp_path_factory.mktemp("state")
-    keys = state / "keys.toml"
-    keys.write_text(f'[[keys]]\nid = "t"\nsha256 = "{hash_key(KEY)}"\n')
-    config = state / "config.toml"
-    config.write_text(f'[admission]\nkeys_file = "{keys}"\n')
-    g = start_gateway(state, "--engine", "jax", "--config", str(config), "--log-level", "error")
-    yield g
-    assert stop_gateway(g) == 0
+def gw(jax_gateway: Gateway) -> Gateway:
+    """The session's one JAX gateway (conftest.py): API keys on, every client sends KEY."""
+    return jax_gateway
 
 
 def tokenize(gw: Gateway, text: str) -> list[int]:
@@ -152,3 +143,42 @@ def test_the_api_key_is_checked(gw: Gateway, path: str) -> None:
     body = {"model": "tiny", "prompt": "x", "tokens": [1], "input": "x"}
     assert httpx.post(gw.http + path, json=body).status_code == 401
     assert httpx.post(gw.http + path, json=body, headers={"authorization": "Bearer sk-wrong"}).status_code == 401
+
+
+def _streamed_logprobs(chunks: list[openai.types.Completion]) -> tuple[str, list[float | None]]:
+    text, lps = "", []
+    for ch in chunks:
+        for c in ch.choices:
+            text += c.text
+            lps += c.logprobs.token_logprobs or [] if c.logprobs is not None else []
+    return text, lps
+
+
+def test_streamed_echo_carries_the_prompt_logprobs_and_the_async_rest(gw: Gateway) -> None:
+    """Echo's prompt logprobs streamed (sync and async) are the whole answer's; embeddings as floats
+    and /tokenize, /detokenize from an async client."""
+    prompt = "Echo this prompt"
+    kw: dict[str, object] = dict(model="tiny", prompt=prompt, echo=True, max_tokens=4, logprobs=1, temperature=0)
+    with openai.OpenAI(base_url=gw.http + "/v1", api_key=KEY, max_retries=0) as client:
+        whole = client.completions.create(**kw)  # type: ignore[call-overload]
+        text, lps = _streamed_logprobs(list(client.completions.create(**kw, stream=True)))  # type: ignore[call-overload]
+    want = whole.choices[0].logprobs.token_logprobs
+    assert text == whole.choices[0].text and len(lps) == len(want) and lps[0] is None
+    np.testing.assert_allclose(lps[1:], want[1:], atol=ATOL)
+    ids = tokenize(gw, TEXTS[1])
+
+    async def async_side() -> None:
+        async with openai.AsyncOpenAI(base_url=gw.http + "/v1", api_key=KEY, max_retries=0) as client:
+            chunks = [c async for c in await client.completions.create(**kw, stream=True)]  # type: ignore[call-overload]
+            a_text, a_lps = _streamed_logprobs(chunks)
+            assert a_text == text and a_lps[0] is None
+            np.testing.assert_allclose(a_lps[1:], want[1:], atol=ATOL)
+            r = await client.embeddings.create(model="tiny", input=TEXTS[1], encoding_format="float")
+            np.testing.assert_allclose(r.data[0].embedding, unit(reference(ids)[0].mean(0)), atol=ATOL)
+        async with httpx.AsyncClient(base_url=gw.http, headers=AUTH, timeout=60) as h:
+            tok = (await h.post("/tokenize", json={"model": "tiny", "prompt": TEXTS[1]})).json()
+            assert tok["tokens"] == ids
+            back = await h.post("/detokenize", json={"model": "tiny", "tokens": ids[1:]})
+            assert back.json() == {"prompt": TEXTS[1]}
+
+    asyncio.run(async_side())

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from collections.abc import Iterator
 from typing import Any
 
 import grpc
@@ -16,7 +15,8 @@ import openai
 import pytest
 
 from gateway.grpc.quicserve.v1 import quicserve_pb2 as pb
-from tests.integration.test_gateway_e2e import Gateway, start_gateway, stop_gateway
+from tests.integration.conftest import GRPC_AUTH, KEY
+from tests.integration.test_gateway_e2e import Gateway
 
 pytest.importorskip("jax")
 
@@ -25,10 +25,9 @@ PROMPT = "The cat sat on the"
 
 
 @pytest.fixture(scope="module")
-def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    g = start_gateway(tmp_path_factory.mktemp("state"), "--engine", "jax", "--log-level", "error")
-    yield g
-    assert stop_gateway(g) == 0
+def gw(jax_gateway: Gateway) -> Gateway:
+    """The session's one JAX gateway (conftest.py): API keys on, every client sends KEY."""
+    return jax_gateway
 
 
 def _kwargs(kw: dict[str, Any], stream: bool) -> dict[str, Any]:
@@ -43,7 +42,7 @@ def complete(gw: Gateway, mode: str, **kw: Any) -> tuple[str, str, int]:
     stream = mode.endswith("stream")
     if mode.startswith("async"):
         return asyncio.run(_complete_async(gw, stream, kw))
-    with openai.OpenAI(base_url=gw.http + "/v1", api_key="x", max_retries=0, timeout=120) as c:
+    with openai.OpenAI(base_url=gw.http + "/v1", api_key=KEY, max_retries=0, timeout=120) as c:
         if not stream:
             r = c.completions.create(**_kwargs(kw, False))
             assert r.usage is not None
@@ -59,7 +58,7 @@ def complete(gw: Gateway, mode: str, **kw: Any) -> tuple[str, str, int]:
 
 
 async def _complete_async(gw: Gateway, stream: bool, kw: dict[str, Any]) -> tuple[str, str, int]:
-    c = openai.AsyncOpenAI(base_url=gw.http + "/v1", api_key="x", max_retries=0, timeout=120)
+    c = openai.AsyncOpenAI(base_url=gw.http + "/v1", api_key=KEY, max_retries=0, timeout=120)
     try:
         if not stream:
             r = await c.completions.create(**_kwargs(kw, False))
@@ -115,18 +114,40 @@ def test_penalties_reduce_repeats_against_greedy(gw: Gateway, mode: str) -> None
     assert _distinct(gw, mode, extra_body={"repetition_penalty": 5.0}) > plain
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_chat_takes_them_too(gw: Gateway, stream: bool) -> None:
-    with openai.OpenAI(base_url=gw.http + "/v1", api_key="x", max_retries=0, timeout=120) as c:
-        kw: dict[str, Any] = dict(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=8,
-                                  logit_bias={"66": 100}, presence_penalty=0.5, frequency_penalty=0.5,
-                                  extra_body={"repetition_penalty": 1.1, "min_tokens": 2})
+async def _chat_async(gw: Gateway, stream: bool, kw: dict[str, Any]) -> str:
+    async with openai.AsyncOpenAI(base_url=gw.http + "/v1", api_key=KEY, max_retries=0, timeout=120) as c:
         if stream:
-            text = "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(**kw, stream=True)
-                           if ch.choices)
-        else:
-            text = c.chat.completions.create(**kw).choices[0].message.content or ""
+            return "".join([ch.choices[0].delta.content or "" async for ch in await c.chat.completions.create(
+                **kw, stream=True) if ch.choices])
+        return (await c.chat.completions.create(**kw)).choices[0].message.content or ""
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_chat_takes_them_too(gw: Gateway, mode: str) -> None:
+    kw: dict[str, Any] = dict(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=8,
+                              logit_bias={"66": 100}, presence_penalty=0.5, frequency_penalty=0.5,
+                              extra_body={"repetition_penalty": 1.1, "min_tokens": 2})
+    stream = mode.endswith("stream")
+    if mode.startswith("async"):
+        text = asyncio.run(_chat_async(gw, stream, kw))
+    else:
+        with openai.OpenAI(base_url=gw.http + "/v1", api_key=KEY, max_retries=0, timeout=120) as c:
+            if stream:
+                text = "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(**kw, stream=True)
+                               if ch.choices)
+            else:
+                text = c.chat.completions.create(**kw).choices[0].message.content or ""
     assert text == "B" * 8
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_seed_decides_streamed_or_whole(gw: Gateway, mode: str) -> None:
+    """A seeded sampled answer is the same asked any of the four ways (the sync whole one is the
+    reference), and another seed gives another."""
+    kw: dict[str, Any] = dict(prompt="Once upon a time", max_tokens=24, temperature=1.0, seed=77)
+    ref = complete(gw, "sync", **kw)
+    assert complete(gw, mode, **kw) == ref
+    assert complete(gw, mode, **{**kw, "seed": 78})[0] != ref[0]
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -142,7 +163,7 @@ def test_structured_output_keeps_the_last_word(gw: Gateway) -> None:
     schema = {"type": "object", "properties": {"v": {"enum": ["AAA", "BBB", "CCC"]}}, "required": ["v"],
               "additionalProperties": False}
     fmt = {"type": "json_schema", "json_schema": {"name": "pick", "schema": schema, "strict": True}}
-    with openai.OpenAI(base_url=gw.http + "/v1", api_key="x", max_retries=0, timeout=120) as c:
+    with openai.OpenAI(base_url=gw.http + "/v1", api_key=KEY, max_retries=0, timeout=120) as c:
         def ask(bias: dict[str, int]) -> str:
             r = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "pick"}],
                                           max_tokens=40, temperature=0, response_format=fmt,  # type: ignore[arg-type]
@@ -155,7 +176,7 @@ def test_structured_output_keeps_the_last_word(gw: Gateway) -> None:
 
 
 async def _seeded_among_others(gw: Gateway, mine: dict[str, Any], crowd: int) -> list[str]:
-    c = openai.AsyncOpenAI(base_url=gw.http + "/v1", api_key="x", max_retries=0, timeout=120)
+    c = openai.AsyncOpenAI(base_url=gw.http + "/v1", api_key=KEY, max_retries=0, timeout=120)
     try:
         others = [c.completions.create(model="tiny", prompt=f"other prompt {i} " * (i + 1), max_tokens=20 + i,
                                        temperature=0.8, seed=i) for i in range(crowd)]
@@ -198,19 +219,21 @@ def grpc_generate(gw: Gateway, mode: str, sampling: pb.Sampling, prompt: str = P
                 if stream:
                     call = ch.unary_stream(method, request_serializer=_ser,
                                            response_deserializer=pb.GenerateResponse.FromString)
-                    return [r async for r in call(req, timeout=120)]
+                    return [r async for r in call(req, timeout=120, metadata=GRPC_AUTH)]
                 one = ch.unary_unary(method, request_serializer=_ser, response_deserializer=pb.GenerateResponse.FromString)
-                return [await one(req, timeout=120)]
+                return [await one(req, timeout=120, metadata=GRPC_AUTH)]
 
         out = asyncio.run(go())
     else:
         with grpc.insecure_channel(_target(gw)) as ch:
             if stream:
                 out = list(ch.unary_stream(method, request_serializer=_ser,
-                                           response_deserializer=pb.GenerateResponse.FromString)(req, timeout=120))
+                                           response_deserializer=pb.GenerateResponse.FromString)(req, timeout=120,
+                                                                                        metadata=GRPC_AUTH))
             else:
                 out = [ch.unary_unary(method, request_serializer=_ser,
-                                      response_deserializer=pb.GenerateResponse.FromString)(req, timeout=120)]
+                                      response_deserializer=pb.GenerateResponse.FromString)(req, timeout=120,
+                                                                                      metadata=GRPC_AUTH)]
     return "".join(r.text for r in out), out[-1].finish_reason, out[-1].usage.completion_tokens
 
 
@@ -250,7 +273,7 @@ def test_grpc_chat_turns_take_sampling(gw: Gateway) -> None:
     with grpc.insecure_channel(_target(gw)) as ch:
         chat = ch.stream_stream(INFERENCE + "Chat", request_serializer=pb.ChatRequest.SerializeToString,
                                 response_deserializer=pb.ChatResponse.FromString)
-        replies = list(chat(iter([turn]), timeout=120))
+        replies = list(chat(iter([turn]), timeout=120, metadata=GRPC_AUTH))
     assert "".join(r.text for r in replies) == "B" * 6 and replies[-1].usage.completion_tokens == 6
 
 
