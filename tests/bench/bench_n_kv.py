@@ -5,31 +5,38 @@ prefills their prompt once and the others take its blocks from the prefix cache 
 (``Engine._follows``). Each follower owns what a cache hit cannot give it: the block holding the
 prompt's last token (always computed: its logits are the follower's first sample) and the blocks
 of its own output, i.e. the blocks covering positions 16 * floor((L - 1) / 16) .. L + o - 1 for an
-L-token prompt and o output tokens (block size 16). So the ratio is 1 + (n - 1) * k / B (B: the
-blocks of one sequence, k: 1 or 2 for short outputs), above 1.2 only when B < 35 k: for a
-block-aligned L = 1024 and o = 8, k = 2 and B = 65: 79 / 65 = 1.22.
+L-token prompt and o output tokens (block size 16). A block-aligned prompt is wholly cached: the
+follower shares every prompt block and runs its last token again without writing its K/V
+(``SeqWork.shared_tokens``), so it owns only its output's blocks (L .. L + o - 1). So the ratio is
+1 + (n - 1) * k / B (B: the blocks of one sequence, k: a follower's own, 1 or 2 for short outputs),
+above 1.2 only when B < 35 k. (Before the aligned case shared its last block, L = 1024,
+o = 8 had k = 2: 79 / 65 = 1.215.)
 
 For each prompt length and output length: the peak of blocks in use over the run, n = 1 and n = 8,
 and the prompt tokens prefilled; with ``--baseline``, the same with the prefix cache off (eight
 prefills). The tiny model's architecture and weights with a longer context (the built-in one stops
 at 1024 positions). Run: ``python -m tests.bench.bench_n_kv``.
 
-Measured (2026-12-05, tiny model, context 4200, block size 16, n = 8; ``--baseline``):
+Measured (2026-12-05, tiny model, context 4200, block size 16, n = 8; the cache-off columns are
+``--baseline``'s from the run before aligned prompts shared their last block, which does not touch
+a run without the prefix cache):
 
          L    o   n=1   n=8  ratio  prefilled n=1    n=8  cache off: blocks, prefilled
       1000    8    63    70  1.111           1000   1056    189   8000
       1000   32    65    86  1.323           1000   1056    512   8000
-      1024    8    65    79  1.215           1024   1136    194   8192
-      1024   32    66    87  1.318           1024   1136    524   8192
-      2048    8   129   143  1.109           2048   2160    257  16384
-      2048   32   130   151  1.162           2048   2160    646  16384
-      4000    8   251   265  1.056           4000   4112    501  32000
-      4000   32   252   273  1.083           4000   4112   1003  32000
+      1024    8    65    72  1.108           1024   1031    194   8192
+      1024   32    66    80  1.212           1024   1031    524   8192
+      2048    8   129   136  1.054           2048   2055    257  16384
+      2048   32   130   144  1.108           2048   2055    646  16384
+      4000    8   251   258  1.028           4000   4007    501  32000
+      4000   32   252   266  1.056           4000   4007   1003  32000
 
-Short outputs (8 tokens) stay within 1.2x except the block-aligned 1024 (1.215x); the prompt is
-prefilled once (each follower computes at most one block: 8 x 16 = 128 more tokens) where the
-cache off prefills it eight times (and holds up to 8x the blocks; its peak here is bounded by the
-prefill budget per step, which staggers the admissions).
+(Before, the aligned rows were 1024: 79 and 87 blocks, 1.215 and 1.318; 2048: 143 and 151, 1.109
+and 1.162; 4000: 265 and 273, 1.056 and 1.083; each follower prefilled 16 tokens, not 1.) Short
+outputs (8 tokens) stay within 1.2x at every length; the prompt is prefilled once (each follower
+computes at most one block, and for an aligned prompt one token) where the cache off prefills it
+eight times (and holds up to 8x the blocks; its peak here is bounded by the prefill budget per step,
+which staggers the admissions).
 """
 
 from __future__ import annotations
