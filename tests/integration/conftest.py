@@ -27,14 +27,22 @@ _SHARED: dict[str, Gateway | int] = {}
 
 
 @pytest.fixture(scope="session")
-def jax_gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+def jax_compilation_cache(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """``--worker-option=compilation_cache=DIR``: one JAX persistent compilation cache for the session's
+    JAX gateways (the default, ``auto``, is in each one's state directory, so each starts cold). A start
+    over a warm cache: the tiny model ready and answering in 6.0-7.5 s against 44 s cold (this host)."""
+    return f"--worker-option=compilation_cache={tmp_path_factory.mktemp('jax-compilation-cache')}"
+
+
+@pytest.fixture(scope="session")
+def jax_gateway(tmp_path_factory: pytest.TempPathFactory, jax_compilation_cache: str) -> Iterator[Gateway]:
     pytest.importorskip("jax")
     state = tmp_path_factory.mktemp("jax-state")
     keys = state / "keys.toml"
     keys.write_text(f'[[keys]]\nid = "t"\nsha256 = "{hash_key(KEY)}"\n')
     config = state / "config.toml"
     config.write_text(f'[admission]\nkeys_file = "{keys}"\n')
-    g = start_gateway(state, "--engine", "jax", "--config", str(config), "--log-level", "error")
+    g = start_gateway(state, "--engine", "jax", "--config", str(config), "--log-level", "error", jax_compilation_cache)
     _SHARED["gateway"] = g
     yield g
     if _SHARED.pop("gateway", None) is not None:
