@@ -148,11 +148,13 @@ class ToolCallParser:
                 m = _HEAD.match(self._buf)
                 if m is None:
                     end = self._buf.find(CALL_CLOSE)
-                    if end >= 0 or final or not _could_head(self._buf):  # not a call after all: content
+                    if end >= 0 or not _could_head(self._buf):  # not a call after all: content
                         stop = len(self._buf) if end < 0 else end + len(CALL_CLOSE)
                         self._content(CALL_OPEN + self._buf[:stop], out)
                         self._buf, self._in_call = self._buf[stop:], False
                         continue
+                    if final:  # a call cut short before its name was whole ("length"): no call, no markup
+                        self._buf, self._in_call = "", False
                     return out
                 call = ToolCall(new_call_id(), orjson.loads(f'"{m.group(1)}"'))
                 self.calls.append(call)

@@ -55,6 +55,18 @@ def test_any_split_streams_what_the_whole_text_gives(cuts: list[int]) -> None:
     assert "".join(ev[1] for ev in events if ev[0] == "content") == "".join(ref.content)
 
 
+@pytest.mark.parametrize("cut", ['<tool_call>{"name": "get_wea', "<tool_call>", '<tool_call> {"na'])
+def test_a_call_cut_short_before_its_name_is_neither_call_nor_content(cut: str) -> None:
+    """A length cut inside a call's head (finish_reason "length") gives no markup as content,
+    whole or streamed (the streamed text held it back, so both drop it)."""
+    text = 'Sure. <tool_call>{"name": "get_time", "arguments": {}}</tool_call>' + cut
+    p = whole(text)
+    assert [c.name for c in p.calls] == ["get_time"] and "".join(p.content) == "Sure. "
+    s = ToolCallParser()
+    events = [*s.feed(text[:30]), *s.feed(text[30:]), *s.feed("", final=True)]
+    assert "".join(ev[1] for ev in events if ev[0] == "content") == "Sure. "
+
+
 def _request(**kw: object) -> bytes:
     return orjson.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "tools": [TOOL], **kw})
 
