@@ -44,8 +44,11 @@ async def test_openai_async_sdk(gw: AppGateway) -> None:
     assert c.choices[0].text == "abc" and c.choices[0].finish_reason == "length"
     models = await client.models.list()
     assert [m.id for m in models.data] == ["tiny"]
+    two = await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], n=2,
+                                               max_tokens=3)
+    assert [ch.index for ch in two.choices] == [0, 1] and two.usage.completion_tokens == 6
     with pytest.raises(openai.BadRequestError) as ei:
-        await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], n=2)
+        await client.completions.create(model="tiny", prompt="x", suffix="y")
     assert "not supported" in ei.value.message
     with pytest.raises(openai.NotFoundError):
         await client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])

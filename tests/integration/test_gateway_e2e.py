@@ -151,7 +151,7 @@ async def test_openai_async_sdk_stream_with_usage(gw: Gateway) -> None:
                                          for i in range(16)))
         assert all(r.choices[0].text for r in results)
         with pytest.raises(openai.BadRequestError):
-            await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], n=3)
+            await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], n=129)
 
 
 def test_openai_sdk_over_tls_h2(gw: Gateway) -> None:
@@ -218,7 +218,7 @@ def test_curl(gw: Gateway, flag: str) -> None:
         ("POST", "/v1/chat/completions", b'{"model": "tiny", "messages": "\xc3"}', 400, "invalid_utf8"),
         ("POST", "/v1/chat/completions", orjson.dumps({**CHAT, "temperature": "warm"}), 400, "invalid_type"),
         ("POST", "/v1/chat/completions", orjson.dumps({**CHAT, "model": "no-such-model"}), 404, "model_not_found"),
-        ("POST", "/v1/completions", orjson.dumps({"model": "tiny", "prompt": "x", "n": 2}), 400,
+        ("POST", "/v1/completions", orjson.dumps({"model": "tiny", "prompt": "x", "suffix": "y"}), 400,
          "unsupported_parameter"),
         ("GET", "/v1/nothing", b"", 404, "unknown_url"),
         ("PUT", "/v1/chat/completions", b"", 405, "method_not_allowed"),
