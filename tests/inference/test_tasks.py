@@ -65,7 +65,11 @@ async def test_echo_sends_the_prompt_first_then_generates() -> None:
     lps = list(first.logprobs)  # type: ignore[attr-defined]
     assert math.isnan(lps[0]) and all(x < 0 for x in lps[1:])
     assert list(first.top_ids)[2:4] == [97, 98]  # type: ignore[attr-defined]  # position 1: its own token first
-    assert conn.ends(1) == [Finish(1, FinishReason.LENGTH, 4, 3, 0)]
+    (end,) = conn.ends(1)
+    assert isinstance(end, Finish) and (end.reason, end.prompt_tokens, end.completion_tokens) == (FinishReason.LENGTH, 4, 3)
+    # the same prompt prefilled first for request 4 is shared whole (one aligned block: all but the last
+    # token, which is recomputed) -- or not at all if request 1 went first
+    assert end.cached_tokens in (0, 3)
     assert conn.text(1) == "abc" + conn.text(4)  # the prompt, then what the same request generates
     assert conn.text(3) == conn.text(1) and next(iter(conn.entries(3))).logprobs is None  # type: ignore[attr-defined]
     assert conn.text(2) == "abc" and conn.ends(2) == [Finish(2, FinishReason.LENGTH, 4, 0)]
