@@ -24,6 +24,7 @@ from transport.api import ServerConnection
 from transport.messages import Error, ErrorCode, Submit
 
 from .engine import EngineError
+from .pending import Key, PendingWork
 
 if TYPE_CHECKING:
     from .grammar import GrammarCompiler, Guide
@@ -33,7 +34,6 @@ __all__ = ["GuideCompiles", "MAX_PENDING"]
 
 log = logging.getLogger("inference.worker")
 MAX_PENDING = 64
-Key = tuple[int, int]
 
 
 class _Service(Protocol):
@@ -51,7 +51,7 @@ class GuideCompiles:
         self._service = service
         self._compiler: GrammarCompiler | None = None
         self._pool: ThreadPoolExecutor | None = None
-        self._pending: dict[Key, asyncio.Future[Guide]] = {}
+        self._pending: PendingWork[Guide] = PendingWork()
 
     @property
     def pending(self) -> int:
@@ -66,7 +66,7 @@ class GuideCompiles:
         key = (cid, submit.request_id)
         p = submit.params
         fut = asyncio.get_running_loop().run_in_executor(self._pool, self._guide, p.guide_kind, p.guide)
-        self._pending[key] = fut
+        self._pending.add(key, fut)
         fut.add_done_callback(partial(self._done, conn, key, submit, ids))
 
     def _guide(self, kind: str, text: str) -> Guide:
@@ -78,9 +78,8 @@ class GuideCompiles:
 
     def _done(self, conn: ServerConnection, key: Key, submit: Submit, ids: list[int],
               fut: asyncio.Future[Guide] | Future[Any]) -> None:
-        if self._pending.get(key) is not fut:
+        if not self._pending.take(key, fut):
             return  # cancelled, or its connection went away
-        del self._pending[key]
         exc = fut.exception()
         if exc is None:
             self._service.guided(conn, key[0], submit, ids, fut.result())
@@ -97,13 +96,8 @@ class GuideCompiles:
 
     def cancel(self, key: Key) -> bool:
         """Drop a request that is still compiling; False if it is not."""
-        fut = self._pending.pop(key, None)
-        if fut is None:
-            return False
-        fut.cancel()
-        return True
+        return self._pending.cancel(key)
 
     def forget(self, cid: int) -> None:
         """A connection went away: drop its requests still compiling."""
-        for key in [k for k in self._pending if k[0] == cid]:
-            self._pending.pop(key).cancel()
+        self._pending.forget(cid)

@@ -40,13 +40,13 @@ from transport.messages import (
 )
 
 from .engine import EngineError
+from .pending import Key, PendingWork
 from .sequence import Delta
 from .tokenizer import Tokenizer
 
 __all__ = ["PromptTasks", "PromptRunner", "PromptResult", "PromptPassUnavailable", "pooled"]
 
 log = logging.getLogger("inference.worker")
-Key = tuple[int, int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,7 +102,7 @@ class PromptTasks:
         self._executor = executor
         self._vocab = tokenizer.vocab_size
         self._max_len = max_model_len
-        self._pending: dict[Key, asyncio.Future[PromptResult]] = {}
+        self._pending: PendingWork[PromptResult] = PendingWork()
 
     @property
     def pending(self) -> int:
@@ -131,7 +131,7 @@ class PromptTasks:
             return
         fut = asyncio.ensure_future(self._pass(ids, submit.task != Task.EMBED))
         key = (cid, rid)
-        self._pending[key] = fut
+        self._pending.add(key, fut)
         fut.add_done_callback(lambda f: self._passed(conn, cid, submit, ids, f))
 
     def _resumed(self, submit: Submit, ids: list[int]) -> Submit:
@@ -171,22 +171,16 @@ class PromptTasks:
 
     def cancel(self, key: Key) -> bool:
         """A cancel for a request whose pass is running: it ends here (True)."""
-        fut = self._pending.pop(key, None)
-        if fut is None:
-            return False
-        fut.cancel()
-        return True
+        return self._pending.cancel(key)
 
     def forget(self, cid: int) -> None:
-        for key in [k for k in self._pending if k[0] == cid]:
-            self._pending.pop(key).cancel()
+        self._pending.forget(cid)
 
     def _passed(self, conn: ServerConnection, cid: int, submit: Submit, ids: list[int],
                 fut: asyncio.Future[PromptResult]) -> None:
         rid = submit.request_id
-        if self._pending.get((cid, rid)) is not fut:
+        if not self._pending.take((cid, rid), fut):
             return  # cancelled, or its connection went
-        del self._pending[(cid, rid)]
         if conn.closed:
             return
         try:
