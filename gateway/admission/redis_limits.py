@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import itertools
+import math
 import os
 from collections.abc import Callable
 from typing import Any
@@ -152,8 +153,9 @@ class RedisLeases:
         self.round_trips += 1
         arrived = self.clock()
         for lim, call, reply in zip(due, calls, replies, strict=True):
-            g, start_in, used, reset_in = (float(x) for x in reply)
-            lim.granted(call, Grant(g, start_in, used, reset_in), arrived)
+            g, start_in, used, reset_in, *more = (float(x) for x in reply)
+            recheck_in = more[0] if more and more[0] >= 0 else math.inf  # a bucket: none
+            lim.granted(call, Grant(g, start_in, used, reset_in, recheck_in), arrived)
         return len(calls)
 
     async def _send(self, due: list[LeasedLimiter], calls: list[Renewal], store_now: str) -> list[Any]:

@@ -39,15 +39,17 @@ end
 # new lease, carry (unspent units of the old lease the gateway keeps spending: re-granted first, they stay
 # reserved), then (age, units, kind) triples: kind 's', a spend whose latest admission was ``age`` seconds
 # before the call; 'c', a correction (negative units) to the slice of a spend settled earlier, named by
-# that spend's age. Fields: c<slice>/l<slice> count and latest admission; L<lease> "units:expiry".
+# that spend's age. Fields: c<slice>/l<slice> count and latest admission; L<lease> "units:expiry";
+# F<lease> when a future lease may be spent (it counts from then: see below).
 # Returns granted, start_in (the lease may be spent from then; if nothing was granted, when to retry),
-# used, reset_in.
+# used, reset_in, recheck_in (a future lease or none: when a lease now counted ends and may give units
+# back, so asking again may start sooner; negative: none).
 WINDOW = _PRELUDE + """
 local window, width = tonumber(ARGV[2]), tonumber(ARGV[3])
 local nslices, limit = tonumber(ARGV[4]), tonumber(ARGV[5])
 local want, need, ttl = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
 local old, new, carry = ARGV[9], ARGV[10], tonumber(ARGV[11])
-if old ~= '' then redis.call('HDEL', key, 'L' .. old) end
+if old ~= '' then redis.call('HDEL', key, 'L' .. old, 'F' .. old) end
 local i = 12
 while i + 2 <= #ARGV do
   local at, units, kind = now - tonumber(ARGV[i]), tonumber(ARGV[i + 1]), ARGV[i + 2]
@@ -61,27 +63,53 @@ while i + 2 <= #ARGV do
   end
   i = i + 3
 end
+-- The count from now on, as a list of changes: a slice leaves at its latest admission + window, a
+-- lease at its expiry; a future lease (F<lease>: when it may be spent) counts only from then, so
+-- units given back before it starts are free to others meanwhile.
 local all = redis.call('HGETALL', key)
-local counts, lasts, frees = {}, {}, {}
-local used, oldest, start = 0, math.floor(now / width) - nslices, now - window
-local reset = now
+local counts, lasts, starts, leases, events = {}, {}, {}, {}, {}
+local used, oldest, gone = 0, math.floor(now / width) - nslices, now - window
+local reset, recheck = now, math.huge
 for j = 1, #all, 2 do
   local f, v = all[j], all[j + 1]
   local tag = string.sub(f, 1, 1)
   if tag == 'c' then counts[string.sub(f, 2)] = tonumber(v)
   elseif tag == 'l' then lasts[string.sub(f, 2)] = tonumber(v)
-  elseif tag == 'L' then
-    local sep = string.find(v, ':')
-    local g, exp = tonumber(string.sub(v, 1, sep - 1)), tonumber(string.sub(v, sep + 1))
-    if exp <= now then redis.call('HDEL', key, f)
-    else used = used + g; frees[#frees + 1] = {exp, g}; reset = math.max(reset, exp) end
+  elseif tag == 'F' then starts[string.sub(f, 2)] = tonumber(v)
+  elseif tag == 'L' then leases[string.sub(f, 2)] = v end
+end
+for id, v in pairs(leases) do
+  local sep = string.find(v, ':')
+  local g, exp = tonumber(string.sub(v, 1, sep - 1)), tonumber(string.sub(v, sep + 1))
+  local s = starts[id] or now
+  if exp <= now then redis.call('HDEL', key, 'L' .. id, 'F' .. id)
+  else
+    if s <= now then
+      used = used + g
+      -- a lease being spent ends (and its holder settles) at exp - window: units may come back then
+      if exp - window > now then recheck = math.min(recheck, exp - window) end
+    else events[#events + 1] = {s, g} end
+    events[#events + 1] = {exp, -g}
+    reset = math.max(reset, exp)
   end
+end
+for id, _ in pairs(starts) do
+  if not leases[id] then redis.call('HDEL', key, 'F' .. id) end
 end
 for k, c in pairs(counts) do
   local l = lasts[k] or -1
-  if tonumber(k) < oldest or l <= start then redis.call('HDEL', key, 'c' .. k, 'l' .. k)
-  else used = used + c; frees[#frees + 1] = {l + window, c}; reset = math.max(reset, l + window) end
+  if tonumber(k) < oldest or l <= gone then redis.call('HDEL', key, 'c' .. k, 'l' .. k)
+  else used = used + c; events[#events + 1] = {l + window, -c}; reset = math.max(reset, l + window) end
 end
+-- what is counted after each change (a change leaving before one arriving at the same time), and the
+-- most counted from each change on: a lease granted from then must fit under the limit until it ends
+table.sort(events, function(a, b) if a[1] ~= b[1] then return a[1] < b[1] end return a[2] < b[2] end)
+local after, peak = {}, {}
+local level = used
+for j, e in ipairs(events) do level = level + e[2]; after[j] = level end
+local top = -math.huge
+for j = #events, 1, -1 do top = math.max(top, after[j]); peak[j] = top end
+used = math.max(used, peak[1] or -math.huge)  -- the most counted from now on
 local granted, start = 0, now
 local free = limit - used
 if new ~= '' and carry > 0 then
@@ -90,28 +118,31 @@ if new ~= '' and carry > 0 then
   if free - carry >= need then granted = carry + math.min(want, free - carry) end
   local exp = now + ttl + window
   redis.call('HSET', key, 'L' .. new, str(granted) .. ':' .. str(exp))
-  used = used - carry + granted
+  used = used + granted
   reset = math.max(reset, exp)
 elseif new ~= '' then
   if free < need then
-    -- full: lease what frees first, spendable from then (a future lease), counted from now
-    table.sort(frees, function(a, b) return a[1] < b[1] end)
+    -- full: lease what frees first, spendable from then (a future lease, counted from then)
     start = now + window
-    for _, e in ipairs(frees) do
-      free = free + e[2]
-      if free >= need then start = e[1]; break end
+    for j, e in ipairs(events) do
+      if (events[j + 1] == nil or events[j + 1][1] > e[1]) and limit - peak[j] >= need then
+        start, free = e[1], limit - peak[j]
+        break
+      end
     end
   end
   if free >= need then
     granted = math.min(want, free)
     local exp = start + ttl + window
     redis.call('HSET', key, 'L' .. new, str(granted) .. ':' .. str(exp))
-    used = used + granted
+    if start > now then redis.call('HSET', key, 'F' .. new, str(start)) else used = used + granted end
     reset = math.max(reset, exp)
   end
 end
 redis.call('PEXPIRE', key, math.ceil((window + ttl) * 1000) + 1000)
-return {str(granted), str(start - now), str(used), str(reset - now)}
+if granted > 0 and start <= now then recheck = math.huge end
+if recheck == math.huge then recheck = now - 1 end
+return {str(granted), str(start - now), str(used), str(reset - now), str(recheck - now)}
 """
 
 # The token bucket of .bucket, shared as GCRA: the key holds the bucket's theoretical arrival time

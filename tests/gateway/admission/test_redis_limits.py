@@ -303,3 +303,41 @@ async def test_scripts_reloaded_after_the_store_lost_them(redis_url: str) -> Non
         assert limits.check({"route": "/r", "client": "c"}, 0.0, fake.t).wait == 0.0
     assert leases.reloads == 1 and leases.errors == 0
     await leases.close()
+
+
+async def test_units_a_slow_gateway_holds_come_back_to_a_waiting_one(redis_url: str) -> None:
+    """Gateway A leased at full speed, then slowed to 2 requests a second (a starved process); B's
+    client, hammering, filled the rest of the window and was left with a future lease a minute
+    away. A's renewals keep only what its demand asks and give the rest back; B asks again when A's
+    lease ends and spends those units now, not in a minute -- and never above the limit. (Before, a
+    renewal carried A's whole lease on and B's future lease counted from its grant: the
+    three-process test admitted 163-187 of 200 with the host's CPUs saturated.)"""
+    fake = FakeClock()
+    la, lb = _leases(redis_url, fake), _leases(redis_url, fake)
+    lb.prefix = la.prefix  # the same shared limit
+    rules = [parse_rule("route requests 100/60s")]
+    gates = {"a": RateLimits(rules, la.make), "b": RateLimits(rules, lb.make)}
+    admitted = {"a": 0, "b": 0}
+    b_late = 0
+
+    async def tick(ms: int, who: tuple[str, ...]) -> None:
+        for name in who:
+            admitted[name] += gates[name].check({"route": "/r"}, 0.0, fake.t).wait == 0.0
+        for _ in range(ms):  # each renewal loop wakes every millisecond
+            fake.t += 0.001
+            await la.step(fake.t)
+            await lb.step(fake.t)
+
+    for _ in range(40):  # A at 200 a second
+        await tick(5, ("a",))
+    start = fake.t
+    for i in range(600):  # 3 s: B at 200 a second, A at 2
+        before = admitted["b"]
+        await tick(5, ("b", "a") if i % 100 == 0 else ("b",))
+        if fake.t - start > 1.0:
+            b_late += admitted["b"] - before
+    assert admitted["a"] + admitted["b"] <= 100
+    assert admitted["a"] + admitted["b"] >= 99, admitted
+    assert b_late > 0  # what A gave back went to B after the window was full
+    for g in (la, lb):
+        await g.close()
