@@ -12,7 +12,13 @@ opening request, :func:`~tests.bench.cache_sim.steady_end`: the whole trace but 
 Two yardsticks read what no gateway knows, each replica's in-flight prompt tokens as they are
 (marked ``*``): ``least_tokens*`` sends each request where the fewest are (the best a router that
 balances the figure alone does), ``cost_tok*`` is cost_based with its bound on those tokens
-(``TOKEN_BOUND`` times the mean) instead of requests.
+(``TOKEN_BOUND`` times the mean) instead of requests. ``floor``: the p99 over the same samples of
+the least max/mean any placement of the requests then in flight could read
+(:func:`~tests.bench.cache_sim.placement_floor`): the part of ``tok p99`` that requests' sizes alone
+explain, whatever a router that sends each request on arrival chose.
+
+``--late-binding``: the same traces through a gateway that holds requests (issue #29's balance
+line; :mod:`tests.bench.late_binding`), one row per budget beside cost_based.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from gateway.routing.cache_policy import (
 )
 
 from .cache_sim import SimResult, oracle_hit_rate, simulate, steady_end
+from .late_binding import binder_maker, simulate_late
 from .trace_gen import TraceRequest, TraceSpec, context_demand_blocks, generate
 
 REPLICAS = 4
@@ -141,7 +148,7 @@ def _sized(spec: TraceSpec, demand: float, load: float) -> tuple[TraceSpec, int]
 
 
 def run_trace(name: str, spec: TraceSpec, demand: float, load: float, gateways: int = 1,
-              stats_s: float = 0.0) -> list[SimResult]:
+              stats_s: float = 0.0, late: Sequence[str] = ()) -> list[SimResult]:
     spec, cap = _sized(spec, demand, load)
     trace = generate(spec)
     oracle = oracle_hit_rate(trace, cap * REPLICAS, spec.block_size)
@@ -160,12 +167,39 @@ def run_trace(name: str, spec: TraceSpec, demand: float, load: float, gateways: 
           f"  [{time.perf_counter() - t0:.1f} s]")
     rr = results[0]
     print(f"{'policy':<22}{'hit':>7}{'/oracle':>9}{'/rr':>7}{'p50 s':>9}{'p90 s':>9}{'p90/rr':>8}"
-          f"{'req max/mean':>14}{'tok p99':>9}  per replica")
+          f"{'req max/mean':>14}{'tok p99':>9}{'floor':>7}  per replica")
     for r in results:
         print(f"{r.policy:<22}{r.hit_rate:>7.3f}{r.hit_rate / oracle:>9.3f}{r.hit_rate / rr.hit_rate:>7.2f}"
               f"{r.ttft_p50:>9.3f}{r.ttft_p90:>9.3f}{r.ttft_p90 / rr.ttft_p90:>8.3f}"
-              f"{r.imbalance:>14.2f}{r.inflight_p99:>9.2f}  {r.per_replica}", flush=True)
+              f"{r.imbalance:>14.2f}{r.inflight_p99:>9.2f}{r.floor_p99:>7.2f}  {r.per_replica}", flush=True)
+    if late:
+        _late_rows(trace, cap, spec.block_size, until, oracle, rr, results[4], late, gateways)
     return results
+
+
+def _late_rows(trace: Sequence[TraceRequest], cap: int, block_size: int, until: float, oracle: float,
+               rr: SimResult, ours: SimResult, specs: Sequence[str], gateways: int) -> None:
+    """The late-binding table (:mod:`tests.bench.late_binding`) under the trace's, beside cost_based."""
+    if gateways > 1:
+        print("late binding: one gateway only (not simulated for several)")
+        return
+    mean = sum(r.prompt_tokens for r in trace) / len(trace)
+    print(f"late binding (mean prompt {mean:.0f} tokens; held requests are in flight nowhere: wait = time at"
+          f" the gateway, counted in TTFT)")
+    print(f"{'binder':<36}{'hit':>7}{'/oracle':>9}{'p50 s':>9}{'p90 s':>9}{'p90/rr':>8}{'tok p99':>9}{'floor':>7}"
+          f"{'held':>7}{'wait p90':>10}{'wait max':>10}{'queue max':>10}")
+    print(f"{ours.policy + ' (sends at once)':<36}{ours.hit_rate:>7.3f}{ours.hit_rate / oracle:>9.3f}"
+          f"{ours.ttft_p50:>9.3f}{ours.ttft_p90:>9.3f}{ours.ttft_p90 / rr.ttft_p90:>8.3f}{ours.inflight_p99:>9.2f}"
+          f"{ours.floor_p99:>7.2f}{0:>7.2f}{0:>10.3f}{0:>10.3f}{0:>10}")
+    for spec in specs:
+        for mk in binder_maker(spec, COST, mean):
+            r = simulate_late(trace, mk, replicas=REPLICAS, capacity=cap, cost=COST, block_size=block_size,
+                              sample_until=until)
+            print(f"{r.policy:<36}{r.hit_rate:>7.3f}{r.hit_rate / oracle:>9.3f}{r.ttft_p50:>9.3f}{r.ttft_p90:>9.3f}"
+                  f"{r.ttft_p90 / rr.ttft_p90:>8.3f}{r.inflight_p99:>9.2f}{r.floor_p99:>7.2f}{r.held_share:>7.2f}"
+                  f"{r.wait_p90:>10.3f}{r.wait_max:>10.3f}{r.queue_max:>10}"
+                  + (f"  stopped at {r.stopped_at:.0f} s: held past 1,000" if r.stopped_at == r.stopped_at else ""),
+                  flush=True)
 
 
 T1 = TraceSpec(tenants=150, zipf_s=1.1, context_tokens=6144, query_tokens=128, multi_turn=0.3, seed=1)
@@ -183,6 +217,9 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=4000)
     ap.add_argument("--load", type=float, default=0.7)
     ap.add_argument("--traces", default="T1,T1-hot,T2,T2-two-gateways,T3")
+    ap.add_argument("--late-binding", nargs="*", default=[], metavar="tokens:M,..|share:K,..",
+                    help="also hold requests at the gateway: per-replica budgets of M mean prompts, or caps of K x the"
+                         " mean in flight (tests/bench/late_binding.py)")
     args = ap.parse_args()
     n = args.requests
     runs = {"T1": ("T1", replace(T1, requests=n), {}),
@@ -194,7 +231,7 @@ def main() -> None:
             "T3": ("T3", T3, {})}
     for key in args.traces.split(","):
         name, spec, kw = runs[key]
-        run_trace(name, spec, demand=0.73, load=args.load, **kw)  # type: ignore[arg-type]
+        run_trace(name, spec, demand=0.73, load=args.load, late=args.late_binding, **kw)  # type: ignore[arg-type]
 
 
 if __name__ == "__main__":

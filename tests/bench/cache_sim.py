@@ -30,7 +30,8 @@ from gateway.routing.cache_policy import CachePolicy, CacheRequest, CostModel, R
 
 from .trace_gen import TraceRequest
 
-__all__ = ["SimResult", "simulate", "oracle_hit_rate", "percentile", "steady_end"]
+__all__ = ["SimResult", "simulate", "oracle_hit_rate", "percentile", "steady_end", "bind", "placement_floor",
+           "in_flight_sizes"]
 
 
 def percentile(xs: Sequence[float], p: float) -> float:
@@ -49,6 +50,7 @@ class SimResult:
     imbalance: float  # max / mean requests per replica
     inflight_p99: float  # p99 over 100 ms samples of max / mean in-flight tokens per replica
     per_replica: tuple[int, ...]
+    floor_p99: float = 0.0  # p99 of placement_floor at the same samples: the best any placement of those requests reads
 
 
 class _Replica:
@@ -129,6 +131,7 @@ def simulate(trace: Sequence[TraceRequest], make_policy: Callable[[CacheIndex], 
     counts = [0] * replicas
     hit = total = 0
     samples: list[float] = []
+    floors: list[float] = []
     next_sample = sample_s
     stats: list[ReplicaLoad] = [ReplicaLoad()] * replicas
     # per gateway and replica: (requests, prefill tokens, prompt tokens) sent since the last Stats
@@ -141,6 +144,7 @@ def simulate(trace: Sequence[TraceRequest], make_policy: Callable[[CacheIndex], 
             tok = [rep.inflight_tokens for rep in reps]
             if sum(tok) and rid >= measure_from and next_sample <= sample_until:
                 samples.append(max(tok) * replicas / sum(tok))
+                floors.append(placement_floor(in_flight_sizes(reps), replicas))
             next_sample += sample_s
         for rep in reps:
             rep.advance(req.t)
@@ -155,13 +159,7 @@ def simulate(trace: Sequence[TraceRequest], make_policy: Callable[[CacheIndex], 
         else:
             loads = [rep.load() for rep in reps]
         r = routers[g].choose(CacheRequest(req.chain, req.prompt_tokens, block_size), loads)
-        cached = min(truth.longest_prefix(r, req.chain) * block_size, req.prompt_tokens - 1)
-        evicted = truth.store(r, req.chain)
-        for index in indexes:
-            index.apply(BlocksStored(r, req.chain))
-            if evicted:
-                index.apply(BlocksEvicted(r, tuple(evicted)))
-        reps[r].submit(rid, req.prompt_tokens - cached)
+        cached = bind(truth, indexes, reps[r], r, rid, req, block_size)
         if stats_s > 0:
             n, t, p = since[g][r]
             since[g][r] = (n + 1, t + req.prompt_tokens - cached, p + req.prompt_tokens)
@@ -173,7 +171,44 @@ def simulate(trace: Sequence[TraceRequest], make_policy: Callable[[CacheIndex], 
         _drain(rep)
     done = [x for x in ttft[measure_from:] if not math.isnan(x)]
     return SimResult(routers[0].name, hit / max(1, total), percentile(done, 50), percentile(done, 90),
-                     max(counts) * replicas / max(1, sum(counts)), percentile(samples, 99), tuple(counts))
+                     max(counts) * replicas / max(1, sum(counts)), percentile(samples, 99), tuple(counts),
+                     percentile(floors, 99))
+
+
+def bind(truth: CacheIndex, indexes: Sequence[CacheIndex], rep: _Replica, r: int, rid: int, req: TraceRequest,
+         block_size: int) -> int:
+    """Send request ``rid`` to replica ``r``: its hit is the longest prefix the truth holds there (all
+    but its last token at most), its chain is stored there and the truth's events replayed into each
+    gateway's index. Returns the cached tokens."""
+    cached = min(truth.longest_prefix(r, req.chain) * block_size, req.prompt_tokens - 1)
+    evicted = truth.store(r, req.chain)
+    for index in indexes:
+        index.apply(BlocksStored(r, req.chain))
+        if evicted:
+            index.apply(BlocksEvicted(r, tuple(evicted)))
+    rep.submit(rid, req.prompt_tokens - cached)
+    return cached
+
+
+def placement_floor(sizes: Sequence[int], replicas: int) -> float:
+    """The least max/mean any placement of requests of these prompt sizes on ``replicas`` could read:
+    some replica holds at least ceil(j / replicas) of the j largest, each at least the j-th largest,
+    and at least the mean. What a router that sends every request on arrival cannot beat at a sample
+    whatever it chose (for the requests in flight then)."""
+    s = sorted(sizes, reverse=True)
+    total = sum(s)
+    if not total:
+        return 0.0
+    best = total / replicas
+    for j, x in enumerate(s, 1):
+        best = max(best, -(-j // replicas) * x)
+    return best * replicas / total
+
+
+def in_flight_sizes(reps: Sequence[_Replica]) -> list[int]:
+    """The prompt tokens of every request in flight on these replicas."""
+    return [rep.trace[w[0]].prompt_tokens for rep in reps for w in rep.waiting] + \
+        [rep.trace[rid].prompt_tokens for rep in reps for _, rid in rep.running]
 
 
 def steady_end(trace: Sequence[TraceRequest]) -> float:
