@@ -217,6 +217,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=4000)
     ap.add_argument("--load", type=float, default=0.7)
     ap.add_argument("--traces", default="T1,T1-hot,T2,T2-two-gateways,T3")
+    ap.add_argument("--output-spread", type=float, default=0.0,
+                    help="answer lengths uniform in [o(1-s), o(1+s)] instead of all o (the same prompts and arrivals)")
     ap.add_argument("--late-binding", nargs="*", default=[], metavar="tokens:M,..|share:K,..",
                     help="also hold requests at the gateway: per-replica budgets of M mean prompts, or caps of K x the"
                          " mean in flight (tests/bench/late_binding.py)")
@@ -231,6 +233,8 @@ def main() -> None:
             "T3": ("T3", T3, {})}
     for key in args.traces.split(","):
         name, spec, kw = runs[key]
+        if args.output_spread:
+            spec, name = replace(spec, output_spread=args.output_spread), f"{name}, answers +-{args.output_spread:.0%}"
         run_trace(name, spec, demand=0.73, load=args.load, late=args.late_binding, **kw)  # type: ignore[arg-type]
 
 

@@ -14,6 +14,9 @@ A trace is a list of :class:`TraceRequest` in arrival order. Each prompt is
   no more sessions than that, every one to its last turn), each one later by ``think_s``
   (exponential), its prompt the previous prompt, the previous answer (``output_tokens``) and a
   new query: sessions grow.
+- each answer is ``output_tokens`` long; ``output_spread`` > 0 makes each request's uniform in
+  [o(1 - s), o(1 + s)], from a draw of its own (prompts and arrivals stay those of the spread-less
+  trace; a session's history still grows by ``output_tokens``).
 - arrivals are Poisson at ``rate`` per second, or ``bursty``: the rate switches between
   ``burst_factor`` times and ``1/burst_factor`` times ``rate`` every ``burst_s`` on average.
 
@@ -62,6 +65,7 @@ class TraceSpec:
     keep_tokens: bool = False
     conversations: int = 0  # > 0: start no more sessions than this, and end the trace with their last turns
     turns_uniform: bool = False  # a session's turns uniform in [1, max_turns] (else max_turns)
+    output_spread: float = 0.0  # > 0: each request's output_tokens uniform in [o(1 - s), o(1 + s)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,10 +172,14 @@ def generate(spec: TraceSpec) -> list[TraceRequest]:
     pending: list[tuple[float, int, int, int, int, _Chain]] = []
     sessions = 0
     q = spec.query_tokens
+    outs = random.Random(spec.seed + 2)
+    o, spread = spec.output_tokens, spec.output_spread
+    lo, hi = max(1, round(o * (1 - spread))), max(1, round(o * (1 + spread)))
 
     def emit(t: float, tenant: int, session: int, turn: int, last: int, base: _Chain) -> None:
         prompt = base.extend(_tokens(rng, rng.randint(max(1, q // 2), max(1, q + q // 2)), v))
-        out.append(TraceRequest(t, tenant, session, turn, len(prompt.tokens), spec.output_tokens, tuple(prompt.chain),
+        n_out = outs.randint(lo, hi) if spread > 0 else o
+        out.append(TraceRequest(t, tenant, session, turn, len(prompt.tokens), n_out, tuple(prompt.chain),
                                 prompt.tokens if spec.keep_tokens else None))
         if session >= 0 and turn < last:
             history = prompt.extend(_tokens(rng, spec.output_tokens, v))
