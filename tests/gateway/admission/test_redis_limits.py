@@ -339,5 +339,8 @@ async def test_units_a_slow_gateway_holds_come_back_to_a_waiting_one(redis_url: 
     assert admitted["a"] + admitted["b"] <= 100
     assert admitted["a"] + admitted["b"] >= 99, admitted
     assert b_late > 0  # what A gave back went to B after the window was full
+    # a lease carried on small renews at a quarter of its own size, not every tick (41 here; 98 with
+    # the low-water mark of the lease it was carried from)
+    assert la.round_trips + lb.round_trips <= 60
     for g in (la, lb):
         await g.close()
