@@ -31,7 +31,7 @@ from gateway.routing.cache_policy import CachePolicy, CacheRequest, CostModel, R
 from .trace_gen import TraceRequest
 
 __all__ = ["SimResult", "simulate", "oracle_hit_rate", "percentile", "steady_end", "bind", "placement_floor",
-           "in_flight_sizes"]
+           "sample_balance"]
 
 
 def percentile(xs: Sequence[float], p: float) -> float:
@@ -141,10 +141,8 @@ def simulate(trace: Sequence[TraceRequest], make_policy: Callable[[CacheIndex], 
         while next_sample <= req.t:
             for rep in reps:
                 rep.advance(next_sample)
-            tok = [rep.inflight_tokens for rep in reps]
-            if sum(tok) and rid >= measure_from and next_sample <= sample_until:
-                samples.append(max(tok) * replicas / sum(tok))
-                floors.append(placement_floor(in_flight_sizes(reps), replicas))
+            if rid >= measure_from and next_sample <= sample_until:
+                sample_balance(reps, samples, floors)
             next_sample += sample_s
         for rep in reps:
             rep.advance(req.t)
@@ -205,10 +203,21 @@ def placement_floor(sizes: Sequence[int], replicas: int) -> float:
     return best * replicas / total
 
 
-def in_flight_sizes(reps: Sequence[_Replica]) -> list[int]:
+def _in_flight_sizes(reps: Sequence[_Replica]) -> list[int]:
     """The prompt tokens of every request in flight on these replicas."""
     return [rep.trace[w[0]].prompt_tokens for rep in reps for w in rep.waiting] + \
         [rep.trace[rid].prompt_tokens for rep in reps for _, rid in rep.running]
+
+
+def sample_balance(reps: Sequence[_Replica], samples: list[float], floors: list[float]) -> bool:
+    """One balance sample, unless nothing is in flight: max / mean in-flight tokens per replica onto
+    ``samples``, the :func:`placement_floor` of the same requests onto ``floors``; whether taken."""
+    tok = [rep.inflight_tokens for rep in reps]
+    if not sum(tok):
+        return False
+    samples.append(max(tok) * len(reps) / sum(tok))
+    floors.append(placement_floor(_in_flight_sizes(reps), len(reps)))
+    return True
 
 
 def steady_end(trace: Sequence[TraceRequest]) -> float:

@@ -35,7 +35,7 @@ from typing import Protocol
 from gateway.routing.cache_index import CacheIndex
 from gateway.routing.cache_policy import CacheRequest, CostBased, CostModel, ReplicaLoad
 
-from .cache_sim import _drain, _Replica, bind, in_flight_sizes, percentile, placement_floor
+from .cache_sim import _drain, _Replica, bind, percentile, sample_balance
 from .trace_gen import TraceRequest
 
 __all__ = ["Binder", "UnderBudget", "HoldForHolder", "LateResult", "simulate_late", "binder_maker"]
@@ -182,10 +182,7 @@ def simulate_late(trace: Sequence[TraceRequest], make_binder: Callable[[CacheInd
             for rid in before - {rid for _, rid in rep.running} - {w[0] for w in rep.waiting}:
                 binder.finished(rep.clock - bound_at.pop(rid))
         if now >= next_sample:
-            tok = [rep.inflight_tokens for rep in reps]
-            if sum(tok) and next_sample <= sample_until:
-                samples.append(max(tok) * replicas / sum(tok))
-                floors.append(placement_floor(in_flight_sizes(reps), replicas))
+            if next_sample <= sample_until and sample_balance(reps, samples, floors):
                 queue_max = max(queue_max, len(held))
             next_sample += sample_s
         while i < len(trace) and trace[i].t <= now:
