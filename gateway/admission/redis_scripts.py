@@ -86,8 +86,9 @@ for id, v in pairs(leases) do
   else
     if s <= now then
       used = used + g
-      -- a lease being spent ends (and its holder settles) at exp - window: units may come back then
-      if exp - window > now then recheck = math.min(recheck, exp - window) end
+      -- a lease being spent ends (and its holder settles) at exp - window: units may come back then;
+      -- one past its end is not settled yet (a holder starved of CPU, or gone): within a lease life
+      recheck = math.min(recheck, math.max(exp - window, now + ttl))
     else events[#events + 1] = {s, g} end
     events[#events + 1] = {exp, -g}
     reset = math.max(reset, exp)
